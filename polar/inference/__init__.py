@@ -1,0 +1,1 @@
+"""The inference service: engines that sample token ids with log-probabilities, behind gRPC."""

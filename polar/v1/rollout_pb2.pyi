@@ -1,0 +1,283 @@
+from polar.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
+    SESSION_STATE_PENDING: _ClassVar[SessionState]
+    SESSION_STATE_INIT: _ClassVar[SessionState]
+    SESSION_STATE_READY: _ClassVar[SessionState]
+    SESSION_STATE_RUNNING: _ClassVar[SessionState]
+    SESSION_STATE_POSTRUN: _ClassVar[SessionState]
+    SESSION_STATE_DONE: _ClassVar[SessionState]
+SESSION_STATE_UNSPECIFIED: SessionState
+SESSION_STATE_PENDING: SessionState
+SESSION_STATE_INIT: SessionState
+SESSION_STATE_READY: SessionState
+SESSION_STATE_RUNNING: SessionState
+SESSION_STATE_POSTRUN: SessionState
+SESSION_STATE_DONE: SessionState
+
+class HarnessSpec(_message.Message):
+    __slots__ = ("preset", "command", "env")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PRESET_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    preset: str
+    command: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    def __init__(self, preset: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class RuntimeSpec(_message.Message):
+    __slots__ = ("kind", "template", "prepare", "image")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    PREPARE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    template: str
+    prepare: _containers.RepeatedScalarFieldContainer[str]
+    image: str
+    def __init__(self, kind: _Optional[str] = ..., template: _Optional[str] = ..., prepare: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ...) -> None: ...
+
+class EvaluatorSpec(_message.Message):
+    __slots__ = ("kind", "command", "callable", "timeout_seconds")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    CALLABLE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    command: str
+    callable: str
+    timeout_seconds: float
+    def __init__(self, kind: _Optional[str] = ..., command: _Optional[str] = ..., callable: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("task_id", "instruction", "group_size", "harness", "runtime", "evaluator", "builder", "timeout_seconds", "priority", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTRUCTION_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HARNESS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    BUILDER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    instruction: str
+    group_size: int
+    harness: HarnessSpec
+    runtime: RuntimeSpec
+    evaluator: EvaluatorSpec
+    builder: str
+    timeout_seconds: float
+    priority: int
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, task_id: _Optional[str] = ..., instruction: _Optional[str] = ..., group_size: _Optional[int] = ..., harness: _Optional[_Union[HarnessSpec, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeSpec, _Mapping]] = ..., evaluator: _Optional[_Union[EvaluatorSpec, _Mapping]] = ..., builder: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SubmitTasksRequest(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[Task]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[Task, _Mapping]]] = ...) -> None: ...
+
+class SubmitTasksResponse(_message.Message):
+    __slots__ = ("task_ids",)
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class WatchResultsRequest(_message.Message):
+    __slots__ = ("cursor", "max_groups_per_batch")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUPS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    cursor: str
+    max_groups_per_batch: int
+    def __init__(self, cursor: _Optional[str] = ..., max_groups_per_batch: _Optional[int] = ...) -> None: ...
+
+class ResultBatch(_message.Message):
+    __slots__ = ("cursor", "zstd_trajectories", "group_count", "trajectory_count", "uncompressed_bytes")
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    ZSTD_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    GROUP_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPRESSED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    cursor: str
+    zstd_trajectories: bytes
+    group_count: int
+    trajectory_count: int
+    uncompressed_bytes: int
+    def __init__(self, cursor: _Optional[str] = ..., zstd_trajectories: _Optional[bytes] = ..., group_count: _Optional[int] = ..., trajectory_count: _Optional[int] = ..., uncompressed_bytes: _Optional[int] = ...) -> None: ...
+
+class SessionStatus(_message.Message):
+    __slots__ = ("session_id", "task_id", "node_id", "state", "outcome", "reward", "call_count", "stage_timings", "error", "attempts")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    CALL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    task_id: str
+    node_id: str
+    state: SessionState
+    outcome: _common_pb2.SessionOutcome
+    reward: float
+    call_count: int
+    stage_timings: _common_pb2.StageTimings
+    error: str
+    attempts: int
+    def __init__(self, session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., outcome: _Optional[_Union[_common_pb2.SessionOutcome, str]] = ..., reward: _Optional[float] = ..., call_count: _Optional[int] = ..., stage_timings: _Optional[_Union[_common_pb2.StageTimings, _Mapping]] = ..., error: _Optional[str] = ..., attempts: _Optional[int] = ...) -> None: ...
+
+class TaskStatus(_message.Message):
+    __slots__ = ("task_id", "group_size", "sessions_by_state", "released", "mean_reward")
+    class SessionsByStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_BY_STATE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    group_size: int
+    sessions_by_state: _containers.ScalarMap[str, int]
+    released: bool
+    mean_reward: float
+    def __init__(self, task_id: _Optional[str] = ..., group_size: _Optional[int] = ..., sessions_by_state: _Optional[_Mapping[str, int]] = ..., released: _Optional[bool] = ..., mean_reward: _Optional[float] = ...) -> None: ...
+
+class GetTaskStatusRequest(_message.Message):
+    __slots__ = ("task_ids",)
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetTaskStatusResponse(_message.Message):
+    __slots__ = ("tasks",)
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskStatus]
+    def __init__(self, tasks: _Optional[_Iterable[_Union[TaskStatus, _Mapping]]] = ...) -> None: ...
+
+class GetSessionStatusRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class CancelRequest(_message.Message):
+    __slots__ = ("task_ids", "session_ids")
+    TASK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    task_ids: _containers.RepeatedScalarFieldContainer[str]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_ids: _Optional[_Iterable[str]] = ..., session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CancelResponse(_message.Message):
+    __slots__ = ("cancelled",)
+    CANCELLED_FIELD_NUMBER: _ClassVar[int]
+    cancelled: int
+    def __init__(self, cancelled: _Optional[int] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("name", "capacity", "depth")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity: int
+    depth: int
+    def __init__(self, name: _Optional[str] = ..., capacity: _Optional[int] = ..., depth: _Optional[int] = ...) -> None: ...
+
+class RegisterNodeRequest(_message.Message):
+    __slots__ = ("gateway_address", "base_url", "pools", "runtimes")
+    GATEWAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    RUNTIMES_FIELD_NUMBER: _ClassVar[int]
+    gateway_address: str
+    base_url: str
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    runtimes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, gateway_address: _Optional[str] = ..., base_url: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., runtimes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RegisterNodeResponse(_message.Message):
+    __slots__ = ("node_id", "heartbeat_interval_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    heartbeat_interval_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "pools", "session_ids")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    session_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SessionAssignment(_message.Message):
+    __slots__ = ("session_id", "task", "attempt")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    task: Task
+    attempt: int
+    def __init__(self, session_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("start", "cancel", "reregister")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[SessionAssignment]
+    cancel: _containers.RepeatedScalarFieldContainer[str]
+    reregister: bool
+    def __init__(self, start: _Optional[_Iterable[_Union[SessionAssignment, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ..., reregister: _Optional[bool] = ...) -> None: ...
+
+class ReportSessionRequest(_message.Message):
+    __slots__ = ("node_id", "session_id", "trajectory")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    session_id: str
+    trajectory: _common_pb2.Trajectory
+    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., trajectory: _Optional[_Union[_common_pb2.Trajectory, _Mapping]] = ...) -> None: ...
+
+class ReportSessionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
