@@ -103,6 +103,12 @@ class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model_info",)
+    MODEL_INFO_FIELD_NUMBER: _ClassVar[int]
+    model_info: ModelInfo
+    def __init__(self, model_info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
+
 class ModelInfo(_message.Message):
     __slots__ = ("name", "vocab_size", "eos_token_ids", "end_of_turn_token_id", "bos_token_id", "chat_template", "context_length", "policy_version", "engine", "dtype", "device", "parameter_count", "paused", "tokenizer_path")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class InferenceServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Serves one model: generation, weight updates from the trainer, pause/resume, description.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -57,12 +58,13 @@ class InferenceServiceStub:
         self.GetModelInfo = channel.unary_unary(
                 '/polar.v1.InferenceService/GetModelInfo',
                 request_serializer=polar_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_inference__pb2.ModelInfo.FromString,
+                response_deserializer=polar_dot_v1_dot_inference__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
 
 
 class InferenceServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Serves one model: generation, weight updates from the trainer, pause/resume, description.
+    """
 
     def Generate(self, request, context):
         """Server-streaming. Samples a continuation of prompt_token_ids. Tokens stream back as they are
@@ -144,7 +146,7 @@ def add_InferenceServiceServicer_to_server(servicer, server):
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=polar_dot_v1_dot_inference__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_inference__pb2.ModelInfo.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_inference__pb2.GetModelInfoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -155,7 +157,8 @@ def add_InferenceServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class InferenceService:
-    """Missing associated documentation comment in .proto file."""
+    """Serves one model: generation, weight updates from the trainer, pause/resume, description.
+    """
 
     @staticmethod
     def Generate(request,
@@ -281,7 +284,7 @@ class InferenceService:
             target,
             '/polar.v1.InferenceService/GetModelInfo',
             polar_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
-            polar_dot_v1_dot_inference__pb2.ModelInfo.FromString,
+            polar_dot_v1_dot_inference__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
