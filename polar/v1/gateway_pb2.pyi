@@ -77,7 +77,7 @@ class GetSessionRequest(_message.Message):
     key: str
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
-class SessionRecords(_message.Message):
+class GetSessionResponse(_message.Message):
     __slots__ = ("session", "calls")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
@@ -97,9 +97,39 @@ class DrainResponse(_message.Message):
     open_sessions: int
     def __init__(self, open_sessions: _Optional[int] = ...) -> None: ...
 
+class OpenSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
+class CloseSessionResponse(_message.Message):
+    __slots__ = ("session",)
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
+class WatchSessionRequest(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    def __init__(self, key: _Optional[str] = ...) -> None: ...
+
+class WatchSessionResponse(_message.Message):
+    __slots__ = ("call",)
+    CALL_FIELD_NUMBER: _ClassVar[int]
+    call: _common_pb2.CallRecord
+    def __init__(self, call: _Optional[_Union[_common_pb2.CallRecord, _Mapping]] = ...) -> None: ...
+
 class GetNodeStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetNodeStatusResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: NodeStatus
+    def __init__(self, status: _Optional[_Union[NodeStatus, _Mapping]] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "open_sessions", "calls_in_flight", "calls_total", "draining", "base_url")

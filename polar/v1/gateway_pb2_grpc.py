@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from polar.v1 import common_pb2 as polar_dot_v1_dot_common__pb2
 from polar.v1 import gateway_pb2 as polar_dot_v1_dot_gateway__pb2
 
 GRPC_GENERATED_VERSION = '1.84.0'
@@ -27,7 +26,8 @@ if _version_not_supported:
 
 
 class GatewayServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Opens and closes recording sessions, serves what they recorded, drains the node.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -38,22 +38,22 @@ class GatewayServiceStub:
         self.OpenSession = channel.unary_unary(
                 '/polar.v1.GatewayService/OpenSession',
                 request_serializer=polar_dot_v1_dot_gateway__pb2.OpenSessionRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_gateway__pb2.Session.FromString,
+                response_deserializer=polar_dot_v1_dot_gateway__pb2.OpenSessionResponse.FromString,
                 _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/polar.v1.GatewayService/CloseSession',
                 request_serializer=polar_dot_v1_dot_gateway__pb2.CloseSessionRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_gateway__pb2.Session.FromString,
+                response_deserializer=polar_dot_v1_dot_gateway__pb2.CloseSessionResponse.FromString,
                 _registered_method=True)
         self.GetSession = channel.unary_unary(
                 '/polar.v1.GatewayService/GetSession',
                 request_serializer=polar_dot_v1_dot_gateway__pb2.GetSessionRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_gateway__pb2.SessionRecords.FromString,
+                response_deserializer=polar_dot_v1_dot_gateway__pb2.GetSessionResponse.FromString,
                 _registered_method=True)
         self.WatchSession = channel.unary_stream(
                 '/polar.v1.GatewayService/WatchSession',
-                request_serializer=polar_dot_v1_dot_gateway__pb2.GetSessionRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_common__pb2.CallRecord.FromString,
+                request_serializer=polar_dot_v1_dot_gateway__pb2.WatchSessionRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_gateway__pb2.WatchSessionResponse.FromString,
                 _registered_method=True)
         self.Drain = channel.unary_unary(
                 '/polar.v1.GatewayService/Drain',
@@ -63,12 +63,13 @@ class GatewayServiceStub:
         self.GetNodeStatus = channel.unary_unary(
                 '/polar.v1.GatewayService/GetNodeStatus',
                 request_serializer=polar_dot_v1_dot_gateway__pb2.GetNodeStatusRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_gateway__pb2.NodeStatus.FromString,
+                response_deserializer=polar_dot_v1_dot_gateway__pb2.GetNodeStatusResponse.FromString,
                 _registered_method=True)
 
 
 class GatewayServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Opens and closes recording sessions, serves what they recorded, drains the node.
+    """
 
     def OpenSession(self, request, context):
         """Unary. Opens a session and returns its key. Every model call made with the key is recorded into
@@ -123,22 +124,22 @@ def add_GatewayServiceServicer_to_server(servicer, server):
             'OpenSession': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenSession,
                     request_deserializer=polar_dot_v1_dot_gateway__pb2.OpenSessionRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_gateway__pb2.Session.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_gateway__pb2.OpenSessionResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
                     servicer.CloseSession,
                     request_deserializer=polar_dot_v1_dot_gateway__pb2.CloseSessionRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_gateway__pb2.Session.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_gateway__pb2.CloseSessionResponse.SerializeToString,
             ),
             'GetSession': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSession,
                     request_deserializer=polar_dot_v1_dot_gateway__pb2.GetSessionRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_gateway__pb2.SessionRecords.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_gateway__pb2.GetSessionResponse.SerializeToString,
             ),
             'WatchSession': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchSession,
-                    request_deserializer=polar_dot_v1_dot_gateway__pb2.GetSessionRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_common__pb2.CallRecord.SerializeToString,
+                    request_deserializer=polar_dot_v1_dot_gateway__pb2.WatchSessionRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_gateway__pb2.WatchSessionResponse.SerializeToString,
             ),
             'Drain': grpc.unary_unary_rpc_method_handler(
                     servicer.Drain,
@@ -148,7 +149,7 @@ def add_GatewayServiceServicer_to_server(servicer, server):
             'GetNodeStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetNodeStatus,
                     request_deserializer=polar_dot_v1_dot_gateway__pb2.GetNodeStatusRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_gateway__pb2.NodeStatus.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_gateway__pb2.GetNodeStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -159,7 +160,8 @@ def add_GatewayServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class GatewayService:
-    """Missing associated documentation comment in .proto file."""
+    """Opens and closes recording sessions, serves what they recorded, drains the node.
+    """
 
     @staticmethod
     def OpenSession(request,
@@ -177,7 +179,7 @@ class GatewayService:
             target,
             '/polar.v1.GatewayService/OpenSession',
             polar_dot_v1_dot_gateway__pb2.OpenSessionRequest.SerializeToString,
-            polar_dot_v1_dot_gateway__pb2.Session.FromString,
+            polar_dot_v1_dot_gateway__pb2.OpenSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -204,7 +206,7 @@ class GatewayService:
             target,
             '/polar.v1.GatewayService/CloseSession',
             polar_dot_v1_dot_gateway__pb2.CloseSessionRequest.SerializeToString,
-            polar_dot_v1_dot_gateway__pb2.Session.FromString,
+            polar_dot_v1_dot_gateway__pb2.CloseSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -231,7 +233,7 @@ class GatewayService:
             target,
             '/polar.v1.GatewayService/GetSession',
             polar_dot_v1_dot_gateway__pb2.GetSessionRequest.SerializeToString,
-            polar_dot_v1_dot_gateway__pb2.SessionRecords.FromString,
+            polar_dot_v1_dot_gateway__pb2.GetSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -257,8 +259,8 @@ class GatewayService:
             request,
             target,
             '/polar.v1.GatewayService/WatchSession',
-            polar_dot_v1_dot_gateway__pb2.GetSessionRequest.SerializeToString,
-            polar_dot_v1_dot_common__pb2.CallRecord.FromString,
+            polar_dot_v1_dot_gateway__pb2.WatchSessionRequest.SerializeToString,
+            polar_dot_v1_dot_gateway__pb2.WatchSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -312,7 +314,7 @@ class GatewayService:
             target,
             '/polar.v1.GatewayService/GetNodeStatus',
             polar_dot_v1_dot_gateway__pb2.GetNodeStatusRequest.SerializeToString,
-            polar_dot_v1_dot_gateway__pb2.NodeStatus.FromString,
+            polar_dot_v1_dot_gateway__pb2.GetNodeStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -117,7 +117,7 @@ class WatchResultsRequest(_message.Message):
     max_groups_per_batch: int
     def __init__(self, cursor: _Optional[str] = ..., max_groups_per_batch: _Optional[int] = ...) -> None: ...
 
-class ResultBatch(_message.Message):
+class WatchResultsResponse(_message.Message):
     __slots__ = ("cursor", "zstd_trajectories", "group_count", "trajectory_count", "uncompressed_bytes")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     ZSTD_TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +193,12 @@ class GetSessionStatusRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class GetSessionStatusResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: SessionStatus
+    def __init__(self, status: _Optional[_Union[SessionStatus, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
     __slots__ = ("task_ids", "session_ids")

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class RolloutServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """Takes tasks, dispatches sessions to gateway nodes, releases complete GRPO groups.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -42,7 +43,7 @@ class RolloutServiceStub:
         self.WatchResults = channel.unary_stream(
                 '/polar.v1.RolloutService/WatchResults',
                 request_serializer=polar_dot_v1_dot_rollout__pb2.WatchResultsRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_rollout__pb2.ResultBatch.FromString,
+                response_deserializer=polar_dot_v1_dot_rollout__pb2.WatchResultsResponse.FromString,
                 _registered_method=True)
         self.GetTaskStatus = channel.unary_unary(
                 '/polar.v1.RolloutService/GetTaskStatus',
@@ -52,7 +53,7 @@ class RolloutServiceStub:
         self.GetSessionStatus = channel.unary_unary(
                 '/polar.v1.RolloutService/GetSessionStatus',
                 request_serializer=polar_dot_v1_dot_rollout__pb2.GetSessionStatusRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_rollout__pb2.SessionStatus.FromString,
+                response_deserializer=polar_dot_v1_dot_rollout__pb2.GetSessionStatusResponse.FromString,
                 _registered_method=True)
         self.Cancel = channel.unary_unary(
                 '/polar.v1.RolloutService/Cancel',
@@ -77,7 +78,8 @@ class RolloutServiceStub:
 
 
 class RolloutServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Takes tasks, dispatches sessions to gateway nodes, releases complete GRPO groups.
+    """
 
     def SubmitTasks(self, request, context):
         """Unary. Submits tasks; each task becomes group_size sessions. All-or-nothing: if any task is
@@ -152,7 +154,7 @@ def add_RolloutServiceServicer_to_server(servicer, server):
             'WatchResults': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchResults,
                     request_deserializer=polar_dot_v1_dot_rollout__pb2.WatchResultsRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_rollout__pb2.ResultBatch.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_rollout__pb2.WatchResultsResponse.SerializeToString,
             ),
             'GetTaskStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTaskStatus,
@@ -162,7 +164,7 @@ def add_RolloutServiceServicer_to_server(servicer, server):
             'GetSessionStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetSessionStatus,
                     request_deserializer=polar_dot_v1_dot_rollout__pb2.GetSessionStatusRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_rollout__pb2.SessionStatus.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_rollout__pb2.GetSessionStatusResponse.SerializeToString,
             ),
             'Cancel': grpc.unary_unary_rpc_method_handler(
                     servicer.Cancel,
@@ -193,7 +195,8 @@ def add_RolloutServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RolloutService:
-    """Missing associated documentation comment in .proto file."""
+    """Takes tasks, dispatches sessions to gateway nodes, releases complete GRPO groups.
+    """
 
     @staticmethod
     def SubmitTasks(request,
@@ -238,7 +241,7 @@ class RolloutService:
             target,
             '/polar.v1.RolloutService/WatchResults',
             polar_dot_v1_dot_rollout__pb2.WatchResultsRequest.SerializeToString,
-            polar_dot_v1_dot_rollout__pb2.ResultBatch.FromString,
+            polar_dot_v1_dot_rollout__pb2.WatchResultsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -292,7 +295,7 @@ class RolloutService:
             target,
             '/polar.v1.RolloutService/GetSessionStatus',
             polar_dot_v1_dot_rollout__pb2.GetSessionStatusRequest.SerializeToString,
-            polar_dot_v1_dot_rollout__pb2.SessionStatus.FromString,
+            polar_dot_v1_dot_rollout__pb2.GetSessionStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

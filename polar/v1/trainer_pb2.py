@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16polar/v1/trainer.proto\x12\x08polar.v1\"\x19\n\x17GetTrainerStatusRequest\"\xe4\x02\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x1d\n\x15trajectories_consumed\x18\x04 \x01(\x03\x12\x17\n\x0fgroups_consumed\x18\x05 \x01(\x03\x12\x16\n\x0etrained_tokens\x18\x06 \x01(\x03\x12>\n\x0clast_metrics\x18\x07 \x03(\x0b\x32(.polar.v1.TrainerStatus.LastMetricsEntry\x12\x16\n\x0eresults_cursor\x18\x08 \x01(\t\x12\x14\n\x0cwait_seconds\x18\t \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\n \x01(\x01\x12\x14\n\x0cpush_seconds\x18\x0b \x01(\x01\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x19\n\x17GetPolicyVersionRequest\".\n\rPolicyVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"%\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"@\n\nCheckpoint\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x32\xf2\x01\n\x0eTrainerService\x12G\n\tGetStatus\x12!.polar.v1.GetTrainerStatusRequest\x1a\x17.polar.v1.TrainerStatus\x12N\n\x10GetPolicyVersion\x12!.polar.v1.GetPolicyVersionRequest\x1a\x17.polar.v1.PolicyVersion\x12G\n\x0eSaveCheckpoint\x12\x1f.polar.v1.SaveCheckpointRequest\x1a\x14.polar.v1.Checkpointb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16polar/v1/trainer.proto\x12\x08polar.v1\"\x12\n\x10GetStatusRequest\"<\n\x11GetStatusResponse\x12\'\n\x06status\x18\x01 \x01(\x0b\x32\x17.polar.v1.TrainerStatus\"\xe4\x02\n\rTrainerStatus\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x13\n\x0btotal_steps\x18\x02 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x1d\n\x15trajectories_consumed\x18\x04 \x01(\x03\x12\x17\n\x0fgroups_consumed\x18\x05 \x01(\x03\x12\x16\n\x0etrained_tokens\x18\x06 \x01(\x03\x12>\n\x0clast_metrics\x18\x07 \x03(\x0b\x32(.polar.v1.TrainerStatus.LastMetricsEntry\x12\x16\n\x0eresults_cursor\x18\x08 \x01(\t\x12\x14\n\x0cwait_seconds\x18\t \x01(\x01\x12\x17\n\x0f\x63ompute_seconds\x18\n \x01(\x01\x12\x14\n\x0cpush_seconds\x18\x0b \x01(\x01\x1a\x32\n\x10LastMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x19\n\x17GetPolicyVersionRequest\"K\n\x18GetPolicyVersionResponse\x12/\n\x0epolicy_version\x18\x01 \x01(\x0b\x32\x17.polar.v1.PolicyVersion\".\n\rPolicyVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\"%\n\x15SaveCheckpointRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\"B\n\x16SaveCheckpointResponse\x12(\n\ncheckpoint\x18\x01 \x01(\x0b\x32\x14.polar.v1.Checkpoint\"@\n\nCheckpoint\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x32\x86\x02\n\x0eTrainerService\x12\x44\n\tGetStatus\x12\x1a.polar.v1.GetStatusRequest\x1a\x1b.polar.v1.GetStatusResponse\x12Y\n\x10GetPolicyVersion\x12!.polar.v1.GetPolicyVersionRequest\x1a\".polar.v1.GetPolicyVersionResponse\x12S\n\x0eSaveCheckpoint\x12\x1f.polar.v1.SaveCheckpointRequest\x1a .polar.v1.SaveCheckpointResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._loaded_options = None
   _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_options = b'8\001'
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=36
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=61
-  _globals['_TRAINERSTATUS']._serialized_start=64
-  _globals['_TRAINERSTATUS']._serialized_end=420
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=370
-  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=420
-  _globals['_GETPOLICYVERSIONREQUEST']._serialized_start=422
-  _globals['_GETPOLICYVERSIONREQUEST']._serialized_end=447
-  _globals['_POLICYVERSION']._serialized_start=449
-  _globals['_POLICYVERSION']._serialized_end=495
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=497
-  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=534
-  _globals['_CHECKPOINT']._serialized_start=536
-  _globals['_CHECKPOINT']._serialized_end=600
-  _globals['_TRAINERSERVICE']._serialized_start=603
-  _globals['_TRAINERSERVICE']._serialized_end=845
+  _globals['_GETSTATUSREQUEST']._serialized_start=36
+  _globals['_GETSTATUSREQUEST']._serialized_end=54
+  _globals['_GETSTATUSRESPONSE']._serialized_start=56
+  _globals['_GETSTATUSRESPONSE']._serialized_end=116
+  _globals['_TRAINERSTATUS']._serialized_start=119
+  _globals['_TRAINERSTATUS']._serialized_end=475
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_start=425
+  _globals['_TRAINERSTATUS_LASTMETRICSENTRY']._serialized_end=475
+  _globals['_GETPOLICYVERSIONREQUEST']._serialized_start=477
+  _globals['_GETPOLICYVERSIONREQUEST']._serialized_end=502
+  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_start=504
+  _globals['_GETPOLICYVERSIONRESPONSE']._serialized_end=579
+  _globals['_POLICYVERSION']._serialized_start=581
+  _globals['_POLICYVERSION']._serialized_end=627
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_start=629
+  _globals['_SAVECHECKPOINTREQUEST']._serialized_end=666
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_start=668
+  _globals['_SAVECHECKPOINTRESPONSE']._serialized_end=734
+  _globals['_CHECKPOINT']._serialized_start=736
+  _globals['_CHECKPOINT']._serialized_end=800
+  _globals['_TRAINERSERVICE']._serialized_start=803
+  _globals['_TRAINERSERVICE']._serialized_end=1065
 # @@protoc_insertion_point(module_scope)

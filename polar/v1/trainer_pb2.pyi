@@ -2,13 +2,19 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class GetTrainerStatusRequest(_message.Message):
+class GetStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetStatusResponse(_message.Message):
+    __slots__ = ("status",)
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    status: TrainerStatus
+    def __init__(self, status: _Optional[_Union[TrainerStatus, _Mapping]] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
     __slots__ = ("step", "total_steps", "backend", "trajectories_consumed", "groups_consumed", "trained_tokens", "last_metrics", "results_cursor", "wait_seconds", "compute_seconds", "push_seconds")
@@ -47,6 +53,12 @@ class GetPolicyVersionRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class GetPolicyVersionResponse(_message.Message):
+    __slots__ = ("policy_version",)
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    policy_version: PolicyVersion
+    def __init__(self, policy_version: _Optional[_Union[PolicyVersion, _Mapping]] = ...) -> None: ...
+
 class PolicyVersion(_message.Message):
     __slots__ = ("version", "step")
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +72,12 @@ class SaveCheckpointRequest(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class SaveCheckpointResponse(_message.Message):
+    __slots__ = ("checkpoint",)
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: Checkpoint
+    def __init__(self, checkpoint: _Optional[_Union[Checkpoint, _Mapping]] = ...) -> None: ...
 
 class Checkpoint(_message.Message):
     __slots__ = ("path", "step", "policy_version")

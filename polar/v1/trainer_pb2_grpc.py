@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class TrainerServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """The trainer's control surface.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -36,23 +37,24 @@ class TrainerServiceStub:
         """
         self.GetStatus = channel.unary_unary(
                 '/polar.v1.TrainerService/GetStatus',
-                request_serializer=polar_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+                request_serializer=polar_dot_v1_dot_trainer__pb2.GetStatusRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_trainer__pb2.GetStatusResponse.FromString,
                 _registered_method=True)
         self.GetPolicyVersion = channel.unary_unary(
                 '/polar.v1.TrainerService/GetPolicyVersion',
                 request_serializer=polar_dot_v1_dot_trainer__pb2.GetPolicyVersionRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_trainer__pb2.PolicyVersion.FromString,
+                response_deserializer=polar_dot_v1_dot_trainer__pb2.GetPolicyVersionResponse.FromString,
                 _registered_method=True)
         self.SaveCheckpoint = channel.unary_unary(
                 '/polar.v1.TrainerService/SaveCheckpoint',
                 request_serializer=polar_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
-                response_deserializer=polar_dot_v1_dot_trainer__pb2.Checkpoint.FromString,
+                response_deserializer=polar_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.FromString,
                 _registered_method=True)
 
 
 class TrainerServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The trainer's control surface.
+    """
 
     def GetStatus(self, request, context):
         """Unary. Progress of the training run.
@@ -81,18 +83,18 @@ def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=polar_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+                    request_deserializer=polar_dot_v1_dot_trainer__pb2.GetStatusRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_trainer__pb2.GetStatusResponse.SerializeToString,
             ),
             'GetPolicyVersion': grpc.unary_unary_rpc_method_handler(
                     servicer.GetPolicyVersion,
                     request_deserializer=polar_dot_v1_dot_trainer__pb2.GetPolicyVersionRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_trainer__pb2.PolicyVersion.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_trainer__pb2.GetPolicyVersionResponse.SerializeToString,
             ),
             'SaveCheckpoint': grpc.unary_unary_rpc_method_handler(
                     servicer.SaveCheckpoint,
                     request_deserializer=polar_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.FromString,
-                    response_serializer=polar_dot_v1_dot_trainer__pb2.Checkpoint.SerializeToString,
+                    response_serializer=polar_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,7 +105,8 @@ def add_TrainerServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TrainerService:
-    """Missing associated documentation comment in .proto file."""
+    """The trainer's control surface.
+    """
 
     @staticmethod
     def GetStatus(request,
@@ -120,8 +123,8 @@ class TrainerService:
             request,
             target,
             '/polar.v1.TrainerService/GetStatus',
-            polar_dot_v1_dot_trainer__pb2.GetTrainerStatusRequest.SerializeToString,
-            polar_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            polar_dot_v1_dot_trainer__pb2.GetStatusRequest.SerializeToString,
+            polar_dot_v1_dot_trainer__pb2.GetStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -148,7 +151,7 @@ class TrainerService:
             target,
             '/polar.v1.TrainerService/GetPolicyVersion',
             polar_dot_v1_dot_trainer__pb2.GetPolicyVersionRequest.SerializeToString,
-            polar_dot_v1_dot_trainer__pb2.PolicyVersion.FromString,
+            polar_dot_v1_dot_trainer__pb2.GetPolicyVersionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -175,7 +178,7 @@ class TrainerService:
             target,
             '/polar.v1.TrainerService/SaveCheckpoint',
             polar_dot_v1_dot_trainer__pb2.SaveCheckpointRequest.SerializeToString,
-            polar_dot_v1_dot_trainer__pb2.Checkpoint.FromString,
+            polar_dot_v1_dot_trainer__pb2.SaveCheckpointResponse.FromString,
             options,
             channel_credentials,
             insecure,
