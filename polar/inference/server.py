@@ -1,0 +1,245 @@
+"""The gRPC InferenceService (protos/polar/v1/inference.proto) over one engine.
+
+The servicer is thin: requests are checked by `validation`, weight streams assembled by `weights`,
+admission during a pause is `AdmissionGate`, and sampling is the engine's. Typed exceptions from
+those become gRPC status codes here, and only here:
+
+    InvalidRequest     -> INVALID_ARGUMENT        UnknownModel -> NOT_FOUND
+    WeightUpdateError  -> INVALID_ARGUMENT        engine failure during Generate -> INTERNAL
+
+`start_server` also serves gRPC health checking and server reflection (so grpcurl can list and call
+the service without the protos).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightUpdateError
+from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
+from polar.inference.weights import WeightsAssembler
+from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+# Weight chunks are sent whole in one message; 64 MiB leaves room for large chunks of big tensors.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# How long `serve` lets running calls finish after a stop signal before cancelling them.
+STOP_GRACE_SECONDS = 5.0
+
+
+class AdmissionGate:
+    """Counts Generate calls in flight and holds new ones while paused."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+        self.paused = False
+        self.in_flight = 0  # calls admitted and not yet finished
+        self.waiting = 0  # calls held by the pause
+
+    @contextlib.asynccontextmanager
+    async def admitted(self) -> AsyncIterator[None]:
+        """Wait while paused, then count the caller in flight until it leaves."""
+        async with self._changed:
+            if self.paused:
+                self.waiting += 1
+                try:
+                    await self._changed.wait_for(lambda: not self.paused)
+                finally:
+                    self.waiting -= 1
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.in_flight -= 1
+                self._changed.notify_all()
+
+    async def pause(self) -> int:
+        """Stop admitting, wait for the calls in flight; return how many were waited for."""
+        async with self._changed:
+            self.paused = True
+            drained = self.in_flight
+            # A Resume during the drain ends the wait: the pause it would complete is over.
+            await self._changed.wait_for(lambda: self.in_flight == 0 or not self.paused)
+            return drained
+
+    async def resume(self) -> int:
+        """Admit again; return how many held calls this releases."""
+        async with self._changed:
+            admitted = self.waiting if self.paused else 0
+            self.paused = False
+            self._changed.notify_all()
+            return admitted
+
+
+class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
+    """Serves one engine; see InferenceService in inference.proto for each rpc's contract."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._gate = AdmissionGate()
+
+    # Server-streaming.
+    async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        try:
+            generation = validate_generate(request, self._engine.description)
+        except UnknownModel as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        async with self._gate.admitted():
+            stream = self._engine.generate(generation)
+            try:
+                end, policy_version, error = await _relay(stream, context, self._engine.policy_version)
+            finally:
+                # A client that went away cancels this task; closing the stream frees its slot now.
+                await _close(stream)
+        if error is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, error)
+        await context.write(
+            inference_pb2.GenerateResponse(
+                policy_version=policy_version,
+                finish_reason=end.finish_reason.value,
+                usage=common_pb2.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens),
+                queue_seconds=end.queue_seconds,
+            )
+        )
+
+    # Client-streaming.
+    async def UpdateWeights(
+        self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsRequest], context: grpc.aio.ServicerContext
+    ) -> inference_pb2.UpdateWeightsResponse:
+        assembler = WeightsAssembler(self._engine.parameter_specs())
+        try:
+            async for message in request_iterator:
+                assembler.add(message)
+            tensors = assembler.finish()
+        except WeightUpdateError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        started = time.perf_counter()
+        try:
+            # The stream is complete, so the update must land whole even if the client now leaves.
+            version = await asyncio.shield(self._engine.update_weights(tensors))
+        except WeightUpdateError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return inference_pb2.UpdateWeightsResponse(
+            policy_version=version,
+            tensors_updated=len(tensors),
+            bytes_received=assembler.bytes_received,
+            apply_seconds=time.perf_counter() - started,
+        )
+
+    # Unary.
+    async def Pause(self, request: inference_pb2.PauseRequest, context: grpc.aio.ServicerContext) -> inference_pb2.PauseResponse:
+        return inference_pb2.PauseResponse(drained=await self._gate.pause())
+
+    # Unary.
+    async def Resume(
+        self, request: inference_pb2.ResumeRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ResumeResponse:
+        return inference_pb2.ResumeResponse(admitted=await self._gate.resume())
+
+    # Unary.
+    async def GetModelInfo(
+        self, request: inference_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GetModelInfoResponse:
+        d = self._engine.description
+        return inference_pb2.GetModelInfoResponse(
+            model_info=inference_pb2.ModelInfo(
+                name=d.name,
+                vocab_size=d.vocab_size,
+                eos_token_ids=d.eos_token_ids,
+                end_of_turn_token_id=d.end_of_turn_token_id,
+                bos_token_id=d.bos_token_id,
+                chat_template=d.chat_template,
+                context_length=d.context_length,
+                policy_version=self._engine.policy_version,
+                engine=d.engine,
+                dtype=d.dtype,
+                device=d.device,
+                parameter_count=d.parameter_count,
+                paused=self._gate.paused,
+                tokenizer_path=d.tokenizer_path,
+            )
+        )
+
+
+async def _relay(
+    stream: AsyncIterator[TokenChunk | GenerationEnd], context: grpc.aio.ServicerContext, policy_version: int
+) -> tuple[GenerationEnd | None, int, str | None]:
+    """Write the engine's chunks to the client; return its end, the last policy version, and the
+    error text if the engine failed."""
+    items = aiter(stream)
+    while True:
+        try:
+            item = await anext(items)
+        except StopAsyncIteration:
+            return None, policy_version, "the engine's stream ended without a GenerationEnd"
+        except Exception as exc:  # noqa: BLE001 - any engine failure becomes the call's INTERNAL status
+            return None, policy_version, f"engine failed: {type(exc).__name__}: {exc}"
+        if isinstance(item, GenerationEnd):
+            if item.finish_reason is FinishReason.ERROR:
+                return item, policy_version, item.error or "the engine failed without a message"
+            return item, policy_version, None
+        policy_version = item.policy_version
+        await context.write(
+            inference_pb2.GenerateResponse(
+                token_ids=item.token_ids, logprobs=item.logprobs, policy_version=item.policy_version
+            )
+        )
+
+
+async def _close(stream: AsyncIterator[TokenChunk | GenerationEnd]) -> None:
+    # Engines written as async generators have aclose(); other async iterators have nothing to close.
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
+    """Start the engine and a gRPC server for it on `address`; return the server and bound port."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the inference server to {address!r}")
+    await engine.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await server.start()
+    return server, port
+
+
+async def serve(engine: Engine, address: str, on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine."""
+    server, port = await start_server(engine, address)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        if on_ready is not None:
+            on_ready(port)
+        await stopping.wait()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+        await server.stop(STOP_GRACE_SECONDS)
+        await engine.stop()

@@ -1,0 +1,86 @@
+"""Turn a GenerateRequest into a validated GenerationRequest for an engine.
+
+Pure: no gRPC, no engine. The servicer maps the exceptions to status codes at the edge:
+
+    InvalidRequest (ValueError)     -> INVALID_ARGUMENT
+     └── UnknownModel               -> NOT_FOUND
+
+Every message names the offending field and its value, so a client can fix its request from the
+status text alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+from polar.inference.engines.base import GenerationRequest, ModelDescription, SamplingConfig
+from polar.v1 import inference_pb2
+
+
+class InvalidRequest(ValueError):
+    """A request the engine must not see; `field` is the offending field's path in the request."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class UnknownModel(InvalidRequest):
+    """The request names a model this server does not serve."""
+
+
+def validate_generate(
+    request: inference_pb2.GenerateRequest, description: ModelDescription
+) -> GenerationRequest:
+    """Check a request against the served model; return what the engine samples from."""
+    if request.model and request.model != description.name:
+        raise UnknownModel(
+            "model", f"model {request.model!r} is not served here (this server serves {description.name!r})"
+        )
+    prompt = tuple(request.prompt_token_ids)
+    _check_prompt(prompt, description.vocab_size)
+    sampling = _sampling_config(request)
+    if len(prompt) + sampling.max_tokens > description.context_length:
+        raise InvalidRequest(
+            "sampling.max_tokens",
+            f"prompt length {len(prompt)} + sampling.max_tokens {sampling.max_tokens} = "
+            f"{len(prompt) + sampling.max_tokens} exceeds the context length {description.context_length}",
+        )
+    return GenerationRequest(request_id=request.request_id, prompt_token_ids=prompt, sampling=sampling)
+
+
+def _check_prompt(prompt: tuple[int, ...], vocab_size: int) -> None:
+    if not prompt:
+        raise InvalidRequest("prompt_token_ids", "prompt_token_ids is empty; a prompt needs at least one token")
+    # min/max run in C; the position of the first bad id is looked up only when there is one.
+    if min(prompt) >= 0 and max(prompt) < vocab_size:
+        return
+    position, token_id = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab_size)
+    raise InvalidRequest(
+        "prompt_token_ids",
+        f"prompt_token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab_size})",
+    )
+
+
+def _sampling_config(request: inference_pb2.GenerateRequest) -> SamplingConfig:
+    params = request.sampling
+    if params.max_tokens <= 0:
+        raise InvalidRequest("sampling.max_tokens", f"sampling.max_tokens = {params.max_tokens} must be > 0")
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise InvalidRequest(
+            "sampling.temperature", f"sampling.temperature = {params.temperature} must be a finite number >= 0"
+        )
+    if not 0 <= params.top_p <= 1:  # also false for NaN
+        raise InvalidRequest("sampling.top_p", f"sampling.top_p = {params.top_p} must be in [0, 1]")
+    if params.top_k < 0:
+        raise InvalidRequest("sampling.top_k", f"sampling.top_k = {params.top_k} must be >= 0")
+    return SamplingConfig(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        # The wire's 0 means "not set", which is no nucleus truncation, like 1.
+        top_p=params.top_p if params.top_p > 0 else 1.0,
+        top_k=params.top_k,
+        stop_token_ids=tuple(params.stop_token_ids),
+        seed=params.seed if params.HasField("seed") else None,
+        ignore_eos=params.ignore_eos,
+    )
