@@ -24,7 +24,8 @@ fi
 if [[ ! -x "$venv/bin/python" ]]; then
   "$PYTHON" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip --quiet --disable-pip-version-check)
+# -qq: build backends' deprecation chatter is hidden too; pip still prints every error.
+pip=("$venv/bin/python" -m pip -qq --disable-pip-version-check)
 
 "${pip[@]}" install --progress-bar off "torch==$TORCH_VERSION"
 "${pip[@]}" install --progress-bar off -e "$root[dev]"
