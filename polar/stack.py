@@ -16,6 +16,7 @@ A child that exits while the stack runs is reported, the others are stopped, and
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -23,13 +24,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from polar.config import StackConfig
+from polar.config import InferenceConfig, StackConfig
 from polar.v1 import inference_pb2
 
 PR_SET_PDEATHSIG = 1
@@ -57,7 +59,9 @@ class ServiceSpec:
 
 
 @dataclass
-class _Child:
+class Service:
+    """A started child."""
+
     spec: ServiceSpec
     process: subprocess.Popen
     port: int = 0
@@ -69,7 +73,11 @@ class _Child:
 
 def plan(config: StackConfig) -> list[ServiceSpec]:
     """The services `polar up` starts, in start order (each may depend on those before it)."""
-    inf = config.inference
+    return [inference_spec(config.inference)]
+
+
+def inference_spec(inf: InferenceConfig) -> ServiceSpec:
+    """`polar serve inference` with the given settings."""
     argv = [
         sys.executable, "-m", "polar", "serve", "inference",
         "--engine", inf.engine, "--model", inf.model,
@@ -80,7 +88,19 @@ def plan(config: StackConfig) -> list[ServiceSpec]:
     if inf.script:
         argv += ["--script", inf.script]
     detail = f"{inf.engine} engine, model {inf.model}" if inf.engine != "scripted" else f"scripted engine, {inf.script}"
-    return [ServiceSpec("inference", tuple(argv), inf.host, INFERENCE_SERVICE, detail)]
+    return ServiceSpec("inference", tuple(argv), inf.host, INFERENCE_SERVICE, detail)
+
+
+@contextlib.contextmanager
+def running(spec: ServiceSpec, startup_timeout_s: float, stop_timeout_s: float) -> Iterator[Service]:
+    """One service, started and healthy inside the block and stopped after it (for scripts and tests
+    that need a server without the whole stack)."""
+    service, ready_fd = _spawn(spec)
+    try:
+        _await_ready(service, ready_fd, startup_timeout_s)
+        yield service
+    finally:
+        _stop(service, stop_timeout_s)
 
 
 def run_stack(config: StackConfig, out: TextIO = sys.stdout) -> int:
@@ -88,7 +108,7 @@ def run_stack(config: StackConfig, out: TextIO = sys.stdout) -> int:
 
     Raises StackError when a service fails to start or dies; every child is stopped either way.
     """
-    children: list[_Child] = []
+    children: list[Service] = []
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for spec in plan(config):
@@ -113,7 +133,7 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested
 
 
-def _spawn(spec: ServiceSpec) -> tuple[_Child, int]:
+def _spawn(spec: ServiceSpec) -> tuple[Service, int]:
     """Start the child; return it and the read end of its readiness pipe."""
     read_fd, write_fd = os.pipe()
     try:
@@ -130,10 +150,10 @@ def _spawn(spec: ServiceSpec) -> tuple[_Child, int]:
     finally:
         # Only the child holds the write end now, so its exit shows as end-of-file.
         os.close(write_fd)
-    return _Child(spec, process), read_fd
+    return Service(spec, process), read_fd
 
 
-def _await_ready(child: _Child, ready_fd: int, timeout_s: float) -> None:
+def _await_ready(child: Service, ready_fd: int, timeout_s: float) -> None:
     """Read the child's port from its readiness pipe, then wait until its health check says SERVING."""
     deadline = time.monotonic() + timeout_s
     with os.fdopen(ready_fd, "rb", buffering=0) as ready:
@@ -154,7 +174,7 @@ def _die_with_parent(parent_pid: int):
     return preexec
 
 
-def _await_port(child: _Child, ready, deadline: float, timeout_s: float) -> int:
+def _await_port(child: Service, ready, deadline: float, timeout_s: float) -> int:
     data = b""
     while b"\n" not in data:
         remaining = deadline - time.monotonic()
@@ -174,7 +194,7 @@ def _await_port(child: _Child, ready, deadline: float, timeout_s: float) -> int:
     return int(data.split(b"\n", 1)[0])
 
 
-def _await_healthy(child: _Child, deadline: float, timeout_s: float) -> None:
+def _await_healthy(child: Service, deadline: float, timeout_s: float) -> None:
     target = join_host_port(_connectable(child.spec.host), child.port)
     request = health_pb2.HealthCheckRequest(service=child.spec.health_service)
     with grpc.insecure_channel(target) as channel:
@@ -195,7 +215,7 @@ def _await_healthy(child: _Child, deadline: float, timeout_s: float) -> None:
             time.sleep(HEALTH_POLL_SECONDS)
 
 
-def _supervise(children: list[_Child]) -> None:
+def _supervise(children: list[Service]) -> None:
     """Block until a child exits (then raise StackError) or a stop signal arrives."""
     while True:
         # WNOWAIT leaves the exited child for Popen to reap, so its returncode stays right.
@@ -208,12 +228,12 @@ def _supervise(children: list[_Child]) -> None:
         raise StackError(f"{child.spec.name} (pid {child.process.pid}) {_exit_text(code)}")
 
 
-def _stop_all(children: list[_Child], timeout_s: float) -> None:
+def _stop_all(children: list[Service], timeout_s: float) -> None:
     for child in reversed(children):
         _stop(child, timeout_s)
 
 
-def _stop(child: _Child, timeout_s: float) -> None:
+def _stop(child: Service, timeout_s: float) -> None:
     """SIGTERM the child's process group, SIGKILL it after timeout_s, reap the child."""
     pgid = child.process.pid
     if child.process.poll() is None:
@@ -234,7 +254,7 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass  # the group is already empty
 
 
-def _print_table(children: list[_Child], out: TextIO) -> None:
+def _print_table(children: list[Service], out: TextIO) -> None:
     rows = [("service", "endpoint", "pid", "")] + [
         (c.spec.name, c.endpoint, str(c.process.pid), c.spec.detail) for c in children
     ]
