@@ -1,0 +1,224 @@
+"""A decoder forward over a slot-based KV cache, for Llama-family Hugging Face models.
+
+The Hugging Face model owns the weights (so state-dict names, tying and weight updates stay
+Hugging Face's); this module only re-orders its submodules around a cache built for continuous
+batching: every sequence owns one slot of a [slots, kv_heads, positions, head_dim] tensor per layer,
+a decode step runs all slots [0, n) at once over a view of the cache (no gather), and each slot masks
+the positions it has not written.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Architectures whose decoder layer is: RMSNorm, attention (optional q/k bias, optional q/k
+# RMSNorm per head), RoPE, residual, RMSNorm, gated MLP, residual.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+_ALIGN = 64  # cache lengths are rounded up to this many positions
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one this forward implements."""
+
+
+class SlotKVCache:
+    """Keys and values of every layer: [slots, kv_heads, positions, head_dim], grown on demand.
+
+    Growth doubles (capped at max_slots and max_positions) and copies what was written; `release`
+    drops the tensors when no sequence needs them.
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_slots: int,
+        max_positions: int,
+    ) -> None:
+        self._shape = (kv_heads, head_dim)
+        self._layers = layers
+        self.dtype = dtype
+        self._device = device
+        self.max_slots = max_slots
+        self.max_positions = max_positions
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.slots = 0
+        self.positions = 0
+
+    def ensure(self, slots: int, positions: int) -> None:
+        """Make room for slots [0, slots) and positions [0, positions)."""
+        if slots > self.max_slots or positions > self.max_positions:
+            raise ValueError(
+                f"cache of {self.max_slots} slots x {self.max_positions} positions cannot hold "
+                f"{slots} slots x {positions} positions"
+            )
+        if slots <= self.slots and positions <= self.positions:
+            return
+        new_slots = min(self.max_slots, max(slots, 2 * self.slots))
+        new_positions = max(positions, 2 * self.positions) if positions > self.positions else self.positions
+        new_positions = min(self.max_positions, -(-new_positions // _ALIGN) * _ALIGN)
+        self.keys = [self._grown(t, new_slots, new_positions) for t in self.keys] or self._empty(new_slots, new_positions)
+        self.values = [self._grown(t, new_slots, new_positions) for t in self.values] or self._empty(new_slots, new_positions)
+        self.slots, self.positions = new_slots, new_positions
+
+    def release(self) -> None:
+        self.keys, self.values = [], []
+        self.slots = self.positions = 0
+
+    def _empty(self, slots: int, positions: int) -> list[torch.Tensor]:
+        kv_heads, head_dim = self._shape
+        return [
+            torch.zeros(slots, kv_heads, positions, head_dim, dtype=self.dtype, device=self._device)
+            for _ in range(self._layers)
+        ]
+
+    def _grown(self, old: torch.Tensor, slots: int, positions: int) -> torch.Tensor:
+        new = old.new_zeros(slots, old.shape[1], positions, old.shape[3])
+        new[: old.shape[0], :, : old.shape[2]] = old
+        return new
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, q, head_dim]; cos, sin [n, 1, q, head_dim]."""
+    return x * cos + _rotate_half(x) * sin
+
+
+class DecoderRunner:
+    """Runs a Hugging Face Llama-family causal LM against a SlotKVCache."""
+
+    def __init__(self, model: nn.Module, max_slots: int) -> None:
+        config = model.config
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"the torch engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not {config.model_type!r}"
+            )
+        if getattr(config, "use_sliding_window", False):
+            raise UnsupportedModelError("sliding-window attention is not supported by the torch engine")
+        self.model = model
+        self.decoder = model.model
+        attention = self.decoder.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.group = self.heads // self.kv_heads
+        self.has_qk_norm = hasattr(attention, "q_norm")
+        parameter = next(model.parameters())
+        self.cache = SlotKVCache(
+            layers=len(self.decoder.layers),
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=parameter.dtype,
+            device=parameter.device,
+            max_slots=max_slots,
+            max_positions=config.max_position_embeddings,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def prefill(self, slot: int, token_ids: torch.Tensor, start: int) -> torch.Tensor:
+        """Write token_ids [q] at positions [start, start + q) of `slot`; return the last position's
+        logits [V] fp32."""
+        q_len = token_ids.shape[0]
+        end = start + q_len
+        self.cache.ensure(slot + 1, end)
+        positions = torch.arange(start, end, device=self.device)
+        cos, sin = self._rope(positions.unsqueeze(0))  # [1, 1, q, head_dim]
+        mask = None if start == 0 else self._chunk_mask(start, q_len)
+        hidden = self.decoder.embed_tokens(token_ids.unsqueeze(0))  # [1, q, hidden]
+        for index, layer in enumerate(self.decoder.layers):
+            attention = layer.self_attn
+            q, k, v = self._qkv(attention, layer.input_layernorm(hidden), cos, sin)  # [1, heads, q, d]
+            keys, values = self.cache.keys[index], self.cache.values[index]
+            keys[slot, :, start:end] = k[0]
+            values[slot, :, start:end] = v[0]
+            out = F.scaled_dot_product_attention(
+                q,
+                keys[slot : slot + 1, :, :end],
+                values[slot : slot + 1, :, :end],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=attention.scaling,
+                enable_gqa=True,
+            )  # [1, heads, q, d]
+            hidden = self._finish_layer(layer, hidden, out.transpose(1, 2).reshape(1, q_len, -1))
+        return self._logits(hidden[0, -1:])[0]
+
+    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One step for slots [0, n): token_ids [n] go to positions [n] of their slot, each slot
+        attending to its positions [0, position]; return logits [len(rows), V] fp32 of `rows`."""
+        n = token_ids.shape[0]
+        length = int(positions.max()) + 1
+        self.cache.ensure(n, length)
+        slots = torch.arange(n, device=self.device)
+        cos, sin = self._rope(positions.unsqueeze(1))  # [n, 1, 1, head_dim]
+        visible = torch.arange(length, device=self.device) <= positions.unsqueeze(1)  # [n, length]
+        mask = self._additive(visible[:, None, None, :])  # [n, 1, 1, length]
+        hidden = self.decoder.embed_tokens(token_ids.unsqueeze(1))  # [n, 1, hidden]
+        for index, layer in enumerate(self.decoder.layers):
+            attention = layer.self_attn
+            q, k, v = self._qkv(attention, layer.input_layernorm(hidden), cos, sin)  # [n, heads, 1, d]
+            keys, values = self.cache.keys[index], self.cache.values[index]
+            keys[slots, :, positions] = k[:, :, 0]
+            values[slots, :, positions] = v[:, :, 0]
+            # A query head h reads kv head h // group: fold the group into the query length so
+            # every backend runs grouped-query attention without repeating the cache.
+            out = F.scaled_dot_product_attention(
+                q.view(n, self.kv_heads, self.group, self.head_dim),
+                keys[:n, :, :length],
+                values[:n, :, :length],
+                attn_mask=mask,
+                scale=attention.scaling,
+            )  # [n, kv_heads, group, d]
+            hidden = self._finish_layer(layer, hidden, out.reshape(n, 1, -1))
+        return self._logits(hidden[rows, 0])
+
+    def _chunk_mask(self, start: int, q_len: int) -> torch.Tensor:
+        """Additive mask [q, start + q]: query i sits at position start + i and sees keys
+        [0, start + i]; built in one pass since it is large for long prompts."""
+        mask = torch.zeros(q_len, start + q_len, dtype=self.cache.dtype, device=self.device)
+        mask[:, start:] = torch.full((q_len, q_len), float("-inf"), dtype=mask.dtype, device=mask.device).triu(1)
+        return mask
+
+    def _additive(self, visible: torch.Tensor) -> torch.Tensor:
+        # An additive float mask lets CPU attention take its fused kernel (a bool mask does not).
+        zeros = torch.zeros(visible.shape, dtype=self.cache.dtype, device=visible.device)
+        return zeros.masked_fill(~visible, float("-inf"))
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, q] -> cos, sin [b, 1, q, head_dim] from the model's own rotary module."""
+        dtype_probe = self.decoder.embed_tokens.weight[:1]
+        cos, sin = self.decoder.rotary_emb(dtype_probe, positions)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def _qkv(self, attention: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [b, q, hidden] -> q [b, heads, q, d], k and v [b, kv_heads, q, d], RoPE applied."""
+        b, q_len, _ = x.shape
+        q = attention.q_proj(x).view(b, q_len, -1, self.head_dim)
+        k = attention.k_proj(x).view(b, q_len, -1, self.head_dim)
+        v = attention.v_proj(x).view(b, q_len, -1, self.head_dim)
+        if self.has_qk_norm:
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    @staticmethod
+    def _finish_layer(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + layer.self_attn.o_proj(attended)
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [r, hidden] -> logits [r, V] fp32."""
+        return self.model.lm_head(self.decoder.norm(hidden)).float()

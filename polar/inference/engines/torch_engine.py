@@ -1,0 +1,514 @@
+"""The built-in torch engine: a Hugging Face Llama-family model, continuously batched.
+
+One worker thread owns the model and its KV cache and loops over steps. A step, in order: applies
+pending weight updates, drops sequences whose consumers went away, admits waiting requests into free
+slots, prefills (at most `prefill_chunk_tokens` prompt tokens a step, so a long prompt is processed
+in chunks and does not stall the others for long), runs one decode forward for every sequence that
+has a sampled token, then samples one token for each of those and for each prompt that finished
+prefilling. Each sequence gets its tokens through its own asyncio queue, one TokenChunk per step.
+
+Settings in EngineOptions.extra: `prefill_chunk_tokens` (default 2048).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from polar.inference import models
+from polar.inference.engines.base import (
+    Engine,
+    EngineOptions,
+    FinishReason,
+    GenerationEnd,
+    GenerationRequest,
+    ModelDescription,
+    ParameterSpec,
+    SamplingConfig,
+    TokenChunk,
+    WeightUpdateError,
+)
+from polar.inference.engines.llama import DecoderRunner
+from polar.inference.sampling import new_generator, sample_next_tokens
+
+DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+# Tokens that end a text or a chat turn in common tokenizers, counted as end-of-sequence when the
+# vocabulary has them (SmolLM2's GGUF tokenizer names only <|im_end|> as its eos).
+_END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+
+
+def resolve_device(spec: str) -> torch.device:
+    """"auto" -> the current CUDA device when there is one, else the CPU; a bare "cuda" gets its index."""
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
+    """"auto" -> bfloat16 on CUDA, float32 elsewhere; else a torch dtype name such as "float16"."""
+    if spec == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, spec, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype {spec!r} is not a torch floating-point dtype")
+    return dtype
+
+
+def _token_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _unique(ids) -> tuple[int, ...]:
+    return tuple(dict.fromkeys(ids))
+
+
+def _stop_ids(sampling: SamplingConfig, eos_ids: Sequence[int]) -> frozenset[int]:
+    return frozenset(sampling.stop_token_ids) | (frozenset() if sampling.ignore_eos else frozenset(eos_ids))
+
+
+def _finish_reason(token: int, completion: int, total: int, stop_ids, max_tokens: int, context: int):
+    """Why a sequence ends after sampling `token` (its `completion`-th, `total` with the prompt)."""
+    if token in stop_ids:
+        return FinishReason.STOP
+    if completion >= max_tokens:
+        return FinishReason.LENGTH
+    if total >= context:
+        return FinishReason.CONTEXT_LENGTH
+    return None
+
+
+@dataclass(eq=False)
+class _Sequence:
+    """One generation, owned by the worker thread once admitted."""
+
+    request: GenerationRequest
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    generator: torch.Generator
+    stop_ids: frozenset[int]
+    submitted: float
+    prompt: torch.Tensor | None = None  # on the model's device, from admission on
+    slot: int = -1
+    cached: int = 0  # positions of this slot holding keys and values
+    last_token: int = -1  # sampled but not yet in the cache; -1 until the first token
+    completion: int = 0
+    queue_seconds: float = 0.0
+    cancelled: bool = False  # the consumer went away; set from the event loop's thread
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < self.prompt_tokens
+
+
+@dataclass
+class _Outbox:
+    """Items produced by one step, handed to each event loop in a single callback."""
+
+    items: dict[asyncio.AbstractEventLoop, list[tuple[_Sequence, object]]] = field(default_factory=dict)
+
+    def put(self, seq: _Sequence, item: TokenChunk | GenerationEnd) -> None:
+        self.items.setdefault(seq.loop, []).append((seq, item))
+
+    def deliver(self) -> None:
+        for loop, items in self.items.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                # The consumer's event loop is closed: nobody will read these streams again.
+                for seq, _ in items:
+                    seq.cancelled = True
+        self.items = {}
+
+
+def _put_all(items: list[tuple[_Sequence, object]]) -> None:
+    for seq, item in items:
+        seq.queue.put_nowait(item)
+
+
+def _resolve(future: asyncio.Future, result: int | None = None, error: BaseException | None = None) -> None:
+    if future.done():  # the caller stopped waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+def _end(seq: _Sequence, reason: FinishReason, error: str = "") -> GenerationEnd:
+    return GenerationEnd(
+        finish_reason=reason,
+        prompt_tokens=seq.prompt_tokens,
+        completion_tokens=seq.completion,
+        queue_seconds=seq.queue_seconds,
+        error=error,
+    )
+
+
+@dataclass
+class _Update:
+    tensors: dict[str, torch.Tensor]
+    future: asyncio.Future
+
+
+class TorchEngine(Engine):
+    """Continuous batching over a slot KV cache, for llama, qwen2 and qwen3 models."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        folder = models.resolve_model(options.model)
+        self.device = resolve_device(options.device)
+        self.dtype = resolve_dtype(options.dtype, self.device)
+        self.max_batch_size = options.max_batch_size
+        self.prefill_chunk_tokens = int(options.extra.get("prefill_chunk_tokens", DEFAULT_PREFILL_CHUNK_TOKENS))
+        if self.max_batch_size < 1 or self.prefill_chunk_tokens < 1:
+            raise ValueError("max_batch_size and prefill_chunk_tokens must be positive")
+
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self._runner = DecoderRunner(self.model, max_slots=self.max_batch_size)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            generation_eos = _token_ids(GenerationConfig.from_pretrained(folder).eos_token_id)
+        except OSError:  # no generation_config.json
+            generation_eos = []
+        self._parameters = dict(self.model.named_parameters())  # tied weights appear once
+        self.description = self._describe(options.model, folder, tokenizer, generation_eos)
+
+        self._version = 0
+        self._wake = threading.Condition()
+        self._waiting: deque[_Sequence] = deque()
+        self._updates: list[_Update] = []
+        self._slots: list[_Sequence | None] = [None] * self.max_batch_size
+        self._admitted: list[_Sequence] = []  # running sequences, in admission order
+        self._stopping = False
+        self._worker: threading.Thread | None = None
+
+    def _describe(self, spec: str, folder: Path, tokenizer, generation_eos: list[int]) -> ModelDescription:
+        vocab = tokenizer.get_vocab()
+        end_of_turn = next((vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab), -1)
+        end_of_text = [vocab[t] for t in _END_OF_TEXT_TOKENS if t in vocab]
+        eos = _unique(
+            _token_ids(tokenizer.eos_token_id)
+            + generation_eos
+            + end_of_text
+            + ([end_of_turn] if end_of_turn >= 0 else [])
+        )
+        bos = tokenizer.bos_token_id
+        return ModelDescription(
+            name=models.model_name(spec),
+            vocab_size=self.model.get_output_embeddings().weight.shape[0],
+            eos_token_ids=eos,
+            context_length=self.model.config.max_position_embeddings,
+            engine="torch",
+            end_of_turn_token_id=end_of_turn,
+            bos_token_id=-1 if bos is None else bos,
+            chat_template=tokenizer.chat_template or "",
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            parameter_count=sum(p.numel() for p in self._parameters.values()),
+            tokenizer_path=str(folder),
+        )
+
+    # -- the Engine contract, called from event loops --------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def active_requests(self) -> int:
+        """Requests admitted or waiting for a slot."""
+        with self._wake:
+            return len(self._admitted) + len(self._waiting)
+
+    async def start(self) -> None:
+        self._ensure_worker()
+
+    async def stop(self) -> None:
+        worker = self._worker
+        if worker is None:
+            return
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        await asyncio.to_thread(worker.join)
+        self._worker = None
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk | GenerationEnd]:
+        self._ensure_worker()
+        seq = _Sequence(
+            request=request,
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+            generator=new_generator(request.sampling.seed),
+            stop_ids=_stop_ids(request.sampling, self.description.eos_token_ids),
+            submitted=time.monotonic(),
+        )
+        with self._wake:
+            self._waiting.append(seq)
+            self._wake.notify()
+        ended = False
+        try:
+            while not ended:
+                item = await seq.queue.get()
+                ended = isinstance(item, GenerationEnd)
+                yield item
+        finally:
+            if not ended:
+                with self._wake:
+                    seq.cancelled = True
+                    if seq in self._waiting:
+                        self._waiting.remove(seq)
+                    self._wake.notify()
+
+    def parameter_specs(self) -> Mapping[str, ParameterSpec]:
+        return {name: ParameterSpec(tuple(p.shape), p.dtype) for name, p in self._parameters.items()}
+
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        self._validate_update(tensors)
+        prepared = await asyncio.to_thread(self._prepare_update, tensors)
+        update = _Update(prepared, asyncio.get_running_loop().create_future())
+        self._ensure_worker()
+        with self._wake:
+            self._updates.append(update)
+            self._wake.notify()
+        return await update.future
+
+    def _validate_update(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        if not tensors:
+            raise WeightUpdateError("a weight update needs at least one tensor")
+        for name, tensor in tensors.items():
+            shape = tuple(tensor.shape)
+            parameter = self._parameters.get(name)
+            if parameter is None:
+                raise WeightUpdateError(f"unknown parameter {name!r} (tensor of shape {shape})")
+            if shape != tuple(parameter.shape):
+                raise WeightUpdateError(
+                    f"parameter {name!r} has shape {tuple(parameter.shape)}, the update has shape {shape}"
+                )
+            if not tensor.dtype.is_floating_point:
+                raise WeightUpdateError(f"parameter {name!r}: update dtype {tensor.dtype} is not floating point")
+
+    def _prepare_update(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Cast and move off the worker, so the worker only copies between two steps."""
+        return {name: t.detach().to(self.device, self.dtype) for name, t in tensors.items()}
+
+    def _ensure_worker(self) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            return
+        self._stopping = False
+        self._worker = threading.Thread(target=self._run, name="polar-torch-engine", daemon=True)
+        self._worker.start()
+
+    # -- the worker thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wake:
+                    while not (self._stopping or self._updates or self._waiting or self._admitted):
+                        self._wake.wait()
+                    if self._stopping:
+                        break
+                    updates, self._updates = self._updates, []
+                    admitted = self._admit()
+                outbox = _Outbox()
+                self._apply_updates(updates)
+                for seq in admitted:
+                    self._start_sequence(seq, outbox)
+                self._drop_cancelled()
+                self._step(outbox)
+                outbox.deliver()
+                with self._wake:
+                    if not self._admitted and not self._waiting:
+                        self._runner.cache.release()
+            self._shut_down()
+
+    def _admit(self) -> list[_Sequence]:
+        """Move waiting requests into free slots (caller holds the lock)."""
+        admitted = []
+        while self._waiting and len(self._admitted) < self.max_batch_size:
+            seq = self._waiting.popleft()
+            seq.slot = self._slots.index(None)
+            self._slots[seq.slot] = seq
+            self._admitted.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def _start_sequence(self, seq: _Sequence, outbox: _Outbox) -> None:
+        seq.queue_seconds = time.monotonic() - seq.submitted
+        problem = self._admission_problem(seq.request)
+        if problem is not None:
+            reason, error = problem
+            self._finish(seq, reason, outbox, error)
+            return
+        seq.prompt = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long, device=self.device)
+
+    def _admission_problem(self, request: GenerationRequest) -> tuple[FinishReason, str] | None:
+        """What prevents sampling at all; the servicer validates requests, the engine stays safe."""
+        prompt = request.prompt_token_ids
+        vocab = self.description.vocab_size
+        if not prompt:
+            return FinishReason.ERROR, "empty prompt"
+        if request.sampling.max_tokens < 1:
+            return FinishReason.ERROR, f"max_tokens must be positive, got {request.sampling.max_tokens}"
+        if min(prompt) < 0 or max(prompt) >= vocab:
+            return FinishReason.ERROR, f"prompt token ids must be in [0, {vocab})"
+        if len(prompt) >= self.description.context_length:
+            return FinishReason.CONTEXT_LENGTH, ""
+        return None
+
+    def _apply_updates(self, updates: list[_Update]) -> None:
+        for update in updates:
+            with torch.no_grad():
+                for name, tensor in update.tensors.items():
+                    self._parameters[name].copy_(tensor)
+            self._version += 1
+            update.future.get_loop().call_soon_threadsafe(_resolve, update.future, self._version)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._admitted if s.cancelled]:
+            self._release(seq)
+
+    def _step(self, outbox: _Outbox) -> None:
+        version = self._version
+        decoding = sorted((s for s in self._admitted if s.last_token >= 0), key=lambda s: s.slot)
+        prefilled, prefill_logits = self._prefill(outbox)
+        decode_logits = self._decode(decoding, outbox)
+        if decode_logits is None:
+            decoding = []
+        batch = decoding + prefilled
+        if not batch:
+            return
+        parts = ([decode_logits] if decoding else []) + ([torch.stack(prefill_logits)] if prefilled else [])
+        logits = torch.cat(parts)  # [len(batch), V]
+        try:
+            tokens, logprobs = self._sample(batch, logits)
+        except Exception as error:  # noqa: BLE001 - reported to the affected callers
+            for seq in batch:
+                self._finish(seq, FinishReason.ERROR, outbox, f"sampling failed: {error!r}")
+            return
+        for seq, token, logprob in zip(batch, tokens, logprobs, strict=True):
+            self._emit(seq, token, logprob, version, outbox)
+
+    def _prefill(self, outbox: _Outbox) -> tuple[list[_Sequence], list[torch.Tensor]]:
+        """Advance prompts by up to prefill_chunk_tokens; return those completed, with the logits
+        [V] of their last prompt position."""
+        budget = self.prefill_chunk_tokens
+        prefilled, logits = [], []
+        for seq in [s for s in self._admitted if s.prefilling]:
+            if budget <= 0:
+                break
+            start = seq.cached
+            end = min(seq.prompt_tokens, start + budget)
+            try:
+                last = self._runner.prefill(seq.slot, seq.prompt[start:end], start)
+            except Exception as error:  # noqa: BLE001 - reported to this caller, others go on
+                self._finish(seq, FinishReason.ERROR, outbox, f"prefill failed: {error!r}")
+                continue
+            seq.cached = end
+            budget -= end - start
+            if not seq.prefilling:
+                prefilled.append(seq)
+                logits.append(last)
+        return prefilled, logits
+
+    def _decode(self, decoding: list[_Sequence], outbox: _Outbox) -> torch.Tensor | None:
+        """One forward for the decoding sequences -> their logits [len(decoding), V], in order.
+
+        Every slot [0, n) takes part; slots without a token to decode get a placeholder written at
+        their next free position, which their own prefill or decode overwrites before it is read.
+        """
+        if not decoding:
+            return None
+        n = max(s.slot for s in self._admitted) + 1
+        tokens, positions = [0] * n, [0] * n
+        for seq in self._admitted:
+            positions[seq.slot] = seq.cached
+        for seq in decoding:
+            tokens[seq.slot] = seq.last_token
+        device = self.device
+        try:
+            logits = self._runner.decode(
+                torch.tensor(tokens, device=device),
+                torch.tensor(positions, device=device),
+                torch.tensor([s.slot for s in decoding], device=device),
+            )
+        except Exception as error:  # noqa: BLE001 - reported to the affected callers
+            for seq in decoding:
+                self._finish(seq, FinishReason.ERROR, outbox, f"decode failed: {error!r}")
+            return None
+        for seq in decoding:
+            seq.cached += 1
+        return logits
+
+    def _sample(self, batch: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        configs = [s.request.sampling for s in batch]
+        tokens, logprobs = sample_next_tokens(
+            logits,
+            torch.tensor([c.temperature for c in configs], dtype=torch.float32),
+            torch.tensor([c.top_k for c in configs], dtype=torch.long),
+            torch.tensor([c.top_p for c in configs], dtype=torch.float32),
+            [s.generator for s in batch],
+        )
+        return tokens.tolist(), logprobs.tolist()
+
+    def _emit(self, seq: _Sequence, token: int, logprob: float, version: int, outbox: _Outbox) -> None:
+        seq.completion += 1
+        seq.last_token = token
+        outbox.put(seq, TokenChunk((token,), (logprob,), version))
+        reason = _finish_reason(
+            token,
+            seq.completion,
+            seq.prompt_tokens + seq.completion,
+            seq.stop_ids,
+            seq.request.sampling.max_tokens,
+            self.description.context_length,
+        )
+        if reason is not None:
+            self._finish(seq, reason, outbox)
+
+    def _finish(self, seq: _Sequence, reason: FinishReason, outbox: _Outbox, error: str = "") -> None:
+        self._release(seq)
+        outbox.put(seq, _end(seq, reason, error))
+
+    def _release(self, seq: _Sequence) -> None:
+        with self._wake:
+            self._slots[seq.slot] = None
+            self._admitted.remove(seq)
+
+    def _shut_down(self) -> None:
+        """End every stream with ABORTED and fail pending updates (the worker is leaving)."""
+        outbox = _Outbox()
+        with self._wake:
+            waiting, self._waiting = list(self._waiting), deque()
+            updates, self._updates = self._updates, []
+        for seq in list(self._admitted):
+            self._finish(seq, FinishReason.ABORTED, outbox)
+        for seq in waiting:
+            seq.queue_seconds = time.monotonic() - seq.submitted
+            outbox.put(seq, _end(seq, FinishReason.ABORTED))
+        for update in updates:
+            update.future.get_loop().call_soon_threadsafe(
+                _resolve, update.future, None, RuntimeError("the engine stopped before applying the update")
+            )
+        outbox.deliver()
+        self._runner.cache.release()
