@@ -1,0 +1,269 @@
+"""Model-family chat formats: the conversation rendered to the token ids the model sees.
+
+A format renders each message on its own and concatenates the ids. Every turn is
+`<|im_start|>role\\n…<|im_end|>` followed by `\\n`, and the text between two special tokens is encoded
+alone: byte-pair merges never cross a special token, so these ids equal the ids of the whole rendered
+text encoded in one go, and rendering k messages is a token prefix of rendering k + 1. That is what
+lets `gateway.render` splice new turns after a call's sampled ids without re-rendering the history.
+
+`hermes` is ChatML with the Hermes / Qwen2.5 tool convention, for models whose own template ignores
+tools (SmolLM2's bare ChatML):
+
+- tools: a `# Tools` block with one JSON schema per line inside `<tools></tools>`, in the system turn
+  (a system turn is opened for it when the conversation has none);
+- assistant turns: `<think>\\n…\\n</think>\\n\\n` when there is reasoning, then the content, then one
+  `<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>` block per call, separated by `\\n`;
+- tool results: each in its own `user` turn wrapped in `<tool_response>\\n…\\n</tool_response>`. Qwen2.5
+  groups consecutive results into one user turn, but then whether a turn is closed depends on the
+  message after it, which would break the prefix property; one turn per result keeps every turn
+  self-contained.
+
+Message text is encoded as plain text: a special-token string inside content (a file that contains
+`<|im_end|>`) stays text and can never end a turn early. Ids and names of tool calls and results are
+not rendered.
+
+The format's rule for past reasoning (`template_history`, used by the `template` history policy) is
+Qwen3's: reasoning of assistant turns before the last user turn is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
+
+from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+
+TOOLS_INTRO = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_OUTRO = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+class UnknownChatFormatError(LookupError):
+    """No chat format is registered under that name."""
+
+
+class TextEncoder:
+    """Encodes text as plain text: special-token strings inside it become ordinary tokens.
+
+    Owns a private copy of the tokenizer's backend with special-token matching switched off, because
+    Hugging Face's `split_special_tokens` flips that switch on the shared backend for every call.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+        backend.encode_special_tokens = True
+        self._backend = backend
+        self._tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids if text else []
+
+    def special_id(self, token: str) -> int:
+        token_id = self._tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or token_id == self._tokenizer.unk_token_id:
+            raise UnknownChatFormatError(f"the tokenizer has no special token {token!r}")
+        return token_id
+
+
+@dataclass(frozen=True)
+class Special:
+    """A special token inside a rendered turn: a splice boundary, never produced by encoding text."""
+
+    text: str
+
+
+Piece = str | Special
+
+
+class ChatFormat(Protocol):
+    """How one model family's conversations become token ids."""
+
+    name: str
+
+    def render_message(self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False) -> list[int]:
+        """Ids of one message; `first` marks the conversation's opening message (it carries the tools)."""
+
+    def render_messages(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0) -> list[int]:
+        """Ids of messages that sit at position `start` onwards of their conversation."""
+
+    def render_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        """Ids of a whole conversation, ending with the opening of the assistant's turn if asked."""
+
+    def render_text(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
+        """The text `render_prompt` encodes."""
+
+    def generation_prompt(self) -> list[int]:
+        """Ids that open the assistant turn the model samples."""
+
+    def close_sampled_turn(self, sampled_ids: Sequence[int]) -> list[int]:
+        """Ids that close a sampled assistant turn so the next message can follow it."""
+
+    def template_history(self, messages: Sequence[Message]) -> tuple[Message, ...]:
+        """The messages as the family's own template would show them (its rule for past reasoning)."""
+
+    def forced_opening_text(self, tool_choice: ToolChoice) -> str:
+        """Text that opens the assistant turn so that it must be a tool call; empty when not forced."""
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of plain text."""
+
+
+def tool_call_text(call: ToolCall) -> str:
+    """One call in the Hermes convention, as the model is taught to write it."""
+    name = json.dumps(call.name, ensure_ascii=False)
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return f'<tool_call>\n{{"name": {name}, "arguments": {arguments}}}\n</tool_call>'
+
+
+def tool_spec_json(tool: ToolSpec) -> str:
+    function = {"name": tool.name, "description": tool.description, "parameters": tool.parameters}
+    return json.dumps({"type": "function", "function": function}, ensure_ascii=False)
+
+
+def assistant_body(message: Message) -> str:
+    """The text of an assistant turn between its header and its end-of-turn token."""
+    thinking = f"<think>\n{message.reasoning}\n</think>\n\n" if message.reasoning else ""
+    calls = "\n".join(tool_call_text(call) for call in message.tool_calls)
+    separator = "\n" if message.content and calls else ""
+    return thinking + message.content + separator + calls
+
+
+class HermesFormat:
+    """ChatML with Hermes / Qwen2.5 tool calls (see the module docstring)."""
+
+    def __init__(self, encoder: TextEncoder, *, name: str = "hermes", default_system: str = "") -> None:
+        self.name = name
+        self._encoder = encoder
+        # A system turn opens every conversation that has none, the way the family's template does.
+        self._default_system = default_system
+        self._special_ids = {token: encoder.special_id(token) for token in (IM_START, IM_END)}
+        self._end_of_turn_id = self._special_ids[IM_END]
+        self._turn_separator = encoder.encode("\n")
+        self._generation_prompt = self._encode((Special(IM_START), "assistant\n"))
+
+    # -- pieces: a turn as text and special tokens -----------------------------------------------
+
+    def _turn(self, role: str, body: str) -> tuple[Piece, ...]:
+        return (Special(IM_START), f"{role}\n{body}", Special(IM_END), "\n")
+
+    def _system_turn(self, content: str, tools: Sequence[ToolSpec]) -> tuple[Piece, ...]:
+        if not tools:
+            return self._turn("system", content)
+        schemas = "".join("\n" + tool_spec_json(tool) for tool in tools)
+        lead = f"{content}\n\n" if content else ""
+        return self._turn("system", lead + TOOLS_INTRO + schemas + TOOLS_OUTRO)
+
+    def _message_pieces(self, message: Message, tools: Sequence[ToolSpec], first: bool) -> tuple[Piece, ...]:
+        if message.role == "system":
+            return self._system_turn(message.content, tools if first else ())
+        opening = self._system_turn(self._default_system, tools) if first and (tools or self._default_system) else ()
+        if message.role == "assistant":
+            return opening + self._turn("assistant", assistant_body(message))
+        if message.role == "tool":
+            return opening + self._turn("user", f"<tool_response>\n{message.content}\n</tool_response>")
+        return opening + self._turn(message.role, message.content)
+
+    def _conversation_pieces(self, conversation: Conversation, add_generation_prompt: bool) -> list[Piece]:
+        pieces: list[Piece] = []
+        for index, message in enumerate(conversation.messages):
+            pieces.extend(self._message_pieces(message, conversation.tools, index == 0))
+        if add_generation_prompt:
+            pieces.extend((Special(IM_START), "assistant\n"))
+        return pieces
+
+    def _encode(self, pieces: Sequence[Piece]) -> list[int]:
+        ids: list[int] = []
+        for piece in pieces:
+            if isinstance(piece, Special):
+                ids.append(self._special_ids[piece.text])
+            else:
+                ids.extend(self._encoder.encode(piece))
+        return ids
+
+    # -- ChatFormat ------------------------------------------------------------------------------
+
+    def render_message(self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False) -> list[int]:
+        return self._encode(self._message_pieces(message, tools, first))
+
+    def render_messages(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0) -> list[int]:
+        ids: list[int] = []
+        for offset, message in enumerate(messages):
+            ids.extend(self.render_message(message, tools=tools, first=start + offset == 0))
+        return ids
+
+    def render_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
+        return self._encode(self._conversation_pieces(conversation, add_generation_prompt))
+
+    def render_text(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
+        pieces = self._conversation_pieces(conversation, add_generation_prompt)
+        return "".join(piece.text if isinstance(piece, Special) else piece for piece in pieces)
+
+    def generation_prompt(self) -> list[int]:
+        return list(self._generation_prompt)
+
+    def close_sampled_turn(self, sampled_ids: Sequence[int]) -> list[int]:
+        # A sample stopped by its end-of-turn token holds it already; one cut at max_tokens does not.
+        ended = bool(sampled_ids) and sampled_ids[-1] == self._end_of_turn_id
+        return ([] if ended else [self._end_of_turn_id]) + self._turn_separator
+
+    def template_history(self, messages: Sequence[Message]) -> tuple[Message, ...]:
+        last_user = max((index for index, message in enumerate(messages) if message.role == "user"), default=-1)
+        return tuple(
+            replace(message, reasoning="") if index < last_user and message.reasoning else message
+            for index, message in enumerate(messages)
+        )
+
+    def forced_opening_text(self, tool_choice: ToolChoice) -> str:
+        # Both openings stop where the canonical call's own tokens break (after ` "` and after `":`),
+        # so the model continues from the tokenization it would have produced itself.
+        if tool_choice.mode == "required":
+            return '<tool_call>\n{"name": "'
+        if tool_choice.mode == "function":
+            name = json.dumps(tool_choice.function_name, ensure_ascii=False)
+            return f'<tool_call>\n{{"name": {name}, "arguments":'
+        return ""
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._encoder.encode(text)
+
+
+def forced_opening(chat_format: ChatFormat, tool_choice: ToolChoice) -> list[int]:
+    """Prompt ids appended after the generation prompt so the output must be a tool call ([] if not forced)."""
+    return chat_format.encode_text(chat_format.forced_opening_text(tool_choice))
+
+
+ChatFormatFactory = Callable[[TextEncoder], ChatFormat]
+
+CHAT_FORMATS: dict[str, ChatFormatFactory] = {
+    "hermes": lambda encoder: HermesFormat(encoder, name="hermes"),
+    # SmolLM2's own template opens tool-less conversations with this system prompt; keeping it makes
+    # fresh renders of plain chats identical to the model's template.
+    "smollm2": lambda encoder: HermesFormat(encoder, name="smollm2", default_system=SMOLLM2_SYSTEM),
+}
+
+
+def register_chat_format(name: str, factory: ChatFormatFactory) -> None:
+    """Make a model family's format available to `get_chat_format`."""
+    CHAT_FORMATS[name] = factory
+
+
+def get_chat_format(name: str, tokenizer: Any) -> ChatFormat:
+    """The chat format registered under `name`, bound to a Hugging Face tokenizer."""
+    factory = CHAT_FORMATS.get(name)
+    if factory is None:
+        raise UnknownChatFormatError(f"no chat format {name!r}; known: {', '.join(sorted(CHAT_FORMATS))}")
+    return factory(TextEncoder(tokenizer))

@@ -1,0 +1,148 @@
+"""Token-faithful prompts: a request that continues an earlier call reuses that call's exact tokens.
+
+For a new request the session's earlier calls are searched for one whose messages plus its parsed reply
+the new messages extend (`turns_match`: arguments as parsed JSON, ids ignored; longest history wins,
+then the latest call). The prompt is then
+
+    that call's prompt ids + its sampled ids + the tokens closing the sampled turn
+    + the chat format's ids for the messages after the reply + the generation prompt
+    (+ the forced opening of a tool call, when tool_choice forces one)
+
+so the model sees exactly the tokens it sampled, and the new prompt extends the old prompt + sample token
+for token. The closing tokens are the end-of-turn token when the sample does not already end with it
+(cut at max_tokens) and the turn separator. Only the new messages are encoded; the history is never
+re-rendered.
+
+When no earlier call fits, the prompt is rendered fresh and `fresh_reason` says why: `first_call`,
+`history_diverged` (the harness rewrote, compacted or edited history, or it is another agent's
+conversation), `tools_changed` (the tools block of the system turn differs), or
+`template_drops_sampled_reasoning` (see below).
+
+History policy:
+
+- `faithful` (default): earlier assistant turns are shown exactly as sampled, reasoning included, even
+  when the harness does not send the reasoning back.
+- `template`: the conversation is first passed through the format's rule for past reasoning
+  (`ChatFormat.template_history`, e.g. Qwen3 drops `<think>` of turns before the last user turn), and
+  reasoning is compared exactly. Where that view differs from what was sampled (the rule dropped the
+  reasoning, or the harness did not echo it), the call cannot be extended and a new chain starts with
+  reason `template_drops_sampled_reasoning`: explicit, never a silent rewrite of sampled tokens. Only
+  reasoning is subject to the rule; sampled tool-call JSON is always kept as sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from gateway.chat_format import ChatFormat, forced_opening
+from gateway.conversation import Conversation, Message, turns_match
+
+History = Literal["faithful", "template"]
+
+FIRST_CALL = "first_call"
+HISTORY_DIVERGED = "history_diverged"
+TOOLS_CHANGED = "tools_changed"
+TEMPLATE_DROPS_SAMPLED_REASONING = "template_drops_sampled_reasoning"
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """The prompt of one call and how it relates to the session's earlier calls."""
+
+    token_ids: tuple[int, ...]
+    # The messages and tools exactly as the prompt shows them to the model (sampled reasoning put back,
+    # or the template's view): record this as the call's `PriorCall.conversation`.
+    conversation: Conversation
+    # The call whose prompt + sampled ids this prompt starts with; empty when rendered fresh.
+    extends_call_id: str = ""
+    # Why the prompt was rendered fresh; empty when it extends a call.
+    fresh_reason: str = ""
+    # Ids at the end of token_ids that force a tool call's opening; prompt, never sampled.
+    forced_token_count: int = 0
+
+
+@dataclass(frozen=True)
+class PriorCall:
+    """An earlier call of the session."""
+
+    call_id: str
+    # The call's `RenderedPrompt.conversation`.
+    conversation: Conversation
+    prompt_ids: tuple[int, ...]
+    sampled_ids: tuple[int, ...]
+    # The assistant message its output (forced opening included) parsed into.
+    reply: Message
+
+
+def render_request(
+    chat_format: ChatFormat,
+    conversation: Conversation,
+    prior_calls: Sequence[PriorCall] = (),
+    *,
+    history: History = "faithful",
+) -> RenderedPrompt:
+    """The prompt for a request: extending the best-matching earlier call, else rendered fresh."""
+    if history not in ("faithful", "template"):
+        raise ValueError(f"history must be 'faithful' or 'template', not {history!r}")
+    messages = conversation.messages if history == "faithful" else chat_format.template_history(conversation.messages)
+    forced = forced_opening(chat_format, conversation.tool_choice)
+    prior, reason = _best_prior(prior_calls, messages, conversation, strict_reasoning=history == "template")
+    if prior is None:
+        seen = Conversation(messages, conversation.tools, conversation.tool_choice)
+        token_ids = chat_format.render_prompt(seen) + forced
+        return RenderedPrompt(tuple(token_ids), seen, fresh_reason=reason, forced_token_count=len(forced))
+    reply_index = len(prior.conversation.messages)
+    new_messages = messages[reply_index + 1:]
+    token_ids = [
+        *prior.prompt_ids,
+        *prior.sampled_ids,
+        *chat_format.close_sampled_turn(prior.sampled_ids),
+        *chat_format.render_messages(new_messages, tools=conversation.tools, start=reply_index + 1),
+        *chat_format.generation_prompt(),
+        *forced,
+    ]
+    seen_messages = (*prior.conversation.messages, prior.reply, *new_messages)
+    seen = Conversation(seen_messages, conversation.tools, conversation.tool_choice)
+    return RenderedPrompt(tuple(token_ids), seen, extends_call_id=prior.call_id, forced_token_count=len(forced))
+
+
+def _best_prior(
+    prior_calls: Sequence[PriorCall],
+    messages: Sequence[Message],
+    conversation: Conversation,
+    *,
+    strict_reasoning: bool,
+) -> tuple[PriorCall | None, str]:
+    """The call to extend (longest history, then latest), or None and the reason of the closest miss."""
+    if not prior_calls:
+        return None, FIRST_CALL
+    longest_first = sorted(
+        range(len(prior_calls)),
+        key=lambda index: (len(prior_calls[index].conversation.messages), index),
+        reverse=True,
+    )
+    reason = HISTORY_DIVERGED
+    for index in longest_first:
+        miss = _mismatch(prior_calls[index], messages, conversation, strict_reasoning)
+        if miss is None:
+            return prior_calls[index], ""
+        if reason == HISTORY_DIVERGED:
+            reason = miss
+    return None, reason
+
+
+def _mismatch(prior: PriorCall, messages: Sequence[Message], conversation: Conversation, strict_reasoning: bool) -> str | None:
+    """Why `messages` do not extend the prior call's messages + reply; None when they do."""
+    recorded = (*prior.conversation.messages, prior.reply)
+    if len(messages) < len(recorded):
+        return HISTORY_DIVERGED
+    pairs = list(zip(messages, recorded))
+    if not all(turns_match(incoming, seen) for incoming, seen in pairs):
+        return HISTORY_DIVERGED
+    if strict_reasoning and not all(turns_match(incoming, seen, strict_reasoning=True) for incoming, seen in pairs):
+        return TEMPLATE_DROPS_SAMPLED_REASONING
+    if prior.conversation.tools != conversation.tools:
+        return TOOLS_CHANGED
+    return None
