@@ -118,12 +118,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsRequest], context: grpc.aio.ServicerContext
     ) -> inference_pb2.UpdateWeightsResponse:
         assembler = WeightsAssembler(self._engine.parameter_specs())
-        try:
-            async for message in request_iterator:
+        problem: WeightUpdateError | None = None
+        async for message in request_iterator:
+            if problem is not None:
+                # A status sent while the client is still writing reaches grpc clients as INTERNAL
+                # ("Internal error from Core"), not as ours; so the rest of a bad stream is read
+                # and dropped unchecked, and the status goes out once the client is done.
+                continue
+            try:
                 assembler.add(message)
-            tensors = assembler.finish()
-        except WeightUpdateError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except WeightUpdateError as exc:
+                problem = exc
+                assembler = WeightsAssembler({})  # frees the bytes received so far
+        if problem is None:
+            try:
+                tensors = assembler.finish()
+            except WeightUpdateError as exc:
+                problem = exc
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(problem))
         started = time.perf_counter()
         try:
             # The stream is complete, so the update must land whole even if the client now leaves.

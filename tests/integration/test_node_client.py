@@ -31,8 +31,10 @@ SCRIPT = {
 }
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def anyio_backend():
+    # One event loop for the module: grpc.aio objects left from a test on a closed loop would
+    # otherwise post their completions to it ("Event loop is closed") during a later test.
     return "asyncio"
 
 

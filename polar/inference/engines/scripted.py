@@ -108,7 +108,8 @@ class ScriptedEngine(Engine):
 
     def _configure(self, script: Mapping[str, Any], max_batch_size: int) -> None:
         tokenizer_spec = script.get("tokenizer", "tiny")
-        self._tokenizer = _load_tokenizer(tokenizer_spec) if tokenizer_spec is not None else None
+        tokenizer_path = _resolve(tokenizer_spec) if tokenizer_spec is not None else None
+        self._tokenizer = _load_tokenizer(tokenizer_path) if tokenizer_path is not None else None
         vocab_size = script.get("vocab_size", len(self._tokenizer) if self._tokenizer is not None else None)
         if not isinstance(vocab_size, int) or vocab_size <= 0:
             raise ScriptError(f"vocab_size = {vocab_size!r}: a script without a tokenizer must give one > 0")
@@ -117,12 +118,13 @@ class ScriptedEngine(Engine):
         self._tokens_per_chunk = int(script.get("tokens_per_chunk", DEFAULT_TOKENS_PER_CHUNK))
         if self._tokens_per_chunk <= 0:
             raise ScriptError(f"tokens_per_chunk = {self._tokens_per_chunk} must be > 0")
-        self._cycle = bool(script.get("cycle", False))
         self._end_of_turn = -1
         eos: tuple[int, ...] = ()
+        bos = -1
         if self._tokenizer is not None:
             self._end_of_turn = self._tokenizer.convert_tokens_to_ids(END_OF_TURN)
             eos = tuple(sorted({self._tokenizer.eos_token_id, self._end_of_turn} - {None}))
+            bos = -1 if self._tokenizer.bos_token_id is None else self._tokenizer.bos_token_id
         self.description = ModelDescription(
             name=str(script.get("name", "scripted")),
             vocab_size=vocab_size,
@@ -130,21 +132,28 @@ class ScriptedEngine(Engine):
             context_length=int(script.get("context_length", DEFAULT_CONTEXT_LENGTH)),
             engine="scripted",
             end_of_turn_token_id=self._end_of_turn,
-            bos_token_id=_or_minus_one(getattr(self._tokenizer, "bos_token_id", None)),
-            chat_template=getattr(self._tokenizer, "chat_template", None) or "",
-            tokenizer_path=str(_tokenizer_path(tokenizer_spec)) if tokenizer_spec is not None else "",
+            bos_token_id=bos,
+            chat_template=(self._tokenizer.chat_template or "") if self._tokenizer is not None else "",
+            tokenizer_path=str(tokenizer_path or ""),
         )
-        self._rules = tuple(
-            _Rule(re.compile(str(entry.get("prompt_regex", ""))), self._output(entry, f"rules[{i}]"))
-            for i, entry in enumerate(script.get("rules", ()))
+        self._rules = tuple(self._rule(entry, f"rules[{i}]") for i, entry in enumerate(script.get("rules", ())))
+        self._outputs = tuple(
+            self._output(entry, f"outputs[{i}]") for i, entry in enumerate(script.get("outputs", ()))
         )
-        self._outputs = tuple(self._output(entry, f"outputs[{i}]") for i, entry in enumerate(script.get("outputs", ())))
-        self._next_output: Iterator[int] = itertools.cycle(range(len(self._outputs))) if self._cycle else iter(
-            range(len(self._outputs))
-        )
+        indices = range(len(self._outputs))
+        self._next_output: Iterator[int] = itertools.cycle(indices) if script.get("cycle", False) else iter(indices)
         self._slots = asyncio.Semaphore(max_batch_size)
         self._stopped = False
         self.running = 0  # generations holding a slot now
+
+    def _rule(self, entry: Mapping[str, Any], where: str) -> _Rule:
+        if "prompt_regex" not in entry:
+            raise ScriptError(f"{where}: a rule needs a 'prompt_regex'")
+        try:
+            pattern = re.compile(str(entry["prompt_regex"]))
+        except re.error as exc:
+            raise ScriptError(f"{where}: prompt_regex {entry['prompt_regex']!r} is not a regex: {exc}") from exc
+        return _Rule(pattern, self._output(entry, where))
 
     def _output(self, entry: Mapping[str, Any], where: str) -> ScriptedOutput:
         if ("text" in entry) == ("token_ids" in entry):
@@ -240,17 +249,13 @@ def _replay_length(token_ids: tuple[int, ...], max_tokens: int, stops: set[int])
     return len(token_ids), FinishReason.STOP
 
 
-def _or_minus_one(value: int | None) -> int:
-    return -1 if value is None else value
-
-
-def _tokenizer_path(spec: str) -> Path:
+def _resolve(spec: str) -> Path:
     from polar.inference.models import resolve_model
 
     return resolve_model(spec)
 
 
-def _load_tokenizer(spec: str):
+def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(_tokenizer_path(spec))
+    return AutoTokenizer.from_pretrained(folder)
