@@ -21,7 +21,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
-import polar.inference.engines as engines
 from polar.inference.engines import EngineOptions, FinishReason, GenerationEnd, TokenChunk, create_engine
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import serve, start_server
@@ -30,10 +29,6 @@ from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 pytestmark = pytest.mark.anyio
 
 REPO = Path(__file__).resolve().parents[2]
-HAS_TORCH_ENGINE = (Path(engines.__file__).parent / "torch_engine.py").is_file()
-needs_torch_engine = pytest.mark.skipif(
-    not HAS_TORCH_ENGINE, reason="polar/inference/engines/torch_engine.py is not written yet"
-)
 
 LONG = list(range(10, 110))  # 100 token ids
 SLOW_PROMPT = [7]  # matched by the rule below: a reply that takes seconds
@@ -392,6 +387,7 @@ asyncio.run(serve(engine, "127.0.0.1:0", on_ready=lambda port: print(port, flush
 """
 
 
+@pytest.mark.slow
 async def test_serve_stops_gracefully_on_sigterm(tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps(SCRIPT))
@@ -462,7 +458,6 @@ async def send_update(stub, tensors: dict[str, torch.Tensor], chunk_bytes: int =
     return await stub.UpdateWeights(iter(messages))
 
 
-@needs_torch_engine
 @pytest.mark.slow
 async def test_a_full_update_over_grpc_changes_output_and_version(tiny):
     engine, stub = tiny
@@ -482,8 +477,6 @@ async def test_a_full_update_over_grpc_changes_output_and_version(tiny):
     assert {m.policy_version for m in messages} == {1}
 
 
-@needs_torch_engine
-@pytest.mark.slow
 async def test_bad_updates_change_neither_version_nor_output(tiny):
     engine, stub = tiny
     before = await greedy(stub)
@@ -505,8 +498,6 @@ async def test_bad_updates_change_neither_version_nor_output(tiny):
     assert await greedy(stub) == before
 
 
-@needs_torch_engine
-@pytest.mark.slow
 async def test_a_half_sent_update_changes_nothing_and_the_server_keeps_serving(tiny):
     engine, stub = tiny
     before = await greedy(stub)
@@ -529,8 +520,6 @@ async def test_a_half_sent_update_changes_nothing_and_the_server_keeps_serving(t
     assert await greedy(stub) == before
 
 
-@needs_torch_engine
-@pytest.mark.slow
 async def test_tiny_frees_the_slot_of_a_client_that_goes_away(tiny):
     _, stub = tiny
     # Tens of seconds of decoding if the slot were kept: Pause would wait for all of it.
