@@ -36,36 +36,57 @@ def batched_processed_logprobs(
     """`processed_logprobs` with per-row parameters.
 
     logits [..., V] fp32; temperature, top_k, top_p: [...] each (one value per row). The parameters
-    may live on any device; on the CPU, deciding whether any row truncates costs no device sync.
+    may live on any device; on the CPU, choosing how much to sort costs no device sync.
     """
     vocab = logits.shape[-1]
     greedy = temperature <= 0
     scale = torch.where(greedy, 1.0, temperature).to(logits.device, torch.float32)
     scaled = logits / scale.unsqueeze(-1)
     # 0 (or >= V) means no top-k; top_p outside (0, 1) means no nucleus; greedy ignores both.
-    k = torch.where(greedy | (top_k <= 0) | (top_k >= vocab), 0, top_k)
-    p = torch.where(greedy | (top_p <= 0) | (top_p >= 1), torch.inf, top_p.to(torch.float64))
-    if bool((k > 0).any()) or bool(torch.isfinite(p).any()):
-        scaled = _truncate(scaled, k.to(logits.device), p.to(logits.device))
+    k = torch.where(greedy | (top_k <= 0) | (top_k >= vocab), vocab, top_k).reshape(-1)
+    p = torch.where(greedy | (top_p <= 0) | (top_p >= 1), torch.inf, top_p.to(torch.float64)).reshape(-1)
+    truncating = (k < vocab) | torch.isfinite(p)
+    if bool(truncating.any()):
+        # Only the rows that truncate pay for finding their most likely tokens.
+        k, p = k[truncating], p[truncating]
+        largest_k = int(torch.where(k < vocab, k, 1).max())
+        candidates = min(vocab, max(largest_k, NUCLEUS_CANDIDATES if bool(torch.isfinite(p).any()) else 1))
+        rows = truncating.nonzero().squeeze(-1).to(logits.device)
+        flat = scaled.reshape(-1, vocab)  # a view: scaled is a fresh tensor
+        flat[rows] = _truncate(flat[rows], k.to(logits.device), p.to(logits.device), candidates)
     return scaled.log_softmax(-1)
 
 
-def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+# Truncation first looks at this many most likely tokens of a row; a nucleus that is not complete
+# within them (a flat distribution) makes that row look at its whole vocabulary.
+NUCLEUS_CANDIDATES = 1024
+
+
+def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int) -> torch.Tensor:
     """Mask (-inf) what top-k, then top-p on the renormalised top-k distribution, drop.
 
-    scaled [..., V]; top_k [...] (0 = keep all); top_p [...] fp64 (inf = keep all).
+    scaled [N, V]; top_k [N] (V = keep all); top_p [N] fp64 (inf = keep all); every finite top_k is
+    at most `candidates`, the number of most likely tokens examined.
     """
     vocab = scaled.shape[-1]
-    ordered = scaled.sort(dim=-1, descending=True).values  # [..., V]
-    kth = ordered.gather(-1, (torch.where(top_k > 0, top_k, vocab) - 1).unsqueeze(-1))  # [..., 1]
+    ordered = scaled.topk(candidates, dim=-1).values  # [N, C], descending
+    has_k = (top_k <= candidates).unsqueeze(-1)  # [N, 1]
+    kth = torch.where(has_k, ordered.gather(-1, (top_k.clamp(max=candidates) - 1).unsqueeze(-1)), -torch.inf)
+    in_top_k = scaled.masked_fill(scaled < kth, -torch.inf)  # [N, V]
     ordered = ordered.masked_fill(ordered < kth, -torch.inf)
-    probs = ordered.softmax(-1)
-    # Mass of the strictly earlier tokens; a shifted cumsum stays monotone, so `keep` is a prefix.
-    before = F.pad(probs.cumsum(-1)[..., :-1], (1, 0)).to(torch.float64)  # [..., V]
-    kept = (before < top_p.unsqueeze(-1)).sum(-1, keepdim=True)  # [..., 1], >= 1 as before[0] = 0
-    # Past the top-k cut `ordered` holds -inf, so the top-k threshold still applies there.
-    threshold = torch.maximum(kth, ordered.gather(-1, kept - 1))  # [..., 1]
-    return scaled.masked_fill(scaled < threshold, -torch.inf)
+    probs = (ordered - in_top_k.logsumexp(-1, keepdim=True)).exp()  # [N, C]
+    # Mass of the strictly earlier tokens; a shifted cumsum stays monotone, so `within` is a prefix.
+    before = F.pad(probs.cumsum(-1)[:, :-1], (1, 0)).to(torch.float64)  # [N, C]
+    kept = (before < top_p.unsqueeze(-1)).sum(-1, keepdim=True)  # [N, 1], >= 1 as before[0] = 0
+    nucleus = torch.isfinite(top_p).unsqueeze(-1)
+    # Tied logits share a threshold, so they are kept or dropped together.
+    threshold = torch.where(nucleus, torch.maximum(kth, ordered.gather(-1, kept - 1)), kth)  # [N, 1]
+    truncated = in_top_k.masked_fill(scaled < threshold, -torch.inf)
+    unfinished = (nucleus & ~has_k & (kept == candidates)).squeeze(-1)  # [N]
+    if candidates < vocab and bool(unfinished.any()):
+        rows = unfinished.nonzero().squeeze(-1)
+        truncated[rows] = _truncate(scaled[rows], top_k[rows], top_p[rows], vocab)
+    return truncated
 
 
 def new_generator(seed: int | None) -> torch.Generator:
@@ -85,16 +106,34 @@ def draw_uniforms(generators: Sequence[torch.Generator]) -> torch.Tensor:
     return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
 
 
+# The inverse CDF first picks a block of this many tokens, then a token inside it: two short
+# cumulative sums instead of one over the whole vocabulary, in fp32.
+CDF_BLOCK = 256
+
+
+def _below(target: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """target clamped strictly below total (so a search lands on something that added mass)."""
+    return torch.minimum(target, total.nextafter(torch.zeros_like(total)))
+
+
 def inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Token drawn by each row's uniform: logprobs [B, V], uniforms [B] in [0, 1) -> ids [B].
 
-    Only tokens with positive probability can come out: the target stays strictly below the total
-    mass, and the first cumulative sum above it ends on a token that added mass.
+    Only tokens with positive probability can come out: each target stays strictly below the mass
+    it searches, and the first cumulative sum above it ends on a block or token that added mass.
     """
-    cdf = logprobs.to(torch.float64).exp().cumsum(-1)  # [B, V]
-    total = cdf[:, -1:]  # [B, 1]
-    target = torch.minimum(uniforms.to(cdf.device).unsqueeze(-1) * total, total.nextafter(total.new_zeros(())))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    rows, vocab = logprobs.shape
+    probs = logprobs.exp()
+    if vocab % CDF_BLOCK:
+        probs = F.pad(probs, (0, -vocab % CDF_BLOCK))
+    blocks = probs.view(rows, -1, CDF_BLOCK)  # [B, nb, blk]
+    block_cdf = blocks.sum(-1).cumsum(-1)  # [B, nb]
+    target = _below(uniforms.to(block_cdf) * block_cdf[:, -1], block_cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    block = torch.searchsorted(block_cdf, target, right=True)  # [B, 1]
+    start = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)  # [B, 1]
+    inner_cdf = blocks.gather(1, block.unsqueeze(-1).expand(-1, -1, CDF_BLOCK)).squeeze(1).cumsum(-1)
+    inner_target = _below(target - start, inner_cdf[:, -1:])  # [B, 1]
+    return (block * CDF_BLOCK + torch.searchsorted(inner_cdf, inner_target, right=True)).squeeze(-1)
 
 
 def sample_next_tokens(

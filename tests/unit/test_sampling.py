@@ -6,10 +6,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from polar.inference.sampling import (
+    NUCLEUS_CANDIDATES,
     batched_processed_logprobs,
     inverse_cdf,
     new_generator,
@@ -112,6 +113,44 @@ def test_batched_rows_equal_single_rows(seed, rows):
         assert torch.equal(torch.isfinite(batched[i]), torch.isfinite(processed_logprobs(logits[i], t, k, p)))
 
 
+def reference_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The definition, straightforwardly in fp64 with a full sort: logits [V] -> [V]."""
+    x = logits.double()
+    if temperature == 0:
+        return x.log_softmax(-1)
+    x = x / temperature
+    if 0 < top_k < x.numel():
+        x = x.masked_fill(x < x.sort(descending=True).values[top_k - 1], -math.inf)
+    if 0 < top_p < 1:
+        ordered = x.sort(descending=True).values
+        before = torch.cumsum(ordered.softmax(-1), 0) - ordered.softmax(-1)
+        x = x.masked_fill(x < ordered[(before < top_p).sum() - 1], -math.inf)
+    return x.log_softmax(-1)
+
+
+# Peaked rows keep their nucleus among the first candidates; flat rows need the whole vocabulary.
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=seeds,
+    rows=st.lists(
+        st.tuples(temperatures, top_ks, st.floats(0.05, 0.99), st.sampled_from([0.3, 12.0])), min_size=1, max_size=4
+    ),
+)
+def test_large_vocabularies_match_the_definition(seed, rows):
+    vocab = 4 * NUCLEUS_CANDIDATES
+    logits = torch.cat([random_logits(seed + i, vocab=vocab, scale=r[3]) for i, r in enumerate(rows)])
+    batched = batched_processed_logprobs(
+        logits,
+        torch.tensor([r[0] for r in rows]),
+        torch.tensor([r[1] for r in rows]),
+        torch.tensor([r[2] for r in rows]),
+    )
+    for i, (t, k, p, _) in enumerate(rows):
+        expected = reference_logprobs(logits[i], t, k, p)
+        assert torch.equal(torch.isfinite(batched[i]), torch.isfinite(expected))
+        assert torch.allclose(batched[i].double(), expected, atol=1e-5)
+
+
 def test_tied_logits_are_kept_or_dropped_together():
     logits = torch.tensor([[2.0, 1.0, 1.0, 1.0, 0.0]])
     assert torch.isfinite(processed_logprobs(logits, 1.0, top_k=2)).tolist() == [[True, True, True, True, False]]
@@ -196,3 +235,18 @@ def test_inverse_cdf_never_returns_a_masked_token(uniform):
     token = inverse_cdf(logprobs, torch.tensor([uniform], dtype=torch.float64)).item()
     assert token in (1, 3)
     assert token == (1 if uniform < 0.5 else 3)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    allowed=st.sets(st.integers(0, 699), min_size=1, max_size=6),
+    uniform=st.one_of(st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2.0**-53)),
+)
+def test_inverse_cdf_across_blocks_lands_on_allowed_tokens_in_order(allowed, uniform):
+    ordered = sorted(allowed)
+    scaled = uniform * len(ordered)
+    assume(scaled == 0 or abs(scaled - round(scaled)) > 1e-4)  # fp32 masses blur exact boundaries
+    logprobs = torch.full((1, 700), -math.inf)
+    logprobs[0, ordered] = -math.log(len(ordered))
+    token = inverse_cdf(logprobs, torch.tensor([uniform], dtype=torch.float64)).item()
+    assert token == ordered[min(int(uniform * len(ordered)), len(ordered) - 1)]

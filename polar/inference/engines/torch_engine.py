@@ -7,7 +7,9 @@ in chunks and does not stall the others for long), runs one decode forward for e
 has a sampled token, then samples one token for each of those and for each prompt that finished
 prefilling. Each sequence gets its tokens through its own asyncio queue, one TokenChunk per step.
 
-Settings in EngineOptions.extra: `prefill_chunk_tokens` (default 2048).
+Settings in EngineOptions.extra: `prefill_chunk_tokens` (default 2048); `cpu_threads` (default:
+torch's own choice), torch's process-wide intra-op thread count, worth 1 on a CPU shared with other
+busy processes, where waiting for a second thread costs more than it brings to small models.
 """
 
 from __future__ import annotations
@@ -180,6 +182,8 @@ class TorchEngine(Engine):
         self.prefill_chunk_tokens = int(options.extra.get("prefill_chunk_tokens", DEFAULT_PREFILL_CHUNK_TOKENS))
         if self.max_batch_size < 1 or self.prefill_chunk_tokens < 1:
             raise ValueError("max_batch_size and prefill_chunk_tokens must be positive")
+        if "cpu_threads" in options.extra:
+            torch.set_num_threads(int(options.extra["cpu_threads"]))
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
