@@ -1,0 +1,282 @@
+"""Inference throughput through a real server: `polar serve inference` as a subprocess, driven by a
+gRPC streaming client in this process.
+
+Measured, with all streams of a point started together:
+- torch engine, models tiny and smollm2-135m, at 1, 8 and 32 concurrent streams: each stream makes
+  one Generate call (ignore_eos, fixed max_tokens), and tokens/s is all sampled tokens over the time
+  until the last one arrived, prefill included (the speedup over one stream shows the batching). A
+  point that outlasts its time cap is cut there and counts the tokens received so far.
+- scripted engine (no model): the server's own streaming throughput at up to 128 streams, each
+  looping calls for a fixed window, once with one token per message (the torch engine's shape: one
+  message per decode step) and, without --quick, once with 32; plus the server's CPU time per
+  token, the per-token overhead the service itself adds.
+
+    python scripts/bench_inference.py --quick              # under a minute on 2 CPU cores
+    python scripts/bench_inference.py --device cuda        # on a GPU machine
+
+Prints a table and writes JSON (default bench-results/inference.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+
+from polar.config import InferenceConfig
+from polar.stack import Service, inference_spec, join_host_port, running
+from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCH_MODELS = ("tiny", "smollm2-135m")
+TORCH_STREAMS = (1, 8, 32)
+SCRIPTED_STREAMS = (1, 8, 32, 128)
+SCRIPTED_TOKENS_PER_MESSAGE = (1, 32)
+SCRIPTED_MAX_TOKENS = 1024
+PROMPT_TOKENS = 32
+STARTUP_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measurement: an engine and model at one number of concurrent streams."""
+
+    engine: str
+    model: str
+    device: str  # as the server reports it (GetModelInfo.device); "" for the scripted engine
+    card: str  # GPU name on cuda, else the CPU's model name
+    streams: int
+    max_tokens: int  # per Generate call
+    seconds: float  # from the start of the point until its last token (or its window or cap)
+    tokens: int  # tokens received
+    messages: int  # stream messages with tokens received
+    tokens_per_s: float
+    speedup_vs_1_stream: float  # tokens_per_s over the same engine and model's 1-stream point
+    first_token_ms_p50: float  # from a call's start to its first message, median over the point's calls
+    server_cpu_us_per_token: float  # the server process's CPU time during the point, per token
+    client_cpu_us_per_token: float  # this process's CPU time during the point, per token
+
+
+def main() -> int:
+    args = _parse_args()
+    machine = _machine(args.device)
+    # Torch points: one call per stream, capped in time. --quick keeps calls short and caps tight
+    # so that the whole run stays under a minute however slow the engine is.
+    max_tokens, cap = (8, 4.0) if args.quick else (128, 120.0)
+    window = 1.0 if args.quick else 5.0  # scripted points: seconds of looping calls
+    # --quick streams one token per message only: the costliest shape, and the one the target is for.
+    per_message_variants = SCRIPTED_TOKENS_PER_MESSAGE[:1] if args.quick else SCRIPTED_TOKENS_PER_MESSAGE
+    points: list[Point] = []
+    for model in args.models:
+        config = InferenceConfig(engine="torch", model=model, port=0, device=args.device, dtype=args.dtype)
+        points += _bench_server(config, TORCH_STREAMS, _Work(max_tokens, calls=1, seconds=cap), machine)
+    with tempfile.TemporaryDirectory() as scratch:
+        for per_message in per_message_variants:
+            script = Path(scratch) / f"script-{per_message}.json"
+            script.write_text(json.dumps(_scripted_script(per_message)))
+            config = InferenceConfig(engine="scripted", port=0, script=str(script))
+            work = _Work(SCRIPTED_MAX_TOKENS, calls=None, seconds=window)
+            points += _bench_server(config, SCRIPTED_STREAMS, work, machine, label=f"{per_message} tok/msg")
+    _print_table(points, machine)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Other work on the machine skews every figure; the load average says how much there was.
+    settings = {"quick": args.quick, "prompt_tokens": PROMPT_TOKENS, "load_average_1min": os.getloadavg()[0]}
+    report = {"machine": machine, "settings": settings, "points": [asdict(p) for p in points]}
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+@dataclass(frozen=True)
+class _Work:
+    """What each stream of a point does."""
+
+    max_tokens: int  # per Generate call
+    calls: int | None  # calls per stream; None = keep calling until `seconds` have passed
+    seconds: float  # the window, or the cap on a point with a fixed number of calls
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short windows: the whole run in under a minute")
+    parser.add_argument("--device", default="cpu", help="device of the torch engine: cpu, cuda, cuda:N (default: cpu)")
+    parser.add_argument("--dtype", default="auto", help="torch engine dtype (default: auto)")
+    parser.add_argument("--models", nargs="+", default=list(TORCH_MODELS), help="torch engine models (default: %(default)s)")
+    parser.add_argument(
+        "--out", default=str(ROOT / "bench-results" / "inference.json"), help="JSON report path (default: %(default)s)"
+    )
+    return parser.parse_args()
+
+
+def _scripted_script(tokens_per_message: int) -> dict:
+    # No tokenizer: nothing to load, and token ids are all the server needs to stream.
+    return {
+        "tokenizer": None,
+        "vocab_size": 50000,
+        "cycle": True,
+        "tokens_per_chunk": tokens_per_message,
+        "outputs": [{"token_ids": [1000 + i for i in range(SCRIPTED_MAX_TOKENS)]}],
+    }
+
+
+def _bench_server(
+    config: InferenceConfig, streams: tuple[int, ...], work: _Work, machine: dict, label: str = ""
+) -> list[Point]:
+    with running(inference_spec(config), STARTUP_TIMEOUT_S, stop_timeout_s=10.0) as service:
+        return asyncio.run(_bench_points(service, config, streams, work, machine, label))
+
+
+async def _bench_points(
+    service: Service, config: InferenceConfig, streams: tuple[int, ...], work: _Work, machine: dict, label: str
+) -> list[Point]:
+    target = join_host_port("127.0.0.1" if config.host in ("0.0.0.0", "") else config.host, service.port)
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        info = (await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())).model_info
+        rng = random.Random(0)
+        prompt = [rng.randrange(info.vocab_size) for _ in range(PROMPT_TOKENS)]
+        request = inference_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=work.max_tokens, ignore_eos=True, seed=0),
+        )
+        # Warm-up: the first calls pay for lazy initialisation (allocator, kernels, connection).
+        warm_up = inference_pb2.GenerateRequest()
+        warm_up.CopyFrom(request)
+        warm_up.sampling.max_tokens = 4
+        await _run_point(stub, warm_up, streams=1, work=_Work(4, calls=1, seconds=work.seconds))
+        points: list[Point] = []
+        for n in streams:
+            server_cpu = _process_cpu_seconds(service.process.pid)
+            client_cpu = time.process_time()
+            tokens, messages, seconds, first_token = await _run_point(stub, request, n, work)
+            server_cpu = _process_cpu_seconds(service.process.pid) - server_cpu
+            client_cpu = time.process_time() - client_cpu
+            rate = tokens / seconds
+            points.append(
+                Point(
+                    engine=info.engine,
+                    model=f"{info.name} ({label})" if label else info.name,
+                    device=info.device,
+                    card=machine["card"] if info.device.startswith("cuda") else machine["cpu"],
+                    streams=n,
+                    max_tokens=work.max_tokens,
+                    seconds=seconds,
+                    tokens=tokens,
+                    messages=messages,
+                    tokens_per_s=rate,
+                    speedup_vs_1_stream=_speedup(rate, points[0].tokens_per_s if points else rate),
+                    first_token_ms_p50=statistics.median(first_token) * 1000 if first_token else float("nan"),
+                    server_cpu_us_per_token=server_cpu / tokens * 1e6 if tokens else float("nan"),
+                    client_cpu_us_per_token=client_cpu / tokens * 1e6 if tokens else float("nan"),
+                )
+            )
+    return points
+
+
+async def _run_point(
+    stub: inference_pb2_grpc.InferenceServiceStub, request: inference_pb2.GenerateRequest, streams: int, work: _Work
+) -> tuple[int, int, float, list[float]]:
+    """Run `streams` clients at once; return the tokens and messages received before the work was
+    done or cut off, the seconds that took, and each call's first-token latency."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    end = start + work.seconds
+    tokens = messages = 0
+    last = start
+    first_token: list[float] = []
+
+    async def stream() -> None:
+        nonlocal tokens, messages, last
+        calls = 0
+        while loop.time() < end and (work.calls is None or calls < work.calls):
+            calls += 1
+            started = loop.time()
+            call = stub.Generate(request)
+            first = True
+            async for response in call:
+                now = loop.time()
+                if now >= end:
+                    call.cancel()
+                    return
+                if first:
+                    first_token.append(now - started)
+                    first = False
+                if response.token_ids:  # the last message of a stream may carry only the finish reason
+                    tokens += len(response.token_ids)
+                    messages += 1
+                    last = now
+
+    await asyncio.gather(*(stream() for _ in range(streams)))
+    seconds = work.seconds if work.calls is None or loop.time() >= end else last - start
+    return tokens, messages, seconds, first_token
+
+
+def _speedup(rate: float, one_stream_rate: float) -> float:
+    return rate / one_stream_rate if one_stream_rate else float("nan")
+
+
+def _process_cpu_seconds(pid: int) -> float:
+    # Fields 14 and 15 of /proc/PID/stat: user and system time in clock ticks, all threads included.
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _machine(device: str) -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    card = ""
+    if device.startswith("cuda"):
+        card = torch.cuda.get_device_name(torch.device(device))
+    return {
+        "cpu": cpu,
+        "cpu_cores": len(os.sched_getaffinity(0)),
+        "card": card,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+    }
+
+
+def _print_table(points: list[Point], machine: dict) -> None:
+    print(f"\nmachine: {machine['cpu']} ({machine['cpu_cores']} cores){', ' + machine['card'] if machine['card'] else ''}")
+    header = ("engine", "model", "device", "streams", "tok/msg", "tokens/s", "vs 1", "1st tok ms", "srv µs/tok", "cli µs/tok")
+    rows = [header]
+    for p in points:
+        rows.append(
+            (
+                p.engine,
+                p.model,
+                p.device or "-",
+                str(p.streams),
+                f"{p.tokens / p.messages:.1f}" if p.messages else "-",
+                f"{p.tokens_per_s:,.0f}" if p.tokens_per_s >= 100 else f"{p.tokens_per_s:.1f}",
+                f"{p.speedup_vs_1_stream:.2f}×",
+                f"{p.first_token_ms_p50:.1f}",
+                f"{p.server_cpu_us_per_token:.1f}",
+                f"{p.client_cpu_us_per_token:.1f}",
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
