@@ -2,7 +2,7 @@
 
 Runs only in the environment that scripts/setup_vllm.sh builds (.venv-vllm); elsewhere `import
 vllm` fails and the module is skipped. One engine serves every test (start-up is ~25 s on 2 cores);
-the whole module takes about a minute and a half there.
+the whole module takes one to two minutes there (48 s alone on this 2-core machine).
 
 Logprob tolerance: vLLM and the reference both run the model in fp32 on the CPU, but with different
 kernels (vLLM's oneDNN/SGL GEMMs and its paged-attention kernel, against PyTorch's matmul and

