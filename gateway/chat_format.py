@@ -94,10 +94,14 @@ class ChatFormat(Protocol):
 
     name: str
 
-    def render_message(self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False) -> list[int]:
+    def render_message(
+        self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False
+    ) -> list[int]:
         """Ids of one message; `first` marks the conversation's opening message (it carries the tools)."""
 
-    def render_messages(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0) -> list[int]:
+    def render_messages(
+        self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0
+    ) -> list[int]:
         """Ids of messages that sit at position `start` onwards of their conversation."""
 
     def render_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
@@ -170,7 +174,8 @@ class HermesFormat:
     def _message_pieces(self, message: Message, tools: Sequence[ToolSpec], first: bool) -> tuple[Piece, ...]:
         if message.role == "system":
             return self._system_turn(message.content, tools if first else ())
-        opening = self._system_turn(self._default_system, tools) if first and (tools or self._default_system) else ()
+        opens_system_turn = first and bool(tools or self._default_system)
+        opening = self._system_turn(self._default_system, tools) if opens_system_turn else ()
         if message.role == "assistant":
             return opening + self._turn("assistant", assistant_body(message))
         if message.role == "tool":
@@ -196,10 +201,14 @@ class HermesFormat:
 
     # -- ChatFormat ------------------------------------------------------------------------------
 
-    def render_message(self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False) -> list[int]:
+    def render_message(
+        self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False
+    ) -> list[int]:
         return self._encode(self._message_pieces(message, tools, first))
 
-    def render_messages(self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0) -> list[int]:
+    def render_messages(
+        self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0
+    ) -> list[int]:
         ids: list[int] = []
         for offset, message in enumerate(messages):
             ids.extend(self.render_message(message, tools=tools, first=start + offset == 0))
@@ -221,7 +230,8 @@ class HermesFormat:
         return ([] if ended else [self._end_of_turn_id]) + self._turn_separator
 
     def template_history(self, messages: Sequence[Message]) -> tuple[Message, ...]:
-        last_user = max((index for index, message in enumerate(messages) if message.role == "user"), default=-1)
+        user_turns = [index for index, message in enumerate(messages) if message.role == "user"]
+        last_user = user_turns[-1] if user_turns else -1
         return tuple(
             replace(message, reasoning="") if index < last_user and message.reasoning else message
             for index, message in enumerate(messages)
@@ -242,7 +252,7 @@ class HermesFormat:
 
 
 def forced_opening(chat_format: ChatFormat, tool_choice: ToolChoice) -> list[int]:
-    """Prompt ids appended after the generation prompt so the output must be a tool call ([] if not forced)."""
+    """Prompt ids appended after the generation prompt so the output must be a tool call; [] if not forced."""
     return chat_format.encode_text(chat_format.forced_opening_text(tool_choice))
 
 

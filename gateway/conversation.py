@@ -92,10 +92,6 @@ class ToolChoice:
     def function(cls, name: str) -> ToolChoice:
         return cls("function", name)
 
-    @property
-    def forces_call(self) -> bool:
-        return self.mode in ("required", "function")
-
 
 @dataclass(frozen=True)
 class Conversation:
@@ -107,7 +103,7 @@ class Conversation:
 
 
 def json_equal(a: Any, b: Any) -> bool:
-    """Equality of parsed JSON values: objects ignore key order, numbers compare by value, bools are not numbers."""
+    """Equality of parsed JSON: objects ignore key order, numbers compare by value, bools are not numbers."""
     if isinstance(a, bool) or isinstance(b, bool):
         return isinstance(a, bool) and isinstance(b, bool) and a == b
     if isinstance(a, (int, float)) and isinstance(b, (int, float)):

@@ -196,7 +196,7 @@ class HermesParser:
 
 
 class _Channel:
-    """Emits one kind of text (content or reasoning) segment by segment, trimmed and joined as `parse` does."""
+    """Emits one kind of text (content or reasoning) by segment, trimmed and joined as `parse` does."""
 
     def __init__(self, delta_type: type[TextDelta] | type[ReasoningDelta]) -> None:
         self._delta_type = delta_type
@@ -313,7 +313,9 @@ class HermesStream:
         events.append(ToolCallEnd(index))
         return True
 
-    def _emit_all_but_tag_start(self, channel: _Channel, tags: tuple[str, ...], events: list[ParseEvent]) -> None:
+    def _emit_all_but_tag_start(
+        self, channel: _Channel, tags: tuple[str, ...], events: list[ParseEvent]
+    ) -> None:
         held = _held_suffix(self._buffer, tags)
         channel.write(self._buffer[: len(self._buffer) - held], events)
         self._buffer = self._buffer[len(self._buffer) - held:]
@@ -330,5 +332,6 @@ def register_output_parser(parser: OutputParser) -> None:
 def get_output_parser(name: str) -> OutputParser:
     parser = OUTPUT_PARSERS.get(name)
     if parser is None:
-        raise UnknownOutputParserError(f"no output parser {name!r}; known: {', '.join(sorted(OUTPUT_PARSERS))}")
+        known = ", ".join(sorted(OUTPUT_PARSERS))
+        raise UnknownOutputParserError(f"no output parser {name!r}; known: {known}")
     return parser

@@ -86,7 +86,9 @@ def render_request(
     """The prompt for a request: extending the best-matching earlier call, else rendered fresh."""
     if history not in ("faithful", "template"):
         raise ValueError(f"history must be 'faithful' or 'template', not {history!r}")
-    messages = conversation.messages if history == "faithful" else chat_format.template_history(conversation.messages)
+    messages = conversation.messages
+    if history == "template":
+        messages = chat_format.template_history(messages)
     forced = forced_opening(chat_format, conversation.tool_choice)
     prior, reason = _best_prior(prior_calls, messages, conversation, strict_reasoning=history == "template")
     if prior is None:
@@ -105,7 +107,9 @@ def render_request(
     ]
     seen_messages = (*prior.conversation.messages, prior.reply, *new_messages)
     seen = Conversation(seen_messages, conversation.tools, conversation.tool_choice)
-    return RenderedPrompt(tuple(token_ids), seen, extends_call_id=prior.call_id, forced_token_count=len(forced))
+    return RenderedPrompt(
+        tuple(token_ids), seen, extends_call_id=prior.call_id, forced_token_count=len(forced)
+    )
 
 
 def _best_prior(
@@ -133,7 +137,9 @@ def _best_prior(
     return None, reason
 
 
-def _mismatch(prior: PriorCall, messages: Sequence[Message], conversation: Conversation, strict_reasoning: bool) -> str | None:
+def _mismatch(
+    prior: PriorCall, messages: Sequence[Message], conversation: Conversation, strict_reasoning: bool
+) -> str | None:
     """Why `messages` do not extend the prior call's messages + reply; None when they do."""
     recorded = (*prior.conversation.messages, prior.reply)
     if len(messages) < len(recorded):
@@ -141,7 +147,9 @@ def _mismatch(prior: PriorCall, messages: Sequence[Message], conversation: Conve
     pairs = list(zip(messages, recorded))
     if not all(turns_match(incoming, seen) for incoming, seen in pairs):
         return HISTORY_DIVERGED
-    if strict_reasoning and not all(turns_match(incoming, seen, strict_reasoning=True) for incoming, seen in pairs):
+    if strict_reasoning and not all(
+        turns_match(incoming, seen, strict_reasoning=True) for incoming, seen in pairs
+    ):
         return TEMPLATE_DROPS_SAMPLED_REASONING
     if prior.conversation.tools != conversation.tools:
         return TOOLS_CHANGED
