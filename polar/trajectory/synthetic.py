@@ -99,10 +99,14 @@ class _Harness:
     def opening(self, system: np.ndarray, first: np.ndarray) -> _Conversation:
         return _Conversation(np.concatenate((system, first)))
 
-    def prompt(self, conv: _Conversation, new: np.ndarray) -> np.ndarray:
-        """``conv ‖ new messages ‖ assistant header``, closing a cut turn first."""
+    def prompt(self, conv: _Conversation, new_role: int = TOOL) -> np.ndarray:
+        """``conv ‖ a new message ‖ assistant header``, closing a cut turn first.
+
+        A conversation's first prompt is its opening messages and the header alone.
+        """
         if conv.calls == 0:
             return np.concatenate((conv.tokens, _HEADER))
+        new = self.message(new_role, self.shape.tool_tokens)
         closing = [IM_END, NEWLINE] if conv.open_turn else [NEWLINE]
         return np.concatenate((conv.tokens, np.array(closing, dtype=np.int32), new, _HEADER))
 
@@ -126,7 +130,7 @@ class _Harness:
         conv.calls += 1
 
     def turn(self, conv: _Conversation, truncated: bool = False) -> CallView:
-        prompt = self.prompt(conv, self.message(TOOL, self.shape.tool_tokens))
+        prompt = self.prompt(conv)
         if truncated:
             sampled = self.words((self.shape.max_tokens, self.shape.max_tokens))
             call = self.record(prompt, sampled, common_pb2.FINISH_REASON_LENGTH)
@@ -189,7 +193,7 @@ def generate_session(
 
 def _drop_stream(h: _Harness, conv: _Conversation) -> CallView:
     """A call whose stream ended early: a partial sample, recorded as aborted or as an engine error."""
-    prompt = h.prompt(conv, h.message(TOOL, h.shape.tool_tokens))
+    prompt = h.prompt(conv)
     partial = h.words(h.shape.sample_tokens)[: int(h.rng.integers(0, h.shape.sample_tokens[1] + 1))]
     if h.rng.random() < 0.5:
         return h.record(prompt, partial, common_pb2.FINISH_REASON_ABORTED, aborted=True)

@@ -142,7 +142,10 @@ class _Checker:
         if trained.size:
             self.problem(tid, start + int(trained[0]), call.call_id, "loss mask 1 inside a prompt segment")
         if end > len(call.prompt_ids):
-            self.problem(tid, start, call.call_id, f"prompt segment ends at {end}, past the call's {len(call.prompt_ids)}-token prompt")
+            self.problem(
+                tid, start, call.call_id,
+                f"prompt segment ends at {end}, past the call's {len(call.prompt_ids)}-token prompt",
+            )
             return
         diff = _first_difference(trace.token_ids[start:end], call.prompt_ids[start:end])
         if diff is not None:
@@ -181,7 +184,8 @@ class _Checker:
             if len(call.sampled_ids) and not seen:
                 self.problem("", -1, call.call_id, f"its {len(call.sampled_ids)} sampled tokens appear in no trace")
             elif len(seen) > 1:
-                self.problem("", -1, call.call_id, f"its sampled tokens appear {len(seen)} times (traces {', '.join(seen)})")
+                traces = ", ".join(seen)
+                self.problem("", -1, call.call_id, f"its sampled tokens appear {len(seen)} times (traces {traces})")
 
     def check_weights(self, traces: Sequence[BuiltTrace]) -> None:
         for trace in traces:

@@ -27,7 +27,7 @@ def test_shares_sum_to_the_session_weight(counts, session_weight):
     assert np.all(shares >= 0)
     expected = session_weight if sum(counts) else 0.0
     assert shares.sum() == pytest.approx(expected, rel=1e-9, abs=1e-12)
-    assert np.all(shares[np.asarray(counts, dtype=int) == 0] == 0) if counts else True
+    assert all(share == 0 for share, count in zip(shares, counts) if count == 0)
 
 
 @settings(max_examples=40, deadline=None)
