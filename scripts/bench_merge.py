@@ -30,14 +30,16 @@ from polar.inference.models import resolve_model
 from polar.trajectory import BUILDERS, build, verify_or_raise, views_from_protos
 from polar.trajectory.synthetic import BENCH_SHAPE, SessionShape, tool_session
 
-# Sized so that --quick stays under a minute on 2 shared CPU cores; BENCH_SHAPE is the real-sized one.
+# Half the size of BENCH_SHAPE so that --quick stays under a minute on 2 CPU cores. Much smaller
+# sessions would mislead: with the tiny model's 49k-token vocabulary and 64-wide layers, the output
+# projection at trainable positions (the same work for both builders) would dominate the time.
 QUICK_SHAPE = SessionShape(
-    system_tokens=200,
-    task_tokens=(20, 60),
-    tool_tokens=(5, 40),
-    sample_tokens=(5, 24),
-    max_tokens=24,
-    summary_tokens=(20, 60),
+    system_tokens=1_000,
+    task_tokens=(50, 150),
+    tool_tokens=(25, 200),
+    sample_tokens=(15, 100),
+    max_tokens=100,
+    summary_tokens=(50, 150),
 )
 TRAINER_TARGET = 5.39
 BUILD_TARGET = 1_000_000
