@@ -9,14 +9,20 @@ the positions it has not written.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # Architectures whose decoder layer is: RMSNorm, attention (optional q/k bias, optional q/k
 # RMSNorm per head), RoPE, residual, RMSNorm, gated MLP, residual.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-_ALIGN = 64  # cache lengths are rounded up to this many positions
+_ALIGN = 64  # cache lengths, and the keys a decode step reads, are rounded up to this many positions
+# cuDNN attention builds a new plan for every new key length (tens of ms each, once per decode step
+# here), so attention runs on the kernels that take any shape as it comes.
+_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class UnsupportedModelError(ValueError):
@@ -50,6 +56,7 @@ class SlotKVCache:
         self.values: list[torch.Tensor] = []
         self.slots = 0
         self.positions = 0
+        self.generation = 0  # bumped whenever the tensors are replaced
 
     def ensure(self, slots: int, positions: int) -> None:
         """Make room for slots [0, slots) and positions [0, positions)."""
@@ -66,10 +73,12 @@ class SlotKVCache:
         self.keys = [self._grown(t, new_slots, new_positions) for t in self.keys] or self._empty(new_slots, new_positions)
         self.values = [self._grown(t, new_slots, new_positions) for t in self.values] or self._empty(new_slots, new_positions)
         self.slots, self.positions = new_slots, new_positions
+        self.generation += 1
 
     def release(self) -> None:
         self.keys, self.values = [], []
         self.slots = self.positions = 0
+        self.generation += 1
 
     def _empty(self, slots: int, positions: int) -> list[torch.Tensor]:
         kv_heads, head_dim = self._shape
@@ -82,6 +91,23 @@ class SlotKVCache:
         new = old.new_zeros(slots, old.shape[1], positions, old.shape[3])
         new[: old.shape[0], :, : old.shape[2]] = old
         return new
+
+
+# CUDA graphs are captured per (slots, key positions) bucket: powers of two from these minimums.
+_MIN_GRAPH_SLOTS = 8
+_MIN_GRAPH_POSITIONS = 256
+
+
+def _bucket(value: int, minimum: int, cap: int) -> int:
+    return min(cap, max(minimum, 1 << (value - 1).bit_length()))
+
+
+@dataclass
+class _DecodeGraph:
+    graph: torch.cuda.CUDAGraph
+    token_ids: torch.Tensor  # [slots] static input
+    positions: torch.Tensor  # [slots] static input
+    logits: torch.Tensor  # [slots, V] static output
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +123,7 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 class DecoderRunner:
     """Runs a Hugging Face Llama-family causal LM against a SlotKVCache."""
 
-    def __init__(self, model: nn.Module, max_slots: int) -> None:
+    def __init__(self, model: nn.Module, max_slots: int, cuda_graphs: bool = False) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise UnsupportedModelError(
@@ -123,11 +149,16 @@ class DecoderRunner:
             max_slots=max_slots,
             max_positions=config.max_position_embeddings,
         )
+        self.cuda_graphs = cuda_graphs and parameter.device.type == "cuda"
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graph_cache_generation = -1
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @sdpa_kernel(_ATTENTION_BACKENDS)
     def prefill(self, slot: int, token_ids: torch.Tensor, start: int) -> torch.Tensor:
         """Write token_ids [q] at positions [start, start + q) of `slot`; return the last position's
         logits [V] fp32."""
@@ -156,15 +187,32 @@ class DecoderRunner:
             hidden = self._finish_layer(layer, hidden, out.transpose(1, 2).reshape(1, q_len, -1))
         return self._logits(hidden[0, -1:])[0]
 
-    def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One step for slots [0, n): token_ids [n] go to positions [n] of their slot, each slot
-        attending to its positions [0, position]; return logits [len(rows), V] fp32 of `rows`."""
-        n = token_ids.shape[0]
-        length = int(positions.max()) + 1
+    @sdpa_kernel(_ATTENTION_BACKENDS)
+    def decode(self, token_ids: list[int], positions: list[int], rows: list[int]) -> torch.Tensor:
+        """One step for slots [0, n): token_ids[i] goes to position positions[i] of slot i, which
+        attends to its positions [0, positions[i]]; return logits [len(rows), V] fp32 of `rows`.
+
+        Takes host lists so that sizing the step needs no device sync. With CUDA graphs on, the
+        step pads to a bucket of slots and key positions and replays a captured graph.
+        """
+        if self.cuda_graphs:
+            return self._decode_graphed(token_ids, positions, rows)
+        n = len(token_ids)
+        # Fewer distinct shapes: read a whole number of alignment blocks, the excess masked out.
+        length = min(-(-(max(positions) + 1) // _ALIGN) * _ALIGN, self.cache.max_positions)
         self.cache.ensure(n, length)
-        slots = torch.arange(n, device=self.device)
+        device = self.device
+        hidden = self._decode_hidden(
+            torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), length
+        )
+        return self._logits(hidden[torch.tensor(rows, device=device)])
+
+    def _decode_hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
+        """token_ids, positions [n] (device) over keys [0, length) -> final hidden states [n, hidden]."""
+        n = token_ids.shape[0]
+        slots = torch.arange(n, device=token_ids.device)
         cos, sin = self._rope(positions.unsqueeze(1))  # [n, 1, 1, head_dim]
-        visible = torch.arange(length, device=self.device) <= positions.unsqueeze(1)  # [n, length]
+        visible = torch.arange(length, device=token_ids.device) <= positions.unsqueeze(1)  # [n, length]
         mask = self._additive(visible[:, None, None, :])  # [n, 1, 1, length]
         hidden = self.decoder.embed_tokens(token_ids.unsqueeze(1))  # [n, 1, hidden]
         for index, layer in enumerate(self.decoder.layers):
@@ -183,7 +231,41 @@ class DecoderRunner:
                 scale=attention.scaling,
             )  # [n, kv_heads, group, d]
             hidden = self._finish_layer(layer, hidden, out.reshape(n, 1, -1))
-        return self._logits(hidden[rows, 0])
+        return hidden[:, 0]
+
+    def _decode_graphed(self, token_ids: list[int], positions: list[int], rows: list[int]) -> torch.Tensor:
+        slots = _bucket(len(token_ids), _MIN_GRAPH_SLOTS, self.cache.max_slots)
+        length = _bucket(max(positions) + 1, _MIN_GRAPH_POSITIONS, self.cache.max_positions)
+        self.cache.ensure(slots, length)
+        if self._graph_cache_generation != self.cache.generation:  # the graphs read freed tensors
+            self._graphs.clear()
+            self._graph_cache_generation = self.cache.generation
+        # Padding slots are free ones (n is past the last occupied slot): writing position 0 there is
+        # overwritten by whoever takes the slot next.
+        pad = slots - len(token_ids)
+        host_tokens = torch.tensor(token_ids + [0] * pad)
+        host_positions = torch.tensor(positions + [0] * pad)
+        graph = self._graphs.get((slots, length))
+        if graph is None:
+            graph = self._capture(slots, length, host_tokens, host_positions)
+            self._graphs[(slots, length)] = graph
+        else:
+            graph.token_ids.copy_(host_tokens)
+            graph.positions.copy_(host_positions)
+            graph.graph.replay()
+        return graph.logits[torch.tensor(rows, device=self.device)]
+
+    def _capture(self, slots: int, length: int, host_tokens: torch.Tensor, host_positions: torch.Tensor) -> _DecodeGraph:
+        """Run this step eagerly to warm its kernels up, record it (recording executes nothing),
+        then replay it for this step's logits; the replay rewrites the same keys and values."""
+        token_ids = host_tokens.to(self.device)
+        positions = host_positions.to(self.device)
+        self._logits(self._decode_hidden(token_ids, positions, length))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._graph_pool):
+            logits = self._logits(self._decode_hidden(token_ids, positions, length))
+        graph.replay()
+        return _DecodeGraph(graph, token_ids, positions, logits)
 
     def _chunk_mask(self, start: int, q_len: int) -> torch.Tensor:
         """Additive mask [q, start + q]: query i sits at position start + i and sees keys
