@@ -22,9 +22,14 @@ import polar
 from polar.config import InferenceConfig, load_config
 from polar.stack import StackError, join_host_port, run_stack
 
+
+class CliError(Exception):
+    """A failure the command line explains itself."""
+
+
 # Failures of the user's input or environment; their messages are written for the user as they are.
 # Anything else is a bug, still reported in one line but with its exception type.
-USER_ERRORS = (LookupError, ValueError, OSError, StackError)
+USER_ERRORS = (CliError, LookupError, ValueError, OSError, StackError)
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,17 @@ def _inference_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve_inference(args: argparse.Namespace) -> int:
+    try:
+        _run_inference_server(args)
+    except ModuleNotFoundError as exc:
+        # Engines import their framework lazily (vLLM only when started); vLLM lives in its own
+        # environment because its pins would constrain the main one.
+        hint = "; scripts/setup_vllm.sh builds .venv-vllm, whose bin/polar has it" if args.engine == "vllm" else ""
+        raise CliError(f"the {args.engine} engine needs the {exc.name!r} package, not installed here{hint}") from exc
+    return 0
+
+
+def _run_inference_server(args: argparse.Namespace) -> None:
     from polar.inference.engines import EngineOptions, create_engine
     from polar.inference.server import serve
 
@@ -89,7 +105,6 @@ def _serve_inference(args: argparse.Namespace) -> int:
                 ready.write(f"{port}\n")
 
     asyncio.run(serve(engine, join_host_port(args.host, args.port), on_ready))
-    return 0
 
 
 # ------------------------------------------------------------------------------------------- up

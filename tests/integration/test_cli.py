@@ -5,6 +5,7 @@ The scripted engine (token ids, no tokenizer) keeps every server here free of mo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import queue
@@ -184,6 +185,12 @@ def test_malformed_script_entry_is_a_one_line_error(tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"tokenizer": None, "vocab_size": 10, "outputs": [{"token_ids": [99]}]}))
     _assert_one_line_error(_run("serve", "inference", "--engine", "scripted", "--script", str(script)), "outputs[0]")
+
+
+def test_an_engine_whose_package_is_missing_is_a_one_line_error():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    _assert_one_line_error(_run("serve", "inference", "--engine", "vllm", "--port", "0"), "'vllm'", "setup_vllm.sh")
 
 
 def test_usage_mistake_is_a_one_line_error():
