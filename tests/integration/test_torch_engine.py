@@ -33,7 +33,7 @@ def engine():
         EngineOptions(
             model="tiny",
             max_batch_size=MAX_BATCH,
-            extra={"prefill_chunk_tokens": str(PREFILL_CHUNK), "cpu_threads": "1"},
+            extra={"prefill_chunk_tokens": str(PREFILL_CHUNK)},
         )
     )
     asyncio.run(engine.start())

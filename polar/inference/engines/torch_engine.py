@@ -7,9 +7,10 @@ in chunks and does not stall the others for long), runs one decode forward for e
 has a sampled token, then samples one token for each of those and for each prompt that finished
 prefilling. Each sequence gets its tokens through its own asyncio queue, one TokenChunk per step.
 
-Settings in EngineOptions.extra: `prefill_chunk_tokens` (default 2048); `cpu_threads` (default:
-torch's own choice), torch's process-wide intra-op thread count, worth 1 on a CPU shared with other
-busy processes, where waiting for a second thread costs more than it brings to small models;
+Settings in EngineOptions.extra: `prefill_chunk_tokens` (default 2048); `cpu_threads`, torch's
+process-wide intra-op thread count, set only when the model runs on the CPU (default: one less than
+the usable cores, at least 1: with all of them, torch's spinning workers starve the event loop and the
+worker thread, and tiny on 2 cores ran 15x slower);
 `cuda_graphs` (default 1): on CUDA, replay decode steps as captured CUDA graphs, which removes the
 per-kernel launch cost that otherwise bounds a small model's step time.
 """
@@ -17,6 +18,7 @@ per-kernel launch cost that otherwise bounds a small model's step time.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from collections import deque
@@ -67,6 +69,10 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype {spec!r} is not a torch floating-point dtype")
     return dtype
+
+
+def _default_cpu_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def _token_ids(value) -> list[int]:
@@ -184,8 +190,8 @@ class TorchEngine(Engine):
         self.prefill_chunk_tokens = int(options.extra.get("prefill_chunk_tokens", DEFAULT_PREFILL_CHUNK_TOKENS))
         if self.max_batch_size < 1 or self.prefill_chunk_tokens < 1:
             raise ValueError("max_batch_size and prefill_chunk_tokens must be positive")
-        if "cpu_threads" in options.extra:
-            torch.set_num_threads(int(options.extra["cpu_threads"]))
+        if self.device.type == "cpu":
+            torch.set_num_threads(int(options.extra.get("cpu_threads", _default_cpu_threads())))
 
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
@@ -340,10 +346,14 @@ class TorchEngine(Engine):
                     admitted = self._admit()
                 outbox = _Outbox()
                 self._apply_updates(updates)
-                for seq in admitted:
-                    self._start_sequence(seq, outbox)
-                self._drop_cancelled()
-                self._step(outbox)
+                try:
+                    for seq in admitted:
+                        self._start_sequence(seq, outbox)
+                    self._drop_cancelled()
+                    self._step(outbox)
+                except Exception as error:  # noqa: BLE001 - not one request's fault: end all, keep serving
+                    for seq in list(self._admitted):
+                        self._finish(seq, FinishReason.ERROR, outbox, f"engine step failed: {error!r}")
                 outbox.deliver()
                 with self._wake:
                     if not self._admitted and not self._waiting:
@@ -386,11 +396,16 @@ class TorchEngine(Engine):
 
     def _apply_updates(self, updates: list[_Update]) -> None:
         for update in updates:
-            with torch.no_grad():
-                for name, tensor in update.tensors.items():
-                    self._parameters[name].copy_(tensor)
+            loop = update.future.get_loop()
+            try:
+                with torch.no_grad():
+                    for name, tensor in update.tensors.items():
+                        self._parameters[name].copy_(tensor)
+            except Exception as error:  # noqa: BLE001 - a device failure, reported to the caller
+                loop.call_soon_threadsafe(_resolve, update.future, None, error)
+                continue
             self._version += 1
-            update.future.get_loop().call_soon_threadsafe(_resolve, update.future, self._version)
+            loop.call_soon_threadsafe(_resolve, update.future, self._version)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._admitted if s.cancelled]:
