@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import random
@@ -85,7 +86,10 @@ def main() -> int:
         for per_message in per_message_variants:
             script = Path(scratch) / f"script-{per_message}.json"
             script.write_text(json.dumps(_scripted_script(per_message)))
-            config = InferenceConfig(engine="scripted", port=0, script=str(script))
+            # Slots for every stream, so that the widest point measures streaming, not queueing.
+            config = InferenceConfig(
+                engine="scripted", port=0, script=str(script), max_batch_size=max(SCRIPTED_STREAMS)
+            )
             work = _Work(SCRIPTED_MAX_TOKENS, calls=None, seconds=window)
             points += _bench_server(config, SCRIPTED_STREAMS, work, machine, label=f"{per_message} tok/msg")
     _print_table(points, machine)
@@ -93,8 +97,8 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     # Other work on the machine skews every figure; the load average says how much there was.
     settings = {"quick": args.quick, "prompt_tokens": PROMPT_TOKENS, "load_average_1min": os.getloadavg()[0]}
-    report = {"machine": machine, "settings": settings, "points": [asdict(p) for p in points]}
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    report = {"machine": machine, "settings": settings, "points": [_json_point(p) for p in points]}
+    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     print(f"\nwrote {out}")
     return 0
 
@@ -221,6 +225,11 @@ async def _run_point(
     await asyncio.gather(*(stream() for _ in range(streams)))
     seconds = work.seconds if work.calls is None or loop.time() >= end else last - start
     return tokens, messages, seconds, first_token
+
+
+def _json_point(point: Point) -> dict:
+    # A point without tokens has no rates; JSON has no NaN, so those are null.
+    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(point).items()}
 
 
 def _speedup(rate: float, one_stream_rate: float) -> float:
