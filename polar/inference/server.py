@@ -222,6 +222,9 @@ async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[gr
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would silently
+            # share its traffic instead of failing to bind.
+            ("grpc.so_reuseport", 0),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )

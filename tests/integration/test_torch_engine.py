@@ -141,16 +141,20 @@ def concurrent_requests(count: int) -> list[GenerationRequest]:
 
 def test_concurrent_requests_equal_one_by_one_and_are_faster(engine):
     requests = concurrent_requests(16)
-    started = time.perf_counter()
-    alone = [run(engine, r) for r in requests]
-    sequential_seconds = time.perf_counter() - started
 
     async def together():
         return await asyncio.gather(*(collect(engine, r) for r in requests))
 
-    started = time.perf_counter()
-    batched = asyncio.run(together())
-    concurrent_seconds = time.perf_counter() - started
+    # Best of two timings each, interleaved, so a burst of load from another process on this shared
+    # 2-core machine cannot decide the comparison alone.
+    sequential_seconds = concurrent_seconds = float("inf")
+    for _ in range(2):
+        started = time.perf_counter()
+        alone = [run(engine, r) for r in requests]
+        sequential_seconds = min(sequential_seconds, time.perf_counter() - started)
+        started = time.perf_counter()
+        batched = asyncio.run(together())
+        concurrent_seconds = min(concurrent_seconds, time.perf_counter() - started)
 
     for one, many, req in zip(alone, batched, requests, strict=True):
         assert many.tokens == one.tokens, req.request_id

@@ -182,6 +182,7 @@ class TorchEngine(Engine):
 
     def __init__(self, options: EngineOptions) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers.utils import logging as transformers_logging
 
         folder = models.resolve_model(options.model)
         self.device = resolve_device(options.device)
@@ -193,6 +194,8 @@ class TorchEngine(Engine):
         if self.device.type == "cpu":
             torch.set_num_threads(int(options.extra.get("cpu_threads", _default_cpu_threads())))
 
+        # A server's log is no terminal: the per-tensor loading bar would only clutter it.
+        transformers_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self._runner = DecoderRunner(
