@@ -1,0 +1,184 @@
+"""The contract between the gateway core and one API dialect.
+
+A dialect is pure translation: a request body in its shape → a `DialectRequest`; a finished
+`DialectResult` → a response body in its shape; parse events → that dialect's streaming events; a
+`GatewayError` → its error body and status. It never touches sessions, tokens, engines or sockets:
+the core (gateway/core.py) owns session lookup, rendering to token ids, generation, stop strings and
+recording, and calls these hooks in this order:
+
+    request = dialect.parse_request(body, route)           # GatewayError(INVALID_REQUEST, …) on bad input
+    ...render, generate...
+    non-streaming: dialect.render_response(request, result)
+    streaming:     renderer = dialect.stream_renderer(request, call)
+                   renderer.start(); renderer.events(ev) for each parse event; renderer.finish(result)
+                   or, once started, renderer.error(err) — which must still end the stream properly
+    any failure:   dialect.error_response(err) -> (status, body)
+
+Every dialect module (openai_chat, openai_responses, anthropic, gemini) has the same skeleton and the
+same private names: `_conversation`, `_sampling`, `_tools`, `_tool_choice`, `_finish`, `_usage`,
+`_Stream`. Records here are frozen; dialect-specific data the response must echo travels opaque in
+`DialectRequest.echo`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.conversation import Conversation
+from gateway.parsers import ParsedOutput, ParseEvent
+
+
+class ErrorKind(enum.Enum):
+    """What went wrong, independent of any dialect; each dialect maps it to its status and type."""
+
+    INVALID_REQUEST = "invalid_request"  # malformed JSON, wrong types, missing fields: 400
+    UNSUPPORTED_CONTENT = "unsupported_content"  # images, audio, files (text-only gateway): 400
+    CONTEXT_LENGTH = "context_length"  # the prompt alone does not fit the context: 400
+    AUTHENTICATION = "authentication"  # missing, unknown or closed session key: 401
+    NOT_FOUND = "not_found"  # unknown route or model: 404
+    OVERLOADED = "overloaded"  # inference server down or refusing: 503 (Anthropic: 529 overloaded_error)
+    INTERNAL = "internal"  # a bug or an engine failure: 500, without a traceback
+
+
+class GatewayError(Exception):
+    """An error to report to the client in its own dialect."""
+
+    def __init__(self, kind: ErrorKind, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.param = param  # the offending field, in the dialect's own path notation, when known
+
+
+class FinishKind(enum.Enum):
+    """Why the output ended, as the dialects need to tell it."""
+
+    STOP = "stop"  # the model ended its turn
+    TOOL_CALLS = "tool_calls"  # the model ended its turn and the output holds tool calls
+    STOP_SEQUENCE = "stop_sequence"  # a client stop string was produced (it is not in the content)
+    LENGTH = "length"  # the client's max tokens were reached
+    CONTEXT_LENGTH = "context_length"  # the context window filled (a clamped max tokens was reached)
+    ABORTED = "aborted"  # generation was cut short (only seen in records, never by a client)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling as the client asked for it; None means the dialect's default."""
+
+    max_tokens: int | None = None  # None: as many as the context leaves
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()  # stop strings; the output ends before the first one produced
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """What the URL and headers said, beyond the body."""
+
+    path: str  # e.g. "/v1/chat/completions", "/v1beta/models/gemini-2.5-pro:streamGenerateContent"
+    model: str | None = None  # from the path (Gemini), None otherwise
+    stream: bool | None = None  # from the path (Gemini's :streamGenerateContent), None otherwise
+    query: Mapping[str, str] = field(default_factory=dict)  # e.g. {"alt": "sse"}, {"beta": "true"}
+
+
+@dataclass(frozen=True)
+class DialectRequest:
+    """One request, understood."""
+
+    model: str  # as the client named it; echoed back in responses
+    conversation: Conversation
+    sampling: Sampling
+    stream: bool
+    # Tool calls in the output are parsed as tool calls (False when the client disabled tools).
+    parse_tool_calls: bool = True
+    # Dialect-specific fields its responses echo (e.g. Responses' instructions or metadata, Anthropic's
+    # stop_sequences); the core never reads them.
+    echo: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int  # every token given to the engine, forced ones included
+    completion_tokens: int  # tokens the engine sampled
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """The identity of one call, known before its first token."""
+
+    call_id: str  # unique per gateway; response ids and tool-call ids derive from it
+    created: int  # Unix seconds when the request arrived
+    prompt_tokens: int  # known once rendered, before generation
+
+
+@dataclass(frozen=True)
+class DialectResult:
+    """One finished call, understood."""
+
+    call: CallInfo
+    output: ParsedOutput
+    finish: FinishKind
+    usage: Usage
+    stop_sequence: str | None = None  # the stop string that ended it, for FinishKind.STOP_SEQUENCE
+
+
+class StreamRenderer(abc.ABC):
+    """Turns one call's parse events into the dialect's streaming bytes, incrementally.
+
+    Each method returns the bytes to send now (possibly none). The core sends them immediately.
+    """
+
+    media_type: str = "text/event-stream"
+
+    @abc.abstractmethod
+    def start(self) -> list[bytes]:
+        """Events that open the stream (sent before the first token)."""
+
+    @abc.abstractmethod
+    def events(self, event: ParseEvent) -> list[bytes]:
+        """Events for one parse event."""
+
+    @abc.abstractmethod
+    def finish(self, result: DialectResult) -> list[bytes]:
+        """Closing events, usage and the terminator."""
+
+    @abc.abstractmethod
+    def error(self, error: GatewayError) -> list[bytes]:
+        """The dialect's in-stream error event and terminator, after start() was sent."""
+
+
+class Dialect(abc.ABC):
+    """One API dialect: pure translation between its wire shapes and the core's records."""
+
+    name: str  # e.g. "openai_chat"; also the CallRecord dialect via `record_dialect`
+    record_dialect: int  # polar.v1.Dialect value recorded with each call
+
+    @abc.abstractmethod
+    def parse_request(self, body: Any, route: Route) -> DialectRequest:
+        """Validate and translate a decoded JSON body; raise GatewayError for anything invalid."""
+
+    @abc.abstractmethod
+    def render_response(self, request: DialectRequest, result: DialectResult) -> dict[str, Any]:
+        """The non-streaming response body."""
+
+    @abc.abstractmethod
+    def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
+        """A renderer for one streaming response."""
+
+    @abc.abstractmethod
+    def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
+        """HTTP status and body for an error, in the dialect's error shape."""
+
+
+def sse(data: Any, event: str | None = None) -> bytes:
+    """One server-sent event; `data` is JSON-encoded unless it is already a string."""
+    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {text}\n\n".encode()
