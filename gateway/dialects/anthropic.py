@@ -1,0 +1,533 @@
+"""Anthropic Messages: `POST /v1/messages` (also `?beta=true`) and `POST /v1/messages/count_tokens`.
+
+Request → conversation:
+
+- `system` (a string or text blocks) and every `role: "system"` message inside `messages` (Claude Code
+  sends them there) are folded, in order, into one system turn at the start: chat templates take one
+  system prompt, first. A system message that appears later in a conversation therefore changes the
+  system turn, and the core renders that call fresh.
+- user turns: text blocks become one user message (joined with `\\n`); each `tool_result` block becomes a
+  tool message (its text content, `is_error` accepted and not rendered: the result text states the
+  error), in block order, so `[tool_result, text]` is a tool turn then a user turn.
+- assistant turns: `text` blocks → content, `thinking` blocks → reasoning, `tool_use` → tool calls.
+  Text and thinking blocks are concatenated without a separator: they are the pieces this dialect cut
+  one output into when it streamed it (a reasoning span in the middle splits the text), so joining them
+  gives back exactly the parsed output, which is what history matching compares. `redacted_thinking`
+  is accepted and contributes nothing: its data is encrypted by Anthropic and no Polar model wrote it.
+- images, documents and every other non-text block: 400 (UNSUPPORTED_CONTENT); text is the documented
+  limit. Blocks that exist but sit in the wrong role (a `tool_use` from the user): 400.
+- tools: custom tools (`input_schema`; `type` absent or `"custom"`) reach the model. Anthropic-defined
+  tools (`web_search_…`, `bash_…`, `text_editor_…`, any other `type`) are skipped: their schemas live
+  inside Anthropic's models and servers, no Polar model can call them, and a harness that lists one
+  next to its own tools should still work. A `tool_choice` naming a skipped tool is a 400.
+- `tool_choice`: auto / any (→ required) / tool (→ that function) / none; `disable_parallel_tool_use` is
+  accepted and not enforced. Output tool calls are parsed only when custom tools exist and the choice
+  is not `none`.
+- sampling: `max_tokens` (required here, not for count_tokens), `temperature` and `top_p` in [0, 1],
+  `top_k`, `stop_sequences`, `stream`.
+- accepted and ignored: `thinking` (the model reasons or not by itself; its thinking blocks are always
+  returned, since the harness must echo them for the history to match), `context_management`,
+  `output_config`, `metadata`, `service_tier`, `cache_control` anywhere, `citations`, `betas`, `container`,
+  `mcp_servers` and any other unknown field.
+
+Result → response: a thinking block (signature `polar-<call id>`), a text block, tool_use blocks, in that
+order; empty ones are left out. Finish reasons: end_turn, tool_use, stop_sequence, max_tokens, and
+`model_context_window_exceeded` when the clamped max tokens filled the context. Usage is real; cache
+counts are 0. Streams follow the Messages event grammar: `message_start`, per block
+`content_block_start` / `content_block_delta` / `content_block_stop`, `message_delta`, `message_stop`; a
+failure after the start is an `error` event, which ends an Anthropic stream.
+
+Errors: `{"type": "error", "error": {"type", "message"}}` with Anthropic's statuses (overloaded: 529);
+the message names the field first (`messages.2.content.0.type: …`), as Anthropic's do, and a prompt over
+the context says `prompt is too long`, which Claude Code looks for to compact its history.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
+from gateway.dialects.base import (
+    CallInfo,
+    Dialect,
+    DialectRequest,
+    DialectResult,
+    ErrorKind,
+    FinishKind,
+    GatewayError,
+    Route,
+    Sampling,
+    StreamRenderer,
+    Usage,
+    sse,
+)
+from gateway.parsers import (
+    ParsedOutput,
+    ParseEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from polar.v1 import common_pb2
+
+INT32_MAX = 2**31 - 1  # max_tokens and top_k travel as int32 to the inference server
+# Blocks that exist in the Messages API but belong to one role only: misplaced, they are a plain 400,
+# whereas any other unknown type is content this text-only gateway does not serve.
+_ROLE_BLOCKS = {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use", "thinking", "redacted_thinking"}}
+_MISPLACED_BLOCKS = {"tool_use", "tool_result", "thinking", "redacted_thinking"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation helpers: each raises GatewayError naming the field in Anthropic's dotted path notation.
+# ---------------------------------------------------------------------------------------------------
+
+
+def _invalid(param: str | None, message: str) -> GatewayError:
+    return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param)
+
+
+def _string(value: Any, param: str, *, nonempty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise _invalid(param, "expected a string")
+    if nonempty and not value:
+        raise _invalid(param, "must not be empty")
+    return value
+
+
+def _object(value: Any, param: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _invalid(param, "expected an object")
+    return value
+
+
+def _array(value: Any, param: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _invalid(param, "expected an array")
+    return value
+
+
+def _boolean(value: Any, param: str) -> bool:
+    if not isinstance(value, bool):
+        raise _invalid(param, "expected a boolean")
+    return value
+
+
+def _integer(value: Any, param: str, low: int, high: int) -> int:
+    # JSON has one number type; 5.0 is the integer 5, but a bool is not a number.
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(param, "expected an integer")
+    if not low <= value <= high:
+        raise _invalid(param, f"must be between {low} and {high}")
+    return value
+
+
+def _number(value: Any, param: str, low: float, high: float) -> float:
+    # Python's json reads NaN and Infinity, and an integer too large for a float must not overflow.
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(param, "expected a number")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _invalid(param, "expected a finite number")
+    if not low <= value <= high:
+        raise _invalid(param, f"must be between {low:g} and {high:g}")
+    return float(value)
+
+
+def _optional(body: dict[str, Any], key: str, check: Callable[[Any, str], Any]) -> Any:
+    """`check(body[key], key)`, or None when the field is absent or null."""
+    value = body.get(key)
+    return None if value is None else check(value, key)
+
+
+def _block_type(block: Any, param: str) -> tuple[dict[str, Any], str]:
+    block = _object(block, param)
+    return block, _string(block.get("type"), f"{param}.type", nonempty=True)
+
+
+def _unsupported(kind: str, param: str) -> GatewayError:
+    return GatewayError(
+        ErrorKind.UNSUPPORTED_CONTENT,
+        f"content blocks of type {kind!r} are not supported: this gateway serves text, tool use and "
+        "thinking only",
+        param=param,
+    )
+
+
+def _text(value: Any, param: str) -> str:
+    """A string, or text blocks joined with newlines (system prompts, tool results)."""
+    if isinstance(value, str):
+        return value
+    parts = []
+    for j, block in enumerate(_array(value, param)):
+        block, kind = _block_type(block, f"{param}.{j}")
+        if kind != "text":
+            raise _unsupported(kind, f"{param}.{j}.type")
+        parts.append(_string(block.get("text"), f"{param}.{j}.text"))
+    return "\n".join(parts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Request → conversation, tools, sampling
+# ---------------------------------------------------------------------------------------------------
+
+
+def _conversation(body: dict[str, Any], tools: tuple[ToolSpec, ...], choice: ToolChoice) -> Conversation:
+    system = [_text(body["system"], "system")] if body.get("system") is not None else []
+    if "messages" not in body:
+        raise _invalid("messages", "field required")
+    turns: list[Message] = []
+    tool_names: dict[str, str] = {}  # tool_use id → name, so a tool turn can say which function answered
+    for i, raw in enumerate(_array(body["messages"], "messages")):
+        param = f"messages.{i}"
+        raw = _object(raw, param)
+        role = _string(raw.get("role"), f"{param}.role")
+        if "content" not in raw:
+            raise _invalid(f"{param}.content", "field required")
+        content = raw["content"]
+        if role == "system":
+            system.append(_text(content, f"{param}.content"))
+        elif role == "user":
+            turns.extend(_user_turns(content, f"{param}.content", tool_names))
+        elif role == "assistant":
+            turn = _assistant_turn(content, f"{param}.content")
+            tool_names.update((call.id, call.name) for call in turn.tool_calls)
+            turns.append(turn)
+        else:
+            raise _invalid(f"{param}.role", f"must be 'user' or 'assistant', not {role!r}")
+    if not turns:
+        raise _invalid("messages", "at least one user or assistant message is required")
+    system_prompt = "\n".join(part for part in system if part)
+    head = (Message("system", system_prompt),) if system_prompt else ()
+    return Conversation(head + tuple(turns), tools, choice)
+
+
+def _user_turns(content: Any, param: str, tool_names: dict[str, str]) -> list[Message]:
+    if isinstance(content, str):
+        return [Message("user", content)]
+    turns: list[Message] = []
+    texts: list[str] = []  # consecutive text blocks, one user message
+
+    def flush() -> None:
+        if texts:
+            turns.append(Message("user", "\n".join(texts)))
+            texts.clear()
+
+    blocks = _array(content, param)
+    for j, block in enumerate(blocks):
+        block, kind = _block_type(block, f"{param}.{j}")
+        _check_role(kind, "user", f"{param}.{j}.type")
+        if kind == "text":
+            texts.append(_string(block.get("text"), f"{param}.{j}.text"))
+            continue
+        flush()
+        call_id = _string(block.get("tool_use_id"), f"{param}.{j}.tool_use_id", nonempty=True)
+        result = "" if block.get("content") is None else _text(block["content"], f"{param}.{j}.content")
+        _optional(block, "is_error", lambda value, key: _boolean(value, f"{param}.{j}.{key}"))
+        turns.append(Message("tool", result, tool_call_id=call_id, name=tool_names.get(call_id, "")))
+    flush()
+    return turns or [Message("user", "")]
+
+
+def _assistant_turn(content: Any, param: str) -> Message:
+    if isinstance(content, str):
+        return Message("assistant", content)
+    text: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
+    for j, block in enumerate(_array(content, param)):
+        block, kind = _block_type(block, f"{param}.{j}")
+        _check_role(kind, "assistant", f"{param}.{j}.type")
+        if kind == "text":
+            text.append(_string(block.get("text"), f"{param}.{j}.text"))
+        elif kind == "thinking":
+            reasoning.append(_string(block.get("thinking"), f"{param}.{j}.thinking"))
+        elif kind == "redacted_thinking":
+            _string(block.get("data"), f"{param}.{j}.data")
+        else:
+            call_id = _string(block.get("id"), f"{param}.{j}.id", nonempty=True)
+            name = _string(block.get("name"), f"{param}.{j}.name", nonempty=True)
+            arguments = _object(block.get("input"), f"{param}.{j}.input")
+            calls.append(ToolCall(call_id, name, arguments))
+    return Message("assistant", "".join(text), "".join(reasoning), tuple(calls))
+
+
+def _check_role(kind: str, role: str, param: str) -> None:
+    if kind in _ROLE_BLOCKS[role]:
+        return
+    if kind in _MISPLACED_BLOCKS:
+        raise _invalid(param, f"{kind!r} blocks cannot appear in {role} messages")
+    raise _unsupported(kind, param)
+
+
+def _tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
+    specs: list[ToolSpec] = []
+    for i, raw in enumerate(_optional(body, "tools", _array) or ()):
+        param = f"tools.{i}"
+        raw = _object(raw, param)
+        if raw.get("type") not in (None, "custom"):
+            _string(raw["type"], f"{param}.type")
+            continue  # an Anthropic-defined tool: see the module docstring
+        name = _string(raw.get("name"), f"{param}.name", nonempty=True)
+        if any(spec.name == name for spec in specs):
+            raise _invalid(f"{param}.name", f"tool names must be unique; {name!r} is repeated")
+        description = _string(raw.get("description", ""), f"{param}.description")
+        if "input_schema" not in raw:
+            raise _invalid(f"{param}.input_schema", "field required")
+        schema = _object(raw["input_schema"], f"{param}.input_schema")
+        specs.append(ToolSpec(name, description, schema))
+    return tuple(specs)
+
+
+def _tool_choice(body: dict[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
+    raw = _optional(body, "tool_choice", _object)
+    if raw is None:
+        return ToolChoice.auto()
+    kind = _string(raw.get("type"), "tool_choice.type")
+    _optional(raw, "disable_parallel_tool_use", lambda value, key: _boolean(value, f"tool_choice.{key}"))
+    if kind == "auto":
+        return ToolChoice.auto()
+    if kind == "none":
+        return ToolChoice.none()
+    if kind not in ("any", "tool"):
+        raise _invalid("tool_choice.type", f"must be 'auto', 'any', 'tool' or 'none', not {kind!r}")
+    if not tools:
+        raise _invalid("tool_choice", f"tool_choice {kind!r} needs at least one custom tool in 'tools'")
+    if kind == "any":
+        return ToolChoice.required()
+    name = _string(raw.get("name"), "tool_choice.name", nonempty=True)
+    if all(spec.name != name for spec in tools):
+        raise _invalid("tool_choice.name", f"no custom tool named {name!r} in 'tools'")
+    return ToolChoice.function(name)
+
+
+def _sampling(body: dict[str, Any], *, counting: bool) -> Sampling:
+    if counting:
+        max_tokens = None  # count_tokens takes no max_tokens; nothing is generated
+    elif body.get("max_tokens") is None:
+        raise _invalid("max_tokens", "field required")
+    else:
+        max_tokens = _integer(body["max_tokens"], "max_tokens", 1, INT32_MAX)
+    stops = _optional(body, "stop_sequences", _array) or ()
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=_optional(body, "temperature", lambda value, key: _number(value, key, 0, 1)),
+        top_p=_optional(body, "top_p", lambda value, key: _number(value, key, 0, 1)),
+        top_k=_optional(body, "top_k", lambda value, key: _integer(value, key, 0, INT32_MAX)),
+        # An empty stop sequence would end every output before its first token.
+        stop=tuple(_string(stop, f"stop_sequences.{i}", nonempty=True) for i, stop in enumerate(stops)),
+    )
+
+
+def _parse(body: Any, *, counting: bool) -> DialectRequest:
+    if not isinstance(body, dict):
+        raise _invalid(None, "the request body must be a JSON object")
+    model = _string(body.get("model"), "model", nonempty=True)
+    tools = _tools(body)
+    choice = _tool_choice(body, tools)
+    conversation = _conversation(body, tools, choice)
+    stream = False if counting else bool(_optional(body, "stream", _boolean))
+    return DialectRequest(
+        model=model,
+        conversation=conversation,
+        sampling=_sampling(body, counting=counting),
+        stream=stream,
+        parse_tool_calls=bool(tools) and choice.mode != "none",
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Result → response
+# ---------------------------------------------------------------------------------------------------
+
+_STOP_REASONS = {
+    FinishKind.STOP: "end_turn",
+    FinishKind.TOOL_CALLS: "tool_use",
+    FinishKind.STOP_SEQUENCE: "stop_sequence",
+    FinishKind.LENGTH: "max_tokens",
+    FinishKind.CONTEXT_LENGTH: "model_context_window_exceeded",
+}
+
+
+def _finish(result: DialectResult) -> dict[str, Any]:
+    """stop_reason and stop_sequence; an aborted call (never shown to a client) has no reason."""
+    stop_sequence = result.stop_sequence if result.finish is FinishKind.STOP_SEQUENCE else None
+    return {"stop_reason": _STOP_REASONS.get(result.finish), "stop_sequence": stop_sequence}
+
+
+def _usage(usage: Usage) -> dict[str, int]:
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "output_tokens": usage.completion_tokens,
+        # The gateway's prefix reuse is not Anthropic's prompt cache; clients read these as absent.
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
+
+
+def _signature(call: CallInfo) -> str:
+    # Clients must echo thinking blocks with a signature; history matching compares the thinking text.
+    return f"polar-{call.call_id}"
+
+
+def _message(request: DialectRequest, call: CallInfo, content: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": f"msg_{call.call_id}",
+        "type": "message",
+        "role": "assistant",
+        "model": request.model,
+        "content": content,
+        "stop_reason": None,
+        "stop_sequence": None,
+    }
+
+
+def _content(output: ParsedOutput, call: CallInfo) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    if output.reasoning:
+        blocks.append({"type": "thinking", "thinking": output.reasoning, "signature": _signature(call)})
+    if output.content:
+        blocks.append({"type": "text", "text": output.content})
+    blocks.extend(
+        {"type": "tool_use", "id": tool.id, "name": tool.name, "input": tool.arguments}
+        for tool in output.tool_calls
+    )
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Streaming
+# ---------------------------------------------------------------------------------------------------
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    # The SDK skips any SSE without an `event:` line, so every event names its type.
+    return sse(data, data["type"])
+
+
+class _Stream(StreamRenderer):
+    """One content block open at a time; a change of kind (or a new tool call) closes it."""
+
+    def __init__(self, request: DialectRequest, call: CallInfo) -> None:
+        self._request = request
+        self._call = call
+        self._index = -1  # index of the last block opened
+        self._open: str | None = None  # type of the open block, if any
+
+    def start(self) -> list[bytes]:
+        message = _message(self._request, self._call, [])
+        message["usage"] = _usage(Usage(self._call.prompt_tokens, 0))
+        return [_event({"type": "message_start", "message": message})]
+
+    def events(self, event: ParseEvent) -> list[bytes]:
+        if isinstance(event, TextDelta):
+            out = self._open_block({"type": "text", "text": ""}, reuse=True)
+            return out + [self._delta({"type": "text_delta", "text": event.text})]
+        if isinstance(event, ReasoningDelta):
+            out = self._open_block({"type": "thinking", "thinking": "", "signature": ""}, reuse=True)
+            return out + [self._delta({"type": "thinking_delta", "thinking": event.text})]
+        if isinstance(event, ToolCallStart):
+            block = {"type": "tool_use", "id": event.id, "name": event.name, "input": {}}
+            return self._open_block(block, reuse=False)
+        if isinstance(event, ToolCallArgumentsDelta):
+            return [self._delta({"type": "input_json_delta", "partial_json": event.arguments})]
+        if isinstance(event, ToolCallEnd):
+            return self._close()
+        raise TypeError(f"not a parse event: {event!r}")
+
+    def finish(self, result: DialectResult) -> list[bytes]:
+        usage = _usage(result.usage)
+        return self._close() + [
+            _event({"type": "message_delta", "delta": _finish(result), "usage": usage}),
+            _event({"type": "message_stop"}),
+        ]
+
+    def error(self, error: GatewayError) -> list[bytes]:
+        # An Anthropic stream ends at its error event; no message_stop follows.
+        return [_event(_error_body(error)[1])]
+
+    def _open_block(self, block: dict[str, Any], *, reuse: bool) -> list[bytes]:
+        if reuse and self._open == block["type"]:
+            return []
+        out = self._close()
+        self._index += 1
+        self._open = block["type"]
+        return out + [_event({"type": "content_block_start", "index": self._index, "content_block": block})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return _event({"type": "content_block_delta", "index": self._index, "delta": delta})
+
+    def _close(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        out = []
+        if self._open == "thinking":
+            out.append(self._delta({"type": "signature_delta", "signature": _signature(self._call)}))
+        out.append(_event({"type": "content_block_stop", "index": self._index}))
+        self._open = None
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------
+
+_ERRORS = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.UNSUPPORTED_CONTENT: (400, "invalid_request_error"),
+    ErrorKind.CONTEXT_LENGTH: (400, "invalid_request_error"),
+    ErrorKind.AUTHENTICATION: (401, "authentication_error"),
+    ErrorKind.NOT_FOUND: (404, "not_found_error"),
+    ErrorKind.OVERLOADED: (529, "overloaded_error"),
+    ErrorKind.INTERNAL: (500, "api_error"),
+}
+_TOO_LONG = "prompt is too long"
+
+
+def _error_body(error: GatewayError) -> tuple[int, dict[str, Any]]:
+    status, kind = _ERRORS[error.kind]
+    message = error.message
+    if error.kind is ErrorKind.CONTEXT_LENGTH and not message.startswith(_TOO_LONG):
+        message = f"{_TOO_LONG}: {message}"
+    if error.param:
+        message = f"{error.param}: {message}"
+    return status, {"type": "error", "error": {"type": kind, "message": message}}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The dialect
+# ---------------------------------------------------------------------------------------------------
+
+
+class AnthropicDialect(Dialect):
+    name = "anthropic"
+    record_dialect = common_pb2.DIALECT_ANTHROPIC_MESSAGES
+
+    def parse_request(self, body: Any, route: Route) -> DialectRequest:
+        return _parse(body, counting=False)
+
+    def parse_count_tokens(self, body: Any, route: Route) -> DialectRequest:
+        """A `/v1/messages/count_tokens` body: a Messages body without `max_tokens`, never streamed."""
+        return _parse(body, counting=True)
+
+    def count_tokens_response(self, input_tokens: int) -> dict[str, Any]:
+        return {"input_tokens": input_tokens}
+
+    def render_response(self, request: DialectRequest, result: DialectResult) -> dict[str, Any]:
+        body = _message(request, result.call, _content(result.output, result.call))
+        body.update(_finish(result))
+        body["usage"] = _usage(result.usage)
+        return body
+
+    def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
+        return _Stream(request, call)
+
+    def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
+        return _error_body(error)
+
+
+DIALECT = AnthropicDialect()
