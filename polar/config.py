@@ -40,6 +40,27 @@ class InferenceConfig:
 
 
 @dataclass
+class EnvoyConfig:
+    """Envoy (`polar serve envoy`): the harnesses' entry to the gateway, and the gateway's way to the
+    inference servers (load-balanced with session affinity). envoy/envoy.yaml.tmpl explains each
+    setting where it is used."""
+
+    host: str = "127.0.0.1"  # address of both listeners; "0.0.0.0" for every interface
+    harness_port: int = 8080  # harnesses use base URL http://host:harness_port; 0 picks a free one
+    inference_port: int = 50050  # gRPC, the gateway's inference address; 0 picks a free one
+    admin_port: int = 9901  # admin interface, always on 127.0.0.1 (/ready, /stats, /clusters)
+    access_log: str = "-"  # one JSON line per harness request: "-" for stdout, or a file path
+    stream_idle_timeout_s: float = 300.0  # a harness request or stream silent this long is reset
+    # The same for the gateway's gRPC streams; long because a server paused for a weight update
+    # holds its calls silent until it resumes.
+    inference_idle_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0  # to the gateway or an inference server
+    max_request_bytes: int = 32 * 1024 * 1024  # larger harness request bodies get 413
+    health_check_interval_s: float = 2.0  # gRPC health checks of each inference server
+    workers: int = 2  # Envoy worker threads; 0 = one per CPU core
+
+
+@dataclass
 class StackConfig:
     """Everything `polar up` starts; one field per service section."""
 
