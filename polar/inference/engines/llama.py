@@ -239,6 +239,9 @@ class DecoderRunner:
         self.cache.ensure(slots, length)
         if self._graph_cache_generation != self.cache.generation:  # the graphs read freed tensors
             self._graphs.clear()
+            # Deleting every graph of a private pool frees the pool; capturing into its old handle
+            # afterwards trips the caching allocator's use-count assertion, so take a new one.
+            self._graph_pool = torch.cuda.graph_pool_handle()
             self._graph_cache_generation = self.cache.generation
         # Padding slots are free ones (n is past the last occupied slot): writing position 0 there is
         # overwritten by whoever takes the slot next.

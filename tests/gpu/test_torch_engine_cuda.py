@@ -1,0 +1,101 @@
+"""The torch engine on a CUDA device: the CPU tier's guarantees hold with CUDA graphs and batching.
+
+Runs on the device machine only (`python -m pytest -m gpu tests/gpu`); skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from polar.inference.engines.base import EngineOptions, GenerationRequest, SamplingConfig, TokenChunk
+from polar.inference.sampling import processed_logprobs
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MAX_BATCH = 32
+
+
+def _engine(dtype: str):
+    from polar.inference.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(EngineOptions(model="tiny", device="cuda", dtype=dtype, max_batch_size=MAX_BATCH))
+    asyncio.run(engine.start())
+    return engine
+
+
+@pytest.fixture(scope="module")
+def fp32_engine():
+    engine = _engine("float32")
+    yield engine
+    asyncio.run(engine.stop())
+
+
+async def _collect(engine, request: GenerationRequest) -> tuple[list[int], list[float]]:
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    async for item in engine.generate(request):
+        if isinstance(item, TokenChunk):
+            tokens += item.token_ids
+            logprobs += item.logprobs
+    return tokens, logprobs
+
+
+def _request(i: int, **sampling) -> GenerationRequest:
+    generator = torch.Generator().manual_seed(i)
+    prompt = torch.randint(3, 49152, (5 + 7 * i,), generator=generator).tolist()
+    config = SamplingConfig(max_tokens=16 + i, seed=500 + i, ignore_eos=True, **sampling)
+    return GenerationRequest(f"r{i}", tuple(prompt), config)
+
+
+SAMPLINGS = (
+    dict(temperature=0.0),
+    dict(temperature=0.8),
+    dict(temperature=1.0, top_k=40),
+    dict(temperature=0.9, top_k=50, top_p=0.8),
+)
+
+
+def test_batched_equals_one_by_one_on_cuda(fp32_engine):
+    requests = [_request(i, **SAMPLINGS[i % len(SAMPLINGS)]) for i in range(24)]
+    alone = [asyncio.run(_collect(fp32_engine, r)) for r in requests]
+
+    async def together():
+        return await asyncio.gather(*(_collect(fp32_engine, r) for r in requests))
+
+    for (tokens, logprobs), (one_tokens, one_logprobs) in zip(asyncio.run(together()), alone, strict=True):
+        assert tokens == one_tokens
+        assert logprobs == pytest.approx(one_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "temperature", "top_k", "top_k_top_p"])
+def test_logprobs_equal_a_full_forward_on_cuda(fp32_engine, sampling):
+    request = _request(3, **sampling)
+    tokens, logprobs = asyncio.run(_collect(fp32_engine, request))
+    ids = torch.tensor([list(request.prompt_token_ids) + tokens], device="cuda")
+    with torch.no_grad():
+        logits = fp32_engine.model(ids).logits[0, len(request.prompt_token_ids) - 1 : -1].float()
+    config = request.sampling
+    expected = processed_logprobs(logits, config.temperature, config.top_k, config.top_p)
+    expected = expected.gather(-1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(-1).cpu()
+    assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_serves_and_updates_weights():
+    engine = _engine("bfloat16")
+    try:
+        request = _request(1, temperature=0.0)
+        before, _ = asyncio.run(_collect(engine, request))
+        name = "model.layers.0.mlp.down_proj.weight"
+        spec = engine.parameter_specs()[name]
+        version = asyncio.run(engine.update_weights({name: torch.randn(spec.shape) * 0.5}))
+        after, _ = asyncio.run(_collect(engine, request))
+        assert version == 1 and engine.policy_version == 1
+        assert after != before
+    finally:
+        asyncio.run(engine.stop())
