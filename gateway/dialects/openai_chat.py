@@ -1,0 +1,551 @@
+"""OpenAI Chat Completions: `POST /v1/chat/completions` (Qwen Code, pi and most OpenAI-compatible clients).
+
+Request → `DialectRequest`:
+
+- `messages`: `system` and `developer` (both a system turn), `user`, `assistant` (content, `tool_calls`
+  with JSON-string arguments, `reasoning_content` or vLLM's `reasoning`), `tool` (`tool_call_id`). Content
+  is a string or an array of parts; text parts are joined with `\\n`. Image, audio and file parts are
+  UNSUPPORTED_CONTENT (the gateway is text-only); a `refusal` part of an assistant turn is its text.
+- `tools` (function tools only), `tool_choice` (`none`, `auto`, `required`, a named function),
+  `max_completion_tokens` (wins over the deprecated `max_tokens`), `temperature`, `top_p`, `stop`,
+  `seed`, vLLM's `top_k`, `stream`, `stream_options.include_usage`, `n` (1 only).
+- Accepted and ignored, type-checked: `parallel_tool_calls`, `user`, `metadata`, `store`,
+  `reasoning_effort`, `frequency_penalty`, `presence_penalty` and `logit_bias` (the recorded logprobs
+  must be the policy's own, so no penalty is applied), `top_logprobs`, `service_tier`,
+  `prompt_cache_key`, `safety_identifier`, `verbosity`. Fields this module does not know are ignored.
+- Rejected with a 400 because honouring them is impossible and ignoring them would silently change the
+  answer: `n` > 1, `logprobs: true`, a `response_format` other than `text` (no constrained decoding),
+  the deprecated `functions` (use `tools`).
+
+A wrong type, a missing required field or a value out of range is INVALID_REQUEST naming the field in
+`messages[0].content[1].type` notation. The OpenAI error shape and the JSON type checks are shared with
+the Responses dialect (`openai_responses`).
+
+Response: a `chat.completion` with one choice whose message holds `content` (null when there are tool
+calls and no text), `reasoning_content` (when the model reasoned) and `tool_calls`. Streaming:
+`chat.completion.chunk` events — the role first, then `content` / `reasoning_content` / `tool_calls`
+deltas as the parser emits them, a chunk with the finish reason, the usage chunk when
+`stream_options.include_usage` asked for it, and `data: [DONE]`. A stream that fails after it started
+sends `{"error": …}` and `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
+from gateway.dialects.base import (
+    CallInfo,
+    Dialect,
+    DialectRequest,
+    DialectResult,
+    ErrorKind,
+    FinishKind,
+    GatewayError,
+    Route,
+    Sampling,
+    StreamRenderer,
+    Usage,
+    sse,
+)
+from gateway.parsers import (
+    ParseEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from polar.v1 import common_pb2
+
+# ---------------------------------------------------------------------------------------------------
+# Shared with openai_responses: JSON type checks and the OpenAI error shape
+# ---------------------------------------------------------------------------------------------------
+
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda value: isinstance(value, str),
+    "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
+    "number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+    "boolean": lambda value: isinstance(value, bool),
+    "object": lambda value: isinstance(value, dict),
+    "array": lambda value: isinstance(value, list),
+}
+
+# Unsupported media parts of both OpenAI dialects.
+MEDIA_PARTS = frozenset({"image_url", "input_audio", "file", "input_image", "input_file"})
+
+# OpenAI's seed is an int64; the engine's is a uint64, so a negative seed wraps around.
+_INT64 = 2**63
+_INT32_MAX = 2**31 - 1
+
+
+def json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    return next(name for name, check in _JSON_TYPES.items() if check(value))
+
+
+def invalid(message: str, param: str | None) -> GatewayError:
+    return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param)
+
+
+def field(obj: Mapping[str, Any], key: str, kind: str, param: str, *, required: bool = False) -> Any:
+    """`obj[key]` checked against a JSON type; None when absent or null, unless required."""
+    value = obj.get(key)
+    if value is None:
+        if required:
+            raise invalid(f"Missing required parameter: '{param}'.", param)
+        return None
+    if not _JSON_TYPES[kind](value):
+        raise invalid(f"Invalid type for '{param}': expected {kind}, got {json_type(value)}.", param)
+    return value
+
+
+def check_fields(obj: Mapping[str, Any], kinds: Mapping[str, str], prefix: str = "") -> None:
+    """Type-check fields that are accepted but not used, so a wrong type still gets its 400."""
+    for key, kind in kinds.items():
+        field(obj, key, kind, prefix + key)
+
+
+def as_object(value: Any, param: str | None) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        if param is None:
+            raise invalid(f"The request body must be a JSON object, not {json_type(value)}.", None)
+        raise invalid(f"Invalid type for '{param}': expected object, got {json_type(value)}.", param)
+    return value
+
+
+def number_in(obj: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
+    value = field(obj, key, "number", key)
+    if value is not None and not low <= value <= high:
+        raise invalid(f"Invalid value for '{key}': {value} is not between {low} and {high}.", key)
+    return value
+
+
+def positive_int(obj: Mapping[str, Any], key: str) -> int | None:
+    value = field(obj, key, "integer", key)
+    if value is not None and value < 1:
+        raise invalid(f"Invalid value for '{key}': {value} must be at least 1.", key)
+    return value
+
+
+def parse_arguments(text: str, param: str) -> dict[str, Any]:
+    """Tool-call arguments echoed as a JSON string; empty means no arguments."""
+    if not text.strip():
+        return {}
+    try:
+        arguments = json.loads(text)
+    except ValueError:
+        raise invalid(f"Invalid '{param}': not valid JSON.", param) from None
+    if not isinstance(arguments, dict):
+        raise invalid(f"Invalid '{param}': must be a JSON object.", param)
+    return arguments
+
+
+def function_parameters(spec: Mapping[str, Any], param: str) -> dict[str, Any]:
+    parameters = field(spec, "parameters", "object", param)
+    return parameters if parameters is not None else {"type": "object", "properties": {}}
+
+
+def check_tool_names(tools: list[ToolSpec], param: str) -> None:
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        if tool.name in seen:
+            raise invalid(f"Duplicate function name '{tool.name}' in '{param}'.", f"{param}[{index}]")
+        seen.add(tool.name)
+
+
+def named_tool_choice(name: str, tools: tuple[ToolSpec, ...], param: str) -> ToolChoice:
+    if not name:
+        raise invalid(f"Invalid value for '{param}': the function name is empty.", param)
+    if all(tool.name != name for tool in tools):
+        raise invalid(f"Invalid value for '{param}': no function named '{name}' in 'tools'.", param)
+    return ToolChoice.function(name)
+
+
+def tool_names_by_call(messages: list[Message]) -> dict[str, str]:
+    """Function name of each assistant tool call id, so a tool turn can say which function answered."""
+    return {call.id: call.name for message in messages for call in message.tool_calls}
+
+
+_ERRORS: dict[ErrorKind, tuple[int, str]] = {
+    ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorKind.UNSUPPORTED_CONTENT: (400, "invalid_request_error"),
+    ErrorKind.CONTEXT_LENGTH: (400, "invalid_request_error"),
+    ErrorKind.AUTHENTICATION: (401, "invalid_request_error"),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
+    ErrorKind.OVERLOADED: (503, "server_error"),
+    ErrorKind.INTERNAL: (500, "server_error"),
+}
+
+
+def error_code(error: GatewayError) -> str | None:
+    """OpenAI's `code` for an error: the ones clients branch on, as OpenAI spells them."""
+    if error.kind is ErrorKind.NOT_FOUND:
+        return "model_not_found" if error.param == "model" else "not_found"
+    return {
+        ErrorKind.CONTEXT_LENGTH: "context_length_exceeded",
+        ErrorKind.AUTHENTICATION: "invalid_api_key",
+        ErrorKind.UNSUPPORTED_CONTENT: "unsupported_content",
+        ErrorKind.OVERLOADED: "overloaded",
+    }.get(error.kind)
+
+
+def error_object(error: GatewayError) -> dict[str, Any]:
+    return {
+        "message": error.message,
+        "type": _ERRORS[error.kind][1],
+        "param": error.param,
+        "code": error_code(error),
+    }
+
+
+def error_response(error: GatewayError) -> tuple[int, dict[str, Any]]:
+    return _ERRORS[error.kind][0], {"error": error_object(error)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Request
+# ---------------------------------------------------------------------------------------------------
+
+_IGNORED_FIELDS = {
+    "parallel_tool_calls": "boolean",
+    "user": "string",
+    "metadata": "object",
+    "store": "boolean",
+    "reasoning_effort": "string",
+    "frequency_penalty": "number",
+    "presence_penalty": "number",
+    "logit_bias": "object",
+    "top_logprobs": "integer",
+    "service_tier": "string",
+    "prompt_cache_key": "string",
+    "safety_identifier": "string",
+    "verbosity": "string",
+}
+
+_SYSTEM_ROLES = ("system", "developer")
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _text(content: Any, param: str, *, text_types: tuple[str, ...] = ("text",)) -> str:
+    """The text of a string or an array of text parts (joined with `\\n`)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"Invalid type for '{param}': expected string or array, got {json_type(content)}.", param)
+    texts = []
+    for index, raw in enumerate(content):
+        part_param = f"{param}[{index}]"
+        part = as_object(raw, part_param)
+        kind = field(part, "type", "string", f"{part_param}.type", required=True)
+        if kind in MEDIA_PARTS:
+            raise GatewayError(
+                ErrorKind.UNSUPPORTED_CONTENT,
+                f"Content parts of type '{kind}' are not supported: this gateway is text-only.",
+                param=f"{part_param}.type",
+            )
+        if kind not in text_types:
+            expected = ", ".join(f"'{name}'" for name in text_types)
+            raise invalid(f"Invalid value '{kind}' for '{part_param}.type': expected {expected}.", f"{part_param}.type")
+        texts.append(field(part, kind, "string", f"{part_param}.{kind}", required=True))
+    return "\n".join(texts)
+
+
+def _tool_calls(raw: list[Any], param: str) -> tuple[ToolCall, ...]:
+    calls = []
+    for index, item in enumerate(raw):
+        call_param = f"{param}[{index}]"
+        call = as_object(item, call_param)
+        kind = field(call, "type", "string", f"{call_param}.type")
+        if kind not in (None, "function"):
+            raise invalid(f"Invalid value '{kind}' for '{call_param}.type': expected 'function'.", f"{call_param}.type")
+        call_id = field(call, "id", "string", f"{call_param}.id", required=True)
+        function = field(call, "function", "object", f"{call_param}.function", required=True)
+        name = field(function, "name", "string", f"{call_param}.function.name", required=True)
+        arguments = field(function, "arguments", "string", f"{call_param}.function.arguments") or ""
+        calls.append(ToolCall(call_id, name, parse_arguments(arguments, f"{call_param}.function.arguments")))
+    return tuple(calls)
+
+
+def _message(raw: Any, param: str, names: dict[str, str]) -> Message:
+    message = as_object(raw, param)
+    role = field(message, "role", "string", f"{param}.role", required=True)
+    if role not in _ROLES:
+        expected = ", ".join(f"'{name}'" for name in _ROLES)
+        raise invalid(f"Invalid value '{role}' for '{param}.role': expected one of {expected}.", f"{param}.role")
+    content_param = f"{param}.content"
+    if role in _SYSTEM_ROLES or role == "user":
+        content = message.get("content")
+        if content is None:
+            raise invalid(f"Missing required parameter: '{content_param}'.", content_param)
+        return Message("user" if role == "user" else "system", _text(content, content_param))
+    if role == "tool":
+        call_id = field(message, "tool_call_id", "string", f"{param}.tool_call_id", required=True)
+        content = message.get("content")
+        text = "" if content is None else _text(content, content_param)
+        return Message("tool", text, tool_call_id=call_id, name=names.get(call_id, ""))
+    content = message.get("content")
+    text = "" if content is None else _text(content, content_param, text_types=("text", "refusal"))
+    reasoning = field(message, "reasoning_content", "string", f"{param}.reasoning_content")
+    if reasoning is None:
+        reasoning = field(message, "reasoning", "string", f"{param}.reasoning")
+    raw_calls = field(message, "tool_calls", "array", f"{param}.tool_calls")
+    calls = _tool_calls(raw_calls, f"{param}.tool_calls") if raw_calls else ()
+    return Message("assistant", text, reasoning or "", calls)
+
+
+def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
+    raw = field(body, "messages", "array", "messages", required=True)
+    if not raw:
+        raise invalid("'messages' must contain at least one message.", "messages")
+    messages: list[Message] = []
+    for index, item in enumerate(raw):
+        messages.append(_message(item, f"messages[{index}]", tool_names_by_call(messages)))
+    return tuple(messages)
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
+    raw = field(body, "tools", "array", "tools") or []
+    tools = []
+    for index, item in enumerate(raw):
+        param = f"tools[{index}]"
+        tool = as_object(item, param)
+        kind = field(tool, "type", "string", f"{param}.type", required=True)
+        if kind != "function":
+            raise invalid(f"Invalid value '{kind}' for '{param}.type': only 'function' tools are supported.",
+                          f"{param}.type")
+        function = field(tool, "function", "object", f"{param}.function", required=True)
+        name = field(function, "name", "string", f"{param}.function.name", required=True)
+        if not name:
+            raise invalid(f"Invalid value for '{param}.function.name': empty.", f"{param}.function.name")
+        description = field(function, "description", "string", f"{param}.function.description") or ""
+        check_fields(function, {"strict": "boolean"}, f"{param}.function.")
+        tools.append(ToolSpec(name, description, function_parameters(function, f"{param}.function.parameters")))
+    check_tool_names(tools, "tools")
+    return tuple(tools)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
+    raw = body.get("tool_choice")
+    if raw is None or raw == "auto":
+        return ToolChoice.auto()
+    if raw == "none":
+        return ToolChoice.none()
+    if raw == "required":
+        if not tools:
+            raise invalid("'tool_choice' is 'required' but no 'tools' were given.", "tool_choice")
+        return ToolChoice.required()
+    if isinstance(raw, dict):
+        kind = field(raw, "type", "string", "tool_choice.type", required=True)
+        if kind != "function":
+            raise invalid(f"Invalid value '{kind}' for 'tool_choice.type': expected 'function'.", "tool_choice.type")
+        function = field(raw, "function", "object", "tool_choice.function", required=True)
+        name = field(function, "name", "string", "tool_choice.function.name", required=True)
+        return named_tool_choice(name, tools, "tool_choice.function.name")
+    raise invalid("Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or a named function.",
+                  "tool_choice")
+
+
+def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    raw = body.get("stop")
+    stops = [raw] if isinstance(raw, str) else raw
+    if stops is None:
+        return ()
+    if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
+        raise invalid("Invalid type for 'stop': expected a string or an array of strings.", "stop")
+    if any(not stop for stop in stops):
+        raise invalid("Invalid value for 'stop': stop strings must not be empty.", "stop")
+    return tuple(stops)
+
+
+def _sampling(body: Mapping[str, Any]) -> Sampling:
+    max_tokens = positive_int(body, "max_tokens")
+    max_completion_tokens = positive_int(body, "max_completion_tokens")
+    seed = field(body, "seed", "integer", "seed")
+    if seed is not None and not -_INT64 <= seed < _INT64:
+        raise invalid("Invalid value for 'seed': must fit a 64-bit signed integer.", "seed")
+    top_k = field(body, "top_k", "integer", "top_k")
+    if top_k is not None and not -1 <= top_k <= _INT32_MAX:
+        raise invalid("Invalid value for 'top_k': must be -1 (off), 0 (off) or a positive count.", "top_k")
+    return Sampling(
+        max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
+        temperature=number_in(body, "temperature", 0, 2),
+        top_p=number_in(body, "top_p", 0, 1),
+        top_k=top_k if top_k is not None and top_k > 0 else None,
+        stop=_stop(body),
+        seed=None if seed is None else seed % 2**64,
+    )
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    n = field(body, "n", "integer", "n")
+    if n is not None and n != 1:
+        raise invalid("Invalid value for 'n': only one choice per request is supported.", "n")
+    if field(body, "logprobs", "boolean", "logprobs"):
+        raise invalid("'logprobs' is not supported by this gateway.", "logprobs")
+    response_format = field(body, "response_format", "object", "response_format")
+    if response_format is not None:
+        kind = field(response_format, "type", "string", "response_format.type", required=True)
+        if kind != "text":
+            raise invalid(f"'response_format' of type '{kind}' is not supported: the gateway does not constrain "
+                          "decoding.", "response_format.type")
+    if body.get("functions") is not None or body.get("function_call") is not None:
+        param = "functions" if body.get("functions") is not None else "function_call"
+        raise invalid(f"'{param}' is deprecated and not supported: use 'tools' and 'tool_choice'.", param)
+
+
+def _parse(body: Any) -> DialectRequest:
+    body = as_object(body, None)
+    model = field(body, "model", "string", "model", required=True)
+    _refuse_unsupported(body)
+    check_fields(body, _IGNORED_FIELDS)
+    messages = _conversation(body)
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    stream = bool(field(body, "stream", "boolean", "stream"))
+    stream_options = field(body, "stream_options", "object", "stream_options") or {}
+    include_usage = bool(field(stream_options, "include_usage", "boolean", "stream_options.include_usage"))
+    return DialectRequest(
+        model=model,
+        conversation=Conversation(messages, tools, tool_choice),
+        sampling=_sampling(body),
+        stream=stream,
+        parse_tool_calls=bool(tools) and tool_choice.mode != "none",
+        echo={"include_usage": include_usage},
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Response
+# ---------------------------------------------------------------------------------------------------
+
+_FINISH_REASONS = {
+    FinishKind.STOP: "stop",
+    FinishKind.STOP_SEQUENCE: "stop",
+    FinishKind.TOOL_CALLS: "tool_calls",
+    FinishKind.LENGTH: "length",
+    FinishKind.CONTEXT_LENGTH: "length",
+    # Aborted calls have no client left; mapped only so the table is total.
+    FinishKind.ABORTED: "length",
+}
+
+
+def _finish(result: DialectResult) -> str:
+    return _FINISH_REASONS[result.finish]
+
+
+def _usage(usage: Usage) -> dict[str, int]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def _completion_id(call: CallInfo) -> str:
+    return f"chatcmpl-{call.call_id}"
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": arguments}}
+
+
+def _render(request: DialectRequest, result: DialectResult) -> dict[str, Any]:
+    output = result.output
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": None if output.tool_calls and not output.content else output.content,
+    }
+    if output.reasoning:
+        message["reasoning_content"] = output.reasoning
+    if output.tool_calls:
+        message["tool_calls"] = [_tool_call(call) for call in output.tool_calls]
+    return {
+        "id": _completion_id(result.call),
+        "object": "chat.completion",
+        "created": result.call.created,
+        "model": request.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish(result), "logprobs": None}],
+        "usage": _usage(result.usage),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stream
+# ---------------------------------------------------------------------------------------------------
+
+_DONE = b"data: [DONE]\n\n"
+
+
+class _Stream(StreamRenderer):
+    """`chat.completion.chunk` events; every chunk carries `usage: null` when usage was asked for, as
+    OpenAI's do, and the usage itself comes in a last chunk with no choices."""
+
+    def __init__(self, request: DialectRequest, call: CallInfo) -> None:
+        self._include_usage = bool(request.echo.get("include_usage"))
+        self._head = {
+            "id": _completion_id(call),
+            "object": "chat.completion.chunk",
+            "created": call.created,
+            "model": request.model,
+        }
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        chunk: dict[str, Any] = {
+            **self._head,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}],
+        }
+        if self._include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    def start(self) -> list[bytes]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def events(self, event: ParseEvent) -> list[bytes]:
+        if isinstance(event, TextDelta):
+            return [self._chunk({"content": event.text})]
+        if isinstance(event, ReasoningDelta):
+            return [self._chunk({"reasoning_content": event.text})]
+        if isinstance(event, ToolCallStart):
+            call = {"index": event.index, "id": event.id, "type": "function",
+                    "function": {"name": event.name, "arguments": ""}}
+            return [self._chunk({"tool_calls": [call]})]
+        if isinstance(event, ToolCallArgumentsDelta):
+            return [self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})]
+        if isinstance(event, ToolCallEnd):
+            return []
+        raise TypeError(f"unknown parse event {event!r}")
+
+    def finish(self, result: DialectResult) -> list[bytes]:
+        events = [self._chunk({}, _finish(result))]
+        if self._include_usage:
+            events.append(sse({**self._head, "choices": [], "usage": _usage(result.usage)}))
+        return [*events, _DONE]
+
+    def error(self, error: GatewayError) -> list[bytes]:
+        return [sse({"error": error_object(error)}), _DONE]
+
+
+class OpenAIChatDialect(Dialect):
+    name = "openai_chat"
+    record_dialect = common_pb2.DIALECT_OPENAI_CHAT
+
+    def parse_request(self, body: Any, route: Route) -> DialectRequest:
+        return _parse(body)
+
+    def render_response(self, request: DialectRequest, result: DialectResult) -> dict[str, Any]:
+        return _render(request, result)
+
+    def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
+        return _Stream(request, call)
+
+    def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
+        return error_response(error)
+
+
+DIALECT = OpenAIChatDialect()

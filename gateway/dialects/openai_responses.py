@@ -1,0 +1,647 @@
+"""OpenAI Responses: `POST /v1/responses` (Codex CLI, which speaks only this, always streaming).
+
+Request → `DialectRequest`:
+
+- `instructions` is the system turn. `input` is a string (one user turn) or a list of items: `message`
+  items (`type` may be left out) with roles `user`, `system`, `developer` (`input_text` parts) and
+  `assistant` (`output_text` or `refusal` parts); `function_call` items (`call_id`, `name`, JSON-string
+  `arguments`); `function_call_output` items; `reasoning` items (their `reasoning_text` content; a
+  summary is not what the model saw, so it is dropped). Consecutive assistant-side items (reasoning,
+  assistant messages, function calls) form one assistant turn, texts joined with `\\n` as the output
+  parser joins segments, so a harness that echoes our output items gets back exactly the recorded reply.
+  Image, audio and file parts are UNSUPPORTED_CONTENT.
+- `tools`: `function` tools are translated. Tools OpenAI runs on its own servers (web and file search,
+  code interpreter, image generation, MCP, tool search) are dropped: the client never executes them, so
+  the model simply does not get them. Tools the client would execute in another shape than a function
+  call (`custom`, `local_shell`, `shell`, `apply_patch`, `computer`, …) are a 400: the gateway cannot
+  produce their calls, and dropping them silently would take a tool away from the harness.
+- `tool_choice` (`none`, `auto`, `required`, `{"type": "function", "name"}`), `max_output_tokens`,
+  `temperature`, `top_p`, `stream`.
+- Accepted and ignored, type-checked: `include`, `reasoning`, `client_metadata`, `store` (nothing is
+  stored), `parallel_tool_calls`, `prompt_cache_key`, `prompt_cache_retention`, `text` (its
+  `verbosity`), `truncation`, `service_tier`, `user`, `safety_identifier`, `top_logprobs`,
+  `max_tool_calls`, `stream_options`; `metadata` is echoed. Unknown fields are ignored.
+- Rejected with a 400, because the gateway is stateless or cannot honour them: a set
+  `previous_response_id`, `conversation` or `prompt` (server-side state), `background: true`, and a
+  `text.format` other than `text` (no constrained decoding).
+
+Response: a `response` whose output is a reasoning item (`content` with the reasoning text, empty
+`summary`), a message item with one `output_text` part, and one `function_call` item per call; status
+`completed`, or `incomplete` with `incomplete_details.reason = "max_output_tokens"` when the token budget
+or the context ran out.
+
+Streaming: `response.created`, `response.in_progress`, then for each output item as it appears
+`response.output_item.added`, its part (`response.content_part.added`), deltas
+(`response.output_text.delta`, `response.reasoning_text.delta`,
+`response.function_call_arguments.delta`), their `.done` events and `response.output_item.done`; last
+`response.completed` or `response.incomplete` with the whole response. Items are sequential: a change of
+kind closes the open item, and text that comes back after another item opens a new item (its leading
+segment separator dropped). Every event has the next `sequence_number`. A stream that fails after it
+started sends `error` and then `response.failed`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
+from gateway.dialects.base import (
+    CallInfo,
+    Dialect,
+    DialectRequest,
+    DialectResult,
+    ErrorKind,
+    FinishKind,
+    GatewayError,
+    Route,
+    Sampling,
+    StreamRenderer,
+    Usage,
+    sse,
+)
+from gateway.dialects.openai_chat import (
+    MEDIA_PARTS,
+    as_object,
+    check_fields,
+    check_tool_names,
+    error_code,
+    error_object,
+    error_response,
+    field,
+    function_parameters,
+    invalid,
+    json_type,
+    named_tool_choice,
+    number_in,
+    parse_arguments,
+    positive_int,
+)
+from gateway.parsers import (
+    ParseEvent,
+    ReasoningDelta,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+)
+from polar.v1 import common_pb2
+
+# ---------------------------------------------------------------------------------------------------
+# Request
+# ---------------------------------------------------------------------------------------------------
+
+_IGNORED_FIELDS = {
+    "include": "array",
+    "reasoning": "object",
+    "client_metadata": "object",
+    "store": "boolean",
+    "parallel_tool_calls": "boolean",
+    "prompt_cache_key": "string",
+    "prompt_cache_retention": "string",
+    "truncation": "string",
+    "service_tier": "string",
+    "user": "string",
+    "safety_identifier": "string",
+    "top_logprobs": "integer",
+    "max_tool_calls": "integer",
+    "stream_options": "object",
+}
+
+# Tools OpenAI executes server-side: the client never runs them, so leaving them out is harmless.
+_HOSTED_TOOLS = frozenset({
+    "web_search",
+    "web_search_2025_08_26",
+    "web_search_preview",
+    "web_search_preview_2025_03_11",
+    "file_search",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "tool_search",
+})
+
+_STATEFUL_FIELDS = ("previous_response_id", "conversation", "prompt")
+
+_INPUT_ROLES = {"user": "user", "system": "system", "developer": "system"}
+
+
+def _text(content: Any, param: str, text_types: tuple[str, ...]) -> str:
+    """The text of a string or an array of text parts (joined with `\\n`)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"Invalid type for '{param}': expected string or array, got {json_type(content)}.", param)
+    texts = []
+    for index, raw in enumerate(content):
+        part_param = f"{param}[{index}]"
+        part = as_object(raw, part_param)
+        kind = field(part, "type", "string", f"{part_param}.type", required=True)
+        if kind in MEDIA_PARTS:
+            raise GatewayError(
+                ErrorKind.UNSUPPORTED_CONTENT,
+                f"Content parts of type '{kind}' are not supported: this gateway is text-only.",
+                param=f"{part_param}.type",
+            )
+        if kind not in text_types:
+            expected = ", ".join(f"'{name}'" for name in text_types)
+            raise invalid(
+                f"Invalid value '{kind}' for '{part_param}.type': expected {expected}.", f"{part_param}.type"
+            )
+        key = "refusal" if kind == "refusal" else "text"
+        texts.append(field(part, key, "string", f"{part_param}.{key}", required=True))
+    return "\n".join(texts)
+
+
+def _required_text(item: Mapping[str, Any], key: str, param: str, text_types: tuple[str, ...]) -> str:
+    value = item.get(key)
+    if value is None:
+        raise invalid(f"Missing required parameter: '{param}.{key}'.", f"{param}.{key}")
+    return _text(value, f"{param}.{key}", text_types)
+
+
+def _reasoning(item: Mapping[str, Any], param: str) -> str:
+    check_fields(item, {"summary": "array", "encrypted_content": "string"}, f"{param}.")
+    return _text(field(item, "content", "array", f"{param}.content") or [], f"{param}.content", ("reasoning_text",))
+
+
+def _join(texts: list[str]) -> str:
+    return "\n".join(text for text in texts if text)
+
+
+class _AssistantTurn:
+    """Assistant-side items gathered into one turn, flushed when a user, system or tool item arrives."""
+
+    def __init__(self) -> None:
+        self.content: list[str] = []
+        self.reasoning: list[str] = []
+        self.calls: list[ToolCall] = []
+
+    def message(self) -> Message | None:
+        if not (self.content or self.reasoning or self.calls):
+            return None
+        return Message("assistant", _join(self.content), _join(self.reasoning), tuple(self.calls))
+
+
+def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
+    messages: list[Message] = []
+    instructions = field(body, "instructions", "string", "instructions")
+    if instructions:
+        messages.append(Message("system", instructions))
+    raw = body.get("input")
+    if raw is None:
+        raise invalid("Missing required parameter: 'input'.", "input")
+    if isinstance(raw, str):
+        return (*messages, Message("user", raw))
+    if not isinstance(raw, list):
+        raise invalid(f"Invalid type for 'input': expected string or array, got {json_type(raw)}.", "input")
+    turn = _AssistantTurn()
+    names: dict[str, str] = {}  # function name of each call id, for the tool turns answering them
+
+    def add(message: Message) -> None:
+        nonlocal turn
+        if (reply := turn.message()) is not None:
+            messages.append(reply)
+        turn = _AssistantTurn()
+        messages.append(message)
+
+    for index, value in enumerate(raw):
+        param = f"input[{index}]"
+        item = as_object(value, param)
+        kind = field(item, "type", "string", f"{param}.type") or "message"
+        if kind == "message":
+            role = field(item, "role", "string", f"{param}.role", required=True)
+            if role == "assistant":
+                turn.content.append(_required_text(item, "content", param, ("output_text", "refusal", "input_text")))
+            elif role in _INPUT_ROLES:
+                add(Message(_INPUT_ROLES[role], _required_text(item, "content", param, ("input_text",))))
+            else:
+                raise invalid(
+                    f"Invalid value '{role}' for '{param}.role': expected 'user', 'system', 'developer' or "
+                    "'assistant'.",
+                    f"{param}.role",
+                )
+        elif kind == "reasoning":
+            turn.reasoning.append(_reasoning(item, param))
+        elif kind == "function_call":
+            call_id = field(item, "call_id", "string", f"{param}.call_id", required=True)
+            name = field(item, "name", "string", f"{param}.name", required=True)
+            arguments = field(item, "arguments", "string", f"{param}.arguments", required=True)
+            turn.calls.append(ToolCall(call_id, name, parse_arguments(arguments, f"{param}.arguments")))
+            names[call_id] = name
+        elif kind == "function_call_output":
+            call_id = field(item, "call_id", "string", f"{param}.call_id", required=True)
+            output = _required_text(item, "output", param, ("input_text", "output_text"))
+            add(Message("tool", output, tool_call_id=call_id, name=names.get(call_id, "")))
+        elif kind == "item_reference":
+            raise invalid("Item references need stored responses; this gateway is stateless.", f"{param}.type")
+        else:
+            raise invalid(
+                f"Input items of type '{kind}' are not supported: use message, function_call, "
+                "function_call_output and reasoning items.",
+                f"{param}.type",
+            )
+    if (reply := turn.message()) is not None:
+        messages.append(reply)
+    if not messages:
+        raise invalid("'input' must contain at least one item.", "input")
+    return tuple(messages)
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
+    tools = []
+    for index, item in enumerate(field(body, "tools", "array", "tools") or []):
+        param = f"tools[{index}]"
+        tool = as_object(item, param)
+        kind = field(tool, "type", "string", f"{param}.type", required=True)
+        if kind in _HOSTED_TOOLS:
+            continue
+        if kind != "function":
+            raise invalid(
+                f"Tools of type '{kind}' are not supported: only 'function' tools reach the model "
+                "(server-hosted tools are ignored).",
+                f"{param}.type",
+            )
+        name = field(tool, "name", "string", f"{param}.name", required=True)
+        if not name:
+            raise invalid(f"Invalid value for '{param}.name': empty.", f"{param}.name")
+        description = field(tool, "description", "string", f"{param}.description") or ""
+        check_fields(tool, {"strict": "boolean"}, f"{param}.")
+        tools.append(ToolSpec(name, description, function_parameters(tool, f"{param}.parameters")))
+    check_tool_names(tools, "tools")
+    return tuple(tools)
+
+
+def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
+    raw = body.get("tool_choice")
+    if raw is None or raw == "auto":
+        return ToolChoice.auto()
+    if raw == "none":
+        return ToolChoice.none()
+    if raw == "required":
+        if not tools:
+            raise invalid("'tool_choice' is 'required' but no function tools were given.", "tool_choice")
+        return ToolChoice.required()
+    if isinstance(raw, dict):
+        kind = field(raw, "type", "string", "tool_choice.type", required=True)
+        if kind != "function":
+            raise invalid(
+                f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced.", "tool_choice.type"
+            )
+        name = field(raw, "name", "string", "tool_choice.name", required=True)
+        return named_tool_choice(name, tools, "tool_choice.name")
+    raise invalid(
+        "Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or a function.", "tool_choice"
+    )
+
+
+def _sampling(body: Mapping[str, Any]) -> Sampling:
+    return Sampling(
+        max_tokens=positive_int(body, "max_output_tokens"),
+        temperature=number_in(body, "temperature", 0, 2),
+        top_p=number_in(body, "top_p", 0, 1),
+    )
+
+
+def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+    for key in _STATEFUL_FIELDS:
+        if body.get(key) is not None:
+            raise invalid(f"'{key}' needs server-side state; this gateway is stateless: send the whole input.", key)
+    if field(body, "background", "boolean", "background"):
+        raise invalid("Background responses are not supported: this gateway stores nothing.", "background")
+    text = field(body, "text", "object", "text") or {}
+    check_fields(text, {"verbosity": "string"}, "text.")
+    text_format = field(text, "format", "object", "text.format")
+    if text_format is not None:
+        kind = field(text_format, "type", "string", "text.format.type", required=True)
+        if kind != "text":
+            raise invalid(
+                f"'text.format' of type '{kind}' is not supported: the gateway does not constrain decoding.",
+                "text.format.type",
+            )
+
+
+def _metadata(body: Mapping[str, Any]) -> dict[str, str] | None:
+    metadata = field(body, "metadata", "object", "metadata")
+    for key, value in (metadata or {}).items():
+        if not isinstance(value, str):
+            raise invalid(f"Invalid type for 'metadata.{key}': expected string.", f"metadata.{key}")
+    return metadata
+
+
+def _echo_tool(tool: ToolSpec) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": tool.name,
+        "description": tool.description,
+        "parameters": tool.parameters,
+        "strict": False,
+    }
+
+
+def _parse(body: Any) -> DialectRequest:
+    body = as_object(body, None)
+    model = field(body, "model", "string", "model", required=True)
+    _refuse_unsupported(body)
+    check_fields(body, _IGNORED_FIELDS)
+    messages = _conversation(body)
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+    sampling = _sampling(body)
+    choice = body.get("tool_choice")
+    return DialectRequest(
+        model=model,
+        conversation=Conversation(messages, tools, tool_choice),
+        sampling=sampling,
+        stream=bool(field(body, "stream", "boolean", "stream")),
+        parse_tool_calls=bool(tools) and tool_choice.mode != "none",
+        echo={
+            "instructions": body.get("instructions"),
+            "metadata": _metadata(body),
+            "tools": [_echo_tool(tool) for tool in tools],
+            "tool_choice": {"type": "function", "name": choice["name"]} if isinstance(choice, dict) else (
+                choice or "auto"
+            ),
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_output_tokens": sampling.max_tokens,
+            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        },
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Response
+# ---------------------------------------------------------------------------------------------------
+
+_CUT = frozenset({FinishKind.LENGTH, FinishKind.CONTEXT_LENGTH, FinishKind.ABORTED})
+
+
+def _finish(result: DialectResult) -> tuple[str, dict[str, str] | None]:
+    """The response's status and incomplete_details."""
+    if result.finish in _CUT:
+        return "incomplete", {"reason": "max_output_tokens"}
+    return "completed", None
+
+
+def _usage(usage: Usage) -> dict[str, Any]:
+    # Reasoning and cached tokens are not counted apart; the SDK requires the fields, so they are 0.
+    return {
+        "input_tokens": usage.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": usage.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+    }
+
+
+def _response(
+    request: DialectRequest,
+    call: CallInfo,
+    status: str,
+    output: list[dict[str, Any]],
+    *,
+    usage: Usage | None = None,
+    incomplete_details: dict[str, str] | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "id": f"resp_{call.call_id}",
+        "object": "response",
+        "created_at": call.created,
+        "status": status,
+        "model": request.model,
+        "output": output,
+        "error": error,
+        "incomplete_details": incomplete_details,
+        "usage": None if usage is None else _usage(usage),
+        "previous_response_id": None,
+        "store": False,
+        **request.echo,
+    }
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [{"type": "reasoning_text", "text": text}]
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": content, "status": status}
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    content = [_output_text(text)] if status != "in_progress" else []
+    return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+
+
+def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
+
+
+def _item_id(prefix: str, call: CallInfo, output_index: int) -> str:
+    return f"{prefix}_{call.call_id}_{output_index}"
+
+
+def _render(request: DialectRequest, result: DialectResult) -> dict[str, Any]:
+    status, incomplete_details = _finish(result)
+    output: list[dict[str, Any]] = []
+    parsed, call = result.output, result.call
+    if parsed.reasoning:
+        output.append(_reasoning_item(_item_id("rs", call, len(output)), parsed.reasoning, "completed"))
+    if parsed.content or not (parsed.reasoning or parsed.tool_calls):
+        output.append(_message_item(_item_id("msg", call, len(output)), parsed.content, "completed"))
+    for tool_call in parsed.tool_calls:
+        arguments = json.dumps(tool_call.arguments, ensure_ascii=False)
+        item_id = _item_id("fc", call, len(output))
+        output.append(_function_call_item(item_id, tool_call.id, tool_call.name, arguments, "completed"))
+    if status == "incomplete" and output[-1]["type"] != "function_call":
+        output[-1]["status"] = "incomplete"
+    return _response(
+        request, call, status, output, usage=result.usage, incomplete_details=incomplete_details
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stream
+# ---------------------------------------------------------------------------------------------------
+
+# The error codes of a failed response: OpenAI's own where one fits, `context_length_exceeded` as Codex
+# matches it.
+_FAILED_CODES = {
+    ErrorKind.CONTEXT_LENGTH: "context_length_exceeded",
+    ErrorKind.INVALID_REQUEST: "invalid_prompt",
+    ErrorKind.UNSUPPORTED_CONTENT: "invalid_prompt",
+}
+
+
+class _Stream(StreamRenderer):
+    """The Responses event sequence for one call; one output item is open at a time."""
+
+    def __init__(self, request: DialectRequest, call: CallInfo) -> None:
+        self._request = request
+        self._call = call
+        self._sequence = 0
+        self._output: list[dict[str, Any]] = []  # finished items, in output order
+        self._open: dict[str, Any] | None = None  # the item being streamed
+        self._open_text = ""  # its text or arguments so far
+        self._open_call_index = -1  # the parser's index of the open function call
+        self._kinds_seen: set[str] = set()
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return sse(data, event=kind)
+
+    def _response(self, status: str, **fields: Any) -> dict[str, Any]:
+        return _response(self._request, self._call, status, list(self._output), **fields)
+
+    def start(self) -> list[bytes]:
+        response = self._response("in_progress")
+        return [
+            self._event("response.created", response=response),
+            self._event("response.in_progress", response=response),
+        ]
+
+    # Items ---------------------------------------------------------------------------------------
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._open["id"], "output_index": len(self._output)} if self._open else {}
+
+    def _open_item(self, item: dict[str, Any]) -> list[bytes]:
+        self._open, self._open_text = item, ""
+        self._kinds_seen.add(item["type"])
+        events = [self._event("response.output_item.added", output_index=len(self._output), item=item)]
+        if item["type"] == "message":
+            part = _output_text("")
+        elif item["type"] == "reasoning":
+            part = {"type": "reasoning_text", "text": ""}
+        else:
+            return events
+        return [*events, self._event("response.content_part.added", **self._where(), content_index=0, part=part)]
+
+    def _open_text_item(self, kind: str, text: str) -> tuple[list[bytes], str]:
+        """Open a message or reasoning item unless one is open; drop a later item's leading separator."""
+        if self._open is not None and self._open["type"] == kind:
+            return [], text
+        events = self._close("completed")
+        if kind in self._kinds_seen and text.startswith("\n"):
+            text = text[1:]
+        item_id = _item_id("msg" if kind == "message" else "rs", self._call, len(self._output))
+        item = (
+            _message_item(item_id, "", "in_progress")
+            if kind == "message"
+            else {"id": item_id, "type": "reasoning", "summary": [], "content": [], "status": "in_progress"}
+        )
+        return [*events, *self._open_item(item)], text
+
+    def _close(self, status: str) -> list[bytes]:
+        item, text = self._open, self._open_text
+        if item is None:
+            return []
+        where = self._where()
+        kind = item["type"]
+        if kind == "message":
+            part = _output_text(text)
+            done = _message_item(item["id"], text, status)
+            events = [
+                self._event("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
+                self._event("response.content_part.done", **where, content_index=0, part=part),
+            ]
+        elif kind == "reasoning":
+            done = _reasoning_item(item["id"], text, status)
+            events = [
+                self._event("response.reasoning_text.done", **where, content_index=0, text=text),
+                self._event("response.content_part.done", **where, content_index=0, part=done["content"][0]),
+            ]
+        else:
+            done = {**item, "arguments": text, "status": "completed"}
+            events = [self._event("response.function_call_arguments.done", **where, arguments=text)]
+        events.append(self._event("response.output_item.done", output_index=len(self._output), item=done))
+        self._output.append(done)
+        self._open, self._open_text = None, ""
+        return events
+
+    # Parse events --------------------------------------------------------------------------------
+
+    def events(self, event: ParseEvent) -> list[bytes]:
+        if isinstance(event, TextDelta):
+            events, text = self._open_text_item("message", event.text)
+            if text:
+                self._open_text += text
+                events.append(
+                    self._event("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[])
+                )
+            return events
+        if isinstance(event, ReasoningDelta):
+            events, text = self._open_text_item("reasoning", event.text)
+            if text:
+                self._open_text += text
+                events.append(self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
+            return events
+        if isinstance(event, ToolCallStart):
+            events = self._close("completed")
+            item_id = _item_id("fc", self._call, len(self._output))
+            self._open_call_index = event.index
+            return [*events, *self._open_item(_function_call_item(item_id, event.id, event.name, "", "in_progress"))]
+        if isinstance(event, ToolCallArgumentsDelta):
+            self._check_open_call(event.index)
+            self._open_text += event.arguments
+            return [self._event("response.function_call_arguments.delta", **self._where(), delta=event.arguments)]
+        if isinstance(event, ToolCallEnd):
+            self._check_open_call(event.index)
+            return self._close("completed")
+        raise TypeError(f"unknown parse event {event!r}")
+
+    def _check_open_call(self, index: int) -> None:
+        # Parsers emit each call whole (start, arguments, end) before the next one begins.
+        if self._open is None or self._open["type"] != "function_call" or self._open_call_index != index:
+            raise ValueError(f"tool call {index} is not the call being streamed")
+
+    def finish(self, result: DialectResult) -> list[bytes]:
+        status, incomplete_details = _finish(result)
+        item_status = "incomplete" if status == "incomplete" else "completed"
+        events = self._close(item_status)
+        if not self._output:
+            # An empty answer is still one (empty) message, as in the non-streaming response.
+            events += self._open_item(_message_item(_item_id("msg", self._call, 0), "", "in_progress"))
+            events += self._close(item_status)
+        response = self._response(status, usage=result.usage, incomplete_details=incomplete_details)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return [*events, self._event(kind, response=response)]
+
+    def error(self, error: GatewayError) -> list[bytes]:
+        code = _FAILED_CODES.get(error.kind, "server_error")
+        failure = {"code": code, "message": error.message, "param": error.param, "type": error_object(error)["type"]}
+        return [
+            self._event("error", code=error_code(error) or code, message=error.message, param=error.param),
+            self._event("response.failed", response=self._response("failed", error=failure)),
+        ]
+
+
+class OpenAIResponsesDialect(Dialect):
+    name = "openai_responses"
+    record_dialect = common_pb2.DIALECT_OPENAI_RESPONSES
+
+    def parse_request(self, body: Any, route: Route) -> DialectRequest:
+        return _parse(body)
+
+    def render_response(self, request: DialectRequest, result: DialectResult) -> dict[str, Any]:
+        return _render(request, result)
+
+    def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
+        return _Stream(request, call)
+
+    def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
+        return error_response(error)
+
+
+DIALECT = OpenAIResponsesDialect()
