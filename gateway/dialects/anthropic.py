@@ -44,7 +44,6 @@ the context says `prompt is too long`, which Claude Code looks for to compact it
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -77,7 +76,10 @@ from polar.v1 import common_pb2
 INT32_MAX = 2**31 - 1  # max_tokens and top_k travel as int32 to the inference server
 # Blocks that exist in the Messages API but belong to one role only: misplaced, they are a plain 400,
 # whereas any other unknown type is content this text-only gateway does not serve.
-_ROLE_BLOCKS = {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use", "thinking", "redacted_thinking"}}
+_ROLE_BLOCKS = {
+    "user": {"text", "tool_result"},
+    "assistant": {"text", "tool_use", "thinking", "redacted_thinking"},
+}
 _MISPLACED_BLOCKS = {"tool_use", "tool_result", "thinking", "redacted_thinking"}
 
 
@@ -128,11 +130,10 @@ def _integer(value: Any, param: str, low: int, high: int) -> int:
 
 
 def _number(value: Any, param: str, low: float, high: float) -> float:
-    # Python's json reads NaN and Infinity, and an integer too large for a float must not overflow.
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid(param, "expected a number")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise _invalid(param, "expected a finite number")
+    # Compared without converting: NaN and infinities (Python's json reads them) fail the range, and an
+    # integer too large for a float does not overflow.
     if not low <= value <= high:
         raise _invalid(param, f"must be between {low:g} and {high:g}")
     return float(value)
