@@ -1,0 +1,213 @@
+"""The harness-facing HTTP application: routes → dialect → `Gateway.call`.
+
+    POST /v1/chat/completions                          openai_chat
+    POST /v1/responses                                 openai_responses
+    POST /v1/messages[?beta=true]                      anthropic
+    POST /v1/messages/count_tokens                     anthropic (prompt tokens only, no generation)
+    POST /{v1,v1beta}/models/{model}:generateContent   gemini
+    POST /{v1,v1beta}/models/{model}:streamGenerateContent[?alt=sse]
+    GET  /v1/models                                    OpenAI's list shape; Anthropic's with anthropic-version
+    HEAD /, GET /                                      liveness, without a key (Claude Code probes it)
+
+The session key is read from `Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or Gemini's
+`?key=`. Handlers stay thin: reading the body and choosing the dialect is all they do; errors come
+back in the route's dialect shape, and a route whose dialect is unavailable, an unknown route or a
+bug answer JSON in a neutral shape, never a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from aiohttp import web
+
+from gateway.core import ClientGone, Gateway, Reply, json_bytes
+from gateway.dialects import DialectUnavailable, get_dialect
+from gateway.dialects.base import Dialect, ErrorKind, GatewayError, Route
+
+log = logging.getLogger("polar.gateway")
+
+GATEWAY = web.AppKey("gateway", Gateway)
+# Dialects that replace the registry's for some names (tests serve their own through real routes).
+DIALECTS = web.AppKey("dialects", dict)
+# Bodies carry whole conversations (a harness's prompt reaches ~100 kB; long sessions far more).
+MAX_BODY_BYTES = 64 * 1024 * 1024
+GEMINI_METHODS = {"generateContent": False, "streamGenerateContent": True}
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(gateway: Gateway, dialects: Mapping[str, Dialect] | None = None) -> web.Application:
+    """The app; `dialects` serve their names' routes instead of the registry's modules."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+    app[GATEWAY] = gateway
+    app[DIALECTS] = dict(dialects or {})
+    app.router.add_route("HEAD", "/", _root)
+    app.router.add_get("/", _root, allow_head=False)
+    app.router.add_post("/v1/chat/completions", _dialect_route("openai_chat"))
+    app.router.add_post("/v1/responses", _dialect_route("openai_responses"))
+    app.router.add_post("/v1/messages", _dialect_route("anthropic"))
+    app.router.add_post("/v1/messages/count_tokens", _count_tokens)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post(r"/{version:v1|v1beta}/models/{target}", _gemini)
+    return app
+
+
+def session_key(request: web.Request) -> str | None:
+    """The key the client presented, in any of the forms the dialects' SDKs use."""
+    authorization = request.headers.get("Authorization", "")
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key") or request.headers.get("x-goog-api-key") or request.query.get("key")
+
+
+def _dialect(request: web.Request, name: str) -> Dialect:
+    """The dialect serving `name` in this app (DialectUnavailable when none can)."""
+    override = request.app[DIALECTS].get(name)
+    return override if override is not None else get_dialect(name)
+
+
+def neutral_error(status: int, kind: str, message: str) -> web.Response:
+    """An error for a request no dialect answers (unknown route, missing dialect, a bug)."""
+    return web.Response(
+        status=status, body=json_bytes({"error": {"type": kind, "message": message}}), content_type="application/json"
+    )
+
+
+def _reply(reply: Reply) -> web.Response:
+    return web.Response(status=reply.status, body=reply.body, content_type="application/json")
+
+
+class _HttpSink:
+    """A streamed HTTP response; each send is written to the socket at once."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response: web.StreamResponse | None = None
+
+    def connected(self) -> bool:
+        transport = self._request.transport
+        return transport is not None and not transport.is_closing()
+
+    async def open(self, media_type: str) -> None:
+        response = web.StreamResponse(status=200, headers=STREAM_HEADERS)
+        response.content_type = media_type
+        self.response = response
+        try:
+            await response.prepare(self._request)
+        except ConnectionError as exc:
+            raise ClientGone from exc
+
+    async def send(self, chunks: Sequence[bytes]) -> None:
+        if self.response is None:
+            raise RuntimeError("send before open")
+        try:
+            await self.response.write(b"".join(chunks))
+        except ConnectionError as exc:
+            raise ClientGone from exc
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is over {MAX_BODY_BYTES} bytes") from exc
+
+
+async def _run(request: web.Request, dialect_name: str, route: Route) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    try:
+        dialect = _dialect(request, dialect_name)
+    except DialectUnavailable as exc:
+        return neutral_error(404, "not_found_error", str(exc))
+    try:
+        raw = await _read_body(request)
+    except GatewayError as exc:
+        return _reply(gateway.error_reply(dialect, exc))
+    sink = _HttpSink(request)
+    reply = await gateway.call(dialect, route, raw, session_key(request), sink)
+    if reply is not None:
+        return _reply(reply)
+    if sink.response is None:
+        raise RuntimeError("a streamed call that never opened its stream")
+    try:
+        await sink.response.write_eof()
+    except ConnectionError:
+        pass  # the client left after the last event; the call is recorded already
+    return sink.response
+
+
+def _dialect_route(dialect_name: str) -> Handler:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await _run(request, dialect_name, Route(request.path, query=dict(request.query)))
+
+    return handle
+
+
+async def _gemini(request: web.Request) -> web.StreamResponse:
+    model, _, method = request.match_info["target"].rpartition(":")
+    if not model or method not in GEMINI_METHODS:
+        return neutral_error(404, "not_found_error", f"no route {request.method} {request.path}")
+    route = Route(request.path, model=model, stream=GEMINI_METHODS[method], query=dict(request.query))
+    return await _run(request, "gemini", route)
+
+
+async def _count_tokens(request: web.Request) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    try:
+        dialect = _dialect(request, "anthropic")
+    except DialectUnavailable as exc:
+        return neutral_error(404, "not_found_error", str(exc))
+    route = Route(request.path, query=dict(request.query))
+    try:
+        count = gateway.count_tokens(dialect, route, await _read_body(request), session_key(request))
+    except GatewayError as exc:
+        return _reply(gateway.error_reply(dialect, exc))
+    return web.Response(body=json_bytes({"input_tokens": count}), content_type="application/json")
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    anthropic = "anthropic-version" in request.headers
+    try:
+        gateway.authorize(session_key(request))
+    except GatewayError as exc:
+        return _dialect_error(request, "anthropic" if anthropic else "openai_chat", exc)
+    name = gateway.model.name
+    if anthropic:
+        entry = {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
+        body = {"data": [entry], "has_more": False, "first_id": name, "last_id": name}
+    else:
+        body = {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "polar"}]}
+    return web.Response(body=json_bytes(body), content_type="application/json")
+
+
+def _dialect_error(request: web.Request, dialect_name: str, error: GatewayError) -> web.Response:
+    try:
+        dialect = _dialect(request, dialect_name)
+    except DialectUnavailable:
+        status = 401 if error.kind is ErrorKind.AUTHENTICATION else 400
+        return neutral_error(status, error.kind.value, error.message)
+    return _reply(request.app[GATEWAY].error_reply(dialect, error))
+
+
+async def _root(request: web.Request) -> web.StreamResponse:
+    if request.method == "HEAD":
+        return web.Response(status=200)
+    return web.Response(body=json_bytes({"service": "polar gateway", "status": "ok"}), content_type="application/json")
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return neutral_error(exc.status, "not_found_error" if exc.status == 404 else "invalid_request_error", exc.reason)
+    except Exception:  # noqa: BLE001 - never a traceback to the client
+        log.exception("gateway: %s %s failed", request.method, request.path)
+        return neutral_error(500, "internal_error", "internal error in the gateway; see its log")

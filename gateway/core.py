@@ -1,0 +1,635 @@
+"""The gateway's pipeline, the same for every dialect: session → render → generate → record.
+
+    key ──authorize──▶ session            (401: unknown or closed key)
+    body ──dialect.parse_request──▶ DialectRequest
+    conversation + session's prior calls ──render_request──▶ prompt ids (+ forced tool-call opening)
+    max_tokens clamped to what the context leaves  (prompt alone over the context: CONTEXT_LENGTH)
+    prompt ──InferenceService.Generate (gRPC, x-polar-session)──▶ sampled ids + logprobs, as they come
+    ids ──incremental detokenisation──▶ text ──client stop strings──▶ output parser ──▶ parse events
+    events ──dialect's StreamRenderer──▶ SSE bytes, sent at once   (or, unstreamed, render_response)
+    one CallRecord appended to the session, whatever happened once the prompt went to the engine
+
+Errors: everything below the edge raises `GatewayError`; `Gateway.call` turns it into the dialect's
+error reply (or, once a stream has started, the renderer's in-stream error and terminator). An
+unexpected exception is logged here with its traceback and reaches the client as a plain INTERNAL
+error. gRPC failures map as: UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED → OVERLOADED;
+INVALID_ARGUMENT → INVALID_REQUEST; NOT_FOUND → NOT_FOUND; anything else → INTERNAL.
+
+The core never builds a dialect's bodies itself; it only hands records to the dialect's hooks (see
+gateway/dialects/base.py for the contract and the order they are called in).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from gateway.chat_format import ChatFormat, tool_call_text
+from gateway.conversation import ToolCall
+from gateway.dialects.base import (
+    CallInfo,
+    Dialect,
+    DialectRequest,
+    DialectResult,
+    ErrorKind,
+    FinishKind,
+    GatewayError,
+    Route,
+    StreamRenderer,
+    Usage,
+)
+from gateway.parsers import (
+    OutputParser,
+    ParseEvent,
+    StreamingParser,
+    TextDelta,
+    ToolCallArgumentsDelta,
+    ToolCallEnd,
+    ToolCallStart,
+    collect,
+)
+from gateway.render import PriorCall, RenderedPrompt, render_request
+from gateway.sessions import Session, SessionError, SessionStore
+from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+log = logging.getLogger("polar.gateway")
+
+SESSION_METADATA = "x-polar-session"  # Envoy hashes on it: a session's calls reach the same server
+DEFAULT_TEMPERATURE = 1.0
+# A whole generation, first token to last, may take this long before it is abandoned as hung.
+DEFAULT_GENERATE_TIMEOUT_S = 900.0
+
+_GRPC_ERRORS = {
+    grpc.StatusCode.UNAVAILABLE: ErrorKind.OVERLOADED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorKind.OVERLOADED,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorKind.OVERLOADED,
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID_REQUEST,
+    grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND,
+}
+_ENGINE_FINISH = {
+    common_pb2.FINISH_REASON_STOP: FinishKind.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishKind.LENGTH,
+    common_pb2.FINISH_REASON_CONTEXT_LENGTH: FinishKind.CONTEXT_LENGTH,
+    common_pb2.FINISH_REASON_ABORTED: FinishKind.ABORTED,
+}
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the response was complete."""
+
+
+class Sink(Protocol):
+    """Where a streamed response goes (the HTTP app's response)."""
+
+    def connected(self) -> bool:
+        """False once the client has gone away."""
+
+    async def open(self, media_type: str) -> None:
+        """Send the status line and headers of a 200 stream."""
+
+    async def send(self, chunks: Sequence[bytes]) -> None:
+        """Send bytes now; raise ClientGone when the client has gone away."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A whole (non-streamed) response: status and JSON body, encoded once."""
+
+    status: int
+    body: bytes
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the core needs to know about the served model."""
+
+    name: str
+    context_length: int
+
+
+# ------------------------------------------------------------------------------------ inference
+
+
+class InferenceClient:
+    """One gRPC channel to the inference service (or Envoy in front of it), reused by every call."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+
+    async def model_info(self, timeout_s: float) -> inference_pb2.ModelInfo:
+        """The served model, waiting up to timeout_s for the server to come up."""
+        response = await self._stub.GetModelInfo(
+            inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True
+        )
+        return response.model_info
+
+    def generate(
+        self, request: inference_pb2.GenerateRequest, session_id: str, timeout_s: float
+    ) -> grpc.aio.UnaryStreamCall:
+        # No wait_for_ready: a server that is down must fail the call now (OVERLOADED), not hang it.
+        return self._stub.Generate(request, timeout=timeout_s, metadata=((SESSION_METADATA, session_id),))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+def grpc_error(exc: grpc.aio.AioRpcError) -> GatewayError:
+    kind = _GRPC_ERRORS.get(exc.code(), ErrorKind.INTERNAL)
+    if kind is ErrorKind.OVERLOADED:
+        return GatewayError(kind, f"the inference server is unavailable ({exc.code().name.lower()}); retry later")
+    return GatewayError(kind, f"the inference server refused the call: {exc.details()}")
+
+
+# ----------------------------------------------------------------------------------- text side
+
+
+class StopScanner:
+    """Finds the first client stop string in text that arrives in pieces.
+
+    `feed` returns the text that is certainly before any stop string, holding back a suffix that may
+    be the start of one, and the stop string once one is complete (the text returned then ends right
+    before it, and everything after it is dropped).
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = tuple(stop for stop in stops if stop)
+        self._held = ""
+
+    def feed(self, piece: str) -> tuple[str, str | None]:
+        if not self._stops:
+            return piece, None
+        text = self._held + piece
+        found = [(index, stop) for stop in self._stops if (index := text.find(stop)) != -1]
+        if found:
+            index, stop = min(found)
+            self._held = ""
+            return text[:index], stop
+        held = _longest_stop_prefix(text, self._stops)
+        self._held = text[len(text) - held:]
+        return text[: len(text) - held], None
+
+    def flush(self) -> str:
+        """The held-back text, at the end of the output (no stop string completed)."""
+        held, self._held = self._held, ""
+        return held
+
+
+def _longest_stop_prefix(text: str, stops: Sequence[str]) -> int:
+    longest = min(len(text), max(len(stop) for stop in stops) - 1)
+    for size in range(longest, 0, -1):
+        if any(stop.startswith(text[-size:]) for stop in stops):
+            return size
+    return 0
+
+
+def tool_calls_as_text(events: list[ParseEvent]) -> list[ParseEvent]:
+    """The events with each tool call turned back into its text, for clients that disabled tools."""
+    converted: list[ParseEvent] = []
+    pending: dict[int, tuple[ToolCallStart, str]] = {}
+    for event in events:
+        if isinstance(event, ToolCallStart):
+            pending[event.index] = (event, "")
+        elif isinstance(event, ToolCallArgumentsDelta):
+            start, arguments = pending[event.index]
+            pending[event.index] = (start, arguments + event.arguments)
+        elif isinstance(event, ToolCallEnd):
+            start, arguments = pending.pop(event.index)
+            call = ToolCall(start.id, start.name, json.loads(arguments))
+            converted.append(TextDelta("\n" + tool_call_text(call)))
+        else:
+            converted.append(event)
+    return converted
+
+
+class OutputAssembler:
+    """Sampled tokens of one call → recorded ids and logprobs, client text, parse events.
+
+    Tokens are decoded one by one (a token that ends inside a multi-byte character shows its text with
+    the token that completes it). Client stop strings end the output: the token that completed the
+    stop is the last one kept, and the text is cut before the stop string.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        parser: StreamingParser,
+        *,
+        stops: Sequence[str] = (),
+        forced_text: str = "",
+        parse_tool_calls: bool = True,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._decoder = DecodeStream(skip_special_tokens=True)
+        self._decoded = ""  # text the decode stream produced so far
+        self._scanner = StopScanner(stops)
+        self._parser = parser
+        self._parse_tool_calls = parse_tool_calls
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.events: list[ParseEvent] = []
+        self.stop_sequence: str | None = None
+        # The forced opening is prompt, but the parser must read it so opening + sample is one call.
+        self._pending = self._convert(parser.feed(forced_text)) if forced_text else []
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop_sequence is not None
+
+    def add(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> list[ParseEvent]:
+        """Events these tokens make certain; tokens after a completed stop string are dropped."""
+        events, self._pending = self._pending, []
+        for token_id, logprob in zip(token_ids, logprobs):
+            if self.stopped:
+                break
+            self.token_ids.append(token_id)
+            self.logprobs.append(logprob)
+            piece = self._decoder.step(self._tokenizer, token_id) or ""
+            self._decoded += piece
+            text, self.stop_sequence = self._scanner.feed(piece)
+            if text:
+                events += self._convert(self._parser.feed(text))
+        self.events += events
+        return events
+
+    def finish(self) -> list[ParseEvent]:
+        """The events held back until the end of the output."""
+        events, self._pending = self._pending, []
+        if not self.stopped:
+            text, self.stop_sequence = self._scanner.feed(self._undecoded_tail())
+            if not self.stopped:
+                text += self._scanner.flush()
+            if text:
+                events += self._convert(self._parser.feed(text))
+        events += self._convert(self._parser.finish())
+        self.events += events
+        return events
+
+    def _undecoded_tail(self) -> str:
+        # Bytes of an unfinished character stay inside the decode stream; the whole decode shows them
+        # (as replacement characters), so the client's text covers every sampled id.
+        whole = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        return whole[len(self._decoded):] if whole.startswith(self._decoded) else ""
+
+    def _convert(self, events: list[ParseEvent]) -> list[ParseEvent]:
+        return events if self._parse_tool_calls else tool_calls_as_text(events)
+# ------------------------------------------------------------------------------------ the calls
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object; INVALID_REQUEST for anything else."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
+    return body
+
+
+def json_bytes(body: Any) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def error_reply(dialect: Dialect, error: GatewayError) -> Reply:
+    status, body = dialect.error_response(error)
+    return Reply(status, json_bytes(body))
+
+
+def internal_error() -> GatewayError:
+    return GatewayError(ErrorKind.INTERNAL, "internal error in the gateway; see its log")
+
+
+def finish_kind(engine_finish: int, *, stop_sequence: str | None, context_bound: bool, tool_calls: bool) -> FinishKind:
+    """Why the output ended, as the client is told."""
+    if stop_sequence is not None:
+        return FinishKind.STOP_SEQUENCE
+    kind = _ENGINE_FINISH.get(engine_finish)
+    if kind is None or kind is FinishKind.ABORTED:
+        raise GatewayError(ErrorKind.OVERLOADED, "the inference server ended the generation early; retry later")
+    if kind is FinishKind.LENGTH and context_bound:
+        return FinishKind.CONTEXT_LENGTH
+    if kind is FinishKind.STOP and tool_calls:
+        return FinishKind.TOOL_CALLS
+    return kind
+
+
+def max_tokens_for(requested: int | None, prompt_tokens: int, context_length: int) -> tuple[int, bool]:
+    """(max_tokens to ask the engine for, whether reaching it means the context is full)."""
+    left = context_length - prompt_tokens
+    if left < 1:
+        raise GatewayError(
+            ErrorKind.CONTEXT_LENGTH,
+            f"the prompt is {prompt_tokens} tokens; the model's context holds {context_length} "
+            "(prompt and output together)",
+        )
+    if requested is not None and requested < 1:
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"max tokens must be at least 1, not {requested}")
+    if requested is None or requested > left:
+        return left, True
+    return requested, False
+
+
+@dataclass
+class _Call:
+    """One call on its way through the pipeline."""
+
+    session: Session
+    dialect: Dialect
+    request: DialectRequest
+    raw: bytes
+    info: CallInfo
+    record_id: str
+    rendered: RenderedPrompt
+    max_tokens: int
+    context_bound: bool
+    output: OutputAssembler
+    received_ns: int
+    started: float  # perf_counter at arrival
+    render_seconds: float
+    sent: float = 0.0  # perf_counter when the prompt went to the engine
+    first_token: float = 0.0
+    policy_version: int | None = None
+    last_policy_version: int = 0
+    queue_seconds: float = 0.0
+    engine_finish: int = 0
+    result: DialectResult | None = None
+    response_body: bytes = b""
+    error: GatewayError | None = None
+    aborted: bool = False
+
+    def take(self, message: inference_pb2.GenerateResponse) -> list[ParseEvent]:
+        if message.token_ids:
+            if self.policy_version is None:
+                self.policy_version = message.policy_version
+                self.first_token = time.perf_counter()
+            self.last_policy_version = message.policy_version
+        if message.finish_reason:
+            self.engine_finish = message.finish_reason
+            self.queue_seconds = message.queue_seconds
+        return self.output.add(message.token_ids, message.logprobs)
+
+    def finish(self) -> tuple[list[ParseEvent], DialectResult]:
+        events = self.output.finish()
+        parsed = collect(self.output.events)
+        finish = finish_kind(
+            self.engine_finish,
+            stop_sequence=self.output.stop_sequence,
+            context_bound=self.context_bound,
+            tool_calls=bool(parsed.tool_calls),
+        )
+        usage = Usage(len(self.rendered.token_ids), len(self.output.token_ids))
+        self.result = DialectResult(self.info, parsed, finish, usage, self.output.stop_sequence)
+        return events, self.result
+
+    def record(self) -> common_pb2.CallRecord:
+        return common_pb2.CallRecord(
+            call_id=self.record_id,
+            session_id=self.session.session_id,
+            dialect=self.dialect.record_dialect,
+            model=self.request.model,
+            prompt_token_ids=self.rendered.token_ids,
+            sampled_token_ids=self.output.token_ids,
+            sampled_logprobs=self.output.logprobs,
+            finish_reason=self._record_finish(),
+            policy_version=self.policy_version if self.policy_version is not None else self.last_policy_version,
+            last_policy_version=self.last_policy_version,
+            extends_call_id=self.rendered.extends_call_id,
+            forced_token_count=self.rendered.forced_token_count,
+            aborted=self.aborted,
+            error=self.error.message if self.error is not None else "",
+            request_body=self.raw,
+            response_body=self.response_body,
+            timings=common_pb2.CallTimings(
+                received_unix_ns=self.received_ns,
+                render_seconds=self.render_seconds,
+                time_to_first_token_seconds=self.first_token - self.sent if self.first_token else 0.0,
+                total_seconds=time.perf_counter() - self.started,
+                queue_seconds=self.queue_seconds,
+            ),
+            usage=common_pb2.Usage(
+                prompt_tokens=len(self.rendered.token_ids), completion_tokens=len(self.output.token_ids)
+            ),
+            stream=self.request.stream,
+        )
+
+    def prior(self) -> PriorCall | None:
+        """What later requests may extend: only a reply the client received whole."""
+        if self.result is None or self.aborted or self.error is not None:
+            return None
+        return PriorCall(
+            self.record_id,
+            self.rendered.conversation,
+            self.rendered.token_ids,
+            tuple(self.output.token_ids),
+            self.result.output.message(),
+        )
+
+    def _record_finish(self) -> int:
+        if self.aborted:
+            return common_pb2.FINISH_REASON_ABORTED
+        if self.error is not None:
+            return common_pb2.FINISH_REASON_ERROR
+        if self.result is not None and self.result.finish is FinishKind.CONTEXT_LENGTH:
+            return common_pb2.FINISH_REASON_CONTEXT_LENGTH
+        if self.output.stopped:
+            return common_pb2.FINISH_REASON_STOP
+        return self.engine_finish
+
+
+@dataclass
+class Gateway:
+    """The pipeline over one inference service and one session store (see the module docstring)."""
+
+    store: SessionStore
+    inference: InferenceClient
+    model: ModelSpec
+    chat_format: ChatFormat
+    parser: OutputParser
+    tokenizer: Tokenizer  # the tokenizers backend of the model's tokenizer, for detokenisation
+    generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S
+
+    def authorize(self, key: str | None) -> Session:
+        try:
+            return self.store.authorize(key)
+        except SessionError as exc:
+            raise GatewayError(ErrorKind.AUTHENTICATION, f"invalid session key: {exc}") from exc
+
+    async def call(self, dialect: Dialect, route: Route, raw: bytes, key: str | None, sink: Sink) -> Reply | None:
+        """Serve one model call; a Reply to send, or None when the response was streamed to `sink`."""
+        received_ns, started = time.time_ns(), time.perf_counter()
+        try:
+            session = self.authorize(key)
+            request = dialect.parse_request(decode_body(raw), route)
+            call = self._prepare(session, dialect, request, raw, received_ns, started)
+        except GatewayError as exc:
+            return self.error_reply(dialect, exc)
+        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
+            log.exception("gateway: request failed before generation")
+            return self.error_reply(dialect, internal_error())
+        return await self._generate(call, sink)
+
+    def count_tokens(self, dialect: Dialect, route: Route, raw: bytes, key: str | None) -> int:
+        """Prompt tokens the request would be rendered to now (GatewayError when it cannot be)."""
+        session = self.authorize(key)
+        request = dialect.parse_request(decode_body(raw), route)
+        rendered = render_request(
+            self.chat_format, request.conversation, tuple(session.prior_calls), history=session.history
+        )
+        return len(rendered.token_ids)
+
+    def error_reply(self, dialect: Dialect, error: GatewayError) -> Reply:
+        try:
+            return error_reply(dialect, error)
+        except Exception:  # noqa: BLE001 - a dialect's error hook failing still answers the client
+            log.exception("gateway: the %s dialect could not render an error", dialect.name)
+            return Reply(500, json_bytes({"error": {"type": "internal", "message": error.message}}))
+
+    def _prepare(
+        self, session: Session, dialect: Dialect, request: DialectRequest, raw: bytes, received_ns: int, started: float
+    ) -> _Call:
+        rendered = render_request(
+            self.chat_format, request.conversation, tuple(session.prior_calls), history=session.history
+        )
+        max_tokens, context_bound = max_tokens_for(
+            request.sampling.max_tokens, len(rendered.token_ids), self.model.context_length
+        )
+        forced_text = self.chat_format.forced_opening_text(request.conversation.tool_choice) if rendered.forced_token_count else ""
+        call_id = uuid.uuid4().hex
+        output = OutputAssembler(
+            self.tokenizer,
+            self.parser.stream(call_id=call_id),
+            stops=request.sampling.stop,
+            forced_text=forced_text,
+            parse_tool_calls=request.parse_tool_calls,
+        )
+        return _Call(
+            session=session,
+            dialect=dialect,
+            request=request,
+            raw=raw,
+            info=CallInfo(call_id, received_ns // 1_000_000_000, len(rendered.token_ids)),
+            record_id=session.begin_call(),
+            rendered=rendered,
+            max_tokens=max_tokens,
+            context_bound=context_bound,
+            output=output,
+            received_ns=received_ns,
+            started=started,
+            render_seconds=time.perf_counter() - started,
+        )
+
+    def _generate_request(self, call: _Call) -> inference_pb2.GenerateRequest:
+        sampling = call.request.sampling
+        params = common_pb2.SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if sampling.temperature is None else sampling.temperature,
+            top_p=sampling.top_p or 0.0,
+            top_k=sampling.top_k or 0,
+            max_tokens=call.max_tokens,
+        )
+        if sampling.seed is not None:
+            params.seed = sampling.seed % 2**64
+        return inference_pb2.GenerateRequest(
+            request_id=call.info.call_id,
+            prompt_token_ids=call.rendered.token_ids,
+            sampling=params,
+            session_id=call.session.session_id,
+        )
+
+    async def _generate(self, call: _Call, sink: Sink) -> Reply | None:
+        renderer = call.dialect.stream_renderer(call.request, call.info) if call.request.stream else None
+        stream = _Stream(sink, renderer)
+        call.sent = time.perf_counter()
+        grpc_call = self.inference.generate(
+            self._generate_request(call), call.session.session_id, self.generate_timeout_s
+        )
+        reply: Reply | None = None
+        try:
+            async for message in grpc_call:
+                events = call.take(message)
+                if not sink.connected():
+                    raise ClientGone
+                await stream.send_events(events)
+                if call.output.stopped:
+                    break
+            events, result = call.finish()
+            body = call.dialect.render_response(call.request, result)
+            call.response_body = json_bytes(body)
+            if renderer is None:
+                reply = Reply(200, call.response_body)
+            else:
+                await stream.send_events(events)
+                await stream.send(renderer.finish(result))
+        except ClientGone:
+            call.aborted = True
+        except BaseException as exc:
+            call.error = _as_gateway_error(exc)
+            if isinstance(exc, Exception):
+                reply = await self._fail(call, stream, call.error)
+            else:  # cancelled (the server is stopping): record, then let the cancellation go on
+                call.aborted = True
+                raise
+        finally:
+            grpc_call.cancel()
+            self.store.record(call.session, call.record(), call.prior())
+        return reply
+
+    async def _fail(self, call: _Call, stream: _Stream, error: GatewayError) -> Reply | None:
+        """The error as the client gets it: a reply, or the stream's error event once it has started."""
+        reply = self.error_reply(call.dialect, error)
+        call.response_body = reply.body
+        if not stream.opened:
+            return reply
+        try:
+            await stream.send(stream.renderer.error(error))
+        except ClientGone:
+            call.aborted = True
+        except Exception:  # noqa: BLE001 - the stream is lost either way; the record says why
+            log.exception("gateway: the %s dialect could not end a stream with an error", call.dialect.name)
+        return None
+
+
+def _as_gateway_error(exc: BaseException) -> GatewayError:
+    if isinstance(exc, GatewayError):
+        return exc
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return grpc_error(exc)
+    if isinstance(exc, Exception):
+        log.error("gateway: call failed", exc_info=exc)
+        return internal_error()
+    return GatewayError(ErrorKind.INTERNAL, "the gateway stopped while the call was running")
+
+
+class _Stream:
+    """A response stream that opens (headers, the renderer's start events) with its first bytes."""
+
+    def __init__(self, sink: Sink, renderer: StreamRenderer | None) -> None:
+        self._sink = sink
+        self.renderer = renderer
+        self.opened = False
+
+    async def send_events(self, events: list[ParseEvent]) -> None:
+        if self.renderer is None:
+            return
+        chunks = [chunk for event in events for chunk in self.renderer.events(event)]
+        await self.send(chunks)
+
+    async def send(self, chunks: list[bytes]) -> None:
+        if self.renderer is None:
+            return
+        if not self.opened:
+            await self._sink.open(self.renderer.media_type)
+            self.opened = True
+            chunks = [*self.renderer.start(), *chunks]
+        if chunks:
+            await self._sink.send(chunks)

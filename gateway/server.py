@@ -1,0 +1,166 @@
+"""One gateway process: the HTTP app and the GatewayService on one event loop, sharing one session store.
+
+`start_gateway` asks the inference service (or Envoy in front of it) for the model, loads its
+tokenizer once, and starts both servers; `serve_gateway` runs them until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+
+from gateway.app import create_app
+from gateway.chat_format import get_chat_format
+from gateway.core import Gateway, InferenceClient, ModelSpec
+from gateway.dialects.base import Dialect
+from gateway.parsers import get_output_parser
+from gateway.render import History
+from gateway.service import GatewayServicer, start_grpc
+from gateway.sessions import SessionStore
+from polar.stack import join_host_port
+
+# How long start-up waits for the inference service to answer GetModelInfo.
+DEFAULT_STARTUP_TIMEOUT_S = 60.0
+# How long a stop lets calls in flight finish before they are cancelled (and recorded as aborted).
+STOP_GRACE_SECONDS = 5.0
+
+
+class GatewayStartError(RuntimeError):
+    """The gateway cannot start (inference unreachable, no tokenizer); the message says why."""
+
+
+@dataclass
+class RunningGateway:
+    """A started gateway; `stop()` ends it."""
+
+    gateway: Gateway
+    http_host: str
+    http_port: int
+    grpc_port: int
+    _runner: web.AppRunner
+    _grpc_server: grpc.aio.Server
+
+    @property
+    def store(self) -> SessionStore:
+        return self.gateway.store
+
+    @property
+    def base_url(self) -> str:
+        return "http://" + join_host_port(_connectable(self.http_host), self.http_port)
+
+    @property
+    def grpc_address(self) -> str:
+        return join_host_port(_connectable(self.http_host), self.grpc_port)
+
+    async def stop(self) -> None:
+        await self._grpc_server.stop(STOP_GRACE_SECONDS)
+        await self._runner.cleanup()
+        await self.gateway.inference.close()
+
+
+async def start_gateway(
+    inference_address: str,
+    *,
+    host: str = "127.0.0.1",
+    http_port: int = 0,
+    grpc_port: int = 0,
+    chat_format: str = "hermes",
+    parser: str = "hermes",
+    history: History = "faithful",
+    tokenizer_path: str = "",
+    base_url: str = "",
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    dialects: Mapping[str, Dialect] | None = None,
+) -> RunningGateway:
+    """Both servers started and serving; ports 0 pick free ones; `dialects` override the registry's."""
+    output_parser = get_output_parser(parser)  # unknown names fail before anything starts
+    inference = InferenceClient(inference_address)
+    try:
+        try:
+            info = await inference.model_info(startup_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise GatewayStartError(
+                f"no inference service answered on {inference_address} within {startup_timeout_s:g} s: {exc.details()}"
+            ) from exc
+        tokenizer = _load_tokenizer(tokenizer_path or info.tokenizer_path, info.name)
+        gateway = Gateway(
+            store=SessionStore(history),
+            inference=inference,
+            model=ModelSpec(info.name, info.context_length),
+            chat_format=get_chat_format(chat_format, tokenizer),
+            parser=output_parser,
+            tokenizer=tokenizer.backend_tokenizer,
+        )
+        runner = web.AppRunner(create_app(gateway, dialects), access_log=None, shutdown_timeout=STOP_GRACE_SECONDS)
+        await runner.setup()
+    except BaseException:
+        await inference.close()
+        raise
+    try:
+        site = web.TCPSite(runner, host, http_port, reuse_port=False)
+        await site.start()
+        bound_http = runner.addresses[0][1]
+        servicer = GatewayServicer(gateway.store, base_url=base_url or f"http://{join_host_port(host, bound_http)}")
+        grpc_server, bound_grpc = await start_grpc(servicer, join_host_port(host, grpc_port))
+    except BaseException:
+        await runner.cleanup()
+        await inference.close()
+        raise
+    return RunningGateway(gateway, host, bound_http, bound_grpc, runner, grpc_server)
+
+
+async def serve_gateway(
+    inference_address: str,
+    http_host: str,
+    http_port: int,
+    grpc_port: int,
+    chat_format: str,
+    parser: str,
+    history: History,
+    on_ready: Callable[[RunningGateway], None] | None = None,
+    *,
+    tokenizer_path: str = "",
+) -> None:
+    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully."""
+    running = await start_gateway(
+        inference_address,
+        host=http_host,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        chat_format=chat_format,
+        parser=parser,
+        history=history,
+        tokenizer_path=tokenizer_path,
+    )
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        if on_ready is not None:
+            on_ready(running)
+        await stopping.wait()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+        await running.stop()
+
+
+def _load_tokenizer(path: str, model: str):
+    if not path:
+        raise GatewayStartError(
+            f"the inference service names no tokenizer for {model!r}; give the gateway one (--tokenizer)"
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _connectable(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)

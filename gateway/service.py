@@ -1,0 +1,118 @@
+"""The gRPC GatewayService (protos/polar/v1/gateway.proto) over the gateway's session store.
+
+Thin over `gateway.sessions`; its typed errors become status codes here, and only here:
+
+    UnknownSession -> NOT_FOUND    SessionExists -> ALREADY_EXISTS    Draining -> UNAVAILABLE
+    an unknown HistoryPolicy value -> INVALID_ARGUMENT
+
+`start_grpc` also serves gRPC health checking (overall and `polar.v1.GatewayService`) and server
+reflection, like the inference server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from gateway.sessions import HISTORY_FROM_PROTO, Draining, SessionExists, SessionStore, UnknownSession
+from polar.v1 import gateway_pb2, gateway_pb2_grpc
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    """See GatewayService in gateway.proto for each rpc's contract."""
+
+    def __init__(self, store: SessionStore, *, base_url: str = "", node_id: str = "") -> None:
+        self._store = store
+        self._base_url = base_url
+        self._node_id = node_id
+
+    # Unary.
+    async def OpenSession(
+        self, request: gateway_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.OpenSessionResponse:
+        if request.history not in (gateway_pb2.HISTORY_POLICY_UNSPECIFIED, *HISTORY_FROM_PROTO):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown history policy {request.history}")
+        try:
+            session = self._store.open(
+                session_id=request.session_id,
+                task_id=request.task_id,
+                history=HISTORY_FROM_PROTO.get(request.history),
+                metadata=dict(request.metadata),
+            )
+        except Draining as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except SessionExists as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        return gateway_pb2.OpenSessionResponse(session=session.to_proto())
+
+    # Unary.
+    async def CloseSession(
+        self, request: gateway_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.CloseSessionResponse:
+        try:
+            session = self._store.close(request.key)
+        except UnknownSession as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return gateway_pb2.CloseSessionResponse(session=session.to_proto())
+
+    # Unary.
+    async def GetSession(
+        self, request: gateway_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GetSessionResponse:
+        try:
+            session = self._store.find(request.key)
+        except UnknownSession as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return gateway_pb2.GetSessionResponse(session=session.to_proto(), calls=session.ordered_records())
+
+    # Server-streaming.
+    async def WatchSession(
+        self, request: gateway_pb2.WatchSessionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[gateway_pb2.WatchSessionResponse]:
+        try:
+            session = self._store.find(request.key)
+        except UnknownSession as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        async for record in session.watch():
+            yield gateway_pb2.WatchSessionResponse(call=record)
+
+    # Unary.
+    async def Drain(self, request: gateway_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.DrainResponse:
+        return gateway_pb2.DrainResponse(open_sessions=await self._store.drain(request.timeout_seconds))
+
+    # Unary.
+    async def GetNodeStatus(
+        self, request: gateway_pb2.GetNodeStatusRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GetNodeStatusResponse:
+        return gateway_pb2.GetNodeStatusResponse(
+            status=gateway_pb2.NodeStatus(
+                node_id=self._node_id,
+                open_sessions=self._store.open_sessions(),
+                calls_in_flight=self._store.calls_in_flight(),
+                calls_total=self._store.calls_total,
+                draining=self._store.draining,
+                base_url=self._base_url,
+            )
+        )
+
+
+async def start_grpc(servicer: GatewayServicer, address: str) -> tuple[grpc.aio.Server, int]:
+    """A started gRPC server for the servicer on `address`; returns it and the bound port."""
+    # No SO_REUSEPORT: a second gateway on a taken port must fail to bind, not share its traffic.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the gateway's gRPC server to {address!r}")
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await server.start()
+    return server, port

@@ -1,0 +1,238 @@
+"""Recording sessions: keys, call records, the history calls render against, watchers, drain.
+
+One `SessionStore` per gateway process, shared by the HTTP app (which authorises keys and records
+calls) and the GatewayService servicer (which opens, closes, reads and watches sessions). Everything
+runs on one event loop, so the store needs no locks; waiting (watchers, drain) uses asyncio primitives.
+
+A call's life in its session: `begin_call()` when the prompt is about to go to the engine (this gives
+its id, "c0001", … in arrival order, and counts it in flight), then exactly one `finish_call()` with its
+`CallRecord`, and, when the client received the reply, the `PriorCall` later requests render against.
+A closed session refuses its key for new calls, but calls in flight still finish and are recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+from gateway.render import History, PriorCall
+from polar.v1 import common_pb2, gateway_pb2
+
+# 32 random bytes: far past the 128 bits the contract asks for, and URL-safe for `?key=`.
+KEY_BYTES = 32
+KEY_PREFIX = "polar-"
+
+HISTORY_TO_PROTO = {"faithful": gateway_pb2.HISTORY_POLICY_FAITHFUL, "template": gateway_pb2.HISTORY_POLICY_TEMPLATE}
+HISTORY_FROM_PROTO: dict[int, History] = {
+    gateway_pb2.HISTORY_POLICY_FAITHFUL: "faithful",
+    gateway_pb2.HISTORY_POLICY_TEMPLATE: "template",
+}
+
+
+class SessionError(Exception):
+    """A session operation that cannot be done; subclasses say why."""
+
+
+class UnknownSession(SessionError, LookupError):
+    """No session has that key or id."""
+
+
+class SessionClosed(SessionError):
+    """The session was closed: its key is refused."""
+
+
+class SessionExists(SessionError):
+    """A session with the requested id is already open on this node."""
+
+
+class Draining(SessionError):
+    """The node is draining and opens no new sessions."""
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
+
+
+def call_id_for(index: int) -> str:
+    """The id of a session's index-th call (1-based), ordered as the contract shows: c0001, c0002, …"""
+    return f"c{index:04d}"
+
+
+@dataclass
+class Session:
+    """One harness run: its key, its recorded calls, and what renders against them."""
+
+    session_id: str
+    key: str
+    history: History = "faithful"
+    task_id: str = ""
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    opened_unix_ns: int = field(default_factory=time.time_ns)
+    closed_unix_ns: int = 0
+    records: list[common_pb2.CallRecord] = field(default_factory=list)
+    # Calls whose reply the client received, in completion order: what later prompts extend.
+    prior_calls: list[PriorCall] = field(default_factory=list)
+    in_flight: int = 0
+    _calls_begun: int = 0
+    _watchers: list[asyncio.Queue[common_pb2.CallRecord | None]] = field(default_factory=list)
+
+    @property
+    def closed(self) -> bool:
+        return self.closed_unix_ns != 0
+
+    @property
+    def finished(self) -> bool:
+        """Closed, and its last call recorded: nothing more will ever be appended."""
+        return self.closed and self.in_flight == 0
+
+    def begin_call(self) -> str:
+        self._calls_begun += 1
+        self.in_flight += 1
+        return call_id_for(self._calls_begun)
+
+    def finish_call(self, record: common_pb2.CallRecord, prior: PriorCall | None = None) -> None:
+        self.in_flight -= 1
+        self.records.append(record)
+        if prior is not None:
+            self.prior_calls.append(prior)
+        for queue in self._watchers:
+            queue.put_nowait(record)
+        self._end_watchers_if_finished()
+
+    def ordered_records(self) -> list[common_pb2.CallRecord]:
+        """Records in arrival order (concurrent calls may complete out of it)."""
+        return sorted(self.records, key=lambda record: record.call_id)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed_unix_ns = time.time_ns()
+        self._end_watchers_if_finished()
+
+    def to_proto(self) -> gateway_pb2.Session:
+        return gateway_pb2.Session(
+            session_id=self.session_id,
+            key=self.key,
+            task_id=self.task_id,
+            closed=self.closed,
+            call_count=len(self.records),
+            opened_unix_ns=self.opened_unix_ns,
+            closed_unix_ns=self.closed_unix_ns,
+            history=HISTORY_TO_PROTO[self.history],
+            metadata=dict(self.metadata),
+        )
+
+    async def watch(self) -> AsyncIterator[common_pb2.CallRecord]:
+        """Every record, those already there first, then each new one; ends once the session finished."""
+        queue: asyncio.Queue[common_pb2.CallRecord | None] = asyncio.Queue()
+        for record in self.ordered_records():
+            queue.put_nowait(record)
+        if self.finished:
+            queue.put_nowait(None)
+        else:
+            self._watchers.append(queue)
+        try:
+            while (record := await queue.get()) is not None:
+                yield record
+        finally:
+            if queue in self._watchers:
+                self._watchers.remove(queue)
+
+    def _end_watchers_if_finished(self) -> None:
+        if self.finished:
+            for queue in self._watchers:
+                queue.put_nowait(None)
+            self._watchers.clear()
+
+
+class SessionStore:
+    """Every session of this gateway, by key and by id."""
+
+    def __init__(self, default_history: History = "faithful") -> None:
+        if default_history not in ("faithful", "template"):
+            raise ValueError(f"history must be 'faithful' or 'template', not {default_history!r}")
+        self.default_history: History = default_history
+        self._by_key: dict[str, Session] = {}
+        self._by_id: dict[str, Session] = {}
+        self._changed = asyncio.Event()
+        self.draining = False
+        self.calls_total = 0
+
+    def open(
+        self,
+        *,
+        session_id: str = "",
+        task_id: str = "",
+        history: History | None = None,
+        metadata: Mapping[str, str] | None = None,
+    ) -> Session:
+        """A new session; `history` None takes the gateway's default policy."""
+        if self.draining:
+            raise Draining("the gateway is draining: it opens no new sessions")
+        history = history or self.default_history
+        if history not in ("faithful", "template"):
+            raise ValueError(f"history must be 'faithful' or 'template', not {history!r}")
+        if session_id and session_id in self._by_id:
+            raise SessionExists(f"a session with id {session_id!r} already exists")
+        key = new_key()
+        session = Session(
+            session_id=session_id or f"s-{secrets.token_hex(8)}",
+            key=key,
+            history=history,
+            task_id=task_id,
+            metadata=dict(metadata or {}),
+        )
+        self._by_key[key] = session
+        self._by_id[session.session_id] = session
+        return session
+
+    def find(self, key_or_id: str) -> Session:
+        """The session with this key or id, open or closed."""
+        session = self._by_key.get(key_or_id) or self._by_id.get(key_or_id)
+        if session is None:
+            raise UnknownSession(f"no session has the key or id {_redacted(key_or_id)!r}")
+        return session
+
+    def authorize(self, key: str | None) -> Session:
+        """The open session whose key this is; ids are not keys."""
+        session = self._by_key.get(key) if key else None
+        if session is None:
+            raise UnknownSession("missing or unknown session key" if key else "no session key was given")
+        if session.closed:
+            raise SessionClosed(f"session {session.session_id} is closed")
+        return session
+
+    def close(self, key_or_id: str) -> Session:
+        session = self.find(key_or_id)
+        session.close()
+        self._changed.set()
+        return session
+
+    def record(self, session: Session, record: common_pb2.CallRecord, prior: PriorCall | None = None) -> None:
+        session.finish_call(record, prior)
+        self.calls_total += 1
+
+    def open_sessions(self) -> int:
+        return sum(not session.closed for session in self._by_id.values())
+
+    def calls_in_flight(self) -> int:
+        return sum(session.in_flight for session in self._by_id.values())
+
+    async def drain(self, timeout_s: float) -> int:
+        """Open no more sessions; wait up to timeout_s for the open ones to close; return those left."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + max(0.0, timeout_s)
+        while self.open_sessions() and (remaining := deadline - asyncio.get_running_loop().time()) > 0:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                break
+        return self.open_sessions()
+
+
+def _redacted(key_or_id: str) -> str:
+    # Error messages may reach logs: never echo a whole key back.
+    return key_or_id[: len(KEY_PREFIX) + 4] + "…" if key_or_id.startswith(KEY_PREFIX) else key_or_id
