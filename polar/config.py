@@ -8,6 +8,12 @@ overrides any subset, one table per section:
     script = "replies.json"
     port = 0
 
+    [gateway]
+    # port = 8000                 # HTTP, the dialect routes
+    # grpc_port = 50060           # GatewayService
+    # history = "faithful"        # or "template"
+    # inference_address = ""      # "" = the [inference] server directly
+
 Keys that no dataclass field names are rejected by their dotted name, and values must have the
 field's type, so a typo fails at load time instead of silently leaving a default in place.
 """
@@ -61,10 +67,28 @@ class EnvoyConfig:
 
 
 @dataclass
+class GatewayConfig:
+    """The gateway (`polar serve gateway`): the harness-facing API dialects over HTTP, and the
+    GatewayService (sessions) over gRPC, in one process."""
+
+    host: str = "127.0.0.1"  # address of both listeners; "0.0.0.0" for every interface
+    port: int = 8000  # HTTP port of the dialect routes (Envoy's harness listener forwards here)
+    grpc_port: int = 50060  # GatewayService: `polar session open/show/close --gateway host:grpc_port`
+    chat_format: str = "hermes"  # how prompts are rendered: "hermes" or "smollm2" (gateway/chat_format.py)
+    parser: str = "hermes"  # how outputs are read back into text, reasoning and tool calls
+    history: str = "faithful"  # default history policy of new sessions: "faithful" or "template"
+    # gRPC address the gateway sends generations to; "" = the [inference] server directly. With
+    # Envoy in front of the inference servers, its inference listener goes here.
+    inference_address: str = ""
+    tokenizer: str = ""  # Hugging Face tokenizer folder; "" = the one the inference server names
+
+
+@dataclass
 class StackConfig:
     """Everything `polar up` starts; one field per service section."""
 
     inference: InferenceConfig = field(default_factory=InferenceConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     # Seconds a service may take from start until healthy. Generous because the first run builds
     # the model folders (tiny, smollm2-135m) in the cache.
     startup_timeout_s: float = 600.0
