@@ -161,12 +161,12 @@ async def _count_tokens(request: web.Request) -> web.StreamResponse:
         dialect = _dialect(request, "anthropic")
     except DialectUnavailable as exc:
         return neutral_error(404, "not_found_error", str(exc))
-    route = Route(request.path, query=dict(request.query))
     try:
-        count = gateway.count_tokens(dialect, route, await _read_body(request), session_key(request))
+        raw = await _read_body(request)
     except GatewayError as exc:
         return _reply(gateway.error_reply(dialect, exc))
-    return web.Response(body=json_bytes({"input_tokens": count}), content_type="application/json")
+    route = Route(request.path, query=dict(request.query))
+    return _reply(gateway.count_tokens(dialect, route, raw, session_key(request)))
 
 
 async def _models(request: web.Request) -> web.StreamResponse:

@@ -27,7 +27,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import grpc
 from tokenizers import Tokenizer
@@ -106,6 +106,17 @@ class Reply:
 
     status: int
     body: bytes
+
+
+@runtime_checkable
+class TokenCounting(Protocol):
+    """A dialect that also counts prompt tokens without generating (Anthropic's count_tokens)."""
+
+    def parse_count_tokens(self, body: Any, route: Route) -> DialectRequest:
+        """Like parse_request, for a body that asks only for a count."""
+
+    def count_tokens_response(self, input_tokens: int) -> dict[str, Any]:
+        """The count's response body."""
 
 
 @dataclass(frozen=True)
@@ -479,14 +490,22 @@ class Gateway:
             return self.error_reply(dialect, internal_error())
         return await self._generate(call, sink)
 
-    def count_tokens(self, dialect: Dialect, route: Route, raw: bytes, key: str | None) -> int:
-        """Prompt tokens the request would be rendered to now (GatewayError when it cannot be)."""
-        session = self.authorize(key)
-        request = dialect.parse_request(decode_body(raw), route)
-        rendered = render_request(
-            self.chat_format, request.conversation, tuple(session.prior_calls), history=session.history
-        )
-        return len(rendered.token_ids)
+    def count_tokens(self, dialect: Dialect, route: Route, raw: bytes, key: str | None) -> Reply:
+        """The prompt tokens the request would be rendered to now, in the dialect's count shape."""
+        try:
+            session = self.authorize(key)
+            if not isinstance(dialect, TokenCounting):
+                raise GatewayError(ErrorKind.NOT_FOUND, f"the {dialect.name} dialect does not count tokens")
+            request = dialect.parse_count_tokens(decode_body(raw), route)
+            rendered = render_request(
+                self.chat_format, request.conversation, tuple(session.prior_calls), history=session.history
+            )
+            return Reply(200, json_bytes(dialect.count_tokens_response(len(rendered.token_ids))))
+        except GatewayError as exc:
+            return self.error_reply(dialect, exc)
+        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
+            log.exception("gateway: counting tokens failed")
+            return self.error_reply(dialect, internal_error())
 
     def error_reply(self, dialect: Dialect, error: GatewayError) -> Reply:
         try:

@@ -72,7 +72,7 @@ async def start_gateway(
     chat_format: str = "hermes",
     parser: str = "hermes",
     history: History = "faithful",
-    tokenizer_path: str = "",
+    tokenizer_path: str = "",  # a tokenizer folder or a model alias ("tiny"); "" = the one inference names
     base_url: str = "",
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     dialects: Mapping[str, Dialect] | None = None,
@@ -159,7 +159,9 @@ def _load_tokenizer(path: str, model: str):
         )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    from polar.inference.models import ALIASES, resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(path) if path in ALIASES else path)
 
 
 def _connectable(host: str) -> str:

@@ -2,6 +2,8 @@
 
     polar serve inference   an InferenceService server over one engine (torch, vllm, scripted)
     polar serve envoy       Envoy in front of the gateway and the inference servers (polar.envoy)
+    polar serve gateway     the API dialects (HTTP) and GatewayService (gRPC) over an inference service
+    polar session open|show|close   recording sessions on a gateway (keys, call records)
     polar up                the whole stack, on the embedded defaults or a TOML config
     polar version           the installed version
 
@@ -21,7 +23,7 @@ from typing import NoReturn
 
 import polar
 from polar import envoy
-from polar.config import InferenceConfig, load_config
+from polar.config import GatewayConfig, InferenceConfig, load_config
 from polar.stack import StackError, join_host_port, run_stack
 
 
@@ -109,6 +111,121 @@ def _run_inference_server(args: argparse.Namespace) -> None:
     asyncio.run(serve(engine, join_host_port(args.host, args.port), on_ready))
 
 
+def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = GatewayConfig()
+    parser.add_argument("--inference", required=True, metavar="HOST:PORT", help="gRPC address of the inference service")
+    parser.add_argument("--host", default=defaults.host, help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=defaults.port, help="HTTP port of the API dialects (default: %(default)s)")
+    parser.add_argument("--grpc-port", type=_port, default=defaults.grpc_port, help="GatewayService port (default: %(default)s)")
+    parser.add_argument("--chat-format", default=defaults.chat_format, help="prompt rendering: hermes or smollm2 (default: %(default)s)")
+    parser.add_argument("--parser", default=defaults.parser, help="output parser (default: %(default)s)")
+    parser.add_argument(
+        "--history", choices=("faithful", "template"), default=defaults.history, help="default history policy of new sessions"
+    )
+    parser.add_argument("--tokenizer", default=defaults.tokenizer, help="tokenizer folder (default: the one inference names)")
+    parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+
+def _serve_gateway(args: argparse.Namespace) -> int:
+    from gateway.dialects import available_dialects
+    from gateway.server import serve_gateway
+
+    def on_ready(running) -> None:
+        dialects = ", ".join(available_dialects()) or "none"
+        print(
+            f"gateway: {running.gateway.model.name} at {running.base_url} ({dialects}); "
+            f"GatewayService on {join_host_port(args.host, running.grpc_port)}; inference {args.inference}",
+            flush=True,
+        )
+        if args.ready_fd is not None:
+            with os.fdopen(args.ready_fd, "w") as ready:
+                ready.write(f"{running.grpc_port}\n")
+
+    asyncio.run(
+        serve_gateway(
+            args.inference, args.host, args.port, args.grpc_port, args.chat_format, args.parser, args.history,
+            on_ready, tokenizer_path=args.tokenizer,
+        )
+    )  # fmt: skip
+    return 0
+
+
+# -------------------------------------------------------------------------------------- session
+
+
+def _gateway_option(parser: argparse.ArgumentParser) -> None:
+    default = join_host_port(GatewayConfig().host, GatewayConfig().grpc_port)
+    parser.add_argument("--gateway", default=default, metavar="HOST:PORT", help="GatewayService address (default: %(default)s)")
+
+
+def _session_open_arguments(parser: argparse.ArgumentParser) -> None:
+    _gateway_option(parser)
+    parser.add_argument("--task-id", default="", help="task the session runs, for bookkeeping")
+    parser.add_argument("--history", choices=("faithful", "template"), help="history policy (default: the gateway's)")
+
+
+def _session_key_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("key", help="the session's key or id")
+    _gateway_option(parser)
+
+
+def _session_show_arguments(parser: argparse.ArgumentParser) -> None:
+    _session_key_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="the session and every call record as JSON")
+
+
+def _gateway_rpc(address: str, method: str, request):
+    """One unary GatewayService call; gRPC failures become one-line errors."""
+    import grpc
+
+    from polar.v1 import gateway_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return getattr(gateway_pb2_grpc.GatewayServiceStub(channel), method)(request, timeout=10)
+        except grpc.RpcError as exc:
+            raise CliError(f"{method} on {address}: {exc.code().name}: {exc.details()}") from None
+
+
+def _session_open(args: argparse.Namespace) -> int:
+    from polar.v1 import gateway_pb2
+
+    history = {None: 0, "faithful": gateway_pb2.HISTORY_POLICY_FAITHFUL, "template": gateway_pb2.HISTORY_POLICY_TEMPLATE}
+    request = gateway_pb2.OpenSessionRequest(task_id=args.task_id, history=history[args.history])
+    print(_gateway_rpc(args.gateway, "OpenSession", request).session.key)
+    return 0
+
+
+def _session_show(args: argparse.Namespace) -> int:
+    from google.protobuf import json_format
+
+    from polar.v1 import common_pb2, gateway_pb2
+
+    response = _gateway_rpc(args.gateway, "GetSession", gateway_pb2.GetSessionRequest(key=args.key))
+    if args.json:
+        print(json_format.MessageToJson(response, indent=2))
+        return 0
+    s = response.session
+    print(f"session {s.session_id} ({'closed' if s.closed else 'open'}), {s.call_count} calls")
+    for call in response.calls:
+        finish = common_pb2.FinishReason.Name(call.finish_reason).removeprefix("FINISH_REASON_").lower()
+        extends = f" extends {call.extends_call_id}" if call.extends_call_id else ""
+        print(
+            f"  {call.call_id}  {common_pb2.Dialect.Name(call.dialect).removeprefix('DIALECT_').lower()}  "
+            f"prompt {len(call.prompt_token_ids)}  sampled {len(call.sampled_token_ids)}  {finish}"
+            f"{'  aborted' if call.aborted else ''}{extends}"
+        )
+    return 0
+
+
+def _session_close(args: argparse.Namespace) -> int:
+    from polar.v1 import gateway_pb2
+
+    session = _gateway_rpc(args.gateway, "CloseSession", gateway_pb2.CloseSessionRequest(key=args.key)).session
+    print(f"closed session {session.session_id} ({session.call_count} calls)")
+    return 0
+
+
 # ------------------------------------------------------------------------------------------- up
 
 
@@ -131,11 +248,15 @@ def _version(args: argparse.Namespace) -> int:
 COMMANDS: tuple[Command, ...] = (
     Command(("serve", "inference"), "serve a model over gRPC (InferenceService)", _inference_arguments, _serve_inference),
     Command(("serve", "envoy"), "run Envoy in front of the gateway and the inference servers", envoy.add_arguments, envoy.serve),
+    Command(("serve", "gateway"), "serve the API dialects over HTTP and GatewayService over gRPC", _gateway_arguments, _serve_gateway),
+    Command(("session", "open"), "open a recording session on a gateway and print its key", _session_open_arguments, _session_open),
+    Command(("session", "show"), "print a session and its call records", _session_show_arguments, _session_show),
+    Command(("session", "close"), "close a session (its key is refused from then on)", _session_key_arguments, _session_close),
     Command(("up",), "start the whole stack and supervise it until Ctrl-C", _up_arguments, _up),
     Command(("version",), "print the installed version", lambda parser: None, _version),
 )
 
-GROUP_HELP = {"serve": "run one service in the foreground"}
+GROUP_HELP = {"serve": "run one service in the foreground", "session": "open, show and close gateway sessions"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,11 +31,12 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from polar.config import InferenceConfig, StackConfig
-from polar.v1 import inference_pb2
+from polar.config import GatewayConfig, InferenceConfig, StackConfig
+from polar.v1 import gateway_pb2, inference_pb2
 
 PR_SET_PDEATHSIG = 1
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 HEALTH_POLL_SECONDS = 0.1
 
 
@@ -52,7 +53,9 @@ class ServiceSpec:
     """One child of the stack: how to start it and how to tell that it serves."""
 
     name: str  # shown in the endpoint table and in errors
-    argv: tuple[str, ...]  # the command; `--ready-fd N` is appended
+    # The command; `--ready-fd N` is appended. An argument "{name}" stands for the address to dial
+    # the service `name` started before this one (so services on port 0 can still be found).
+    argv: tuple[str, ...]
     host: str  # address the service listens on
     health_service: str  # gRPC health-checking service name that must report SERVING
     detail: str  # one line for the endpoint table
@@ -70,10 +73,15 @@ class Service:
     def endpoint(self) -> str:
         return join_host_port(self.spec.host, self.port)
 
+    @property
+    def dial_address(self) -> str:
+        """Where a local client reaches it (a wildcard listen address is not dialable)."""
+        return join_host_port(_connectable(self.spec.host), self.port)
+
 
 def plan(config: StackConfig) -> list[ServiceSpec]:
     """The services `polar up` starts, in start order (each may depend on those before it)."""
-    return [inference_spec(config.inference)]
+    return [inference_spec(config.inference), gateway_spec(config.gateway, config.inference)]
 
 
 def inference_spec(inf: InferenceConfig) -> ServiceSpec:
@@ -89,6 +97,29 @@ def inference_spec(inf: InferenceConfig) -> ServiceSpec:
         argv += ["--script", inf.script]
     detail = f"{inf.engine} engine, model {inf.model}" if inf.engine != "scripted" else f"scripted engine, {inf.script}"
     return ServiceSpec("inference", tuple(argv), inf.host, INFERENCE_SERVICE, detail)
+
+
+def gateway_inference_address(gw: GatewayConfig, inf: InferenceConfig) -> str:
+    """The gRPC address the gateway dials: its own setting, else the inference server directly."""
+    if gw.inference_address:
+        return gw.inference_address
+    return "{inference}" if inf.port == 0 else join_host_port(_connectable(inf.host), inf.port)
+
+
+def gateway_spec(gw: GatewayConfig, inf: InferenceConfig) -> ServiceSpec:
+    """`polar serve gateway` with the given settings; its readiness port is the GatewayService's."""
+    inference = gateway_inference_address(gw, inf)
+    argv = [
+        sys.executable, "-m", "polar", "serve", "gateway",
+        "--inference", inference, "--host", gw.host,
+        "--port", str(gw.port), "--grpc-port", str(gw.grpc_port),
+        "--chat-format", gw.chat_format, "--parser", gw.parser, "--history", gw.history,
+    ]  # fmt: skip
+    if gw.tokenizer:
+        argv += ["--tokenizer", gw.tokenizer]
+    http = f"http://{join_host_port(_connectable(gw.host), gw.port)}" if gw.port else "a free port (in its log)"
+    detail = f"HTTP {http}, inference via {inference}"
+    return ServiceSpec("gateway", tuple(argv), gw.host, GATEWAY_SERVICE, detail)
 
 
 @contextlib.contextmanager
@@ -112,7 +143,7 @@ def run_stack(config: StackConfig, out: TextIO = sys.stdout) -> int:
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for spec in plan(config):
-            child, ready_fd = _spawn(spec)
+            child, ready_fd = _spawn(spec, {c.spec.name: c.dial_address for c in children})
             children.append(child)
             _await_ready(child, ready_fd, config.startup_timeout_s)
         _print_table(children, out)
@@ -133,12 +164,15 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested
 
 
-def _spawn(spec: ServiceSpec) -> tuple[Service, int]:
-    """Start the child; return it and the read end of its readiness pipe."""
+def _spawn(spec: ServiceSpec, started: dict[str, str] | None = None) -> tuple[Service, int]:
+    """Start the child (`started`: dial address of each service already up, for "{name}" arguments);
+    return it and the read end of its readiness pipe."""
+    started = started or {}
+    argv = [started.get(arg[1:-1], arg) if arg.startswith("{") and arg.endswith("}") else arg for arg in spec.argv]
     read_fd, write_fd = os.pipe()
     try:
         process = subprocess.Popen(
-            [*spec.argv, "--ready-fd", str(write_fd)],
+            [*argv, "--ready-fd", str(write_fd)],
             stdin=subprocess.DEVNULL,
             pass_fds=(write_fd,),
             process_group=0,

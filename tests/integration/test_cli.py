@@ -74,7 +74,11 @@ def script_file(tmp_path: Path) -> Path:
 @pytest.fixture
 def stack_config(tmp_path: Path, script_file: Path) -> Path:
     path = tmp_path / "stack.toml"
-    path.write_text(f'[inference]\nengine = "scripted"\nscript = "{script_file}"\nport = 0\n')
+    path.write_text(
+        f'[inference]\nengine = "scripted"\nscript = "{script_file}"\nport = 0\n'
+        # The script has no tokenizer; the gateway renders with the tiny model's.
+        '[gateway]\nport = 0\ngrpc_port = 0\ntokenizer = "tiny"\n'
+    )
     return path
 
 
@@ -147,7 +151,7 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: s
 def _start_stack(spawn, config: Path) -> tuple[subprocess.Popen, _Lines, str, int]:
     """`polar up` on config; return it, its output, and the inference row's endpoint and pid."""
     up, lines = spawn("up", "--config", str(config))
-    lines.wait_for(r"^polar up: 1 service running")
+    lines.wait_for(r"^polar up: 2 services running")
     row = lines.wait_for(r"^\s+inference\s+(\S+)\s+(\d+)\s")
     return up, lines, row.group(1), int(row.group(2))
 
