@@ -73,6 +73,7 @@ from gateway.parsers import (
 )
 from polar.v1 import common_pb2
 
+COUNT_TOKENS_SUFFIX = "/messages/count_tokens"
 INT32_MAX = 2**31 - 1  # max_tokens and top_k travel as int32 to the inference server
 # Blocks that exist in the Messages API but belong to one role only: misplaced, they are a plain 400,
 # whereas any other unknown type is content this text-only gateway does not serve.
@@ -509,7 +510,8 @@ class AnthropicDialect(Dialect):
     record_dialect = common_pb2.DIALECT_ANTHROPIC_MESSAGES
 
     def parse_request(self, body: Any, route: Route) -> DialectRequest:
-        return _parse(body, counting=False)
+        # The count_tokens route's body has no max_tokens, whichever of the two hooks the core calls.
+        return _parse(body, counting=route.path.endswith(COUNT_TOKENS_SUFFIX))
 
     def parse_count_tokens(self, body: Any, route: Route) -> DialectRequest:
         """A `/v1/messages/count_tokens` body: a Messages body without `max_tokens`, never streamed."""

@@ -317,6 +317,9 @@ def test_count_tokens_takes_no_max_tokens_and_never_streams():
     assert DIALECT.count_tokens_response(17) == {"input_tokens": 17}
     with pytest.raises(GatewayError):
         DIALECT.parse_count_tokens({"model": "tiny"}, Route("/v1/messages/count_tokens"))
+    # The route alone says it, so parse_request serves the count_tokens route too.
+    counted = DIALECT.parse_request(body(max_tokens=None), Route("/v1/messages/count_tokens"))
+    assert counted.sampling.max_tokens is None
 
 
 # --- responses -------------------------------------------------------------------------------------
