@@ -1,0 +1,110 @@
+"""The core's pure pieces: stop strings, detokenisation, max_tokens clamping, finish kinds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.core import OutputAssembler, StopScanner, finish_kind, max_tokens_for, tool_calls_as_text
+from gateway.dialects.base import ErrorKind, FinishKind, GatewayError
+from gateway.parsers import TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart, collect, get_output_parser
+from polar.v1 import common_pb2
+
+
+def _scan(pieces: list[str], stops: list[str]) -> tuple[str, str | None]:
+    scanner = StopScanner(stops)
+    text = ""
+    for piece in pieces:
+        out, stop = scanner.feed(piece)
+        text += out
+        if stop is not None:
+            return text, stop
+    return text + scanner.flush(), None
+
+
+def _chunks(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({0, len(text), *(c % (len(text) + 1) for c in cuts)})
+    return [text[a:b] for a, b in zip(points, points[1:])]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text("abXY", max_size=30), st.lists(st.text("abXY", min_size=1, max_size=4), max_size=3), st.lists(st.integers(0, 40)))
+def test_stop_scanning_is_the_same_whatever_the_chunking(text, stops, cuts):
+    found = [(text.find(s), s) for s in stops if s in text]
+    expected = (text[: min(found)[0]], min(found)[1]) if found else (text, None)
+    assert _scan(_chunks(text, cuts), stops) == expected
+
+
+def test_text_that_may_start_a_stop_string_is_held_back_until_decided():
+    scanner = StopScanner(["</end>"])
+    assert scanner.feed("abc</e") == ("abc", None)
+    assert scanner.feed("x") == ("</ex", None)
+    assert scanner.feed("</end> tail") == ("", "</end>")
+
+
+def test_max_tokens_is_clamped_to_what_the_context_leaves():
+    assert max_tokens_for(32000, 2768, 32768) == (30000, True)
+    assert max_tokens_for(100, 2768, 32768) == (100, False)
+    assert max_tokens_for(None, 32000, 32768) == (768, True)
+
+
+def test_a_prompt_that_fills_the_context_is_a_context_error():
+    with pytest.raises(GatewayError) as error:
+        max_tokens_for(10, 32768, 32768)
+    assert error.value.kind is ErrorKind.CONTEXT_LENGTH
+
+
+def test_finish_kinds():
+    stop, length = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+    assert finish_kind(stop, stop_sequence=None, context_bound=False, tool_calls=True) is FinishKind.TOOL_CALLS
+    assert finish_kind(length, stop_sequence=None, context_bound=True, tool_calls=False) is FinishKind.CONTEXT_LENGTH
+    assert finish_kind(length, stop_sequence=None, context_bound=False, tool_calls=False) is FinishKind.LENGTH
+    assert finish_kind(0, stop_sequence="##", context_bound=False, tool_calls=False) is FinishKind.STOP_SEQUENCE
+    with pytest.raises(GatewayError):
+        finish_kind(common_pb2.FINISH_REASON_ABORTED, stop_sequence=None, context_bound=False, tool_calls=False)
+
+
+def _assembler(tokenizer, **options) -> OutputAssembler:
+    return OutputAssembler(tokenizer.backend_tokenizer, get_output_parser("hermes").stream(call_id="x"), **options)
+
+
+def test_multi_byte_characters_split_across_tokens_arrive_whole(smollm2_tokenizer):
+    text = "héllo 😀 世界"
+    ids = smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assembler = _assembler(smollm2_tokenizer)
+    deltas = [event.text for token in ids for event in assembler.add([token], [-0.1])]
+    deltas += [event.text for event in assembler.finish()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in delta for delta in deltas)
+
+
+def test_a_stop_string_cuts_the_text_and_keeps_the_tokens_up_to_the_one_completing_it(smollm2_tokenizer):
+    ids = smollm2_tokenizer.encode("one two STOP three four", add_special_tokens=False)
+    assembler = _assembler(smollm2_tokenizer, stops=["STOP"])
+    assembler.add(ids, [-0.1] * len(ids))
+    assembler.finish()
+    assert collect(assembler.events).content == "one two"
+    assert assembler.stop_sequence == "STOP"
+    kept = smollm2_tokenizer.decode(assembler.token_ids)
+    assert kept.endswith("STOP") and len(assembler.token_ids) < len(ids)
+
+
+def test_a_forced_opening_is_parsed_with_the_sample_but_not_recorded(smollm2_tokenizer):
+    sample = 'f", "arguments": {"a": 1}}\n</tool_call>'
+    ids = smollm2_tokenizer.encode(sample, add_special_tokens=False)
+    assembler = _assembler(smollm2_tokenizer, forced_text='<tool_call>\n{"name": "')
+    assembler.add(ids, [-0.1] * len(ids))
+    assembler.finish()
+    output = collect(assembler.events)
+    assert [(c.name, c.arguments) for c in output.tool_calls] == [("f", {"a": 1})]
+    assert assembler.token_ids == ids
+
+
+def test_disabled_tools_turn_calls_back_into_text():
+    events = [TextDelta("hi"), ToolCallStart(0, "id", "f"), ToolCallArgumentsDelta(0, '{"a": 1}'), ToolCallEnd(0)]
+    [text, call] = tool_calls_as_text(events)
+    assert text == TextDelta("hi")
+    assert call.text.startswith("\n<tool_call>\n") and json.loads(call.text.split("\n")[2])["arguments"] == {"a": 1}
