@@ -495,6 +495,7 @@ class _Stream(StreamRenderer):
         self._open_text = ""  # its text or arguments so far
         self._open_call_index = -1  # the parser's index of the open function call
         self._kinds_seen: set[str] = set()
+        self._started = False
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -505,6 +506,12 @@ class _Stream(StreamRenderer):
         return _response(self._request, self._call, status, list(self._output), **fields)
 
     def start(self) -> list[bytes]:
+        # Idempotent, and also run by the first events() call: sequence numbers are handed out as
+        # events are made, so the opening events must be made first whatever order the hooks run in
+        # (the core renders its first parse events before it asks for the opening).
+        if self._started:
+            return []
+        self._started = True
         response = self._response("in_progress")
         return [
             self._event("response.created", response=response),
@@ -573,6 +580,9 @@ class _Stream(StreamRenderer):
     # Parse events --------------------------------------------------------------------------------
 
     def events(self, event: ParseEvent) -> list[bytes]:
+        return [*self.start(), *self._translate(event)]
+
+    def _translate(self, event: ParseEvent) -> list[bytes]:
         if isinstance(event, TextDelta):
             events, text = self._open_text_item("message", event.text)
             if text:
@@ -609,7 +619,7 @@ class _Stream(StreamRenderer):
     def finish(self, result: DialectResult) -> list[bytes]:
         status, incomplete_details = _finish(result)
         item_status = "incomplete" if status == "incomplete" else "completed"
-        events = self._close(item_status)
+        events = [*self.start(), *self._close(item_status)]
         if not self._output:
             # An empty answer is still one (empty) message, as in the non-streaming response.
             events += self._open_item(_message_item(_item_id("msg", self._call, 0), "", "in_progress"))
@@ -622,6 +632,7 @@ class _Stream(StreamRenderer):
         code = _FAILED_CODES.get(error.kind, "server_error")
         failure = {"code": code, "message": error.message, "param": error.param, "type": error_object(error)["type"]}
         return [
+            *self.start(),
             self._event("error", code=error_code(error) or code, message=error.message, param=error.param),
             self._event("response.failed", response=self._response("failed", error=failure)),
         ]

@@ -402,3 +402,13 @@ def test_stream_that_fails_sends_error_then_response_failed():
     failed = events[-1].response
     assert failed.status == "failed" and failed.error.code == "server_error"
     assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+def test_events_rendered_before_the_opening_still_follow_it():
+    # The core renders the first parse events, then asks for start() and sends its events first.
+    renderer = DIALECT.stream_renderer(parse(stream=True), CALL)
+    first = renderer.events(parser.stream(call_id=CALL.call_id).feed("Hello")[0])
+    payload = b"".join([*renderer.start(), *first, *renderer.finish(result("Hello"))])
+    events, response = streamed(payload)
+    check_grammar(events)
+    assert response.output_text == "Hello"
