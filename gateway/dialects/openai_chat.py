@@ -144,6 +144,35 @@ def parse_arguments(text: str, param: str) -> dict[str, Any]:
     return arguments
 
 
+def text_of(content: Any, param: str, text_types: tuple[str, ...]) -> str:
+    """The text of a string or an array of text parts (joined with `\\n`); media parts are unsupported."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(
+            f"Invalid type for '{param}': expected string or array, got {json_type(content)}.", param
+        )
+    texts = []
+    for index, raw in enumerate(content):
+        part_param = f"{param}[{index}]"
+        part = as_object(raw, part_param)
+        kind = field(part, "type", "string", f"{part_param}.type", required=True)
+        if kind in MEDIA_PARTS:
+            raise GatewayError(
+                ErrorKind.UNSUPPORTED_CONTENT,
+                f"Content parts of type '{kind}' are not supported: this gateway is text-only.",
+                param=f"{part_param}.type",
+            )
+        if kind not in text_types:
+            expected = ", ".join(f"'{name}'" for name in text_types)
+            raise invalid(
+                f"Invalid value '{kind}' for '{part_param}.type': expected {expected}.", f"{part_param}.type"
+            )
+        key = "refusal" if kind == "refusal" else "text"
+        texts.append(field(part, key, "string", f"{part_param}.{key}", required=True))
+    return "\n".join(texts)
+
+
 def function_parameters(spec: Mapping[str, Any], param: str) -> dict[str, Any]:
     parameters = field(spec, "parameters", "object", param)
     return parameters if parameters is not None else {"type": "object", "properties": {}}
@@ -230,30 +259,6 @@ _SYSTEM_ROLES = ("system", "developer")
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _text(content: Any, param: str, *, text_types: tuple[str, ...] = ("text",)) -> str:
-    """The text of a string or an array of text parts (joined with `\\n`)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"Invalid type for '{param}': expected string or array, got {json_type(content)}.", param)
-    texts = []
-    for index, raw in enumerate(content):
-        part_param = f"{param}[{index}]"
-        part = as_object(raw, part_param)
-        kind = field(part, "type", "string", f"{part_param}.type", required=True)
-        if kind in MEDIA_PARTS:
-            raise GatewayError(
-                ErrorKind.UNSUPPORTED_CONTENT,
-                f"Content parts of type '{kind}' are not supported: this gateway is text-only.",
-                param=f"{part_param}.type",
-            )
-        if kind not in text_types:
-            expected = ", ".join(f"'{name}'" for name in text_types)
-            raise invalid(f"Invalid value '{kind}' for '{part_param}.type': expected {expected}.", f"{part_param}.type")
-        texts.append(field(part, kind, "string", f"{part_param}.{kind}", required=True))
-    return "\n".join(texts)
-
-
 def _tool_calls(raw: list[Any], param: str) -> tuple[ToolCall, ...]:
     calls = []
     for index, item in enumerate(raw):
@@ -261,7 +266,9 @@ def _tool_calls(raw: list[Any], param: str) -> tuple[ToolCall, ...]:
         call = as_object(item, call_param)
         kind = field(call, "type", "string", f"{call_param}.type")
         if kind not in (None, "function"):
-            raise invalid(f"Invalid value '{kind}' for '{call_param}.type': expected 'function'.", f"{call_param}.type")
+            raise invalid(
+                f"Invalid value '{kind}' for '{call_param}.type': expected 'function'.", f"{call_param}.type"
+            )
         call_id = field(call, "id", "string", f"{call_param}.id", required=True)
         function = field(call, "function", "object", f"{call_param}.function", required=True)
         name = field(function, "name", "string", f"{call_param}.function.name", required=True)
@@ -275,20 +282,22 @@ def _message(raw: Any, param: str, names: dict[str, str]) -> Message:
     role = field(message, "role", "string", f"{param}.role", required=True)
     if role not in _ROLES:
         expected = ", ".join(f"'{name}'" for name in _ROLES)
-        raise invalid(f"Invalid value '{role}' for '{param}.role': expected one of {expected}.", f"{param}.role")
+        raise invalid(
+            f"Invalid value '{role}' for '{param}.role': expected one of {expected}.", f"{param}.role"
+        )
     content_param = f"{param}.content"
     if role in _SYSTEM_ROLES or role == "user":
         content = message.get("content")
         if content is None:
             raise invalid(f"Missing required parameter: '{content_param}'.", content_param)
-        return Message("user" if role == "user" else "system", _text(content, content_param))
+        return Message("user" if role == "user" else "system", text_of(content, content_param, ("text",)))
     if role == "tool":
         call_id = field(message, "tool_call_id", "string", f"{param}.tool_call_id", required=True)
         content = message.get("content")
-        text = "" if content is None else _text(content, content_param)
+        text = "" if content is None else text_of(content, content_param, ("text",))
         return Message("tool", text, tool_call_id=call_id, name=names.get(call_id, ""))
     content = message.get("content")
-    text = "" if content is None else _text(content, content_param, text_types=("text", "refusal"))
+    text = "" if content is None else text_of(content, content_param, ("text", "refusal"))
     reasoning = field(message, "reasoning_content", "string", f"{param}.reasoning_content")
     if reasoning is None:
         reasoning = field(message, "reasoning", "string", f"{param}.reasoning")
@@ -323,7 +332,8 @@ def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
             raise invalid(f"Invalid value for '{param}.function.name': empty.", f"{param}.function.name")
         description = field(function, "description", "string", f"{param}.function.description") or ""
         check_fields(function, {"strict": "boolean"}, f"{param}.function.")
-        tools.append(ToolSpec(name, description, function_parameters(function, f"{param}.function.parameters")))
+        parameters = function_parameters(function, f"{param}.function.parameters")
+        tools.append(ToolSpec(name, description, parameters))
     check_tool_names(tools, "tools")
     return tuple(tools)
 
@@ -341,7 +351,9 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolCh
     if isinstance(raw, dict):
         kind = field(raw, "type", "string", "tool_choice.type", required=True)
         if kind != "function":
-            raise invalid(f"Invalid value '{kind}' for 'tool_choice.type': expected 'function'.", "tool_choice.type")
+            raise invalid(
+                f"Invalid value '{kind}' for 'tool_choice.type': expected 'function'.", "tool_choice.type"
+            )
         function = field(raw, "function", "object", "tool_choice.function", required=True)
         name = field(function, "name", "string", "tool_choice.function.name", required=True)
         return named_tool_choice(name, tools, "tool_choice.function.name")
@@ -390,8 +402,11 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     if response_format is not None:
         kind = field(response_format, "type", "string", "response_format.type", required=True)
         if kind != "text":
-            raise invalid(f"'response_format' of type '{kind}' is not supported: the gateway does not constrain "
-                          "decoding.", "response_format.type")
+            raise invalid(
+                f"'response_format' of type '{kind}' is not supported: the gateway does not constrain "
+                "decoding.",
+                "response_format.type",
+            )
     if body.get("functions") is not None or body.get("function_call") is not None:
         param = "functions" if body.get("functions") is not None else "function_call"
         raise invalid(f"'{param}' is deprecated and not supported: use 'tools' and 'tool_choice'.", param)
@@ -516,7 +531,8 @@ class _Stream(StreamRenderer):
                     "function": {"name": event.name, "arguments": ""}}
             return [self._chunk({"tool_calls": [call]})]
         if isinstance(event, ToolCallArgumentsDelta):
-            return [self._chunk({"tool_calls": [{"index": event.index, "function": {"arguments": event.arguments}}]})]
+            piece = {"index": event.index, "function": {"arguments": event.arguments}}
+            return [self._chunk({"tool_calls": [piece]})]
         if isinstance(event, ToolCallEnd):
             return []
         raise TypeError(f"unknown parse event {event!r}")

@@ -62,7 +62,6 @@ from gateway.dialects.base import (
     sse,
 )
 from gateway.dialects.openai_chat import (
-    MEDIA_PARTS,
     as_object,
     check_fields,
     check_tool_names,
@@ -77,6 +76,7 @@ from gateway.dialects.openai_chat import (
     number_in,
     parse_arguments,
     positive_int,
+    text_of,
 )
 from gateway.parsers import (
     ParseEvent,
@@ -127,43 +127,19 @@ _STATEFUL_FIELDS = ("previous_response_id", "conversation", "prompt")
 _INPUT_ROLES = {"user": "user", "system": "system", "developer": "system"}
 
 
-def _text(content: Any, param: str, text_types: tuple[str, ...]) -> str:
-    """The text of a string or an array of text parts (joined with `\\n`)."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise invalid(f"Invalid type for '{param}': expected string or array, got {json_type(content)}.", param)
-    texts = []
-    for index, raw in enumerate(content):
-        part_param = f"{param}[{index}]"
-        part = as_object(raw, part_param)
-        kind = field(part, "type", "string", f"{part_param}.type", required=True)
-        if kind in MEDIA_PARTS:
-            raise GatewayError(
-                ErrorKind.UNSUPPORTED_CONTENT,
-                f"Content parts of type '{kind}' are not supported: this gateway is text-only.",
-                param=f"{part_param}.type",
-            )
-        if kind not in text_types:
-            expected = ", ".join(f"'{name}'" for name in text_types)
-            raise invalid(
-                f"Invalid value '{kind}' for '{part_param}.type': expected {expected}.", f"{part_param}.type"
-            )
-        key = "refusal" if kind == "refusal" else "text"
-        texts.append(field(part, key, "string", f"{part_param}.{key}", required=True))
-    return "\n".join(texts)
-
-
-def _required_text(item: Mapping[str, Any], key: str, param: str, text_types: tuple[str, ...]) -> str:
+def _required_text(
+    item: Mapping[str, Any], key: str, param: str, text_types: tuple[str, ...]
+) -> str:
     value = item.get(key)
     if value is None:
         raise invalid(f"Missing required parameter: '{param}.{key}'.", f"{param}.{key}")
-    return _text(value, f"{param}.{key}", text_types)
+    return text_of(value, f"{param}.{key}", text_types)
 
 
 def _reasoning(item: Mapping[str, Any], param: str) -> str:
     check_fields(item, {"summary": "array", "encrypted_content": "string"}, f"{param}.")
-    return _text(field(item, "content", "array", f"{param}.content") or [], f"{param}.content", ("reasoning_text",))
+    content = field(item, "content", "array", f"{param}.content") or []
+    return text_of(content, f"{param}.content", ("reasoning_text",))
 
 
 def _join(texts: list[str]) -> str:
@@ -213,7 +189,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
         if kind == "message":
             role = field(item, "role", "string", f"{param}.role", required=True)
             if role == "assistant":
-                turn.content.append(_required_text(item, "content", param, ("output_text", "refusal", "input_text")))
+                text_types = ("output_text", "refusal", "input_text")
+                turn.content.append(_required_text(item, "content", param, text_types))
             elif role in _INPUT_ROLES:
                 add(Message(_INPUT_ROLES[role], _required_text(item, "content", param, ("input_text",))))
             else:
@@ -235,7 +212,9 @@ def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
             output = _required_text(item, "output", param, ("input_text", "output_text"))
             add(Message("tool", output, tool_call_id=call_id, name=names.get(call_id, "")))
         elif kind == "item_reference":
-            raise invalid("Item references need stored responses; this gateway is stateless.", f"{param}.type")
+            raise invalid(
+                "Item references need stored responses; this gateway is stateless.", f"{param}.type"
+            )
         else:
             raise invalid(
                 f"Input items of type '{kind}' are not supported: use message, function_call, "
@@ -287,7 +266,8 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolCh
         kind = field(raw, "type", "string", "tool_choice.type", required=True)
         if kind != "function":
             raise invalid(
-                f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced.", "tool_choice.type"
+                f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced.",
+                "tool_choice.type",
             )
         name = field(raw, "name", "string", "tool_choice.name", required=True)
         return named_tool_choice(name, tools, "tool_choice.name")
@@ -307,7 +287,9 @@ def _sampling(body: Mapping[str, Any]) -> Sampling:
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for key in _STATEFUL_FIELDS:
         if body.get(key) is not None:
-            raise invalid(f"'{key}' needs server-side state; this gateway is stateless: send the whole input.", key)
+            raise invalid(
+                f"'{key}' needs server-side state; this gateway is stateless: send the whole input.", key
+            )
     if field(body, "background", "boolean", "background"):
         raise invalid("Background responses are not supported: this gateway stores nothing.", "background")
     text = field(body, "text", "object", "text") or {}
@@ -533,7 +515,8 @@ class _Stream(StreamRenderer):
             part = {"type": "reasoning_text", "text": ""}
         else:
             return events
-        return [*events, self._event("response.content_part.added", **self._where(), content_index=0, part=part)]
+        added = self._event("response.content_part.added", **self._where(), content_index=0, part=part)
+        return [*events, added]
 
     def _open_text_item(self, kind: str, text: str) -> tuple[list[bytes], str]:
         """Open a message or reasoning item unless one is open; drop a later item's leading separator."""
@@ -587,25 +570,27 @@ class _Stream(StreamRenderer):
             events, text = self._open_text_item("message", event.text)
             if text:
                 self._open_text += text
-                events.append(
-                    self._event("response.output_text.delta", **self._where(), content_index=0, delta=text, logprobs=[])
-                )
+                delta = {"content_index": 0, "delta": text, "logprobs": []}
+                events.append(self._event("response.output_text.delta", **self._where(), **delta))
             return events
         if isinstance(event, ReasoningDelta):
             events, text = self._open_text_item("reasoning", event.text)
             if text:
                 self._open_text += text
-                events.append(self._event("response.reasoning_text.delta", **self._where(), content_index=0, delta=text))
+                delta = {"content_index": 0, "delta": text}
+                events.append(self._event("response.reasoning_text.delta", **self._where(), **delta))
             return events
         if isinstance(event, ToolCallStart):
             events = self._close("completed")
             item_id = _item_id("fc", self._call, len(self._output))
             self._open_call_index = event.index
-            return [*events, *self._open_item(_function_call_item(item_id, event.id, event.name, "", "in_progress"))]
+            item = _function_call_item(item_id, event.id, event.name, "", "in_progress")
+            return [*events, *self._open_item(item)]
         if isinstance(event, ToolCallArgumentsDelta):
             self._check_open_call(event.index)
             self._open_text += event.arguments
-            return [self._event("response.function_call_arguments.delta", **self._where(), delta=event.arguments)]
+            where = self._where()
+            return [self._event("response.function_call_arguments.delta", **where, delta=event.arguments)]
         if isinstance(event, ToolCallEnd):
             self._check_open_call(event.index)
             return self._close("completed")
@@ -630,7 +615,7 @@ class _Stream(StreamRenderer):
 
     def error(self, error: GatewayError) -> list[bytes]:
         code = _FAILED_CODES.get(error.kind, "server_error")
-        failure = {"code": code, "message": error.message, "param": error.param, "type": error_object(error)["type"]}
+        failure = {**error_object(error), "code": code}
         return [
             *self.start(),
             self._event("error", code=error_code(error) or code, message=error.message, param=error.param),
