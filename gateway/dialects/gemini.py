@@ -10,8 +10,10 @@ Request → conversation:
 - `contents`: `user` (and the legacy `function`) turns hold text and `functionResponse` parts; `model`
   turns hold text, thought text (`thought: true`, → reasoning) and `functionCall` parts. Text parts are
   joined with nothing between them: streamed answers come back as many parts of one text, and Gemini
-  CLI writes its multi-part prompts to be read concatenated. A part with no data, or with two kinds of
-  data, is invalid as it is for the API.
+  CLI writes its multi-part prompts to be read concatenated. Consecutive `model` contents are one
+  assistant turn, joined the same way: the SDK's chat echoes a streamed answer as one content per
+  chunk, and the model wrote them as one turn. A part with no data, or with two kinds of data, is
+  invalid as it is for the API.
 - A `functionResponse` becomes a tool message whose content is its `response` object as JSON (so
   `{"output": …}` and `{"error": …}` stay distinct for the model). Its `tool_call_id` is the call it
   answers: by `id` when the client kept ids (ours are on every `functionCall` we return), else the
@@ -228,7 +230,12 @@ def _conversation(contents: Any, system: Any) -> tuple[Message, ...]:
             raise _invalid(f"{path}.parts", "contents.parts must not be empty.")
         if role == "model":
             message = _model_turn(parts, path, index)
-            pending = list(message.tool_calls)
+            if messages and messages[-1].role == "assistant":
+                # One turn the client split: the SDK's chat keeps each streamed chunk as its own content.
+                pending += message.tool_calls
+                message = _joined(messages.pop(), message)
+            else:
+                pending = list(message.tool_calls)
             messages.append(message)
         elif role in ("user", "function"):
             messages.extend(_user_turn(parts, path, pending))
@@ -269,6 +276,15 @@ def _model_turn(parts: list[Any], path: str, turn: int) -> Message:
     return Message("assistant", "".join(content), "".join(reasoning), tuple(calls))
 
 
+def _joined(first: Message, second: Message) -> Message:
+    return Message(
+        "assistant",
+        first.content + second.content,
+        first.reasoning + second.reasoning,
+        first.tool_calls + second.tool_calls,
+    )
+
+
 def _user_turn(parts: list[Any], path: str, pending: list[ToolCall]) -> list[Message]:
     messages: list[Message] = []
     texts: list[str] = []
@@ -283,7 +299,8 @@ def _user_turn(parts: list[Any], path: str, pending: list[ToolCall]) -> list[Mes
                 texts = []
             response_id, name, response = value
             answered = _answered_call(pending, response_id, name)
-            messages.append(Message("tool", json.dumps(response, ensure_ascii=False), tool_call_id=answered, name=name))
+            content = json.dumps(response, ensure_ascii=False)
+            messages.append(Message("tool", content, tool_call_id=answered, name=name))
         else:
             raise _invalid(part_path, "functionCall parts belong in model turns.")
     if texts:
@@ -592,7 +609,7 @@ class GeminiDialect(Dialect):
             raise _invalid(None, "Invalid JSON payload received: the body must be a JSON object.")
         if not route.model:
             raise _invalid(None, "The URL names no model: use /v1beta/models/MODEL:generateContent.")
-        if _get(body, "cachedContent") is not None:
+        if _get(body, "cachedContent") not in (None, ""):
             raise _invalid(
                 "cachedContent", "Cached contents are not supported by this gateway: send the full contents."
             )
@@ -602,7 +619,9 @@ class GeminiDialect(Dialect):
         messages = _conversation(_get(body, "contents"), _get(body, "systemInstruction"))
         sampling = _sampling(generation)
         thinking = _object(_get(generation, "thinkingConfig"), "generationConfig.thinkingConfig")
-        include_thoughts = _boolean(_get(thinking, "includeThoughts"), "generationConfig.thinkingConfig.includeThoughts")
+        include_thoughts = _boolean(
+            _get(thinking, "includeThoughts"), "generationConfig.thinkingConfig.includeThoughts"
+        )
         alt = route.query.get("alt", route.query.get("$alt", ""))
         return DialectRequest(
             model=route.model,
