@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
+
 from gateway.dialects.base import Dialect
 from gateway.render import History
 from gateway.server import RunningGateway, start_gateway
@@ -35,6 +37,7 @@ class GatewayHandle:
 
     running: RunningGateway
     inference_address: str
+    inference_server: grpc.aio.Server
     engine: Engine
     key: str  # the session opened at start
 
@@ -54,6 +57,10 @@ class GatewayHandle:
 
     def close_session(self, key: str | None = None) -> None:
         self.running.store.close(key or self.key)
+
+    async def stop_inference(self) -> None:
+        """Take the inference server down (the gateway keeps running and must answer OVERLOADED)."""
+        await self.inference_server.stop(0)
 
     def records(self, key: str | None = None) -> list[common_pb2.CallRecord]:
         """The session's call records (default: the session opened at start), in arrival order."""
@@ -86,7 +93,7 @@ async def running_gateway(
         )
         try:
             key = running.store.open(task_id="test").key
-            yield GatewayHandle(running, address, engine, key)
+            yield GatewayHandle(running, address, inference_server, engine, key)
         finally:
             await running.stop()
     finally:

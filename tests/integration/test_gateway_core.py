@@ -1,0 +1,405 @@
+"""The gateway core over real servers: a scripted inference server, the gateway's HTTP app and its
+GatewayService on free loopback ports (gateway.testing.running_gateway).
+
+Core behaviour is driven through `FakeDialect` (tests/integration/gateway_fakes.py) on the chat
+route, so these tests fail only for the core; what every dialect shares (401, 400, context errors,
+overloaded) is checked through the real dialect modules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+
+import aiohttp
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from gateway.conversation import Conversation, Message, ToolChoice
+from gateway.dialects import get_dialect
+from gateway.dialects.base import ErrorKind, GatewayError
+from gateway.testing import running_gateway
+from polar.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+from gateway_fakes import FakeDialect, read_sse
+
+pytestmark = pytest.mark.anyio
+
+SLOW_TOKENS = 60
+CLAMP_CONTEXT = 512
+FAKE_SCRIPT = {
+    "cycle": True,
+    "rules": [
+        {"prompt_regex": "SLOWSTREAM", "token_ids": [905] * SLOW_TOKENS, "delay_seconds": 0.05},
+        {"prompt_regex": "EMIT_STOP", "text": "alpha beta STOP gamma delta"},
+        {"prompt_regex": "FORCED", "text": 'lookup", "arguments": {"q": "x"}}\n</tool_call>'},
+        {"prompt_regex": "LOGPROBS", "token_ids": [19556, 905, 2], "logprobs": [-0.5, -1.25, -0.75]},
+        {"prompt_regex": "TURN3", "text": "All done."},
+        {"prompt_regex": "TURN2", "text": '<think>one more</think>\n<tool_call>\n{"name": "lookup", "arguments": {"q": "b"}}\n</tool_call>'},
+        {"prompt_regex": "TURN1", "text": '<tool_call>\n{"name": "lookup", "arguments": {"q": "a"}}\n</tool_call>'},
+        {"prompt_regex": "CONCURRENT", "text": "ok", "delay_seconds": 0.01},
+    ],
+    "outputs": [{"text": "Fine."}],
+}
+REAL_SCRIPT = {
+    "context_length": CLAMP_CONTEXT,
+    "cycle": True,
+    "rules": [{"prompt_regex": "CLAMP", "token_ids": [905] * CLAMP_CONTEXT}],
+    "outputs": [{"text": "Fine."}],
+}
+# Every dialect route, with a body its dialect accepts.
+ROUTES = [
+    ("openai_chat", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    ("openai_responses", "/v1/responses", {"model": "m", "input": "hi"}),
+    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}),
+    ("anthropic", "/v1/messages?beta=true", {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}),
+    ("anthropic", "/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    ("gemini", "/v1beta/models/m:generateContent", {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}),
+    ("gemini", "/v1/models/m:streamGenerateContent?alt=sse", {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}),
+]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    # One event loop for the module: the gateways below live as long as it does.
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+async def gw():
+    async with running_gateway(FAKE_SCRIPT, dialects={"openai_chat": FakeDialect()}) as handle:
+        yield handle
+
+
+@pytest.fixture(scope="module")
+async def real():
+    async with running_gateway(REAL_SCRIPT) as handle:
+        yield handle
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+async def _chat(http, gw, key: str, **body) -> tuple[int, object]:
+    async with http.post(gw.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}) as response:
+        text = await response.text()
+        return response.status, read_sse(text) if body.get("stream") else json.loads(text)
+
+
+def _without_messages(body):
+    """The error's shape: every field but the human-readable texts."""
+    if isinstance(body, dict):
+        return {k: _without_messages(v) for k, v in body.items() if k not in ("message", "param")}
+    return body
+
+
+# ------------------------------------------------------------------------------------------ auth
+
+
+async def test_head_and_get_root_answer_without_a_key(real, http):
+    async with http.head(real.base_url + "/") as response:
+        assert response.status == 200
+    async with http.get(real.base_url + "/") as response:
+        assert response.status == 200 and (await response.json())["status"] == "ok"
+
+
+@pytest.mark.parametrize("dialect, path, body", ROUTES)
+async def test_unknown_and_closed_keys_get_401_in_the_dialects_shape(real, http, dialect, path, body):
+    closed = real.open_session()
+    real.close_session(closed)
+    status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.AUTHENTICATION, ""))
+    for headers in ({"Authorization": "Bearer polar-unknown"}, {"x-goog-api-key": closed}, {}):
+        async with http.post(real.base_url + path, json=body, headers=headers) as response:
+            assert response.status == status == 401
+            assert _without_messages(await response.json()) == _without_messages(expected)
+    assert real.records(closed) == []
+
+
+@pytest.mark.parametrize("dialect, path, body", ROUTES)
+async def test_malformed_and_non_object_bodies_are_400_in_the_dialects_shape(real, http, dialect, path, body):
+    status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.INVALID_REQUEST, ""))
+    key = real.open_session()
+    for data in (b'{"model": ', b"[1, 2]", b"\xff\xfe"):
+        async with http.post(real.base_url + path, data=data, headers={"x-api-key": key}) as response:
+            assert response.status == status == 400
+            assert _without_messages(await response.json()) == _without_messages(expected)
+
+
+async def test_every_key_header_is_accepted(real, http):
+    _, path, body = ROUTES[0]
+    key = real.open_session()
+    for headers, query in (({"Authorization": f"Bearer {key}"}, ""), ({"x-api-key": key}, ""), ({}, f"?key={key}")):
+        async with http.post(real.base_url + path + query, json=body, headers=headers) as response:
+            assert response.status == 200
+    assert len(real.records(key)) == 3
+
+
+async def test_models_lists_the_served_model_in_openai_or_anthropic_shape(real, http):
+    key = real.open_session()
+    async with http.get(real.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as response:
+        assert (await response.json())["data"][0] == {"id": "scripted", "object": "model", "created": 0, "owned_by": "polar"}
+    headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
+    async with http.get(real.base_url + "/v1/models", headers=headers) as response:
+        body = await response.json()
+        assert body["data"][0]["type"] == "model" and body["has_more"] is False
+    async with http.get(real.base_url + "/v1/models") as response:
+        assert response.status == 401
+
+
+async def test_unknown_routes_answer_json_404(real, http):
+    async with http.post(real.base_url + "/v1beta/models/m:embedContent", json={}) as response:
+        assert response.status == 404 and (await response.json())["error"]["type"] == "not_found_error"
+    async with http.get(real.base_url + "/nowhere") as response:
+        assert response.status == 404 and "error" in await response.json()
+
+
+# ------------------------------------------------------------------------------------- recording
+
+
+async def test_a_record_holds_exactly_what_the_engine_produced(gw, http):
+    key = gw.open_session()
+    body = {"model": "m", "messages": [_user("LOGPROBS")]}
+    status, reply = await _chat(http, gw, key, **body)
+    assert status == 200 and reply["content"] == "Hello world" and reply["finish"] == "stop"
+
+    [record] = gw.records(key)
+    prompt = gw.running.gateway.chat_format.render_prompt(Conversation((Message("user", "LOGPROBS"),)))
+    assert list(record.prompt_token_ids) == prompt
+    assert list(record.sampled_token_ids) == [19556, 905, 2]
+    assert list(record.sampled_logprobs) == [-0.5, -1.25, -0.75]
+    assert record.finish_reason == common_pb2.FINISH_REASON_STOP and not record.aborted and not record.error
+    assert record.call_id == "c0001" and record.dialect == common_pb2.DIALECT_OPENAI_CHAT and record.model == "m"
+    assert json.loads(record.request_body) == body and json.loads(record.response_body) == reply
+    assert (record.usage.prompt_tokens, record.usage.completion_tokens) == (len(prompt), 3)
+    assert reply["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 3}
+    assert record.timings.received_unix_ns > 0 and record.timings.total_seconds > 0
+
+
+async def test_a_streamed_call_records_the_aggregated_body_and_streams_each_event(gw, http):
+    key = gw.open_session()
+    status, events = await _chat(http, gw, key, stream=True, messages=[_user("TURN2")])
+    assert status == 200 and events[0] == {"type": "start"} and events[-1] == "[DONE]"
+    kinds = [event["type"] for event in events[1:-2]]
+    assert kinds[0] == "ReasoningDelta" and kinds[-3:] == ["ToolCallStart", "ToolCallArgumentsDelta", "ToolCallEnd"]
+    [record] = gw.records(key)
+    final = events[-2]
+    assert record.stream and json.loads(record.response_body) == {k: v for k, v in final.items() if k != "type"}
+    assert final["finish"] == "tool_calls" and final["reasoning"] == "one more"
+
+
+async def test_prompts_extend_the_previous_prompt_and_sample_token_for_token(gw, http):
+    key = gw.open_session()
+    messages = [{"role": "system", "content": "You help."}, _user("TURN1 go")]
+    tools = [{"name": "lookup"}]
+    for step, result in enumerate(("TURN2 result", "TURN3 result", None)):
+        status, reply = await _chat(http, gw, key, messages=messages, tools=tools)
+        assert status == 200
+        if result is None:
+            assert reply["content"] == "All done."
+            break
+        calls = [{"name": c["name"], "arguments": c["arguments"]} for c in reply["tool_calls"]]
+        messages += [{"role": "assistant", "content": reply["content"], "tool_calls": calls}, {"role": "tool", "content": result}]
+
+    records = gw.records(key)
+    assert len(records) == 3 and records[0].extends_call_id == ""
+    for previous, record in zip(records, records[1:]):
+        before = list(previous.prompt_token_ids) + list(previous.sampled_token_ids)
+        assert list(record.prompt_token_ids[: len(before)]) == before
+        assert record.extends_call_id == previous.call_id
+
+
+async def test_a_client_that_leaves_mid_stream_leaves_an_aborted_record_with_its_tokens(gw, http):
+    key = gw.open_session()
+    body = {"stream": True, "messages": [_user("SLOWSTREAM")]}
+    response = await http.post(gw.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key})
+    assert response.status == 200
+    received = b""
+    while received.count(b"\n\n") < 4:  # the start event and a few tokens
+        received += await response.content.readany()
+    response.close()
+
+    for _ in range(100):
+        if gw.records(key):
+            break
+        await asyncio.sleep(0.05)
+    [record] = gw.records(key)
+    assert record.aborted and record.finish_reason == common_pb2.FINISH_REASON_ABORTED
+    assert 3 <= len(record.sampled_token_ids) < SLOW_TOKENS
+    assert len(record.sampled_logprobs) == len(record.sampled_token_ids)
+    assert gw.running.store.calls_in_flight() == 0
+
+
+async def test_concurrent_calls_in_one_session_are_all_recorded(gw, http):
+    key = gw.open_session()
+    replies = await asyncio.gather(*(_chat(http, gw, key, messages=[_user(f"CONCURRENT {i}")]) for i in range(8)))
+    assert all(status == 200 for status, _ in replies)
+    records = gw.records(key)
+    assert [r.call_id for r in records] == [f"c{i:04d}" for i in range(1, 9)]
+    assert all(list(r.sampled_token_ids) for r in records)
+
+
+# ---------------------------------------------------------------------------- sampling controls
+
+
+async def test_a_stop_string_ends_the_output_and_keeps_the_tokens_that_made_it(gw, http):
+    key = gw.open_session()
+    status, reply = await _chat(http, gw, key, messages=[_user("EMIT_STOP")], stop=["STOP"])
+    assert status == 200 and reply["content"] == "alpha beta"
+    assert (reply["finish"], reply["stop_sequence"]) == ("stop_sequence", "STOP")
+    status, events = await _chat(http, gw, key, stream=True, messages=[_user("EMIT_STOP")], stop=["STOP"])
+    streamed = "".join(e["text"] for e in events if isinstance(e, dict) and e["type"] == "TextDelta")
+    assert streamed == "alpha beta"
+
+    tokenizer = gw.running.gateway.tokenizer
+    for record in gw.records(key):
+        assert tokenizer.decode(list(record.sampled_token_ids)).rstrip().endswith("STOP")
+        assert record.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+async def test_a_forced_tool_choice_is_recorded_as_prompt_and_parsed_with_the_sample(gw, http):
+    key = gw.open_session()
+    body = {"messages": [_user("FORCED")], "tools": [{"name": "lookup"}], "tool_choice": "required"}
+    status, reply = await _chat(http, gw, key, **body)
+    assert status == 200 and reply["finish"] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in reply["tool_calls"]] == [("lookup", {"q": "x"})]
+
+    [record] = gw.records(key)
+    chat_format = gw.running.gateway.chat_format
+    forced = chat_format.encode_text(chat_format.forced_opening_text(ToolChoice.required()))
+    assert record.forced_token_count == len(forced) > 0
+    assert list(record.prompt_token_ids[-len(forced):]) == forced
+    assert not gw.running.gateway.tokenizer.decode(list(record.sampled_token_ids)).startswith("<tool_call>")
+    assert reply["usage"]["prompt_tokens"] == len(record.prompt_token_ids)
+
+
+async def test_a_prompt_over_the_context_is_a_context_error_in_the_dialects_shape(real, http):
+    key = real.open_session()
+    long = "word " * CLAMP_CONTEXT
+    async with http.post(
+        real.base_url + "/v1/chat/completions", json={"model": "m", "messages": [_user(long)]}, headers={"x-api-key": key}
+    ) as response:
+        assert response.status == 400
+        assert (await response.json())["error"]["code"] == "context_length_exceeded"
+    body = {"model": "m", "max_tokens": 10, "messages": [_user(long)]}
+    async with http.post(real.base_url + "/v1/messages", json=body, headers={"x-api-key": key}) as response:
+        assert response.status == 400 and (await response.json())["error"]["type"] == "invalid_request_error"
+    assert real.records(key) == []
+
+
+async def test_max_tokens_past_the_context_is_clamped_and_the_finish_says_so(real, http):
+    key = real.open_session()
+    body = {"model": "m", "max_tokens": 32000, "messages": [_user("CLAMP " + "word " * 100)]}
+    async with http.post(real.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}) as response:
+        assert response.status == 200
+        assert (await response.json())["choices"][0]["finish_reason"] == "length"
+    [record] = real.records(key)
+    assert record.finish_reason == common_pb2.FINISH_REASON_CONTEXT_LENGTH
+    assert len(record.prompt_token_ids) + len(record.sampled_token_ids) == CLAMP_CONTEXT
+
+
+async def test_count_tokens_renders_without_generating(real, http):
+    key = real.open_session()
+    _, path, body = ROUTES[4]
+    async with http.post(real.base_url + path, json=body, headers={"x-api-key": key}) as response:
+        assert response.status == 200 and (await response.json())["input_tokens"] > 0
+    assert real.records(key) == []
+
+
+# ---------------------------------------------------------------------------- GatewayService
+
+
+async def test_gateway_service_opens_watches_reads_and_closes_sessions(gw, http):
+    async with grpc.aio.insecure_channel(gw.grpc_address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        opened = (await stub.OpenSession(gateway_pb2.OpenSessionRequest(task_id="t1", metadata={"a": "b"}))).session
+        assert opened.key and opened.history == gateway_pb2.HISTORY_POLICY_FAITHFUL and opened.metadata["a"] == "b"
+        watch = stub.WatchSession(gateway_pb2.WatchSessionRequest(key=opened.session_id))
+        watched = asyncio.ensure_future(_collect(watch))
+
+        for _ in range(2):
+            assert (await _chat(http, gw, opened.key, messages=[_user("hello")]))[0] == 200
+        got = await stub.GetSession(gateway_pb2.GetSessionRequest(key=opened.key))
+        assert got.session.call_count == 2 and [c.call_id for c in got.calls] == ["c0001", "c0002"]
+        status = (await stub.GetNodeStatus(gateway_pb2.GetNodeStatusRequest())).status
+        assert status.open_sessions >= 1 and status.calls_total >= 2 and status.base_url == gw.base_url
+
+        closed = (await stub.CloseSession(gateway_pb2.CloseSessionRequest(key=opened.key))).session
+        assert closed.closed and closed.call_count == 2
+        assert [c.call_id for c in await asyncio.wait_for(watched, 5)] == ["c0001", "c0002"]
+        assert (await _chat(http, gw, opened.key, messages=[_user("hello")]))[0] == 401
+
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.GetSession(gateway_pb2.GetSessionRequest(key="nope"))
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="polar.v1.GatewayService")
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        listing = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
+        names = [s.name async for reply in listing for s in reply.list_services_response.service]
+        assert "polar.v1.GatewayService" in names
+
+
+async def _collect(stream) -> list[common_pb2.CallRecord]:
+    return [response.call async for response in stream]
+
+
+async def test_inference_down_is_overloaded_and_drain_stops_new_sessions(http):
+    async with running_gateway(REAL_SCRIPT) as down:
+        await down.stop_inference()
+        for dialect, path, body in ROUTES[:3]:
+            status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.OVERLOADED, ""))
+            async with http.post(down.base_url + path, json=body, headers={"x-api-key": down.key}) as response:
+                assert response.status == status and status in (503, 529)
+                assert _without_messages(await response.json()) == _without_messages(expected)
+        records = down.records()
+        assert len(records) == 3 and all(r.error and r.finish_reason == common_pb2.FINISH_REASON_ERROR for r in records)
+
+        async with grpc.aio.insecure_channel(down.grpc_address) as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            assert (await stub.Drain(gateway_pb2.DrainRequest(timeout_seconds=0))).open_sessions == 1
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.OpenSession(gateway_pb2.OpenSessionRequest())
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+async def _polar(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "polar", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(process.communicate(), 60)
+    return process.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.slow
+async def test_polar_session_open_show_close(gw, http):
+    code, out, err = await _polar("session", "open", "--gateway", gw.grpc_address, "--task-id", "cli")
+    assert code == 0, err
+    key = out.strip()
+    assert (await _chat(http, gw, key, messages=[_user("LOGPROBS")]))[0] == 200
+
+    code, out, err = await _polar("session", "show", key, "--json", "--gateway", gw.grpc_address)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["session"]["taskId"] == "cli"
+    assert shown["calls"][0]["sampledTokenIds"] == [19556, 905, 2]
+
+    code, out, err = await _polar("session", "close", key, "--gateway", gw.grpc_address)
+    assert code == 0 and "1 calls" in out
+    code, _, err = await _polar("session", "show", "nope", "--gateway", gw.grpc_address)
+    assert code == 1 and err.startswith("polar: error: GetSession") and "NOT_FOUND" in err
