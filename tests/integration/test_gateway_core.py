@@ -357,14 +357,26 @@ async def _collect(stream) -> list[common_pb2.CallRecord]:
 
 
 async def test_inference_down_is_overloaded_and_drain_stops_new_sessions(http):
-    async with running_gateway(REAL_SCRIPT) as down:
-        await down.stop_inference()
+    async with running_gateway(FAKE_SCRIPT) as down:
+        # A stream the inference server drops half-way ends with the dialect's error event and terminator.
+        body = {"model": "m", "stream": True, "messages": [_user("SLOWSTREAM")]}
+        async with http.post(down.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": down.key}) as response:
+            received = b""
+            while received.count(b"\n\n") < 3:
+                received += await response.content.readany()
+            await down.stop_inference()
+            events = read_sse((received + await response.content.read()).decode())
+        assert "error" in events[-2] and events[-1] == "[DONE]"
+        [dropped] = down.records()
+        assert dropped.error and not dropped.aborted and len(dropped.sampled_token_ids) >= 1
+
+
         for dialect, path, body in ROUTES[:3]:
             status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.OVERLOADED, ""))
             async with http.post(down.base_url + path, json=body, headers={"x-api-key": down.key}) as response:
                 assert response.status == status and status in (503, 529)
                 assert _without_messages(await response.json()) == _without_messages(expected)
-        records = down.records()
+        records = down.records()[1:]
         assert len(records) == 3 and all(r.error and r.finish_reason == common_pb2.FINISH_REASON_ERROR for r in records)
 
         async with grpc.aio.insecure_channel(down.grpc_address) as channel:
