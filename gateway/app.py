@@ -207,7 +207,8 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return neutral_error(exc.status, "not_found_error" if exc.status == 404 else "invalid_request_error", exc.reason)
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return neutral_error(exc.status, kind, exc.reason)
     except Exception:  # noqa: BLE001 - never a traceback to the client
         log.exception("gateway: %s %s failed", request.method, request.path)
         return neutral_error(500, "internal_error", "internal error in the gateway; see its log")

@@ -5,7 +5,7 @@
     conversation + session's prior calls ──render_request──▶ prompt ids (+ forced tool-call opening)
     max_tokens clamped to what the context leaves  (prompt alone over the context: CONTEXT_LENGTH)
     prompt ──InferenceService.Generate (gRPC, x-polar-session)──▶ sampled ids + logprobs, as they come
-    ids ──incremental detokenisation──▶ text ──client stop strings──▶ output parser ──▶ parse events
+    ids ──incremental detokenisation──▶ text ──client stop strings──▶ output parser ──▶ events
     events ──dialect's StreamRenderer──▶ SSE bytes, sent at once   (or, unstreamed, render_response)
     one CallRecord appended to the session, whatever happened once the prompt went to the engine
 
@@ -166,7 +166,7 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> GatewayError:
 
 
 class StopScanner:
-    """Finds the first client stop string in text that arrives in pieces.
+    """Finds the first client stop string to complete in text that arrives in pieces.
 
     `feed` returns the text that is certainly before any stop string, holding back a suffix that may
     be the start of one, and the stop string once one is complete (the text returned then ends right
@@ -181,9 +181,10 @@ class StopScanner:
         if not self._stops:
             return piece, None
         text = self._held + piece
-        found = [(index, stop) for stop in self._stops if (index := text.find(stop)) != -1]
+        # The stop that completes first wins, as it would if the text came one character at a time.
+        found = [(index + len(stop), index, stop) for stop in self._stops if (index := text.find(stop)) != -1]
         if found:
-            index, stop = min(found)
+            _, index, stop = min(found)
             self._held = ""
             return text[:index], stop
         held = _longest_stop_prefix(text, self._stops)
@@ -523,7 +524,9 @@ class Gateway:
         max_tokens, context_bound = max_tokens_for(
             request.sampling.max_tokens, len(rendered.token_ids), self.model.context_length
         )
-        forced_text = self.chat_format.forced_opening_text(request.conversation.tool_choice) if rendered.forced_token_count else ""
+        forced_text = ""
+        if rendered.forced_token_count:
+            forced_text = self.chat_format.forced_opening_text(request.conversation.tool_choice)
         call_id = uuid.uuid4().hex
         output = OutputAssembler(
             self.tokenizer,

@@ -82,7 +82,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             yield gateway_pb2.WatchSessionResponse(call=record)
 
     # Unary.
-    async def Drain(self, request: gateway_pb2.DrainRequest, context: grpc.aio.ServicerContext) -> gateway_pb2.DrainResponse:
+    async def Drain(
+        self, request: gateway_pb2.DrainRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.DrainResponse:
         return gateway_pb2.DrainResponse(open_sessions=await self._store.drain(request.timeout_seconds))
 
     # Unary.

@@ -29,6 +29,10 @@ from gateway_fakes import FakeDialect, read_sse
 pytestmark = pytest.mark.anyio
 
 SLOW_TOKENS = 60
+CALL_A = '<tool_call>\n{"name": "lookup", "arguments": {"q": "a"}}\n</tool_call>'
+CALL_B = '<tool_call>\n{"name": "lookup", "arguments": {"q": "b"}}\n</tool_call>'
+HI = [{"role": "user", "content": "hi"}]
+GEMINI_HI = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
 CLAMP_CONTEXT = 512
 FAKE_SCRIPT = {
     "cycle": True,
@@ -38,8 +42,8 @@ FAKE_SCRIPT = {
         {"prompt_regex": "FORCED", "text": 'lookup", "arguments": {"q": "x"}}\n</tool_call>'},
         {"prompt_regex": "LOGPROBS", "token_ids": [19556, 905, 2], "logprobs": [-0.5, -1.25, -0.75]},
         {"prompt_regex": "TURN3", "text": "All done."},
-        {"prompt_regex": "TURN2", "text": '<think>one more</think>\n<tool_call>\n{"name": "lookup", "arguments": {"q": "b"}}\n</tool_call>'},
-        {"prompt_regex": "TURN1", "text": '<tool_call>\n{"name": "lookup", "arguments": {"q": "a"}}\n</tool_call>'},
+        {"prompt_regex": "TURN2", "text": "<think>one more</think>\n" + CALL_B},
+        {"prompt_regex": "TURN1", "text": CALL_A},
         {"prompt_regex": "CONCURRENT", "text": "ok", "delay_seconds": 0.01},
     ],
     "outputs": [{"text": "Fine."}],
@@ -52,13 +56,13 @@ REAL_SCRIPT = {
 }
 # Every dialect route, with a body its dialect accepts.
 ROUTES = [
-    ("openai_chat", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    ("openai_chat", "/v1/chat/completions", {"model": "m", "messages": HI}),
     ("openai_responses", "/v1/responses", {"model": "m", "input": "hi"}),
-    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}),
-    ("anthropic", "/v1/messages?beta=true", {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}),
-    ("anthropic", "/v1/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
-    ("gemini", "/v1beta/models/m:generateContent", {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}),
-    ("gemini", "/v1/models/m:streamGenerateContent?alt=sse", {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}),
+    ("anthropic", "/v1/messages", {"model": "m", "max_tokens": 10, "messages": HI}),
+    ("anthropic", "/v1/messages?beta=true", {"model": "m", "max_tokens": 10, "messages": HI}),
+    ("anthropic", "/v1/messages/count_tokens", {"model": "m", "messages": HI}),
+    ("gemini", "/v1beta/models/m:generateContent", GEMINI_HI),
+    ("gemini", "/v1/models/m:streamGenerateContent?alt=sse", GEMINI_HI),
 ]
 
 
@@ -147,7 +151,8 @@ async def test_every_key_header_is_accepted(real, http):
 async def test_models_lists_the_served_model_in_openai_or_anthropic_shape(real, http):
     key = real.open_session()
     async with http.get(real.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as response:
-        assert (await response.json())["data"][0] == {"id": "scripted", "object": "model", "created": 0, "owned_by": "polar"}
+        listed = (await response.json())["data"][0]
+        assert listed == {"id": "scripted", "object": "model", "created": 0, "owned_by": "polar"}
     headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
     async with http.get(real.base_url + "/v1/models", headers=headers) as response:
         body = await response.json()
@@ -208,7 +213,8 @@ async def test_prompts_extend_the_previous_prompt_and_sample_token_for_token(gw,
             assert reply["content"] == "All done."
             break
         calls = [{"name": c["name"], "arguments": c["arguments"]} for c in reply["tool_calls"]]
-        messages += [{"role": "assistant", "content": reply["content"], "tool_calls": calls}, {"role": "tool", "content": result}]
+        messages.append({"role": "assistant", "content": reply["content"], "tool_calls": calls})
+        messages.append({"role": "tool", "content": result})
 
     records = gw.records(key)
     assert len(records) == 3 and records[0].extends_call_id == ""
@@ -285,9 +291,8 @@ async def test_a_forced_tool_choice_is_recorded_as_prompt_and_parsed_with_the_sa
 async def test_a_prompt_over_the_context_is_a_context_error_in_the_dialects_shape(real, http):
     key = real.open_session()
     long = "word " * CLAMP_CONTEXT
-    async with http.post(
-        real.base_url + "/v1/chat/completions", json={"model": "m", "messages": [_user(long)]}, headers={"x-api-key": key}
-    ) as response:
+    body = {"model": "m", "messages": [_user(long)]}
+    async with http.post(real.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}) as response:
         assert response.status == 400
         assert (await response.json())["error"]["code"] == "context_length_exceeded"
     body = {"model": "m", "max_tokens": 10, "messages": [_user(long)]}
@@ -360,7 +365,8 @@ async def test_inference_down_is_overloaded_and_drain_stops_new_sessions(http):
     async with running_gateway(FAKE_SCRIPT) as down:
         # A stream the inference server drops half-way ends with the dialect's error event and terminator.
         body = {"model": "m", "stream": True, "messages": [_user("SLOWSTREAM")]}
-        async with http.post(down.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": down.key}) as response:
+        url, headers = down.base_url + "/v1/chat/completions", {"x-api-key": down.key}
+        async with http.post(url, json=body, headers=headers) as response:
             received = b""
             while received.count(b"\n\n") < 3:
                 received += await response.content.readany()
