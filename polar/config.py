@@ -12,7 +12,12 @@ overrides any subset, one table per section:
     # port = 8000                 # HTTP, the dialect routes
     # grpc_port = 50060           # GatewayService
     # history = "faithful"        # or "template"
-    # inference_address = ""      # "" = the [inference] server directly
+    # inference_address = ""      # "" = through Envoy's inference listener
+
+    [envoy]
+    # harness_port = 8080         # harnesses' base URL: http://127.0.0.1:8080
+    # inference_port = 50050      # gRPC, balanced over the inference servers
+    # access_log = "-"            # JSON lines: "-" = stdout, or a file
 
 Keys that no dataclass field names are rejected by their dotted name, and values must have the
 field's type, so a typo fails at load time instead of silently leaving a default in place.
@@ -77,8 +82,8 @@ class GatewayConfig:
     chat_format: str = "hermes"  # how prompts are rendered: "hermes" or "smollm2" (gateway/chat_format.py)
     parser: str = "hermes"  # how outputs are read back into text, reasoning and tool calls
     history: str = "faithful"  # default history policy of new sessions: "faithful" or "template"
-    # gRPC address the gateway sends generations to; "" = the [inference] server directly. With
-    # Envoy in front of the inference servers, its inference listener goes here.
+    # gRPC address the gateway sends generations to; "" = Envoy's inference listener, which
+    # balances them over the [inference] servers with session affinity.
     inference_address: str = ""
     tokenizer: str = ""  # Hugging Face tokenizer folder; "" = the one the inference server names
 
@@ -89,6 +94,7 @@ class StackConfig:
 
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
     # Seconds a service may take from start until healthy. Generous because the first run builds
     # the model folders (tiny, smollm2-135m) in the cache.
     startup_timeout_s: float = 600.0

