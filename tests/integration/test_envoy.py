@@ -7,7 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -15,13 +19,16 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import openai
 import pytest
 from aiohttp import web
 
+from gateway.server import start_gateway
 from polar import envoy
 from polar.config import EnvoyConfig
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
+from polar.stack import free_port
 from polar.stack import running as running_service
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -52,8 +59,9 @@ def anyio_backend():
 
 
 @contextlib.asynccontextmanager
-async def inference_server(tokens: list[int]) -> AsyncIterator[tuple[str, grpc.aio.Server]]:
-    engine = ScriptedEngine.from_script(script(tokens))
+async def inference_server(tokens: list[int] | None = None, text: str = "") -> AsyncIterator[tuple[str, grpc.aio.Server]]:
+    """A scripted server that always answers tokens, or text (in the tiny model's tokens)."""
+    engine = ScriptedEngine.from_script(script(tokens) if tokens else {"cycle": True, "outputs": [{"text": text}]})
     server, port = await start_server(engine)
     try:
         yield f"127.0.0.1:{port}", server
@@ -318,3 +326,92 @@ async def test_polar_serve_envoy_becomes_healthy_through_envoy_and_proxies(tmp_p
             finally:
                 await asyncio.to_thread(stack.close)
         assert service.process.returncode == 0
+
+
+# --- the real gateway behind Envoy ------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_the_gateway_behind_envoy_streams_to_the_sdk_and_keeps_sessions_on_one_server(tmp_path):
+    log = tmp_path / "access.log"
+    gateway_port = free_port("127.0.0.1")
+    async with (
+        inference_server(text="From A.") as (a, _),
+        inference_server(text="From B.") as (b, _),
+        envoy_in_front([a, b], gateway_http=f"127.0.0.1:{gateway_port}", access_log=str(log)) as proxy,
+    ):
+        await wait_for_health(proxy, {a: "healthy", b: "healthy"})
+        gateway = await start_gateway(f"127.0.0.1:{proxy.inference_port}", http_port=gateway_port)
+        try:
+            replies = {}
+            for i in range(8):
+                key = gateway.store.open(task_id=f"task-{i}").key
+                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.harness_port}/v1", api_key=key)
+                texts = set()
+                for _ in range(2):
+                    stream = await client.chat.completions.create(
+                        model="scripted", messages=[{"role": "user", "content": "Hi"}], stream=True
+                    )
+                    texts.add("".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]))
+                await client.close()
+                assert len(texts) == 1, f"session {i} was answered by both servers: {texts}"
+                replies[key] = texts.pop()
+                assert len(gateway.store.find(key).ordered_records()) == 2
+            assert set(replies.values()) == {"From A.", "From B."}
+        finally:
+            await gateway.stop()
+        entries = await asyncio.to_thread(access_log_lines, log, 16)
+    assert len(entries) == 16
+    assert all(e["path"] == "/v1/chat/completions" and e["status"] == 200 for e in entries)
+    assert {e["upstream"] for e in entries} == {f"127.0.0.1:{gateway_port}"}
+
+
+@pytest.mark.slow
+def test_polar_up_serves_harnesses_through_envoy(tmp_path):
+    script_file = tmp_path / "script.json"
+    script_file.write_text(json.dumps({"cycle": True, "outputs": [{"text": "Hello through Envoy."}]}))
+    log = tmp_path / "access.log"
+    config = tmp_path / "stack.toml"
+    config.write_text(
+        f'[inference]\nengine = "scripted"\nscript = "{script_file}"\nport = 0\n'
+        "[gateway]\nport = 0\ngrpc_port = 0\n"
+        f'[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\naccess_log = "{log}"\n'
+    )
+    up = subprocess.Popen(
+        [sys.executable, "-m", "polar", "up", "--config", str(config)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        table = _read_until(up, "  gateway ")
+        harness = re.search(r"^  envoy .* harness base URL (http://\S+) ", table, re.M).group(1)
+        admin = re.search(r"^  envoy .* admin http://(\S+)$", table, re.M).group(1)
+        gateway_grpc = re.search(r"^  gateway\s+(\S+)", table, re.M).group(1)
+        key = subprocess.run(
+            [sys.executable, "-m", "polar", "session", "open", "--gateway", gateway_grpc],
+            capture_output=True, text=True, check=True, timeout=60,
+        ).stdout.split()[-1]  # fmt: skip
+        reply = openai.OpenAI(base_url=f"{harness}/v1", api_key=key).chat.completions.create(
+            model="scripted", messages=[{"role": "user", "content": "Hi"}]
+        )
+        assert reply.choices[0].message.content == "Hello through Envoy."
+        # The gateway's call reached the inference server through Envoy's inference cluster.
+        assert re.search(r"^cluster\.inference\.upstream_rq_total: [1-9]", _admin_text(admin, "/stats"), re.M)
+        [entry] = access_log_lines(log, 1)
+        assert (entry["path"], entry["status"]) == ("/v1/chat/completions", 200)
+    finally:
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=30) == 0
+    with pytest.raises(OSError):  # Envoy went down with the stack
+        _admin_text(admin, "/ready")
+
+
+def _read_until(process: subprocess.Popen, marker: str) -> str:
+    """The process's output up to and including the first line containing marker."""
+    seen = []
+    deadline = time.monotonic() + 120
+    for line in process.stdout:
+        seen.append(line)
+        if marker in line:
+            return "".join(seen)
+        assert time.monotonic() < deadline, "".join(seen)
+    raise AssertionError(f"output ended before {marker!r}: {''.join(seen)}")
