@@ -591,7 +591,7 @@ class Gateway:
                 reply = Reply(200, call.response_body)
             else:
                 await stream.send_events(events)
-                await stream.send(renderer.finish(result))
+                await stream.send_finish(result)
         except ClientGone:
             call.aborted = True
         except BaseException as exc:
@@ -613,7 +613,7 @@ class Gateway:
         if not stream.opened:
             return reply
         try:
-            await stream.send(stream.renderer.error(error))
+            await stream.send_error(error)
         except ClientGone:
             call.aborted = True
         except Exception:  # noqa: BLE001 - the stream is lost either way; the record says why
@@ -633,7 +633,9 @@ def _as_gateway_error(exc: BaseException) -> GatewayError:
 
 
 class _Stream:
-    """A response stream that opens (headers, the renderer's start events) with its first bytes."""
+    """A response stream that opens (headers, then the renderer's start events) with the first
+    message from the engine, so that the renderer's hooks run in the contract's order: start, events,
+    then finish or error."""
 
     def __init__(self, sink: Sink, renderer: StreamRenderer | None) -> None:
         self._sink = sink
@@ -643,15 +645,27 @@ class _Stream:
     async def send_events(self, events: list[ParseEvent]) -> None:
         if self.renderer is None:
             return
-        chunks = [chunk for event in events for chunk in self.renderer.events(event)]
-        await self.send(chunks)
+        chunks = await self._open()
+        for event in events:
+            chunks += self.renderer.events(event)
+        await self._send(chunks)
 
-    async def send(self, chunks: list[bytes]) -> None:
-        if self.renderer is None:
-            return
-        if not self.opened:
-            await self._sink.open(self.renderer.media_type)
-            self.opened = True
-            chunks = [*self.renderer.start(), *chunks]
+    async def send_finish(self, result: DialectResult) -> None:
+        if self.renderer is not None:
+            await self._send([*await self._open(), *self.renderer.finish(result)])
+
+    async def send_error(self, error: GatewayError) -> None:
+        """The renderer's error event and terminator; only for a stream already open."""
+        if self.renderer is not None and self.opened:
+            await self._send(self.renderer.error(error))
+
+    async def _open(self) -> list[bytes]:
+        if self.opened:
+            return []
+        await self._sink.open(self.renderer.media_type)
+        self.opened = True
+        return self.renderer.start()
+
+    async def _send(self, chunks: list[bytes]) -> None:
         if chunks:
             await self._sink.send(chunks)

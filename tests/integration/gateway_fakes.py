@@ -88,18 +88,28 @@ class FakeDialect(Dialect):
         return STATUS[error.kind], {"error": {"kind": error.kind.value, "message": error.message}}
 
 
+class HookOrderError(AssertionError):
+    """The core called a renderer hook out of the contract's order (start, events, finish or error)."""
+
+
 class _Stream(StreamRenderer):
     def __init__(self, dialect: FakeDialect, request: DialectRequest) -> None:
         self._dialect = dialect
         self._request = request
+        self._started = False
 
     def start(self) -> list[bytes]:
+        self._started = True
         return [sse({"type": "start"})]
 
     def events(self, event: ParseEvent) -> list[bytes]:
+        if not self._started:
+            raise HookOrderError("events() before start()")
         return [sse({"type": type(event).__name__, **asdict(event)})]
 
     def finish(self, result: DialectResult) -> list[bytes]:
+        if not self._started:
+            raise HookOrderError("finish() before start()")
         return [sse({"type": "finish", **self._dialect.render_response(self._request, result)}), sse("[DONE]")]
 
     def error(self, error: GatewayError) -> list[bytes]:
