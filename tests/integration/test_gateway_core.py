@@ -245,6 +245,19 @@ async def test_a_client_that_leaves_mid_stream_leaves_an_aborted_record_with_its
     assert gw.running.store.calls_in_flight() == 0
 
 
+async def test_a_client_that_leaves_before_an_unstreamed_reply_cancels_the_generation(gw, http):
+    key = gw.open_session()
+    body = {"messages": [_user("SLOWSTREAM")]}
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(http.post(gw.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}), 0.5)
+    for _ in range(100):
+        if gw.records(key):
+            break
+        await asyncio.sleep(0.05)
+    [record] = gw.records(key)
+    assert record.aborted and 1 <= len(record.sampled_token_ids) < SLOW_TOKENS
+
+
 async def test_concurrent_calls_in_one_session_are_all_recorded(gw, http):
     key = gw.open_session()
     replies = await asyncio.gather(*(_chat(http, gw, key, messages=[_user(f"CONCURRENT {i}")]) for i in range(8)))
