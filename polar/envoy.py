@@ -14,6 +14,7 @@ goes through Envoy to an inference server.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -27,7 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +154,22 @@ def running(config_text: str, workers: int = 0, startup_timeout_s: float = START
             yield _await_ready(process, admin_path, startup_timeout_s)
         finally:
             _stop(process)
+
+
+@contextlib.asynccontextmanager
+async def running_async(
+    config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str
+) -> AsyncIterator[RunningEnvoy]:
+    """`running` for asyncio programs (tests, benchmarks) that serve Envoy's upstreams themselves:
+    Envoy starts and stops in a worker thread, so this event loop answers its health checks
+    meanwhile. Ports 0 in config are picked by Envoy; the result has them."""
+    text = render_config(config, inference_endpoints, gateway_http)
+    with contextlib.ExitStack() as stack:
+        envoy = await asyncio.to_thread(stack.enter_context, running(text, workers=config.workers))
+        try:
+            yield envoy
+        finally:
+            await asyncio.to_thread(stack.close)
 
 
 def _await_ready(process: subprocess.Popen, admin_path: Path, timeout_s: float) -> RunningEnvoy:

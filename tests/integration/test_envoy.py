@@ -74,17 +74,11 @@ async def inference_server(tokens: list[int] | None = None, text: str = "") -> A
 async def envoy_in_front(
     inference: list[str], gateway_http: str = NOWHERE, **settings
 ) -> AsyncIterator[envoy.RunningEnvoy]:
-    """Envoy on free ports. Started from a worker thread: the in-process servers answer its health
-    checks on this event loop meanwhile."""
+    """Envoy on free ports, one worker, frequent health checks."""
     settings.setdefault("health_check_interval_s", FAST_HEALTH_CHECKS)
-    config = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, **settings)
-    text = envoy.render_config(config, inference, gateway_http)
-    with contextlib.ExitStack() as stack:
-        running = await asyncio.to_thread(stack.enter_context, envoy.running(text, workers=1))
-        try:
-            yield running
-        finally:
-            await asyncio.to_thread(stack.close)
+    config = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, workers=1, **settings)
+    async with envoy.running_async(config, inference, gateway_http) as running:
+        yield running
 
 
 async def cluster_health(proxy: envoy.RunningEnvoy) -> dict[str, str]:
