@@ -53,10 +53,17 @@ def anyio_backend():
     return "asyncio"  # one loop for the module-scoped gateway
 
 
+# HTTP clients made by this module's tests, closed while the module's event loop still runs: left to
+# the garbage collector, their connections would close on a loop that is gone and fail a later test.
+CLIENTS: list[httpx2.AsyncClient] = []
+
+
 @pytest.fixture(scope="module")
 async def gateway():
     async with running_gateway(SCRIPT) as running:
         yield running
+        while CLIENTS:
+            await CLIENTS.pop().aclose()
 
 
 class Session:
@@ -71,6 +78,7 @@ class Session:
             self.urls.append(str(request.url))
 
         http_client = httpx2.AsyncClient(event_hooks={"request": [remember]})
+        CLIENTS.append(http_client)
         # Claude Code's ANTHROPIC_BASE_URL is the gateway's root, without /v1. An explicit timeout lets
         # the SDK send max_tokens 32000 without streaming (it refuses that under its default timeout).
         self.client = anthropic.AsyncAnthropic(

@@ -50,10 +50,17 @@ def anyio_backend():
     return "asyncio"  # one loop for the module-scoped gateway
 
 
+# HTTP clients made by this module's tests, closed while the module's event loop still runs: left to
+# the garbage collector, their connections would close on a loop that is gone and fail a later test.
+CLIENTS: list[httpx2.AsyncClient] = []
+
+
 @pytest.fixture(scope="module")
 async def gateway():
     async with running_gateway(SCRIPT) as running:
         yield running
+        while CLIENTS:
+            await CLIENTS.pop().aclose()
 
 
 class Session:
@@ -68,6 +75,7 @@ class Session:
             self.urls.append(str(request.url))
 
         http = httpx2.AsyncClient(event_hooks={"request": [remember]})
+        CLIENTS.append(http)
         # Gemini CLI's GOOGLE_GEMINI_BASE_URL is the gateway's root; the SDK adds the API version.
         options = types.HttpOptions(base_url=gateway.base_url, api_version=api_version, httpx_async_client=http)
         self.client = genai.Client(api_key=self.key, http_options=options)

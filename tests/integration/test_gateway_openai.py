@@ -53,10 +53,23 @@ def anyio_backend():
     return "asyncio"  # one loop for the module-scoped gateway
 
 
+# SDK clients made by this module's tests, closed while the module's event loop still runs: left to the
+# garbage collector, their connections would close on a loop that is gone and fail a later test.
+CLIENTS: list[openai.AsyncOpenAI] = []
+
+
+def sdk_client(gateway: GatewayHandle, key: str) -> openai.AsyncOpenAI:
+    client = openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0)
+    CLIENTS.append(client)
+    return client
+
+
 @pytest.fixture(scope="module")
 async def gateway():
     async with running_gateway(SCRIPT) as running:
         yield running
+        while CLIENTS:
+            await CLIENTS.pop().close()
 
 
 class Session:
@@ -65,7 +78,7 @@ class Session:
     def __init__(self, gateway: GatewayHandle) -> None:
         self.gateway = gateway
         self.key = gateway.open_session(task_id="openai")
-        self.client = openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=self.key, max_retries=0)
+        self.client = sdk_client(gateway, self.key)
 
     def records(self) -> list[common_pb2.CallRecord]:
         return self.gateway.records(self.key)
@@ -263,7 +276,7 @@ async def test_sdk_sees_bad_requests_images_and_bad_keys(gateway):
     assert caught.value.code == "unsupported_content"
     with pytest.raises(openai.BadRequestError, match="stateless"):
         await session.respond("hi", True, previous_response_id="resp_1")
-    intruder = openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key="not-a-key", max_retries=0)
+    intruder = sdk_client(gateway, "not-a-key")
     with pytest.raises(openai.AuthenticationError) as caught:
         await intruder.chat.completions.create(model="polar", messages=[{"role": "user", "content": "hi"}])
     assert caught.value.code == "invalid_api_key"
