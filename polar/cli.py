@@ -237,6 +237,22 @@ def _up(args: argparse.Namespace) -> int:
     return run_stack(load_config(args.config))
 
 
+# --------------------------------------------------------------------------------------- verify
+
+
+def _verify_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "files", nargs="+", metavar="FILE", help="session files: a Trajectory with its calls and traces (.json, .pb, optionally .zst)"
+    )
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from polar.trajectory.verify import verify_command
+
+    # The worst outcome decides: 2 (a file could not be read) over 1 (a trace is unfaithful) over 0.
+    return max(verify_command(path, sys.stdout) for path in args.files)
+
+
 # -------------------------------------------------------------------------------------- version
 
 
@@ -253,6 +269,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(("session", "show"), "print a session and its call records", _session_show_arguments, _session_show),
     Command(("session", "close"), "close a session (its key is refused from then on)", _session_key_arguments, _session_close),
     Command(("up",), "start the whole stack and supervise it until Ctrl-C", _up_arguments, _up),
+    Command(("verify",), "check that every trainable token of a session's traces is what the engine sampled", _verify_arguments, _verify),
     Command(("version",), "print the installed version", lambda parser: None, _version),
 )
 
