@@ -42,6 +42,7 @@ class RunningGateway:
     http_host: str
     http_port: int
     grpc_port: int
+    base_url: str  # what harnesses use: the one given to start_gateway (Envoy's), else http_url
     _runner: web.AppRunner
     _grpc_server: grpc.aio.Server
 
@@ -50,7 +51,8 @@ class RunningGateway:
         return self.gateway.store
 
     @property
-    def base_url(self) -> str:
+    def http_url(self) -> str:
+        """The gateway's own HTTP address (behind Envoy, what Envoy forwards to)."""
         return "http://" + join_host_port(_connectable(self.http_host), self.http_port)
 
     @property
@@ -73,7 +75,7 @@ async def start_gateway(
     parser: str = "hermes",
     history: History = "faithful",
     tokenizer_path: str = "",  # a tokenizer folder or a model alias ("tiny"); "" = the one inference names
-    base_url: str = "",
+    base_url: str = "",  # the URL harnesses use (Envoy's harness listener); "" = the gateway's own
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     dialects: Mapping[str, Dialect] | None = None,
 ) -> RunningGateway:
@@ -105,13 +107,14 @@ async def start_gateway(
         site = web.TCPSite(runner, host, http_port, reuse_port=False)
         await site.start()
         bound_http = runner.addresses[0][1]
-        servicer = GatewayServicer(gateway.store, base_url=base_url or f"http://{join_host_port(host, bound_http)}")
+        base_url = base_url or "http://" + join_host_port(_connectable(host), bound_http)
+        servicer = GatewayServicer(gateway.store, base_url=base_url)
         grpc_server, bound_grpc = await start_grpc(servicer, join_host_port(host, grpc_port))
     except BaseException:
         await runner.cleanup()
         await inference.close()
         raise
-    return RunningGateway(gateway, host, bound_http, bound_grpc, runner, grpc_server)
+    return RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server)
 
 
 async def serve_gateway(
@@ -125,8 +128,10 @@ async def serve_gateway(
     on_ready: Callable[[RunningGateway], None] | None = None,
     *,
     tokenizer_path: str = "",
+    base_url: str = "",
 ) -> None:
-    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully."""
+    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully; `base_url` is reported to
+    GetNodeStatus as the URL harnesses use (Envoy's harness listener in the stack)."""
     running = await start_gateway(
         inference_address,
         host=http_host,
@@ -136,6 +141,7 @@ async def serve_gateway(
         parser=parser,
         history=history,
         tokenizer_path=tokenizer_path,
+        base_url=base_url,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

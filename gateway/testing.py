@@ -9,6 +9,10 @@
 prompt regex; text outputs end with `<|im_end|>`); its tokenizer defaults to the `tiny` model's, which
 the gateway loads too. Or pass any `engine` (e.g. the tiny torch engine). Nothing is faked: only the
 model is scripted.
+
+By default the real Envoy stands where `polar up` puts it: `base_url` is its harness listener, in front
+of the gateway's HTTP port, and the gateway's gRPC calls reach the inference server through its
+inference listener. `envoy=False` leaves Envoy out, for tests of what only the gateway itself does.
 """
 
 from __future__ import annotations
@@ -23,12 +27,18 @@ import grpc
 from gateway.dialects.base import Dialect
 from gateway.render import History
 from gateway.server import RunningGateway, start_gateway
+from polar.config import EnvoyConfig
+from polar.envoy import RunningEnvoy, running_async
 from polar.inference.engines.base import Engine
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
+from polar.stack import free_port, join_host_port
 from polar.v1 import common_pb2
 
 STOP_GRACE_SECONDS = 1.0
+HOST = "127.0.0.1"
+# One worker thread is plenty for a test's traffic; the access log is not read by tests (records are).
+TEST_ENVOY = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, workers=1, access_log="/dev/null")
 
 
 @dataclass
@@ -40,10 +50,12 @@ class GatewayHandle:
     inference_server: grpc.aio.Server
     engine: Engine
     key: str  # the session opened at start
+    envoy: RunningEnvoy | None  # None when the gateway was started without Envoy
 
     @property
     def base_url(self) -> str:
-        """e.g. http://127.0.0.1:PORT (append /v1 for the OpenAI SDK)."""
+        """What harnesses use, e.g. http://127.0.0.1:PORT (append /v1 for the OpenAI SDK): Envoy's
+        harness listener, or the gateway's own HTTP address without Envoy."""
         return self.running.base_url
 
     @property
@@ -76,8 +88,10 @@ async def running_gateway(
     chat_format: str = "hermes",
     parser: str = "hermes",
     dialects: Mapping[str, Dialect] | None = None,
+    envoy: bool = True,
 ) -> AsyncIterator[GatewayHandle]:
-    """Start an inference server (the scripted engine for `script`, or `engine`) and a gateway over it.
+    """Start an inference server (the scripted engine for `script`, or `engine`), Envoy (unless
+    `envoy` is false) and a gateway over them; stop them in reverse order.
 
     `dialects` serve their names' routes instead of the registry's modules (a test's own dialect).
     """
@@ -85,17 +99,29 @@ async def running_gateway(
         engine = ScriptedEngine.from_script(script if script is not None else {"outputs": []})
     elif script is not None:
         raise ValueError("give a script or an engine, not both")
-    inference_server, port = await start_server(engine, "127.0.0.1:0")
-    address = f"127.0.0.1:{port}"
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(engine.stop)
+        inference_server, port = await start_server(engine, f"{HOST}:0")
+        stack.push_async_callback(inference_server.stop, STOP_GRACE_SECONDS)
+        address = join_host_port(HOST, port)
+        gateway_inference, http_port, base_url, proxy = address, 0, "", None
+        if envoy:
+            # Envoy starts first (the gateway asks inference for its model through it), so the
+            # gateway's HTTP port is fixed before either starts, as `polar up` does.
+            http_port = free_port(HOST)
+            proxy = await stack.enter_async_context(running_async(TEST_ENVOY, [address], join_host_port(HOST, http_port)))
+            gateway_inference = join_host_port(HOST, proxy.inference_port)
+            base_url = "http://" + join_host_port(HOST, proxy.harness_port)
         running = await start_gateway(
-            address, chat_format=chat_format, parser=parser, history=history, dialects=dialects
+            gateway_inference,
+            host=HOST,
+            http_port=http_port,
+            base_url=base_url,
+            chat_format=chat_format,
+            parser=parser,
+            history=history,
+            dialects=dialects,
         )
-        try:
-            key = running.store.open(task_id="test").key
-            yield GatewayHandle(running, address, inference_server, engine, key)
-        finally:
-            await running.stop()
-    finally:
-        await inference_server.stop(STOP_GRACE_SECONDS)
-        await engine.stop()
+        stack.push_async_callback(running.stop)
+        key = running.store.open(task_id="test").key
+        yield GatewayHandle(running, address, inference_server, engine, key, proxy)

@@ -123,6 +123,10 @@ def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "--history", choices=("faithful", "template"), default=defaults.history, help="default history policy of new sessions"
     )
     parser.add_argument("--tokenizer", default=defaults.tokenizer, help="tokenizer folder (default: the one inference names)")
+    parser.add_argument(
+        "--base-url", default="", metavar="URL",
+        help="the URL harnesses use, reported by GetNodeStatus (Envoy's harness listener; default: the gateway's own)",
+    )  # fmt: skip
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
 
@@ -133,7 +137,7 @@ def _serve_gateway(args: argparse.Namespace) -> int:
     def on_ready(running) -> None:
         dialects = ", ".join(available_dialects()) or "none"
         print(
-            f"gateway: {running.gateway.model.name} at {running.base_url} ({dialects}); "
+            f"gateway: {running.gateway.model.name} at {running.http_url} ({dialects}); harness base URL {running.base_url}; "
             f"GatewayService on {join_host_port(args.host, running.grpc_port)}; inference {args.inference}",
             flush=True,
         )
@@ -144,7 +148,7 @@ def _serve_gateway(args: argparse.Namespace) -> int:
     asyncio.run(
         serve_gateway(
             args.inference, args.host, args.port, args.grpc_port, args.chat_format, args.parser, args.history,
-            on_ready, tokenizer_path=args.tokenizer,
+            on_ready, tokenizer_path=args.tokenizer, base_url=args.base_url,
         )
     )  # fmt: skip
     return 0

@@ -94,13 +94,17 @@ def plan(config: StackConfig) -> list[ServiceSpec]:
     # Envoy starts before the gateway and forwards to its HTTP port, so that port is fixed now.
     if gw.port == 0:
         gw = dataclasses.replace(gw, port=free_port(gw.host))
+    # The gateway reports Envoy's harness listener as its base URL, so that port is fixed now too.
+    env = config.envoy
+    if env.harness_port == 0:
+        env = dataclasses.replace(env, harness_port=free_port(env.host))
     inference = gateway_inference_address(dataclasses.replace(gw, inference_address=""), config.inference)
     gateway_http = join_host_port(_connectable(gw.host), gw.port)
     gw = dataclasses.replace(gw, inference_address=gw.inference_address or "{envoy}")
     return [
         inference_spec(config.inference),
-        envoy_spec(config.envoy, [inference], gateway_http),
-        gateway_spec(gw, config.inference),
+        envoy_spec(env, [inference], gateway_http),
+        gateway_spec(gw, config.inference, base_url="http://" + join_host_port(_connectable(env.host), env.harness_port)),
     ]
 
 
@@ -134,8 +138,9 @@ def gateway_inference_address(gw: GatewayConfig, inf: InferenceConfig) -> str:
     return "{inference}" if inf.port == 0 else join_host_port(_connectable(inf.host), inf.port)
 
 
-def gateway_spec(gw: GatewayConfig, inf: InferenceConfig) -> ServiceSpec:
-    """`polar serve gateway` with the given settings; its readiness port is the GatewayService's."""
+def gateway_spec(gw: GatewayConfig, inf: InferenceConfig, base_url: str = "") -> ServiceSpec:
+    """`polar serve gateway` with the given settings; its readiness port is the GatewayService's.
+    `base_url` is the URL harnesses use (Envoy's harness listener), which the gateway reports."""
     inference = gateway_inference_address(gw, inf)
     argv = [
         sys.executable, "-m", "polar", "serve", "gateway",
@@ -145,6 +150,8 @@ def gateway_spec(gw: GatewayConfig, inf: InferenceConfig) -> ServiceSpec:
     ]  # fmt: skip
     if gw.tokenizer:
         argv += ["--tokenizer", gw.tokenizer]
+    if base_url:
+        argv += ["--base-url", base_url]
     http = f"http://{join_host_port(_connectable(gw.host), gw.port)}" if gw.port else "a free port (in its log)"
     detail = f"HTTP {http}, inference via {inference}"
     return ServiceSpec("gateway", tuple(argv), gw.host, GATEWAY_SERVICE, detail)
