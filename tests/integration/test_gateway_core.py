@@ -9,8 +9,10 @@ overloaded) is checked through the real dialect modules.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
+import urllib.request
 
 import aiohttp
 import grpc
@@ -22,6 +24,9 @@ from gateway.conversation import Conversation, Message, ToolChoice
 from gateway.dialects import get_dialect
 from gateway.dialects.base import ErrorKind, GatewayError
 from gateway.testing import running_gateway
+from polar.config import GatewayConfig, InferenceConfig
+from polar.stack import gateway_spec
+from polar.stack import running as running_service
 from polar.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 from gateway_fakes import FakeDialect, read_sse
@@ -370,6 +375,35 @@ async def test_gateway_service_opens_watches_reads_and_closes_sessions(gw, http)
         assert "polar.v1.GatewayService" in names
 
 
+async def test_the_handle_serves_through_envoy_and_reports_envoys_url(real, http):
+    assert real.envoy is not None and real.base_url != real.running.http_url
+    stats_before = await asyncio.to_thread(_envoy_stats, real.envoy.admin)
+    key = real.open_session()
+    async with http.post(real.base_url + "/v1/chat/completions", json=ROUTES[0][2], headers={"x-api-key": key}) as response:
+        assert response.status == 200
+    stats = await asyncio.to_thread(_envoy_stats, real.envoy.admin)
+    # The harness request entered through Envoy's harness listener, and the gateway's Generate call
+    # left through its inference cluster.
+    for counter in ("http.harness.downstream_rq_total", "cluster.inference.upstream_rq_total"):
+        assert stats[counter] > stats_before[counter], counter
+    async with grpc.aio.insecure_channel(real.grpc_address) as channel:
+        status = await gateway_pb2_grpc.GatewayServiceStub(channel).GetNodeStatus(gateway_pb2.GetNodeStatusRequest())
+        assert status.status.base_url == real.base_url
+
+
+async def test_without_envoy_the_handle_is_the_gateway_itself(http):
+    async with running_gateway({"outputs": [{"text": "direct"}]}, envoy=False) as direct:
+        assert direct.envoy is None and direct.base_url == direct.running.http_url
+        async with http.post(direct.base_url + "/v1/chat/completions", json=ROUTES[0][2], headers={"x-api-key": direct.key}) as response:
+            assert (await response.json())["choices"][0]["message"]["content"] == "direct"
+
+
+def _envoy_stats(admin: str) -> dict[str, int]:
+    with urllib.request.urlopen(f"http://{admin}/stats", timeout=5) as response:
+        lines = response.read().decode().splitlines()
+    return {name: int(value) for name, _, value in (line.partition(": ") for line in lines) if value.isdigit()}
+
+
 async def _collect(stream) -> list[common_pb2.CallRecord]:
     return [response.call async for response in stream]
 
@@ -415,6 +449,22 @@ async def _polar(*args: str) -> tuple[int, str, str]:
     )
     out, err = await asyncio.wait_for(process.communicate(), 60)
     return process.returncode, out.decode(), err.decode()
+
+
+@pytest.mark.slow
+async def test_polar_serve_gateway_reports_its_base_url(real):
+    harness_url = "http://harness.example:8080"
+    config = GatewayConfig(port=0, grpc_port=0, inference_address=real.inference_address)
+    spec = gateway_spec(config, InferenceConfig(), harness_url)
+    with contextlib.ExitStack() as stack:
+        service = await asyncio.to_thread(stack.enter_context, running_service(spec, 60, 10))
+        try:
+            async with grpc.aio.insecure_channel(service.dial_address) as channel:
+                stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+                status = (await stub.GetNodeStatus(gateway_pb2.GetNodeStatusRequest())).status
+        finally:
+            await asyncio.to_thread(stack.close)
+    assert status.base_url == harness_url
 
 
 @pytest.mark.slow
