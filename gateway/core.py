@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -75,6 +76,7 @@ _GRPC_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID_REQUEST,
     grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND,
 }
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _ENGINE_FINISH = {
     common_pb2.FINISH_REASON_STOP: FinishKind.STOP,
     common_pb2.FINISH_REASON_LENGTH: FinishKind.LENGTH,
@@ -306,6 +308,16 @@ def decode_body(raw: bytes) -> dict[str, Any]:
         raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
+    # JSON lets "\ud800" escape half of a surrogate pair alone, which decodes to no character at
+    # all: the tokenizer rejects it and no reply or record quoting it encodes as UTF-8. The escape
+    # is rare, so only bodies that may hold one are checked whole.
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json_bytes(body)
+        except UnicodeEncodeError as exc:
+            raise GatewayError(
+                ErrorKind.INVALID_REQUEST, "the request body holds an unpaired surrogate escape (\\ud800-\\udfff)"
+            ) from exc
     return body
 
 

@@ -138,7 +138,7 @@ async def test_unknown_and_closed_keys_get_401_in_the_dialects_shape(real, http,
 async def test_malformed_and_non_object_bodies_are_400_in_the_dialects_shape(real, http, dialect, path, body):
     status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.INVALID_REQUEST, ""))
     key = real.open_session()
-    for data in (b'{"model": ', b"[1, 2]", b"\xff\xfe"):
+    for data in (b'{"model": ', b"[1, 2]", b"\xff\xfe", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "\\udc00"}]}'):
         async with http.post(real.base_url + path, data=data, headers={"x-api-key": key}) as response:
             assert response.status == status == 400
             assert _without_messages(await response.json()) == _without_messages(expected)
