@@ -153,7 +153,8 @@ def gateway_spec(gw: GatewayConfig, inf: InferenceConfig, base_url: str = "") ->
     if base_url:
         argv += ["--base-url", base_url]
     http = f"http://{join_host_port(_connectable(gw.host), gw.port)}" if gw.port else "a free port (in its log)"
-    detail = f"HTTP {http}, inference via {inference}"
+    # A "{name}" address is another service of the stack, known once it is up: name the service.
+    detail = f"HTTP {http}, inference via {inference.strip('{}')}"
     return ServiceSpec("gateway", tuple(argv), gw.host, GATEWAY_SERVICE, detail)
 
 
