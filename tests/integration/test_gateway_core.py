@@ -1,4 +1,4 @@
-"""The gateway core over real servers: a scripted inference server, the gateway's HTTP app and its
+"""The gateway core over real servers: a scripted inference server, Envoy, the gateway's HTTP app and its
 GatewayService on free loopback ports (gateway.testing.running_gateway).
 
 Core behaviour is driven through `FakeDialect` (tests/integration/gateway_fakes.py) on the chat
