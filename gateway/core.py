@@ -6,6 +6,7 @@
     max_tokens clamped to what the context leaves  (prompt alone over the context: CONTEXT_LENGTH)
     prompt ──InferenceService.Generate (gRPC, x-polar-session)──▶ sampled ids + logprobs, as they come
     ids ──incremental detokenisation──▶ text ──client stop strings──▶ output parser ──▶ events
+                                         (gateway/output.py)
     events ──dialect's StreamRenderer──▶ SSE bytes, sent at once   (or, unstreamed, render_response)
     one CallRecord appended to the session, whatever happened once the prompt went to the engine
 
@@ -32,10 +33,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import grpc
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
-from gateway.chat_format import ChatFormat, tool_call_text
-from gateway.conversation import ToolCall
+from gateway.chat_format import ChatFormat
 from gateway.dialects.base import (
     CallInfo,
     Dialect,
@@ -48,16 +47,8 @@ from gateway.dialects.base import (
     StreamRenderer,
     Usage,
 )
-from gateway.parsers import (
-    OutputParser,
-    ParseEvent,
-    StreamingParser,
-    TextDelta,
-    ToolCallArgumentsDelta,
-    ToolCallEnd,
-    ToolCallStart,
-    collect,
-)
+from gateway.output import OutputAssembler
+from gateway.parsers import OutputParser, ParseEvent, collect
 from gateway.render import PriorCall, RenderedPrompt, render_request
 from gateway.sessions import Session, SessionError, SessionStore
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -164,139 +155,6 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> GatewayError:
     return GatewayError(kind, f"the inference server refused the call: {exc.details()}")
 
 
-# ----------------------------------------------------------------------------------- text side
-
-
-class StopScanner:
-    """Finds the first client stop string to complete in text that arrives in pieces.
-
-    `feed` returns the text that is certainly before any stop string, holding back a suffix that may
-    be the start of one, and the stop string once one is complete (the text returned then ends right
-    before it, and everything after it is dropped).
-    """
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = tuple(stop for stop in stops if stop)
-        self._held = ""
-
-    def feed(self, piece: str) -> tuple[str, str | None]:
-        if not self._stops:
-            return piece, None
-        text = self._held + piece
-        # The stop that completes first wins, as it would if the text came one character at a time.
-        found = [(index + len(stop), index, stop) for stop in self._stops if (index := text.find(stop)) != -1]
-        if found:
-            _, index, stop = min(found)
-            self._held = ""
-            return text[:index], stop
-        held = _longest_stop_prefix(text, self._stops)
-        self._held = text[len(text) - held:]
-        return text[: len(text) - held], None
-
-    def flush(self) -> str:
-        """The held-back text, at the end of the output (no stop string completed)."""
-        held, self._held = self._held, ""
-        return held
-
-
-def _longest_stop_prefix(text: str, stops: Sequence[str]) -> int:
-    longest = min(len(text), max(len(stop) for stop in stops) - 1)
-    for size in range(longest, 0, -1):
-        if any(stop.startswith(text[-size:]) for stop in stops):
-            return size
-    return 0
-
-
-def tool_calls_as_text(events: list[ParseEvent]) -> list[ParseEvent]:
-    """The events with each tool call turned back into its text, for clients that disabled tools."""
-    converted: list[ParseEvent] = []
-    pending: dict[int, tuple[ToolCallStart, str]] = {}
-    for event in events:
-        if isinstance(event, ToolCallStart):
-            pending[event.index] = (event, "")
-        elif isinstance(event, ToolCallArgumentsDelta):
-            start, arguments = pending[event.index]
-            pending[event.index] = (start, arguments + event.arguments)
-        elif isinstance(event, ToolCallEnd):
-            start, arguments = pending.pop(event.index)
-            call = ToolCall(start.id, start.name, json.loads(arguments))
-            converted.append(TextDelta("\n" + tool_call_text(call)))
-        else:
-            converted.append(event)
-    return converted
-
-
-class OutputAssembler:
-    """Sampled tokens of one call → recorded ids and logprobs, client text, parse events.
-
-    Tokens are decoded one by one (a token that ends inside a multi-byte character shows its text with
-    the token that completes it). Client stop strings end the output: the token that completed the
-    stop is the last one kept, and the text is cut before the stop string.
-    """
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        parser: StreamingParser,
-        *,
-        stops: Sequence[str] = (),
-        forced_text: str = "",
-        parse_tool_calls: bool = True,
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._decoder = DecodeStream(skip_special_tokens=True)
-        self._decoded = ""  # text the decode stream produced so far
-        self._scanner = StopScanner(stops)
-        self._parser = parser
-        self._parse_tool_calls = parse_tool_calls
-        self.token_ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.events: list[ParseEvent] = []
-        self.stop_sequence: str | None = None
-        # The forced opening is prompt, but the parser must read it so opening + sample is one call.
-        self._pending = self._convert(parser.feed(forced_text)) if forced_text else []
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_sequence is not None
-
-    def add(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> list[ParseEvent]:
-        """Events these tokens make certain; tokens after a completed stop string are dropped."""
-        events, self._pending = self._pending, []
-        for token_id, logprob in zip(token_ids, logprobs):
-            if self.stopped:
-                break
-            self.token_ids.append(token_id)
-            self.logprobs.append(logprob)
-            piece = self._decoder.step(self._tokenizer, token_id) or ""
-            self._decoded += piece
-            text, self.stop_sequence = self._scanner.feed(piece)
-            if text:
-                events += self._convert(self._parser.feed(text))
-        self.events += events
-        return events
-
-    def finish(self) -> list[ParseEvent]:
-        """The events held back until the end of the output."""
-        events, self._pending = self._pending, []
-        if not self.stopped:
-            text, self.stop_sequence = self._scanner.feed(self._undecoded_tail())
-            if not self.stopped:
-                text += self._scanner.flush()
-            if text:
-                events += self._convert(self._parser.feed(text))
-        events += self._convert(self._parser.finish())
-        self.events += events
-        return events
-
-    def _undecoded_tail(self) -> str:
-        # Bytes of an unfinished character stay inside the decode stream; the whole decode shows them
-        # (as replacement characters), so the client's text covers every sampled id.
-        whole = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        return whole[len(self._decoded):] if whole.startswith(self._decoded) else ""
-
-    def _convert(self, events: list[ParseEvent]) -> list[ParseEvent]:
-        return events if self._parse_tool_calls else tool_calls_as_text(events)
 # ------------------------------------------------------------------------------------ the calls
 
 
