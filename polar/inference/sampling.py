@@ -17,6 +17,20 @@ import torch
 import torch.nn.functional as F
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device`, copied without waiting for the work queued there.
+
+    A plain copy to a GPU synchronises the host with the GPU's stream, so the host could not queue
+    the next kernels while the current ones run; a copy from pinned memory is queued like a kernel
+    (the caching host allocator keeps the pinned block until the copy has run).
+    """
+    if tensor.device == device:
+        return tensor
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def processed_logprobs(
     logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> torch.Tensor:
@@ -40,7 +54,7 @@ def batched_processed_logprobs(
     """
     vocab = logits.shape[-1]
     greedy = temperature <= 0
-    scale = torch.where(greedy, 1.0, temperature).to(logits.device, torch.float32)
+    scale = to_device(torch.where(greedy, 1.0, temperature).to(torch.float32), logits.device)
     scaled = logits / scale.unsqueeze(-1)
     # 0 (or >= V) means no top-k; top_p outside (0, 1) means no nucleus; greedy ignores both.
     k = torch.where(greedy | (top_k <= 0) | (top_k >= vocab), vocab, top_k).reshape(-1)
@@ -51,9 +65,9 @@ def batched_processed_logprobs(
         k, p = k[truncating], p[truncating]
         largest_k = int(torch.where(k < vocab, k, 1).max())
         candidates = min(vocab, max(largest_k, NUCLEUS_CANDIDATES if bool(torch.isfinite(p).any()) else 1))
-        rows = truncating.nonzero().squeeze(-1).to(logits.device)
+        rows = to_device(truncating.nonzero().squeeze(-1), logits.device)
         flat = scaled.reshape(-1, vocab)  # a view: scaled is a fresh tensor
-        flat[rows] = _truncate(flat[rows], k.to(logits.device), p.to(logits.device), candidates)
+        flat[rows] = _truncate(flat[rows], to_device(k, logits.device), to_device(p, logits.device), candidates)
     return scaled.log_softmax(-1)
 
 
@@ -128,7 +142,8 @@ def inverse_cdf(logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
         probs = F.pad(probs, (0, -vocab % CDF_BLOCK))
     blocks = probs.view(rows, -1, CDF_BLOCK)  # [B, nb, blk]
     block_cdf = blocks.sum(-1).cumsum(-1)  # [B, nb]
-    target = _below(uniforms.to(block_cdf) * block_cdf[:, -1], block_cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    uniforms = to_device(uniforms.to(block_cdf.dtype), block_cdf.device)
+    target = _below(uniforms * block_cdf[:, -1], block_cdf[:, -1]).unsqueeze(-1)  # [B, 1]
     block = torch.searchsorted(block_cdf, target, right=True)  # [B, 1]
     start = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)  # [B, 1]
     inner_cdf = blocks.gather(1, block.unsqueeze(-1).expand(-1, -1, CDF_BLOCK)).squeeze(1).cumsum(-1)
@@ -159,5 +174,5 @@ def sample_next_tokens(
         uniforms[sampling_rows] = draw_uniforms([generators[row] for row in sampling_rows])
         tokens = inverse_cdf(logprobs, uniforms)
         if bool(greedy.any()):
-            tokens = torch.where(greedy.to(logits.device), logits.argmax(-1), tokens)
+            tokens = torch.where(to_device(greedy, logits.device), logits.argmax(-1), tokens)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

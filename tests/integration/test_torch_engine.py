@@ -166,6 +166,40 @@ def test_concurrent_requests_equal_one_by_one_and_are_faster(engine):
     assert concurrent_seconds < 0.8 * sequential_seconds, (concurrent_seconds, sequential_seconds)
 
 
+def test_batched_prefill_equals_one_by_one(engine):
+    """Prompts of different lengths, some continuing earlier chunks, prefilled in one padded forward:
+    the same last-position logits and cache contents as prefilling each alone."""
+    from polar.inference.engines.llama import DecoderRunner
+
+    prompts = [torch.tensor(prompt_of(40 + i, length)) for i, length in enumerate((9, 3, 17, 6))]
+    first = [5, 3, 8, 6]  # the first chunk's length; prompts 0 and 2 continue in a second chunk
+    alone, together = DecoderRunner(engine.model, max_slots=4), DecoderRunner(engine.model, max_slots=4)
+    with torch.inference_mode():
+        expected = [alone.prefill([slot], [prompts[slot][: first[slot]]], [0]) for slot in range(4)]
+        expected += [alone.prefill([slot], [prompts[slot][first[slot] :]], [first[slot]]) for slot in (0, 2)]
+        fresh = together.prefill([0, 1, 2, 3], [p[:cut] for p, cut in zip(prompts, first)], [0] * 4)
+        continued = together.prefill([2, 0], [prompts[2][first[2] :], prompts[0][first[0] :]], [8, 5])
+    assert torch.allclose(fresh, torch.cat(expected[:4]), atol=1e-5, rtol=0)
+    assert torch.allclose(continued, torch.cat([expected[5], expected[4]]), atol=1e-5, rtol=0)
+    for slot, prompt in enumerate(prompts):
+        written = slice(0, len(prompt))
+        for kind in ("keys", "values"):
+            for layer_alone, layer_together in zip(getattr(alone.cache, kind), getattr(together.cache, kind), strict=True):
+                assert torch.allclose(layer_alone[slot, :, written], layer_together[slot, :, written], atol=1e-5, rtol=0)
+
+
+def test_padded_prefill_groups_stay_within_the_budget():
+    from polar.inference.engines.torch_engine import _padded_groups
+
+    chunks = [(f"s{i}", 0, length) for i, length in enumerate((30, 2, 500, 7, 7, 100))]
+    groups = _padded_groups(chunks, 512)
+    assert sorted(chunk for group in groups for chunk in group) == sorted(chunks)
+    for group in groups:
+        padded = len(group) * max(end - start for _, start, end in group)
+        assert len(group) == 1 or padded <= 512
+    assert [len(group) for group in groups] == [1, 5]
+
+
 def test_requests_beyond_the_batch_wait_for_a_slot(engine):
     requests = [request(prompt_of(i, 6), 20, f"r{i}", seed=i, ignore_eos=True) for i in range(MAX_BATCH + 2)]
 

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.utils.rnn import pad_sequence
+
+from polar.inference.sampling import to_device
 
 # Architectures whose decoder layer is: RMSNorm, attention (optional q/k bias, optional q/k
 # RMSNorm per head), RoPE, residual, RMSNorm, gated MLP, residual.
@@ -159,33 +162,75 @@ class DecoderRunner:
         return next(self.model.parameters()).device
 
     @sdpa_kernel(_ATTENTION_BACKENDS)
-    def prefill(self, slot: int, token_ids: torch.Tensor, start: int) -> torch.Tensor:
-        """Write token_ids [q] at positions [start, start + q) of `slot`; return the last position's
-        logits [V] fp32."""
-        q_len = token_ids.shape[0]
-        end = start + q_len
-        self.cache.ensure(slot + 1, end)
-        positions = torch.arange(start, end, device=self.device)
-        cos, sin = self._rope(positions.unsqueeze(0))  # [1, 1, q, head_dim]
-        mask = None if start == 0 else self._chunk_mask(start, q_len)
-        hidden = self.decoder.embed_tokens(token_ids.unsqueeze(0))  # [1, q, hidden]
+    def prefill(self, slots: list[int], chunks: list[torch.Tensor], starts: list[int]) -> torch.Tensor:
+        """Write chunks[r] [q_r] (device) at positions [starts[r], starts[r] + q_r) of slot slots[r],
+        all in one forward over the chunks right-padded to the longest; return the logits [b, V] fp32
+        of each chunk's last position.
+
+        Padding queries write nothing and attend to whatever their slot holds: their outputs are
+        dropped, and no real query sees their positions.
+        """
+        b = len(chunks)
+        lengths = [chunk.shape[0] for chunk in chunks]
+        q_len = max(lengths)
+        end = max(start + length for start, length in zip(starts, lengths, strict=True))
+        self.cache.ensure(max(slots) + 1, end)
+        device = self.device
+        offsets = torch.arange(q_len, device=device)
+        positions = to_device(torch.tensor(starts), device).unsqueeze(1) + offsets  # [b, q]
+        cos, sin = self._rope(positions)  # [b, 1, q, head_dim]
+        # A prompt's first chunk attends to itself only: causal attention over the fresh keys. A later
+        # chunk also reads the keys its earlier chunks left in the cache.
+        fresh = not any(starts)
+        visible = None if fresh else torch.arange(end, device=device) <= positions.unsqueeze(-1)  # [b, q, end]
+        mask = None if fresh else self._additive(visible.unsqueeze(1))  # [b, 1, q, end]
+        writes = None if b == 1 else self._prefill_writes(slots, lengths, starts, q_len)
+        read_slots = None if b == 1 or fresh else to_device(torch.tensor(slots), device)
+        hidden = self.decoder.embed_tokens(pad_sequence(chunks, batch_first=True))  # [b, q, hidden]
         for index, layer in enumerate(self.decoder.layers):
             attention = layer.self_attn
-            q, k, v = self._qkv(attention, layer.input_layernorm(hidden), cos, sin)  # [1, heads, q, d]
+            q, k, v = self._qkv(attention, layer.input_layernorm(hidden), cos, sin)  # [b, heads, q, d]
             keys, values = self.cache.keys[index], self.cache.values[index]
-            keys[slot, :, start:end] = k[0]
-            values[slot, :, start:end] = v[0]
+            if writes is None:
+                slot, start = slots[0], starts[0]
+                keys[slot, :, start : start + q_len] = k[0]
+                values[slot, :, start : start + q_len] = v[0]
+            else:
+                write_slots, write_positions, rows = writes
+                keys[write_slots, :, write_positions] = k.transpose(1, 2).reshape(b * q_len, self.kv_heads, -1)[rows]
+                values[write_slots, :, write_positions] = v.transpose(1, 2).reshape(b * q_len, self.kv_heads, -1)[rows]
+            if fresh:
+                read_keys, read_values = k, v
+            elif read_slots is None:
+                read = slice(slots[0], slots[0] + 1)
+                read_keys, read_values = keys[read, :, :end], values[read, :, :end]
+            else:
+                read_keys, read_values = keys[read_slots, :, :end], values[read_slots, :, :end]
             out = F.scaled_dot_product_attention(
                 q,
-                keys[slot : slot + 1, :, :end],
-                values[slot : slot + 1, :, :end],
+                read_keys,
+                read_values,
                 attn_mask=mask,
-                is_causal=mask is None,
+                is_causal=fresh,
                 scale=attention.scaling,
                 enable_gqa=True,
-            )  # [1, heads, q, d]
-            hidden = self._finish_layer(layer, hidden, out.transpose(1, 2).reshape(1, q_len, -1))
-        return self._logits(hidden[0, -1:])[0]
+            )  # [b, heads, q, d]
+            hidden = self._finish_layer(layer, hidden, out.transpose(1, 2).reshape(b, q_len, -1))
+        last = to_device(torch.tensor(lengths) - 1, device)
+        return self._logits(hidden[torch.arange(b, device=device), last])
+
+    def _prefill_writes(
+        self, slots: list[int], lengths: list[int], starts: list[int], q_len: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where the real tokens of a padded prefill go: their cache slots and positions, and their
+        rows in the flattened [b * q] batch (each [tokens], device)."""
+        write_slots, write_positions, rows = [], [], []
+        for r, (slot, length, start) in enumerate(zip(slots, lengths, starts, strict=True)):
+            write_slots += [slot] * length
+            write_positions += range(start, start + length)
+            rows += range(r * q_len, r * q_len + length)
+        device = self.device
+        return tuple(to_device(torch.tensor(values), device) for values in (write_slots, write_positions, rows))
 
     @sdpa_kernel(_ATTENTION_BACKENDS)
     def decode(self, token_ids: list[int], positions: list[int], rows: list[int]) -> torch.Tensor:
@@ -203,9 +248,9 @@ class DecoderRunner:
         self.cache.ensure(n, length)
         device = self.device
         hidden = self._decode_hidden(
-            torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), length
+            to_device(torch.tensor(token_ids), device), to_device(torch.tensor(positions), device), length
         )
-        return self._logits(hidden[torch.tensor(rows, device=device)])
+        return self._logits(hidden[to_device(torch.tensor(rows), device)])
 
     def _decode_hidden(self, token_ids: torch.Tensor, positions: torch.Tensor, length: int) -> torch.Tensor:
         """token_ids, positions [n] (device) over keys [0, length) -> final hidden states [n, hidden]."""
@@ -253,10 +298,11 @@ class DecoderRunner:
             graph = self._capture(slots, length, host_tokens, host_positions)
             self._graphs[(slots, length)] = graph
         else:
-            graph.token_ids.copy_(host_tokens)
-            graph.positions.copy_(host_positions)
+            # From pinned memory, so that queuing the replay does not wait for the GPU to go idle.
+            graph.token_ids.copy_(host_tokens.pin_memory(), non_blocking=True)
+            graph.positions.copy_(host_positions.pin_memory(), non_blocking=True)
             graph.graph.replay()
-        return graph.logits[torch.tensor(rows, device=self.device)]
+        return graph.logits[to_device(torch.tensor(rows), self.device)]
 
     def _capture(self, slots: int, length: int, host_tokens: torch.Tensor, host_positions: torch.Tensor) -> _DecodeGraph:
         """Run this step eagerly to warm its kernels up, record it (recording executes nothing),
@@ -269,13 +315,6 @@ class DecoderRunner:
             logits = self._logits(self._decode_hidden(token_ids, positions, length))
         graph.replay()
         return _DecodeGraph(graph, token_ids, positions, logits)
-
-    def _chunk_mask(self, start: int, q_len: int) -> torch.Tensor:
-        """Additive mask [q, start + q]: query i sits at position start + i and sees keys
-        [0, start + i]; built in one pass since it is large for long prompts."""
-        mask = torch.zeros(q_len, start + q_len, dtype=self.cache.dtype, device=self.device)
-        mask[:, start:] = torch.full((q_len, q_len), float("-inf"), dtype=mask.dtype, device=mask.device).triu(1)
-        return mask
 
     def _additive(self, visible: torch.Tensor) -> torch.Tensor:
         # An additive float mask lets CPU attention take its fused kernel (a bool mask does not).

@@ -42,7 +42,7 @@ from polar.inference.engines.base import (
     WeightUpdateError,
 )
 from polar.inference.engines.llama import DecoderRunner
-from polar.inference.sampling import new_generator, sample_next_tokens
+from polar.inference.sampling import new_generator, sample_next_tokens, to_device
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 # Tokens that end a text or a chat turn in common tokenizers, counted as end-of-sequence when the
@@ -159,6 +159,18 @@ def _resolve(future: asyncio.Future, result: int | None = None, error: BaseExcep
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def _padded_groups(chunks: list[tuple[_Sequence, int, int]], budget: int) -> list[list[tuple[_Sequence, int, int]]]:
+    """Chunks grouped for padded forwards: longest first, each group padded to its first chunk's
+    length and holding at most `budget` positions, padding included (a chunk alone always fits)."""
+    groups: list[list[tuple[_Sequence, int, int]]] = []
+    for chunk in sorted(chunks, key=lambda c: c[2] - c[1], reverse=True):
+        if groups and (len(groups[-1]) + 1) * (groups[-1][0][2] - groups[-1][0][1]) <= budget:
+            groups[-1].append(chunk)
+        else:
+            groups.append([chunk])
+    return groups
 
 
 def _end(seq: _Sequence, reason: FinishReason, error: str = "") -> GenerationEnd:
@@ -424,8 +436,8 @@ class TorchEngine(Engine):
         batch = decoding + prefilled
         if not batch:
             return
-        parts = ([decode_logits] if decoding else []) + ([torch.stack(prefill_logits)] if prefilled else [])
-        logits = torch.cat(parts)  # [len(batch), V]
+        parts = ([decode_logits] if decoding else []) + prefill_logits
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [len(batch), V]
         try:
             tokens, logprobs = self._sample(batch, logits)
         except Exception as error:  # noqa: BLE001 - reported to the affected callers
@@ -437,25 +449,40 @@ class TorchEngine(Engine):
 
     def _prefill(self, outbox: _Outbox) -> tuple[list[_Sequence], list[torch.Tensor]]:
         """Advance prompts by up to prefill_chunk_tokens; return those completed, with the logits
-        [V] of their last prompt position."""
-        budget = self.prefill_chunk_tokens
+        [len(completed), V] of their last prompt positions (one tensor per forward, in order)."""
         prefilled, logits = [], []
-        for seq in [s for s in self._admitted if s.prefilling]:
+        for group in _padded_groups(self._prefill_chunks(), self.prefill_chunk_tokens):
+            try:
+                last = self._runner.prefill(
+                    [seq.slot for seq, _, _ in group],
+                    [seq.prompt[start:end] for seq, start, end in group],
+                    [start for _, start, _ in group],
+                )  # [len(group), V]
+            except Exception as error:  # noqa: BLE001 - reported to these callers, others go on
+                for seq, _, _ in group:
+                    self._finish(seq, FinishReason.ERROR, outbox, f"prefill failed: {error!r}")
+                continue
+            for seq, _, end in group:
+                seq.cached = end
+            done = [row for row, (seq, _, _) in enumerate(group) if not seq.prefilling]
+            prefilled += [group[row][0] for row in done]
+            if done:
+                logits.append(last if len(done) == len(group) else last[to_device(torch.tensor(done), last.device)])
+        return prefilled, logits
+
+    def _prefill_chunks(self) -> list[tuple[_Sequence, int, int]]:
+        """The prompt positions [start, end) each prefilling sequence advances by this step: in
+        admission order, until prefill_chunk_tokens are spent (the last one may stop mid-prompt)."""
+        budget = self.prefill_chunk_tokens
+        chunks = []
+        for seq in self._admitted:
             if budget <= 0:
                 break
-            start = seq.cached
-            end = min(seq.prompt_tokens, start + budget)
-            try:
-                last = self._runner.prefill(seq.slot, seq.prompt[start:end], start)
-            except Exception as error:  # noqa: BLE001 - reported to this caller, others go on
-                self._finish(seq, FinishReason.ERROR, outbox, f"prefill failed: {error!r}")
-                continue
-            seq.cached = end
-            budget -= end - start
-            if not seq.prefilling:
-                prefilled.append(seq)
-                logits.append(last)
-        return prefilled, logits
+            if seq.prefilling:
+                end = min(seq.prompt_tokens, seq.cached + budget)
+                chunks.append((seq, seq.cached, end))
+                budget -= end - seq.cached
+        return chunks
 
     def _decode(self, decoding: list[_Sequence], outbox: _Outbox) -> torch.Tensor | None:
         """One forward for the decoding sequences -> their logits [len(decoding), V], in order.
@@ -490,7 +517,9 @@ class TorchEngine(Engine):
             torch.tensor([c.top_p for c in configs], dtype=torch.float32),
             [s.generator for s in batch],
         )
-        return tokens.tolist(), logprobs.tolist()
+        # One transfer, the step's only wait for the device: fp64 holds token ids and fp32 logprobs exactly.
+        host = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()  # [2, len(batch)]
+        return host[0].long().tolist(), host[1].tolist()
 
     def _emit(self, seq: _Sequence, token: int, logprob: float, version: int, outbox: _Outbox) -> None:
         seq.completion += 1
