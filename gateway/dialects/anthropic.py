@@ -8,7 +8,8 @@ Request → conversation:
   system turn, and the core renders that call fresh.
 - user turns: text blocks become one user message (joined with `\\n`); each `tool_result` block becomes a
   tool message (its text content, `is_error` accepted and not rendered: the result text states the
-  error), in block order, so `[tool_result, text]` is a tool turn then a user turn.
+  error), in block order, so `[tool_result, text]` is a tool turn then a user turn. A user message with
+  no blocks (`content: []`) is a 400, as Anthropic's.
 - assistant turns: `text` blocks → content, `thinking` blocks → reasoning, `tool_use` → tool calls.
   Text and thinking blocks are concatenated without a separator: they are the pieces this dialect cut
   one output into when it streamed it (a reasoning span in the middle splits the text), so joining them
@@ -220,6 +221,10 @@ def _user_turns(content: Any, param: str, tool_names: dict[str, str]) -> list[Me
             texts.clear()
 
     blocks = _array(content, param)
+    if not blocks:
+        # Anthropic refuses a user message without blocks; taken as an empty prompt turn here, it
+        # would put a turn the real API never accepts into the recorded trajectory.
+        raise _invalid(param, "a user message needs at least one content block")
     for j, block in enumerate(blocks):
         block, kind = _block_type(block, f"{param}.{j}")
         _check_role(kind, "user", f"{param}.{j}.type")
@@ -232,7 +237,7 @@ def _user_turns(content: Any, param: str, tool_names: dict[str, str]) -> list[Me
         _optional(block, "is_error", lambda value, key: _boolean(value, f"{param}.{j}.{key}"))
         turns.append(Message("tool", result, tool_call_id=call_id, name=tool_names.get(call_id, "")))
     flush()
-    return turns or [Message("user", "")]
+    return turns
 
 
 def _assistant_turn(content: Any, param: str) -> Message:

@@ -18,12 +18,18 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import aiohttp
+import anthropic
 import grpc
+import httpx2
 import openai
 import pytest
 from aiohttp import web
+from anthropic.types.shared import ErrorResponse
+from google import genai
+from google.genai import errors, types
 
 from gateway.server import start_gateway
+from gateway.testing import running_gateway
 from polar import envoy
 from polar.config import EnvoyConfig
 from polar.inference.engines.scripted import ScriptedEngine
@@ -295,12 +301,214 @@ async def test_head_and_bodies_pass_through_and_oversized_bodies_get_413(tmp_pat
                 assert (response.status, await response.read()) == (200, b"x" * 4096)
             async with client.post(f"{base}/v1/echo", data=b"x" * 4097) as response:
                 assert response.status == 413
+                # A path of no dialect gets OpenAI's shape, which reads as the gateway's neutral one.
+                assert error_in_shape("openai", 413, await response.json())[0] == "invalid_request_error"
         entries = await asyncio.to_thread(access_log_lines, log, 3)
     assert [(e["method"], e["path"], e["status"]) for e in entries] == [
         ("HEAD", "/", 200),
         ("POST", "/v1/echo", 200),
         ("POST", "/v1/echo", 413),
     ]
+
+
+# --- Envoy's own replies in the caller's dialect ----------------------------------------------
+
+LIMIT = 4096  # max_request_bytes in these tests
+STALL_S = 0.5  # stream idle timeout in the test where the upstream never answers
+ENVOY_PREFIX = "Envoy in front of the Polar gateway: "
+# Each route harnesses call, and the dialect whose error shape Envoy's own replies take there.
+ROUTES = [
+    ("/v1/chat/completions", {}, "openai"),
+    ("/v1/responses", {}, "openai"),
+    ("/v1/models", {}, "openai"),
+    ("/v1/messages?beta=true", {}, "anthropic"),
+    ("/v1/messages/count_tokens", {}, "anthropic"),
+    ("/v1/models", {"anthropic-version": "2023-06-01"}, "anthropic"),  # Claude Code's model list
+    ("/v1beta/models/polar:generateContent", {}, "google"),
+    ("/v1/models/polar:streamGenerateContent?alt=sse", {}, "google"),
+    ("/no/such/route", {}, "openai"),
+]
+# The error's type (Google: its status name) for each dialect and status Envoy answers with.
+ERROR_TYPES = {
+    ("openai", 413): "invalid_request_error",
+    ("openai", 503): "server_error",
+    ("openai", 504): "server_error",
+    ("anthropic", 413): "request_too_large",
+    ("anthropic", 503): "api_error",
+    ("anthropic", 504): "timeout_error",
+    ("google", 413): "INVALID_ARGUMENT",
+    ("google", 503): "UNAVAILABLE",
+    ("google", 504): "DEADLINE_EXCEEDED",
+}
+
+
+def error_in_shape(dialect: str, status: int, body: dict) -> tuple[str, str]:
+    """The (type, message) of an error body that has exactly the dialect's error shape, no more."""
+    if dialect == "anthropic":
+        assert body.keys() == {"type", "error"} and body["type"] == "error", body
+        assert body["error"].keys() == {"type", "message"}, body
+        return body["error"]["type"], body["error"]["message"]
+    error = body["error"]
+    assert body.keys() == {"error"}, body
+    if dialect == "openai":
+        assert error.keys() == {"message", "type", "param", "code"}, body
+        assert error["param"] is None and error["code"] is None, body
+        return error["type"], error["message"]
+    assert error.keys() == {"code", "message", "status"} and error["code"] == status, body
+    return error["status"], error["message"]
+
+
+async def post(client: aiohttp.ClientSession, url: str, data: bytes, headers: dict) -> tuple[int, str, bytes]:
+    async with client.post(url, data=data, headers=headers) as response:
+        return response.status, response.content_type, await response.read()
+
+
+async def test_envoys_own_413_and_503_come_in_the_dialect_of_the_route():
+    # Nothing listens where the gateway should be: a body under the limit gets Envoy's 503.
+    async with envoy_in_front([NOWHERE], max_request_bytes=LIMIT) as proxy:
+        base = f"http://127.0.0.1:{proxy.harness_port}"
+        async with aiohttp.ClientSession() as client:
+            for path, headers, dialect in ROUTES:
+                for data, status in ((b"x" * (LIMIT + 1), 413), (b"{}", 503)):
+                    got, content_type, body = await post(client, base + path, data, headers)
+                    assert (got, content_type) == (status, "application/json"), (path, body)
+                    kind, message = error_in_shape(dialect, status, json.loads(body))
+                    assert kind == ERROR_TYPES[dialect, status], (path, body)
+                    assert message.startswith(ENVOY_PREFIX), (path, body)
+                    # 413 names the limit; 503 carries Envoy's reason (the connection was refused).
+                    assert (f"over {LIMIT} bytes" if status == 413 else "upstream connect error") in message
+
+
+@contextlib.asynccontextmanager
+async def erring_backend() -> AsyncIterator[str]:
+    """A stand-in gateway: every path answers its own plain-text 503, or, asked with x-stall, nothing
+    until the test ends."""
+    ended = asyncio.Event()
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        if "x-stall" in request.headers:
+            await ended.wait()
+        return web.Response(status=503, text=BACKEND_503)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        await web.SockSite(runner, sock).start()
+        try:
+            yield f"127.0.0.1:{sock.getsockname()[1]}"
+        finally:
+            ended.set()
+            await runner.cleanup()
+
+
+BACKEND_503 = "the backend's own 503, not Envoy's"
+
+
+async def test_upstream_errors_pass_through_and_a_silent_upstream_gets_504_in_the_dialect():
+    async with (
+        erring_backend() as backend,
+        envoy_in_front([NOWHERE], gateway_http=backend, stream_idle_timeout_s=STALL_S) as proxy,
+    ):
+        base = f"http://127.0.0.1:{proxy.harness_port}"
+        async with aiohttp.ClientSession() as client:
+            for path, headers, _ in ROUTES:
+                # A status the mappers rewrite when Envoy makes it; from upstream it stays as sent.
+                assert await post(client, base + path, b"{}", headers) == (503, "text/plain", BACKEND_503.encode())
+            stalled = await asyncio.gather(
+                *(post(client, base + path, b"{}", headers | {"x-stall": "1"}) for path, headers, _ in ROUTES)
+            )
+        for (path, _, dialect), (status, content_type, body) in zip(ROUTES, stalled, strict=True):
+            assert (status, content_type) == (504, "application/json"), (path, body)
+            kind, message = error_in_shape(dialect, 504, json.loads(body))
+            assert kind == ERROR_TYPES[dialect, 504], (path, body)
+            assert message == ENVOY_PREFIX + "stream timeout", (path, body)
+
+
+async def test_the_gateways_own_errors_pass_through_envoy_unchanged():
+    async with running_gateway({"outputs": [{"text": "Hi."}]}) as gateway:
+        assert gateway.envoy is not None
+        key = {"Authorization": f"Bearer {gateway.key}"}
+        refused = [  # (path, headers, body) that the gateway itself answers with a 4xx
+            ("/v1/chat/completions", {}, {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
+            ("/v1/chat/completions", key, {"model": "m"}),
+            ("/v1/responses", key, {"model": "m", "input": 5}),
+            ("/v1/messages?beta=true", key, {"model": "m", "max_tokens": 5, "messages": [{"role": "user"}]}),
+            ("/v1/messages", key, {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": []}]}),
+            ("/v1/messages/count_tokens", key, {"model": "m"}),
+            ("/v1beta/models/polar:generateContent", key, {"contents": 5}),
+            ("/v1beta/models/polar:noSuchMethod", key, {}),
+            ("/no/such/route", key, {}),
+        ]
+        statuses = set()
+        async with aiohttp.ClientSession() as client:
+            for path, headers, payload in refused:
+                data = json.dumps(payload).encode()
+                direct = await post(client, gateway.running.http_url + path, data, headers)
+                through = await post(client, gateway.base_url + path, data, headers)
+                assert through == direct, path
+                assert ENVOY_PREFIX.encode() not in through[2]
+                statuses.add(direct[0])
+            assert statuses == {400, 401, 404}
+            # With the inference server down the gateway answers 503 (Anthropic: 529) itself, in a
+            # status Envoy's mappers would rewrite were the reply Envoy's own.
+            await gateway.stop_inference()
+            for path, payload in (
+                ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
+                ("/v1/messages", {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}),
+                ("/v1beta/models/polar:generateContent", {"contents": [{"role": "user", "parts": [{"text": "Hi"}]}]}),
+            ):
+                data = json.dumps(payload).encode()
+                through = await post(client, gateway.base_url + path, data, key)
+                assert through[0] in (503, 529), (path, through)
+                assert through == await post(client, gateway.running.http_url + path, data, key), path
+
+
+async def test_the_sdks_raise_their_own_errors_with_parsed_bodies_on_envoys_replies():
+    async with envoy_in_front([NOWHERE], max_request_bytes=LIMIT) as proxy:
+        base = f"http://127.0.0.1:{proxy.harness_port}"
+        http = httpx2.AsyncClient()
+        options = types.HttpOptions(base_url=base, httpx_async_client=http)
+        google = genai.Client(api_key="any", http_options=options).aio.models
+        async with (
+            openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="any", max_retries=0) as openai_client,
+            anthropic.AsyncAnthropic(base_url=base, api_key="any", max_retries=0) as anthropic_client,
+            http,
+        ):
+            openai_calls = (
+                lambda text: openai_client.chat.completions.create(
+                    model="polar", messages=[{"role": "user", "content": text}]
+                ),
+                lambda text: openai_client.responses.create(model="polar", input=text),
+            )
+            for text, status in (("x" * LIMIT, 413), ("Hi", 503)):
+                for call in openai_calls:
+                    with pytest.raises(openai.APIStatusError) as caught:
+                        await call(text)
+                    assert caught.value.status_code == status
+                    # 413 has no class of its own in the OpenAI SDK; 5xx is InternalServerError.
+                    assert isinstance(caught.value, openai.InternalServerError) == (status >= 500)
+                    assert caught.value.type == ERROR_TYPES["openai", status]
+                    assert caught.value.message.startswith(f"Error code: {status} - ")
+                    assert caught.value.body["message"].startswith(ENVOY_PREFIX)
+
+                sdk_error = {413: anthropic.ContentTooLargeError, 503: anthropic.ServiceUnavailableError}[status]
+                with pytest.raises(sdk_error) as caught:
+                    await anthropic_client.messages.create(
+                        model="polar", max_tokens=8, messages=[{"role": "user", "content": text}]
+                    )
+                assert caught.value.body["error"]["type"] == ERROR_TYPES["anthropic", status]
+                if status == 503:  # the SDK's error types do not list request_too_large, which the API documents
+                    assert ErrorResponse.model_validate(caught.value.body).error.type == "api_error"
+
+                google_error = errors.ClientError if status < 500 else errors.ServerError
+                with pytest.raises(google_error) as caught:
+                    await google.generate_content(model="polar", contents=text)
+                assert (caught.value.code, caught.value.status) == (status, ERROR_TYPES["google", status])
+                assert caught.value.message.startswith(ENVOY_PREFIX)
 
 
 # --- polar serve envoy as a supervised service ------------------------------------------------

@@ -140,6 +140,24 @@ def test_user_text_blocks_and_tool_results_keep_block_order():
     )
 
 
+@pytest.mark.parametrize("counting", [False, True])
+def test_a_user_message_without_blocks_is_a_400_as_anthropic_answers(counting):
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": []},
+    ]
+    parse_body = DIALECT.parse_count_tokens if counting else DIALECT.parse_request
+    with pytest.raises(GatewayError) as caught:
+        parse_body(body(messages=messages), ROUTE)
+    assert (caught.value.kind, caught.value.param) == (ErrorKind.INVALID_REQUEST, "messages.2.content")
+    status, error_body = DIALECT.error_response(caught.value)
+    assert status == 400
+    error = ErrorResponse.model_validate(error_body).error
+    assert error.type == "invalid_request_error"
+    assert error.message.startswith("messages.2.content: ")
+
+
 def test_assistant_blocks_concatenate_as_streamed_and_redacted_thinking_adds_nothing():
     content = [
         {"type": "thinking", "thinking": "first", "signature": "s"},
