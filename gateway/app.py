@@ -33,6 +33,7 @@ GATEWAY = web.AppKey("gateway", Gateway)
 DIALECTS = web.AppKey("dialects", dict)
 # Bodies carry whole conversations (a harness's prompt reaches ~100 kB; long sessions far more).
 MAX_BODY_BYTES = 64 * 1024 * 1024
+CLIENT_CLOSED_REQUEST = 499
 GEMINI_METHODS = {"generateContent": False, "streamGenerateContent": True}
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -132,7 +133,9 @@ async def _run(request: web.Request, dialect_name: str, route: Route) -> web.Str
     if reply is not None:
         return _reply(reply)
     if sink.response is None:
-        raise RuntimeError("a streamed call that never opened its stream")
+        # The client left before anything was sent (the call is recorded as aborted); nobody reads
+        # this reply, it only closes the request: 499 as proxies log a client that closed first.
+        return web.Response(status=CLIENT_CLOSED_REQUEST)
     try:
         await sink.response.write_eof()
     except ConnectionError:

@@ -9,6 +9,7 @@ overloaded) is checked through the real dialect modules.
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import json
 import sys
@@ -261,6 +262,22 @@ async def test_a_client_that_leaves_before_an_unstreamed_reply_cancels_the_gener
         await asyncio.sleep(0.05)
     [record] = gw.records(key)
     assert record.aborted and 1 <= len(record.sampled_token_ids) < SLOW_TOKENS
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_leaves_before_the_first_token_is_recorded_without_an_error(gw, http, caplog, stream):
+    key = gw.open_session()
+    body = {"messages": [_user("SLOWSTREAM")], "stream": stream}
+    with pytest.raises(TimeoutError):
+        # Gone before the engine's first message (0.05 s away), so before a stream could open.
+        await asyncio.wait_for(http.post(gw.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}), 0.01)
+    for _ in range(100):
+        if gw.records(key):
+            break
+        await asyncio.sleep(0.05)
+    [record] = gw.records(key)
+    assert record.aborted and not record.error
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_concurrent_calls_in_one_session_are_all_recorded(gw, http):
