@@ -148,6 +148,10 @@ def _next_opening(text: str, start: int) -> tuple[int, str] | None:
 def _held_suffix(text: str, tags: tuple[str, ...]) -> int:
     """Length of the longest suffix of text that is a proper prefix of one of the tags."""
     longest = max(len(tag) for tag in tags) - 1
+    # Runs on every sampled token: most tails hold no tag's first character, so nothing is held.
+    tail = text[-longest:]
+    if not any(tag[0] in tail for tag in tags):
+        return 0
     for size in range(min(longest, len(text)), 0, -1):
         if any(tag.startswith(text[-size:]) for tag in tags):
             return size

@@ -122,11 +122,16 @@ def _best_prior(
     """The call to extend (longest history, then latest), or None and the reason of the closest miss."""
     if not prior_calls:
         return None, FIRST_CALL
-    longest_first = sorted(
-        range(len(prior_calls)),
-        key=lambda index: (len(prior_calls[index].conversation.messages), index),
-        reverse=True,
-    )
+
+    def rank(index: int) -> tuple[int, int]:
+        return len(prior_calls[index].conversation.messages), index
+
+    # A conversation that grows one turn at a time extends its latest, longest call: check that one
+    # first, in linear time, and sort the whole session only when it does not match.
+    best = max(range(len(prior_calls)), key=rank)
+    if _mismatch(prior_calls[best], messages, conversation, strict_reasoning) is None:
+        return prior_calls[best], ""
+    longest_first = sorted(range(len(prior_calls)), key=rank, reverse=True)
     reason = HISTORY_DIVERGED
     for index in longest_first:
         miss = _mismatch(prior_calls[index], messages, conversation, strict_reasoning)
