@@ -340,25 +340,34 @@ def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
 
 def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
     raw = body.get("tool_choice")
+    if not isinstance(raw, dict):
+        return string_tool_choice(raw, tools)
+    forced_function_type(raw)
+    function = field(raw, "function", "object", "tool_choice.function", required=True)
+    name = field(function, "name", "string", "tool_choice.function.name", required=True)
+    return named_tool_choice(name, tools, "tool_choice.function.name")
+
+
+def string_tool_choice(raw: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
+    """The forms of `tool_choice` both OpenAI APIs share: absent, "auto", "none", "required"."""
     if raw is None or raw == "auto":
         return ToolChoice.auto()
     if raw == "none":
         return ToolChoice.none()
     if raw == "required":
         if not tools:
-            raise invalid("'tool_choice' is 'required' but no 'tools' were given.", "tool_choice")
+            raise invalid("'tool_choice' is 'required' but no function 'tools' were given.", "tool_choice")
         return ToolChoice.required()
-    if isinstance(raw, dict):
-        kind = field(raw, "type", "string", "tool_choice.type", required=True)
-        if kind != "function":
-            raise invalid(
-                f"Invalid value '{kind}' for 'tool_choice.type': expected 'function'.", "tool_choice.type"
-            )
-        function = field(raw, "function", "object", "tool_choice.function", required=True)
-        name = field(function, "name", "string", "tool_choice.function.name", required=True)
-        return named_tool_choice(name, tools, "tool_choice.function.name")
-    raise invalid("Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or a named function.",
-                  "tool_choice")
+    raise invalid(
+        "Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or a named function.", "tool_choice"
+    )
+
+
+def forced_function_type(raw: Mapping[str, Any]) -> None:
+    """An object `tool_choice` names a function: only functions can be forced."""
+    kind = field(raw, "type", "string", "tool_choice.type", required=True)
+    if kind != "function":
+        raise invalid(f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced.", "tool_choice.type")
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:

@@ -69,6 +69,7 @@ from gateway.dialects.openai_chat import (
     error_object,
     error_response,
     field,
+    forced_function_type,
     function_parameters,
     invalid,
     json_type,
@@ -76,6 +77,7 @@ from gateway.dialects.openai_chat import (
     number_in,
     parse_arguments,
     positive_int,
+    string_tool_choice,
     text_of,
 )
 from gateway.parsers import (
@@ -254,26 +256,11 @@ def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
 
 def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
     raw = body.get("tool_choice")
-    if raw is None or raw == "auto":
-        return ToolChoice.auto()
-    if raw == "none":
-        return ToolChoice.none()
-    if raw == "required":
-        if not tools:
-            raise invalid("'tool_choice' is 'required' but no function tools were given.", "tool_choice")
-        return ToolChoice.required()
-    if isinstance(raw, dict):
-        kind = field(raw, "type", "string", "tool_choice.type", required=True)
-        if kind != "function":
-            raise invalid(
-                f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced.",
-                "tool_choice.type",
-            )
-        name = field(raw, "name", "string", "tool_choice.name", required=True)
-        return named_tool_choice(name, tools, "tool_choice.name")
-    raise invalid(
-        "Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or a function.", "tool_choice"
-    )
+    if not isinstance(raw, dict):
+        return string_tool_choice(raw, tools)
+    forced_function_type(raw)
+    name = field(raw, "name", "string", "tool_choice.name", required=True)
+    return named_tool_choice(name, tools, "tool_choice.name")
 
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
