@@ -6,6 +6,7 @@
     POST /v1/messages/count_tokens                     anthropic (prompt tokens only, no generation)
     POST /{v1,v1beta}/models/{model}:generateContent   gemini
     POST /{v1,v1beta}/models/{model}:streamGenerateContent[?alt=sse]
+    POST /{v1,v1beta}/models/{model}:countTokens       gemini (prompt tokens only, no generation)
     GET  /v1/models                                    OpenAI's list shape; Anthropic's with anthropic-version
     HEAD /, GET /                                      liveness, without a key (Claude Code probes it)
 
@@ -152,6 +153,8 @@ def _dialect_route(dialect_name: str) -> Handler:
 
 async def _gemini(request: web.Request) -> web.StreamResponse:
     model, _, method = request.match_info["target"].rpartition(":")
+    if model and method == "countTokens":
+        return await _counted(request, "gemini", Route(request.path, model=model, query=dict(request.query)))
     if not model or method not in GEMINI_METHODS:
         return neutral_error(404, "not_found_error", f"no route {request.method} {request.path}")
     route = Route(request.path, model=model, stream=GEMINI_METHODS[method], query=dict(request.query))
@@ -159,16 +162,20 @@ async def _gemini(request: web.Request) -> web.StreamResponse:
 
 
 async def _count_tokens(request: web.Request) -> web.StreamResponse:
+    return await _counted(request, "anthropic", Route(request.path, query=dict(request.query)))
+
+
+async def _counted(request: web.Request, dialect_name: str, route: Route) -> web.StreamResponse:
+    """The prompt tokens a request would be rendered to now, in the dialect's count shape."""
     gateway = request.app[GATEWAY]
     try:
-        dialect = _dialect(request, "anthropic")
+        dialect = _dialect(request, dialect_name)
     except DialectUnavailable as exc:
         return neutral_error(404, "not_found_error", str(exc))
     try:
         raw = await _read_body(request)
     except GatewayError as exc:
         return _reply(gateway.error_reply(dialect, exc))
-    route = Route(request.path, query=dict(request.query))
     return _reply(gateway.count_tokens(dialect, route, raw, session_key(request)))
 
 

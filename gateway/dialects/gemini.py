@@ -47,6 +47,7 @@ a stream that fails sends that object as its last chunk.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -631,6 +632,19 @@ class GeminiDialect(Dialect):
             parse_tool_calls=tool_choice.mode != "none",
             echo={"sse": alt == "sse", "include_thoughts": include_thoughts},
         )
+
+    def parse_count_tokens(self, body: Any, route: Route) -> DialectRequest:
+        """A `:countTokens` body: `contents` alone, or a whole `generateContentRequest`."""
+        if not isinstance(body, dict):
+            raise _invalid(None, "Invalid JSON payload received: the body must be a JSON object.")
+        whole = _get(body, "generateContentRequest")
+        if whole is not None and _get(body, "contents") is not None:
+            raise _invalid("contents", "Give either contents or generateContentRequest, not both.")
+        request = _object(whole, "generateContentRequest") if whole is not None else body
+        return self.parse_request(request, dataclasses.replace(route, stream=False))
+
+    def count_tokens_response(self, input_tokens: int) -> dict[str, Any]:
+        return {"totalTokens": input_tokens}
 
     def render_response(self, request: DialectRequest, result: DialectResult) -> dict[str, Any]:
         parts = _parts(result.output, include_thoughts=request.echo["include_thoughts"])

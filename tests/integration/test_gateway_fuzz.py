@@ -130,6 +130,7 @@ ROUTES = [
     ("gemini", "POST", "/v1beta/models/polar:generateContent", [GEMINI]),
     ("gemini", "POST", "/v1beta/models/polar:streamGenerateContent?alt=sse", [GEMINI]),
     ("gemini", "POST", "/v1/models/polar:streamGenerateContent", [GEMINI]),
+    ("gemini", "POST", "/v1beta/models/polar:countTokens", [GEMINI]),
     ("openai_chat", "GET", "/v1/models", [{}]),
     (None, "HEAD", "/", [{}]),
 ]

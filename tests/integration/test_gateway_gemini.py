@@ -139,6 +139,16 @@ async def test_system_instruction_and_sampling_reach_the_model(gateway):
     assert text_of(response) == "SYS-OK"
 
 
+@pytest.mark.parametrize("api_version", ["v1", "v1beta"])
+async def test_count_tokens_is_the_prompt_a_call_gets(gateway, api_version):
+    session = Session(gateway, api_version)
+    counted = await session.client.aio.models.count_tokens(model=MODEL, contents="Say hello.")
+    assert session.urls == [f"{gateway.base_url}/{api_version}/models/{MODEL}:countTokens"]
+    response = await session.generate("Say hello.")
+    assert counted.total_tokens == response.usage_metadata.prompt_token_count > 0
+    assert len(session.records()) == 1  # counting generates nothing and records nothing
+
+
 async def test_stop_sequences(gateway):
     session = Session(gateway)
     response = await session.generate("Count, stop here.", stop_sequences=["END"])

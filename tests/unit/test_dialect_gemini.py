@@ -782,3 +782,37 @@ def test_fuzzed_bodies_parse_or_fail_as_client_errors(raw, route):
         assert request.stream is route.stream
         response = DIALECT.render_response(request, result_for("Hi.", FinishKind.STOP))
         types.GenerateContentResponse.model_validate(response)
+
+
+# ---------------------------------------------------------------------------------------------------
+# countTokens
+# ---------------------------------------------------------------------------------------------------
+
+COUNT_ROUTE = Route("/v1beta/models/tiny:countTokens", model="tiny")
+
+
+def test_count_tokens_takes_contents_or_a_whole_generate_request():
+    contents = [{"role": "user", "parts": [{"text": "Hi"}]}]
+    alone = DIALECT.parse_count_tokens({"contents": contents}, COUNT_ROUTE)
+    whole = DIALECT.parse_count_tokens(
+        {"generateContentRequest": {"contents": contents, "systemInstruction": {"parts": [{"text": "Be terse."}]}}},
+        COUNT_ROUTE,
+    )
+    assert [m.role for m in alone.conversation.messages] == ["user"]
+    assert [m.role for m in whole.conversation.messages] == ["system", "user"]
+    assert not alone.stream and not whole.stream
+    assert DIALECT.count_tokens_response(12) == {"totalTokens": 12}
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"contents": [{"role": "user", "parts": [{"text": "a"}]}], "generateContentRequest": {"contents": []}}, "contents"),
+        ({"generateContentRequest": "no"}, "generateContentRequest"),
+        ([], None),
+    ],
+)
+def test_count_tokens_bad_bodies(body, field):
+    with pytest.raises(GatewayError) as caught:
+        DIALECT.parse_count_tokens(body, COUNT_ROUTE)
+    assert caught.value.kind is ErrorKind.INVALID_REQUEST and caught.value.param == field
