@@ -94,6 +94,9 @@ def _codex(home: Path, base_url: str, key: str) -> tuple[list[str], dict[str, st
         'wire_api = "responses"\n'
         "[analytics]\nenabled = false\n"
         "[otel]\nexporter = \"none\"\n"
+        # Codex 0.169's multi-agent tools come as a `{"type": "namespace"}` tool group, which the
+        # gateway's Responses dialect rejects (400, tools[4].type); without them every tool is a function.
+        "[agents]\nenabled = false\n"
     )
     env = {"CODEX_HOME": str(codex_home), "POLAR_SESSION_KEY": key}
     argv = [
@@ -111,7 +114,7 @@ HARNESSES = {
     "gemini-cli": Harness(
         "gemini", {"name": "run_shell_command", "arguments": {"command": "echo hello > hello.txt"}}, _gemini
     ),
-    "codex": Harness("codex", {"name": "shell", "arguments": {"command": ["bash", "-lc", "echo hello > hello.txt"]}}, _codex),
+    "codex": Harness("codex", {"name": "exec_command", "arguments": {"cmd": "echo hello > hello.txt"}}, _codex),
 }
 
 
