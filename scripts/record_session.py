@@ -29,12 +29,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from gateway.testing import running_gateway
+from polar.trajectory import (
+    build,
+    session_trajectory,
+    verify,
+    views_from_protos,
+    write_session,
+)
+from polar.v1 import common_pb2
 
-from gateway.testing import running_gateway  # noqa: E402
-from polar.trajectory import build, session_trajectory, verify, views_from_protos, write_session  # noqa: E402
-from polar.v1 import common_pb2  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 HARNESS_BIN = ROOT / ".harness" / "node_modules" / ".bin"
 FIXTURES = ROOT / "tests" / "fixtures" / "sessions"
@@ -94,9 +99,6 @@ def _codex(home: Path, base_url: str, key: str) -> tuple[list[str], dict[str, st
         'wire_api = "responses"\n'
         "[analytics]\nenabled = false\n"
         "[otel]\nexporter = \"none\"\n"
-        # Codex 0.169's multi-agent tools come as a `{"type": "namespace"}` tool group, which the
-        # gateway's Responses dialect rejects (400, tools[4].type); without them every tool is a function.
-        "[agents]\nenabled = false\n"
     )
     env = {"CODEX_HOME": str(codex_home), "POLAR_SESSION_KEY": key}
     argv = [
@@ -109,12 +111,11 @@ def _codex(home: Path, base_url: str, key: str) -> tuple[list[str], dict[str, st
     return argv, env
 
 
+SHELL_COMMAND = "echo hello > hello.txt"
 HARNESSES = {
-    "qwen-code": Harness("qwen", {"name": "run_shell_command", "arguments": {"command": "echo hello > hello.txt"}}, _qwen),
-    "gemini-cli": Harness(
-        "gemini", {"name": "run_shell_command", "arguments": {"command": "echo hello > hello.txt"}}, _gemini
-    ),
-    "codex": Harness("codex", {"name": "exec_command", "arguments": {"cmd": "echo hello > hello.txt"}}, _codex),
+    "qwen-code": Harness("qwen", {"name": "run_shell_command", "arguments": {"command": SHELL_COMMAND}}, _qwen),
+    "gemini-cli": Harness("gemini", {"name": "run_shell_command", "arguments": {"command": SHELL_COMMAND}}, _gemini),
+    "codex": Harness("codex", {"name": "exec_command", "arguments": {"cmd": SHELL_COMMAND}}, _codex),
 }
 
 
@@ -169,6 +170,9 @@ async def record(name: str, timeout: float, out_dir: Path, keep_bodies: bool) ->
         for r in records:
             r.ClearField("request_body")
             r.ClearField("response_body")
+    if len(records) < 2:
+        # A fixture is only worth keeping if the tool loop ran: one call per turn, at least two turns.
+        raise SystemExit(f"{name}: recorded {len(records)} calls, expected at least 2; nothing written")
     calls = views_from_protos(records)
     result = build("prefix_merging", calls)
     report = verify(calls, result.traces)
@@ -177,12 +181,14 @@ async def record(name: str, timeout: float, out_dir: Path, keep_bodies: bool) ->
     trajectory = session_trajectory(records, result, key)
     path = out_dir / f"{name}.json.zst"
     write_session(path, trajectory)
-    s = trajectory.stats
+    shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     print(
-        f"{name}: {len(records)} calls, {len(trajectory.traces)} traces; stats: {str(s).strip().replace(chr(10), ', ')}; "
-        f"prompt tokens {[len(r.prompt_token_ids) for r in records]}, sampled {[len(r.sampled_token_ids) for r in records]}, "
-        f"finish {[common_pb2.FinishReason.Name(r.finish_reason) for r in records]}, errors {[r.error for r in records if r.error]}; "
-        f"-> {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} ({path.stat().st_size} bytes)",
+        f"{name}: {len(records)} calls, {len(trajectory.traces)} traces, "
+        f"{trajectory.stats.chains} chains ({trajectory.stats.tokens_before} -> {trajectory.stats.tokens_after} "
+        f"tokens); prompt tokens {[len(r.prompt_token_ids) for r in records]}, "
+        f"sampled {[len(r.sampled_token_ids) for r in records]}, "
+        f"finish {[common_pb2.FinishReason.Name(r.finish_reason) for r in records]}, "
+        f"errors {[r.error for r in records if r.error]}; -> {shown} ({path.stat().st_size} bytes)",
         file=sys.stderr,
     )
     return trajectory

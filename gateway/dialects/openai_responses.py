@@ -5,16 +5,21 @@ Request → `DialectRequest`:
 - `instructions` is the system turn. `input` is a string (one user turn) or a list of items: `message`
   items (`type` may be left out) with roles `user`, `system`, `developer` (`input_text` parts) and
   `assistant` (`output_text` or `refusal` parts); `function_call` items (`call_id`, `name`, JSON-string
-  `arguments`); `function_call_output` items; `reasoning` items (their `reasoning_text` content; a
-  summary is not what the model saw, so it is dropped). Consecutive assistant-side items (reasoning,
-  assistant messages, function calls) form one assistant turn, texts joined with `\\n` as the output
-  parser joins segments, so a harness that echoes our output items gets back exactly the recorded reply.
-  Image, audio and file parts are UNSUPPORTED_CONTENT.
-- `tools`: `function` tools are translated. Tools OpenAI runs on its own servers (web and file search,
-  code interpreter, image generation, MCP, tool search) are dropped: the client never executes them, so
-  the model simply does not get them. Tools the client would execute in another shape than a function
-  call (`custom`, `local_shell`, `shell`, `apply_patch`, `computer`, …) are a 400: the gateway cannot
-  produce their calls, and dropping them silently would take a tool away from the harness.
+  `arguments`, optional `namespace`); `function_call_output` items; `reasoning` items (their
+  `reasoning_text` content; a summary is not what the model saw, so it is dropped). Consecutive
+  assistant-side items (reasoning, assistant messages, function calls) form one assistant turn, texts
+  joined with `\\n` as the output parser joins segments, so a harness that echoes our output items gets
+  back exactly the recorded reply. Image, audio and file parts are UNSUPPORTED_CONTENT.
+- `tools`: `function` tools are translated. A `namespace` tool (a named group of function tools, as
+  Codex sends its subagent tools) gives the model each of its functions as `NAMESPACE.NAME` (a dot
+  cannot occur in an OpenAI function name, so no plain function can clash); a call of one goes back as
+  a `function_call` with `name` and `namespace`, and such an item in `input` is rendered under the same
+  qualified name, so the prompt still extends the sampled tokens. Tools OpenAI runs on its own servers
+  (web and file search, code interpreter, image generation, MCP, tool search) are dropped: the client
+  never executes them, so the model simply does not get them. Tools the client would execute in another
+  shape than a function call (`custom`, `local_shell`, `shell`, `apply_patch`, `computer`, …) are a 400:
+  the gateway cannot produce their calls, and dropping them silently would take a tool away from the
+  harness.
 - `tool_choice` (`none`, `auto`, `required`, `{"type": "function", "name"}`), `max_output_tokens`,
   `temperature`, `top_p`, `stream`.
 - Accepted and ignored, type-checked: `include`, `reasoning`, `client_metadata`, `store` (nothing is
@@ -125,6 +130,8 @@ _HOSTED_TOOLS = frozenset({
 })
 
 _STATEFUL_FIELDS = ("previous_response_id", "conversation", "prompt")
+# Joins a namespace tool's name and a member function's name into the name the model sees and calls.
+_NAMESPACE_SEPARATOR = "."
 
 _INPUT_ROLES = {"user": "user", "system": "system", "developer": "system"}
 
@@ -206,6 +213,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
         elif kind == "function_call":
             call_id = field(item, "call_id", "string", f"{param}.call_id", required=True)
             name = field(item, "name", "string", f"{param}.name", required=True)
+            if namespace := field(item, "namespace", "string", f"{param}.namespace"):
+                name = f"{namespace}{_NAMESPACE_SEPARATOR}{name}"
             arguments = field(item, "arguments", "string", f"{param}.arguments", required=True)
             turn.calls.append(ToolCall(call_id, name, parse_arguments(arguments, f"{param}.arguments")))
             names[call_id] = name
@@ -230,28 +239,64 @@ def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
     return tuple(messages)
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
-    tools = []
+def _tool_name(tool: Mapping[str, Any], param: str) -> str:
+    name = field(tool, "name", "string", f"{param}.name", required=True)
+    if not name:
+        raise invalid(f"Invalid value for '{param}.name': empty.", f"{param}.name")
+    return name
+
+
+def _function_tool(tool: Mapping[str, Any], param: str, namespace: str = "") -> ToolSpec:
+    kind = field(tool, "type", "string", f"{param}.type", required=True)
+    if kind != "function":
+        raise invalid(
+            f"Tools of type '{kind}' are not supported: only 'function' tools reach the model "
+            "(server-hosted tools are ignored).",
+            f"{param}.type",
+        )
+    name = _tool_name(tool, param)
+    description = field(tool, "description", "string", f"{param}.description") or ""
+    check_fields(tool, {"strict": "boolean"}, f"{param}.")
+    qualified = f"{namespace}{_NAMESPACE_SEPARATOR}{name}" if namespace else name
+    return ToolSpec(qualified, description, function_parameters(tool, f"{param}.parameters"))
+
+
+def _tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], list[dict[str, Any]]]:
+    """The functions the model gets (namespaced ones qualified) and the tools as responses echo them."""
+    tools: list[ToolSpec] = []
+    echoed: list[dict[str, Any]] = []
     for index, item in enumerate(field(body, "tools", "array", "tools") or []):
         param = f"tools[{index}]"
         tool = as_object(item, param)
         kind = field(tool, "type", "string", f"{param}.type", required=True)
         if kind in _HOSTED_TOOLS:
             continue
-        if kind != "function":
-            raise invalid(
-                f"Tools of type '{kind}' are not supported: only 'function' tools reach the model "
-                "(server-hosted tools are ignored).",
-                f"{param}.type",
-            )
-        name = field(tool, "name", "string", f"{param}.name", required=True)
-        if not name:
-            raise invalid(f"Invalid value for '{param}.name': empty.", f"{param}.name")
+        if kind != "namespace":
+            tools.append(_function_tool(tool, param))
+            echoed.append(_echo_tool(tools[-1]))
+            continue
+        namespace = _tool_name(tool, param)
+        members = []
+        for member_index, member in enumerate(field(tool, "tools", "array", f"{param}.tools") or []):
+            member_param = f"{param}.tools[{member_index}]"
+            member = as_object(member, member_param)
+            tools.append(_function_tool(member, member_param, namespace))
+            members.append({**_echo_tool(tools[-1]), "name": member["name"]})
         description = field(tool, "description", "string", f"{param}.description") or ""
-        check_fields(tool, {"strict": "boolean"}, f"{param}.")
-        tools.append(ToolSpec(name, description, function_parameters(tool, f"{param}.parameters")))
+        echoed.append({"type": "namespace", "name": namespace, "description": description, "tools": members})
     check_tool_names(tools, "tools")
-    return tuple(tools)
+    return tuple(tools), echoed
+
+
+def _namespaced(request: DialectRequest) -> dict[str, tuple[str, str]]:
+    """(namespace, name) of each namespaced function by the qualified name the model calls it by; a
+    plain function is not here, so its name is never split, even if it holds a dot."""
+    return {
+        f"{tool['name']}{_NAMESPACE_SEPARATOR}{member['name']}": (tool["name"], member["name"])
+        for tool in request.echo["tools"]
+        if tool["type"] == "namespace"
+        for member in tool["tools"]
+    }
 
 
 def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
@@ -315,7 +360,7 @@ def _parse(body: Any) -> DialectRequest:
     _refuse_unsupported(body)
     check_fields(body, _IGNORED_FIELDS)
     messages = _conversation(body)
-    tools = _tools(body)
+    tools, echoed_tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
     sampling = _sampling(body)
     choice = body.get("tool_choice")
@@ -328,7 +373,7 @@ def _parse(body: Any) -> DialectRequest:
         echo={
             "instructions": body.get("instructions"),
             "metadata": _metadata(body),
-            "tools": [_echo_tool(tool) for tool in tools],
+            "tools": echoed_tools,
             "tool_choice": {"type": "function", "name": choice["name"]} if isinstance(choice, dict) else (
                 choice or "auto"
             ),
@@ -405,8 +450,11 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
 
-def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {
+def _function_call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str, namespaced: dict[str, tuple[str, str]]
+) -> dict[str, Any]:
+    namespace, name = namespaced.get(name, ("", name))
+    item = {
         "id": item_id,
         "type": "function_call",
         "call_id": call_id,
@@ -414,6 +462,9 @@ def _function_call_item(item_id: str, call_id: str, name: str, arguments: str, s
         "arguments": arguments,
         "status": status,
     }
+    if namespace:
+        item["namespace"] = namespace
+    return item
 
 
 def _item_id(prefix: str, call: CallInfo, output_index: int) -> str:
@@ -428,10 +479,13 @@ def _render(request: DialectRequest, result: DialectResult) -> dict[str, Any]:
         output.append(_reasoning_item(_item_id("rs", call, len(output)), parsed.reasoning, "completed"))
     if parsed.content or not (parsed.reasoning or parsed.tool_calls):
         output.append(_message_item(_item_id("msg", call, len(output)), parsed.content, "completed"))
+    namespaced = _namespaced(request)
     for tool_call in parsed.tool_calls:
         arguments = json.dumps(tool_call.arguments, ensure_ascii=False)
         item_id = _item_id("fc", call, len(output))
-        output.append(_function_call_item(item_id, tool_call.id, tool_call.name, arguments, "completed"))
+        output.append(
+            _function_call_item(item_id, tool_call.id, tool_call.name, arguments, "completed", namespaced)
+        )
     if status == "incomplete" and output[-1]["type"] != "function_call":
         output[-1]["status"] = "incomplete"
     return _response(
@@ -458,6 +512,7 @@ class _Stream(StreamRenderer):
     def __init__(self, request: DialectRequest, call: CallInfo) -> None:
         self._request = request
         self._call = call
+        self._namespaced = _namespaced(request)
         self._sequence = 0
         self._output: list[dict[str, Any]] = []  # finished items, in output order
         self._open: dict[str, Any] | None = None  # the item being streamed
@@ -571,7 +626,7 @@ class _Stream(StreamRenderer):
             events = self._close("completed")
             item_id = _item_id("fc", self._call, len(self._output))
             self._open_call_index = event.index
-            item = _function_call_item(item_id, event.id, event.name, "", "in_progress")
+            item = _function_call_item(item_id, event.id, event.name, "", "in_progress", self._namespaced)
             return [*events, *self._open_item(item)]
         if isinstance(event, ToolCallArgumentsDelta):
             self._check_open_call(event.index)

@@ -412,3 +412,56 @@ def test_events_rendered_before_the_opening_still_follow_it():
     events, response = streamed(payload)
     check_grammar(events)
     assert response.output_text == "Hello"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Namespace tools (Codex sends its subagent tools as one)
+# ---------------------------------------------------------------------------------------------------
+
+NAMESPACE = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.",
+             "tools": [{"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
+                        "parameters": {"type": "object", "properties": {"target": {"type": "string"}}}}]}
+NAMESPACED_CALL = '<tool_call>{"name": "multi_agent_v1.close_agent", "arguments": {"target": "a1"}}</tool_call>'
+
+
+def test_namespace_members_reach_the_model_qualified_and_are_echoed_as_sent():
+    request = parse(tools=[TOOL, NAMESPACE])
+    assert request.conversation.tools == (
+        ToolSpec("shell", "Run a command", TOOL["parameters"]),
+        ToolSpec("multi_agent_v1.close_agent", "Close an agent.", NAMESPACE["tools"][0]["parameters"]),
+    )
+    assert request.echo["tools"] == [TOOL, NAMESPACE]
+
+
+def test_a_namespaced_call_goes_back_with_its_namespace_and_parses_back_the_same():
+    request = parse(tools=[TOOL, NAMESPACE])
+    body = DIALECT.render_response(request, result(NAMESPACED_CALL, FinishKind.TOOL_CALLS))
+    [item] = body["output"]
+    assert (item["name"], item["namespace"], json.loads(item["arguments"])) == (
+        "close_agent", "multi_agent_v1", {"target": "a1"})
+    echoed = DIALECT.parse_request({"model": "m", "input": [{"role": "user", "content": "go"}, item]}, ROUTE)
+    assert echoed.conversation.messages[-1] == parser.parse(NAMESPACED_CALL, call_id=CALL.call_id).message()
+
+
+def test_a_streamed_namespaced_call_carries_its_namespace():
+    request = parse(stream=True, tools=[NAMESPACE])
+    events, response = streamed(stream_bytes(request, NAMESPACED_CALL, FinishKind.TOOL_CALLS))
+    check_grammar(events)
+    added = next(event for event in events if event.type == "response.output_item.added")
+    assert added.item.to_dict()["namespace"] == "multi_agent_v1"
+    assert response.output[0].to_dict()["namespace"] == "multi_agent_v1"
+    assert response.output[0].name == "close_agent"
+
+
+def test_a_plain_function_name_with_a_dot_is_not_split():
+    dotted = {**TOOL, "name": "fs.read"}
+    body = DIALECT.render_response(
+        parse(tools=[dotted]),
+        result('<tool_call>{"name": "fs.read", "arguments": {}}</tool_call>', FinishKind.TOOL_CALLS))
+    assert body["output"][0]["name"] == "fs.read" and "namespace" not in body["output"][0]
+
+
+def test_a_namespace_member_must_be_a_function():
+    error = rejected({"model": "m", "input": "hi", "tools": [
+        {**NAMESPACE, "tools": [{"type": "custom", "name": "apply_patch"}]}]})
+    assert (error.kind, error.param) == (ErrorKind.INVALID_REQUEST, "tools[0].tools[0].type")
