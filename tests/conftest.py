@@ -1,0 +1,16 @@
+"""Settings for every test tier.
+
+Hypothesis: in CI (CI=true) every property test draws the same examples on every run and has no
+per-example deadline, so a 2-core machine under load cannot fail a run on a slow example or a lucky
+draw; locally, each run explores fresh examples.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, deadline=None, database=None)
+if os.environ.get("CI") == "true":
+    settings.load_profile("ci")
