@@ -110,12 +110,14 @@ class SubmitTasksResponse(_message.Message):
     def __init__(self, task_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WatchResultsRequest(_message.Message):
-    __slots__ = ("cursor", "max_groups_per_batch")
+    __slots__ = ("cursor", "max_groups_per_batch", "until_caught_up")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_PER_BATCH_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     cursor: str
     max_groups_per_batch: int
-    def __init__(self, cursor: _Optional[str] = ..., max_groups_per_batch: _Optional[int] = ...) -> None: ...
+    until_caught_up: bool
+    def __init__(self, cursor: _Optional[str] = ..., max_groups_per_batch: _Optional[int] = ..., until_caught_up: _Optional[bool] = ...) -> None: ...
 
 class WatchResultsResponse(_message.Message):
     __slots__ = ("cursor", "zstd_trajectories", "group_count", "trajectory_count", "uncompressed_bytes")
@@ -245,14 +247,26 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "pools", "session_ids")
+    __slots__ = ("node_id", "pools", "sessions")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
-    SESSION_IDS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
-    session_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., session_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionProgress]
+    def __init__(self, node_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionProgress, _Mapping]]] = ...) -> None: ...
+
+class SessionProgress(_message.Message):
+    __slots__ = ("session_id", "state", "call_count", "stage_timings")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    CALL_COUNT_FIELD_NUMBER: _ClassVar[int]
+    STAGE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    state: SessionState
+    call_count: int
+    stage_timings: _common_pb2.StageTimings
+    def __init__(self, session_id: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., call_count: _Optional[int] = ..., stage_timings: _Optional[_Union[_common_pb2.StageTimings, _Mapping]] = ...) -> None: ...
 
 class SessionAssignment(_message.Message):
     __slots__ = ("session_id", "task", "attempt")

@@ -128,9 +128,10 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Unary. A node reports its pools; the server answers with sessions to start and sessions to
-        cancel. A node that misses heartbeats for the node timeout is considered dead and its running
-        sessions are re-dispatched or marked failed.
+        """Unary, long-polled. A node reports its pools and sessions; the server answers with sessions to
+        start and sessions to cancel as soon as it has any, else after the heartbeat interval. A node
+        whose heartbeats stop for the node timeout is considered dead and its sessions are dispatched
+        again (or marked failed after the last attempt).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
