@@ -210,6 +210,14 @@ class SessionStore:
         self._changed.set()
         return session
 
+    def forget(self, key_or_id: str) -> None:
+        """Drop a closed session and its records from memory (once its results are safe elsewhere)."""
+        session = self.find(key_or_id)
+        if not session.closed:
+            raise SessionError(f"session {session.session_id} is still open")
+        del self._by_key[session.key]
+        del self._by_id[session.session_id]
+
     def record(self, session: Session, record: common_pb2.CallRecord, prior: PriorCall | None = None) -> None:
         session.finish_call(record, prior)
         self.calls_total += 1

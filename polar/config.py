@@ -89,6 +89,35 @@ class GatewayConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """The rollout server (`polar serve rollout`): tasks in, sessions dispatched to nodes, complete
+    GRPO groups out."""
+
+    host: str = "127.0.0.1"  # address to listen on; "0.0.0.0" for every interface
+    port: int = 50070  # gRPC port of the RolloutService; 0 picks a free one
+    store: str = "polar-rollout.db"  # SQLite file (WAL) holding every task, session and result
+    heartbeat_interval_s: float = 1.0  # longest a node's heartbeat waits for work before it returns
+    node_timeout_s: float = 10.0  # a node silent this long is dead: its sessions are dispatched again
+    max_attempts: int = 3  # dispatches of one session before it is marked failed
+
+
+@dataclass
+class NodeConfig:
+    """A gateway node (`polar serve node`): the gateway plus the INIT, READY, RUNNING and POSTRUN
+    pools that run sessions for the rollout server. Its gateway settings come from [gateway]."""
+
+    rollout_address: str = ""  # the rollout server's gRPC address; "" = the [rollout] server
+    init_workers: int = 4  # runtimes prepared at once
+    ready_slots: int = 8  # prepared runtimes kept waiting for a harness (prewarmed or assigned)
+    running_slots: int = 16  # harnesses run at once
+    postrun_workers: int = 4  # sessions evaluated, rebuilt and reported at once
+    prewarm: bool = True  # prepare runtimes before sessions ask (the default local workspace, then recent specs)
+    work_root: str = ""  # folder for session workspaces; "" = a temporary folder removed at exit
+    harness_path: str = ""  # folders searched first for harness CLIs (os.pathsep-separated), e.g. node_modules/.bin
+    harness_output_limit: int = 16384  # bytes of harness and evaluator output kept per session
+
+
+@dataclass
 class StackConfig:
     """Everything `polar up` starts; one field per service section."""
 

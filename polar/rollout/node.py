@@ -1,0 +1,534 @@
+"""A gateway node (`polar serve node`): the gateway, four worker pools, and the link to the rollout server.
+
+One process, one event loop: the gateway (HTTP dialects + GatewayService, gateway/server.py) and the
+pools share its `SessionStore`, so opening a session and reading what it recorded cost no hop.
+
+The node registers with the rollout server and then long-polls `Heartbeat`: each request reports the
+pools and every session the node holds (stage, calls, stage timings); each response may assign
+sessions or cancel some. Heartbeats are strictly sequential, so a session assigned in one response is
+listed in the next request, which is how the server tells a lost session from a new one.
+
+A session's life here (pools.py): INIT prepares its runtime, unless the READY buffer holds a
+prewarmed one of the same spec; READY waits for a harness slot; RUNNING opens its gateway session,
+runs the harness with every base URL pointing at the gateway and the session key as every API key,
+and closes the session once the harness is gone (calls in flight still finish and are recorded);
+POSTRUN evaluates the workspace, rebuilds the records with the task's builder, verifies the traces,
+and reports the trajectory until the server acknowledges it. Every session passes POSTRUN, whatever
+happened before (cancelled, timed out, crashed, runtime failed), so its partial calls are kept and
+its outcome says why it ended. Only after the report is acknowledged does the node forget it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from gateway.server import RunningGateway, start_gateway
+from gateway.sessions import Session
+from polar.config import GatewayConfig, NodeConfig
+from polar.rollout.evaluators import evaluate
+from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
+from polar.rollout.pools import Pool, ReadyBuffer, StageClock
+from polar.rollout.process import ProcessResult, ProcessStartError
+from polar.rollout.runtimes import Runtime, RuntimeFailure, RuntimeProvider, available_providers, spec_key
+from polar.trajectory import build, session_trajectory, verify, views_from_protos
+from polar.trajectory.records import TrajectoryError
+from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger("polar.rollout.node")
+
+# How long the gateway may take to record a call still in flight after its harness is gone.
+CALLS_SETTLE_TIMEOUT_S = 30.0
+# Backoff between attempts to reach the rollout server (heartbeats, reports), in seconds.
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
+# Status codes of a report the server will never accept: retrying cannot help.
+REPORT_REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+
+DEFAULT_PREWARM = rollout_pb2.RuntimeSpec(kind="local")
+
+
+@dataclass
+class SessionRun:
+    """One session assigned to this node, from assignment until its report is acknowledged."""
+
+    assignment: rollout_pb2.SessionAssignment
+    clock: StageClock = field(default_factory=StageClock)
+    state: int = rollout_pb2.SESSION_STATE_INIT
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    gateway_session: Session | None = None
+    task: asyncio.Task | None = None
+
+    @property
+    def session_id(self) -> str:
+        return self.assignment.session_id
+
+    def enter(self, state: int, stage: str, since: float | None = None) -> None:
+        self.state = state
+        self.clock.enter(stage, since)
+
+    def progress(self) -> rollout_pb2.SessionProgress:
+        calls = len(self.gateway_session.records) if self.gateway_session is not None else 0
+        return rollout_pb2.SessionProgress(
+            session_id=self.session_id, state=self.state, call_count=calls, stage_timings=self.clock.timings()
+        )
+
+
+@dataclass
+class HarnessRun:
+    """What RUNNING produced: how the session ended so far, and the harness's own result."""
+
+    outcome: int = common_pb2.SESSION_OUTCOME_COMPLETED
+    error: str = ""
+    result: ProcessResult | None = None
+
+
+class Node:
+    """The pools and the rollout link of one node; the gateway is started by `start_node`."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        gateway: RunningGateway,
+        providers: dict[str, RuntimeProvider],
+        rollout_address: str,
+    ) -> None:
+        self.config = config
+        self.gateway = gateway
+        self.providers = providers
+        self.rollout_address = rollout_address
+        self.init = Pool("init", config.init_workers)
+        self.running = Pool("running", config.running_slots)
+        self.postrun = Pool("postrun", config.postrun_workers)
+        prewarm = [(spec_key(DEFAULT_PREWARM), DEFAULT_PREWARM)] if config.prewarm and "local" in providers else []
+        self.ready: ReadyBuffer[Runtime] = ReadyBuffer(config.ready_slots, prewarm)
+        self.node_id = ""
+        self.heartbeat_interval_s = 1.0
+        self.runs: dict[str, SessionRun] = {}
+        self._channel = grpc.aio.insecure_channel(rollout_address)
+        self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+        self._prewarm_wakeup = asyncio.Event()
+        self._background: set[asyncio.Task] = set()
+        self._loops: list[asyncio.Task] = []
+        self._warm_names = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loops = [asyncio.create_task(self._heartbeat_loop(), name="heartbeats")]
+        if self.config.prewarm:
+            self._loops.append(asyncio.create_task(self._prewarm_loop(), name="prewarm"))
+        self._prewarm_wakeup.set()
+
+    async def wait_registered(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.node_id:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no rollout server answered on {self.rollout_address} within {timeout_s:g} s")
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        """Stop at once: harnesses are killed and nothing more is reported. The rollout server sees
+        the node go silent and dispatches its sessions again, as it would after a crash."""
+        tasks = self._loops + [run.task for run in self.runs.values() if run.task is not None] + list(self._background)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(runtime.close() for runtime in self.ready.drain()), return_exceptions=True)
+        await self._channel.close()
+
+    # --- what heartbeats report --------------------------------------------------------------------
+
+    def pool_status(self) -> list[rollout_pb2.PoolStatus]:
+        ready_waiting = sum(run.state == rollout_pb2.SESSION_STATE_READY for run in self.runs.values())
+        return [
+            rollout_pb2.PoolStatus(name="init", capacity=self.init.capacity, depth=self.init.active + self.init.waiting),
+            rollout_pb2.PoolStatus(name="ready", capacity=self.ready.capacity, depth=self.ready.size + ready_waiting),
+            rollout_pb2.PoolStatus(name="running", capacity=self.running.capacity, depth=self.running.active),
+            rollout_pb2.PoolStatus(
+                name="postrun", capacity=self.postrun.capacity, depth=self.postrun.active + self.postrun.waiting
+            ),
+        ]
+
+    def _heartbeat_request(self) -> rollout_pb2.HeartbeatRequest:
+        return rollout_pb2.HeartbeatRequest(
+            node_id=self.node_id,
+            pools=self.pool_status(),
+            sessions=[run.progress() for run in self.runs.values()],
+        )
+
+    # --- the rollout link --------------------------------------------------------------------------
+
+    async def _register(self) -> None:
+        response = await self._stub.RegisterNode(
+            rollout_pb2.RegisterNodeRequest(
+                gateway_address=self.gateway.grpc_address,
+                base_url=self.gateway.base_url,
+                pools=self.pool_status(),
+                runtimes=sorted(self.providers),
+            ),
+            timeout=10.0,
+        )
+        self.node_id = response.node_id
+        self.heartbeat_interval_s = response.heartbeat_interval_seconds or self.heartbeat_interval_s
+        log.info("registered with the rollout server at %s as node %s", self.rollout_address, self.node_id)
+
+    async def _heartbeat_loop(self) -> None:
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                if not self.node_id:
+                    await self._register()
+                response = await self._stub.Heartbeat(
+                    self._heartbeat_request(), timeout=2 * self.heartbeat_interval_s + 5.0
+                )
+            except grpc.aio.AioRpcError as exc:
+                log.warning("rollout server %s: %s; retrying", self.rollout_address, exc.details() or exc.code().name)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+                continue
+            delay = RETRY_FIRST_S
+            if response.reregister:
+                # The server declared this node dead and gave its sessions to others: stop them.
+                log.warning("the rollout server no longer knows node %s; registering again", self.node_id)
+                self.node_id = ""
+                for run in self.runs.values():
+                    run.cancel.set()
+                continue
+            for assignment in response.start:
+                self._accept(assignment)
+            for session_id in response.cancel:
+                if (run := self.runs.get(session_id)) is not None:
+                    run.cancel.set()
+
+    def _accept(self, assignment: rollout_pb2.SessionAssignment) -> None:
+        if assignment.session_id in self.runs:
+            return  # already held: the server repeated itself
+        run = SessionRun(assignment)
+        run.enter(rollout_pb2.SESSION_STATE_INIT, "init")
+        self.runs[run.session_id] = run
+        run.task = asyncio.create_task(self._run_session(run), name=f"session {run.session_id}")
+
+    async def _report(self, run: SessionRun, trajectory: common_pb2.Trajectory) -> None:
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                await self._stub.ReportSession(
+                    rollout_pb2.ReportSessionRequest(
+                        node_id=self.node_id, session_id=run.session_id, trajectory=trajectory
+                    ),
+                    timeout=30.0,
+                )
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in REPORT_REFUSED:
+                    log.warning("the rollout server refused session %s: %s", run.session_id, exc.details())
+                    return
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, RETRY_MAX_S)
+
+    # --- one session -------------------------------------------------------------------------------
+
+    async def _run_session(self, run: SessionRun) -> None:
+        runtime: Runtime | None = None
+        harness = HarnessRun()
+        try:
+            try:
+                runtime = await self._acquire_runtime(run)
+            except RuntimeFailure as exc:
+                harness = HarnessRun(common_pb2.SESSION_OUTCOME_FAILED, f"runtime: {exc}")
+            if runtime is not None:
+                harness = await self._run_harness(run, runtime)
+            run.enter(rollout_pb2.SESSION_STATE_POSTRUN, "postrun")
+            async with self.postrun.slot():
+                trajectory = await self._postrun(run, runtime, harness)
+            run.clock.stop()
+            trajectory.stage_timings.CopyFrom(run.clock.timings())
+            await self._report(run, trajectory)
+        finally:
+            if runtime is not None:
+                await asyncio.shield(runtime.close())
+            if run.gateway_session is not None:
+                self.gateway.store.close(run.session_id)
+                self.gateway.store.forget(run.session_id)
+            self.runs.pop(run.session_id, None)
+            self._prewarm_wakeup.set()
+
+    async def _acquire_runtime(self, run: SessionRun) -> Runtime | None:
+        """The session's runtime (prewarmed, or prepared now); None if it was cancelled first."""
+        spec = run.assignment.task.runtime
+        provider = self.providers.get(spec.kind)
+        if provider is None:
+            raise RuntimeFailure(
+                f"this node has no {spec.kind!r} runtime (it has {', '.join(sorted(self.providers))})"
+            )
+        key = spec_key(spec)
+        if self.config.prewarm:
+            self.ready.want(key, spec)
+        prewarmed = self.ready.take(key)
+        if prewarmed is not None:
+            self._prewarm_wakeup.set()
+            return prewarmed[0]
+        if (evicted := self.ready.evict_for(key)) is not None:
+            self._spawn(evicted.close())
+        async with self.init.slot():
+            if run.cancel.is_set():
+                return None
+            runtime = await provider.create(spec, name=run.session_id)
+        self._prewarm_wakeup.set()
+        return runtime
+
+    async def _run_harness(self, run: SessionRun, runtime: Runtime) -> HarnessRun:
+        task = run.assignment.task
+        run.enter(rollout_pb2.SESSION_STATE_READY, "ready")
+        async with self.running.slot():
+            if run.cancel.is_set():
+                return HarnessRun(common_pb2.SESSION_OUTCOME_CANCELLED, "cancelled before the harness started")
+            run.enter(rollout_pb2.SESSION_STATE_RUNNING, "running")
+            store = self.gateway.store
+            with contextlib.suppress(LookupError):
+                # A session of the same id left from an earlier attempt on this node.
+                store.close(run.session_id)
+                store.forget(run.session_id)
+            session = store.open(session_id=run.session_id, task_id=task.task_id, metadata=dict(task.metadata))
+            run.gateway_session = session
+            try:
+                launch = prepare_launch(
+                    task.harness,
+                    HarnessContext(
+                        instruction=task.instruction,
+                        base_url=self.gateway.base_url,
+                        key=session.key,
+                        model=self.gateway.gateway.model.name,
+                        home=runtime.home,
+                        workspace=runtime.workspace,
+                        session_id=run.session_id,
+                        task_id=task.task_id,
+                    ),
+                    search_path=self.config.harness_path,
+                )
+                result = await runtime.run(
+                    launch.argv,
+                    env=launch.env,
+                    timeout_s=task.timeout_seconds,
+                    output_limit=self.config.harness_output_limit,
+                    cancel=run.cancel,
+                )
+            except (HarnessError, ProcessStartError) as exc:
+                return HarnessRun(common_pb2.SESSION_OUTCOME_FAILED, f"harness: {exc}")
+            finally:
+                store.close(session.session_id)
+            await self._calls_settled(session)
+        return HarnessRun(*_harness_outcome(result, task, len(session.records)), result)
+
+    async def _calls_settled(self, session: Session) -> None:
+        """Wait until calls still in flight when the harness ended are recorded (they abort when
+        its connections close)."""
+        async def drain() -> None:
+            async for _ in session.watch():
+                pass
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(drain(), CALLS_SETTLE_TIMEOUT_S)
+
+    async def _postrun(self, run: SessionRun, runtime: Runtime | None, harness: HarnessRun) -> common_pb2.Trajectory:
+        task = run.assignment.task
+        outcome, errors = harness.outcome, [harness.error] if harness.error else []
+        reward, evaluator_output = 0.0, ""
+        harness_ran = harness.result is not None
+        if runtime is not None and harness_ran and outcome != common_pb2.SESSION_OUTCOME_CANCELLED:
+            evaluation = await evaluate(
+                task.evaluator,
+                runtime=runtime,
+                task=task,
+                session_id=run.session_id,
+                output_limit=self.config.harness_output_limit,
+            )
+            reward, evaluator_output = evaluation.reward, evaluation.output
+            if evaluation.error:
+                errors.append(f"evaluator: {evaluation.error}")
+                if outcome == common_pb2.SESSION_OUTCOME_COMPLETED:
+                    outcome = common_pb2.SESSION_OUTCOME_FAILED
+        records = run.gateway_session.ordered_records() if run.gateway_session is not None else []
+        builder = task.builder or "prefix_merging"
+        try:
+            calls = views_from_protos(records)
+            built = build(builder, calls)
+            report = verify(calls, built.traces)
+            if not report.ok:
+                raise TrajectoryError(report.render())
+            trajectory = session_trajectory(records, built, run.session_id)
+        except TrajectoryError as exc:
+            # The calls are kept whole; only the traces are missing, and the outcome says why.
+            errors.append(f"{builder} rebuild: {exc}")
+            outcome = common_pb2.SESSION_OUTCOME_FAILED
+            trajectory = common_pb2.Trajectory(
+                trajectory_id=run.session_id, session_id=run.session_id, builder=builder, calls=records
+            )
+        versions = [record.policy_version for record in records]
+        trajectory.task_id = task.task_id
+        trajectory.group_id = task.task_id
+        trajectory.reward = reward
+        trajectory.weight = 1.0
+        trajectory.outcome = outcome
+        trajectory.error = "; ".join(errors)
+        trajectory.min_policy_version = min(versions, default=0)
+        trajectory.max_policy_version = max(versions, default=0)
+        trajectory.metadata.update(task.metadata)
+        trajectory.attempt = run.assignment.attempt + 1
+        if harness.result is not None:
+            trajectory.harness_exit_code = harness.result.exit_code
+            trajectory.harness_output = harness.result.output
+        trajectory.evaluator_output = evaluator_output
+        return trajectory
+
+    # --- prewarming --------------------------------------------------------------------------------
+
+    async def _prewarm_loop(self) -> None:
+        """Keep the READY buffer full, using INIT workers only while no session waits for one."""
+        while True:
+            await self._prewarm_wakeup.wait()
+            self._prewarm_wakeup.clear()
+            while self.init.waiting == 0 and self.init.free > 0 and (wanted := self.ready.next_to_prepare()):
+                key, spec = wanted
+                provider = self.providers.get(spec.kind)
+                if provider is None:
+                    self.ready.forget(key)
+                    continue
+                # Free and nobody waiting: this takes the slot without suspending, so a session that
+                # arrives next still finds the other slots free.
+                await self.init.acquire()
+                self.ready.preparing += 1
+                self._spawn(self._prewarm_one(provider, key, spec))
+
+    async def _prewarm_one(self, provider: RuntimeProvider, key: str, spec: rollout_pb2.RuntimeSpec) -> None:
+        """Prepare one runtime into the READY buffer; the caller took an INIT slot for it."""
+        self._warm_names += 1
+        try:
+            runtime = await provider.create(spec, name=f"prewarm-{self._warm_names}")
+        except RuntimeFailure as exc:
+            # Not retried: the spec stays cold and its sessions prepare it in INIT (and fail there).
+            log.warning("prewarming a %s runtime failed: %s", spec.kind, exc)
+            self.ready.forget(key)
+            return
+        finally:
+            self.init.release()
+            self.ready.preparing -= 1
+            self._prewarm_wakeup.set()
+        self.ready.put(key, spec, runtime)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _harness_outcome(result: ProcessResult, task: rollout_pb2.Task, calls: int) -> tuple[int, str]:
+    """How RUNNING ended, from the harness's result: (SessionOutcome, error text)."""
+    if result.cancelled:
+        return common_pb2.SESSION_OUTCOME_CANCELLED, "cancelled while the harness ran"
+    if result.timed_out:
+        return (
+            common_pb2.SESSION_OUTCOME_TIMED_OUT,
+            f"the harness ran past its timeout of {task.timeout_seconds:g} s and was killed",
+        )
+    if result.exit_code != 0:
+        return common_pb2.SESSION_OUTCOME_FAILED, f"the harness exited with code {result.exit_code}"
+    if calls == 0:
+        return common_pb2.SESSION_OUTCOME_FAILED, "the harness exited without calling the model"
+    return common_pb2.SESSION_OUTCOME_COMPLETED, ""
+
+
+@dataclass
+class RunningNode:
+    """A started node: its gateway and its pools; `stop()` ends both."""
+
+    gateway: RunningGateway
+    node: Node
+    _work_root: Path | None  # a temporary folder of our own, removed at stop
+
+    async def stop(self) -> None:
+        await self.node.stop()
+        await self.gateway.stop()
+        if self._work_root is not None:
+            shutil.rmtree(self._work_root, ignore_errors=True)
+
+
+async def start_node(
+    node: NodeConfig,
+    gateway: GatewayConfig,
+    *,
+    inference_address: str,
+    rollout_address: str,
+    base_url: str = "",
+    register_timeout_s: float = 60.0,
+) -> RunningNode:
+    """The gateway started, the node registered with the rollout server and heartbeating.
+
+    `base_url` is what harnesses use (Envoy's harness listener); "" means the gateway's own HTTP
+    address. Ports 0 in `gateway` pick free ones.
+    """
+    own_root = None if node.work_root else Path(tempfile.mkdtemp(prefix="polar-node-"))
+    work_root = Path(node.work_root) if node.work_root else own_root
+    running_gateway = await start_gateway(
+        inference_address,
+        host=gateway.host,
+        http_port=gateway.port,
+        grpc_port=gateway.grpc_port,
+        chat_format=gateway.chat_format,
+        parser=gateway.parser,
+        history=gateway.history,
+        tokenizer_path=gateway.tokenizer,
+        base_url=base_url,
+    )
+    pools: Node | None = None
+    try:
+        pools = Node(node, running_gateway, available_providers(work_root), rollout_address)
+        pools.start()
+        await pools.wait_registered(register_timeout_s)
+    except BaseException:
+        if pools is not None:
+            await pools.stop()
+        await running_gateway.stop()
+        if own_root is not None:
+            shutil.rmtree(own_root, ignore_errors=True)
+        raise
+    return RunningNode(running_gateway, pools, own_root)
+
+
+async def serve_node(
+    node: NodeConfig,
+    gateway: GatewayConfig,
+    *,
+    inference_address: str,
+    rollout_address: str,
+    base_url: str = "",
+    on_ready: Callable[[RunningNode], None] | None = None,
+) -> None:
+    """Serve until cancelled or SIGINT/SIGTERM, then stop."""
+    running = await start_node(
+        node, gateway, inference_address=inference_address, rollout_address=rollout_address, base_url=base_url
+    )
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        if on_ready is not None:
+            on_ready(running)
+        await stopping.wait()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+        await running.stop()
