@@ -1,0 +1,264 @@
+"""Harness presets: how to start each agent CLI non-interactively against the gateway.
+
+    launch = prepare_launch(task.harness, HarnessContext(...), search_path="node_modules/.bin")
+    result = await runtime.run(launch.argv, env=launch.env, timeout_s=...)
+
+A preset knows one CLI's quirks: its flags for a headless run with every permission prompt off, the
+config files it needs in its HOME (written by `prepare_launch` into the session's private, empty HOME),
+and its own shell tool (what a scripted model calls in tests). Every preset gets the same environment,
+built from scratch: every dialect's base URL names the gateway and every API-key variable holds the
+session key, so whichever SDK a harness uses, its calls land in this session's trajectory and nowhere
+else. Nothing is inherited from the node's environment but PATH (no proxy variables: Qwen Code sends
+even loopback requests through an env proxy, ignoring NO_PROXY). Telemetry, update checks and
+onboarding are off, so a harness contacts only the gateway.
+
+"command" runs `HarnessSpec.command` as given, with the same environment (the instruction is in
+POLAR_INSTRUCTION).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from polar.v1 import rollout_pb2
+
+
+class HarnessError(Exception):
+    """A harness cannot be launched: unknown preset, missing CLI (the message names its npm package),
+    or an empty command."""
+
+
+@dataclass(frozen=True)
+class HarnessContext:
+    """What a preset needs to know about one session."""
+
+    instruction: str
+    base_url: str  # the gateway as harnesses see it (Envoy's harness listener), e.g. http://127.0.0.1:8080, no /v1
+    key: str  # the session key: every API-key variable holds it
+    model: str  # the served model's name
+    home: Path  # the harness's private, empty HOME; config files are written here
+    workspace: Path  # the harness's cwd
+    session_id: str
+    task_id: str
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A ready-to-run harness process."""
+
+    argv: list[str]  # argv[0] resolved to a path when found on the search path or PATH
+    env: dict[str, str]  # the whole environment, built from scratch
+
+
+@dataclass(frozen=True)
+class ShellTool:
+    """A CLI's own shell tool, as a model calls it: the tool's name and the argument holding the command."""
+
+    name: str
+    command_argument: str
+
+    def call(self, command: str) -> dict:
+        """A tool call (name + arguments) running `command`."""
+        return {"name": self.name, "arguments": {self.command_argument: command}}
+
+
+# (spec, ctx) -> (argv with argv[0] a bare program name, the preset's own environment variables)
+LaunchBuilder = Callable[[rollout_pb2.HarnessSpec, HarnessContext], tuple[list[str], dict[str, str]]]
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One harness CLI: where it comes from, its shell tool, and how to launch it."""
+
+    name: str
+    package: str  # the npm package that installs the CLI; "" for "command"
+    shell_tool: ShellTool | None  # None for "command" (its tools are whatever the command has)
+    build: LaunchBuilder
+
+
+# ---------------------------------------------------------------------------------------------------
+# The environment every harness gets
+# ---------------------------------------------------------------------------------------------------
+
+
+def session_environment(ctx: HarnessContext, path: str) -> dict[str, str]:
+    """Every dialect's base URL → the gateway, every key variable → the session key, and the session's
+    identity, for any harness (SDKs and CLIs read different names for the same thing)."""
+    openai_url = ctx.base_url + "/v1"
+    return {
+        "PATH": path,
+        "HOME": str(ctx.home),
+        "TERM": "dumb",
+        "NO_COLOR": "1",
+        "CI": "1",
+        "LANG": "C.UTF-8",
+        # OpenAI SDKs and the CLIs built on them (Qwen Code reads OPENAI_MODEL).
+        "OPENAI_BASE_URL": openai_url,
+        "OPENAI_API_BASE": openai_url,
+        "OPENAI_API_KEY": ctx.key,
+        "OPENAI_MODEL": ctx.model,
+        # Anthropic SDKs append /v1/messages to the base URL themselves.
+        "ANTHROPIC_BASE_URL": ctx.base_url,
+        "ANTHROPIC_API_KEY": ctx.key,
+        "ANTHROPIC_MODEL": ctx.model,
+        # Google's genai SDKs and Gemini CLI append /v1beta/models/... themselves.
+        "GOOGLE_GEMINI_BASE_URL": ctx.base_url,
+        "GEMINI_API_KEY": ctx.key,
+        "GOOGLE_API_KEY": ctx.key,
+        "GEMINI_MODEL": ctx.model,
+        "POLAR_BASE_URL": ctx.base_url,
+        "POLAR_SESSION_KEY": ctx.key,
+        "POLAR_MODEL": ctx.model,
+        "POLAR_INSTRUCTION": ctx.instruction,
+        "POLAR_SESSION_ID": ctx.session_id,
+        "POLAR_TASK_ID": ctx.task_id,
+        "POLAR_WORKSPACE": str(ctx.workspace),
+    }
+
+
+def _write_json(path: Path, value: Mapping) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+def _toml_string(value: str) -> str:
+    # A JSON string (ASCII, \" \\ \uXXXX escapes) is a valid TOML basic string.
+    return json.dumps(value)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Presets
+# ---------------------------------------------------------------------------------------------------
+
+
+def _codex(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+    codex_home = ctx.home / ".codex"
+    codex_home.mkdir(parents=True, exist_ok=True)  # Codex refuses to start without it
+    # Codex speaks only the Responses API (streaming); a custom provider points it at the gateway.
+    (codex_home / "config.toml").write_text(
+        f"model = {_toml_string(ctx.model)}\n"
+        'model_provider = "polar"\n'
+        "[model_providers.polar]\n"
+        'name = "polar"\n'
+        f"base_url = {_toml_string(ctx.base_url + '/v1')}\n"
+        'env_key = "POLAR_SESSION_KEY"\n'
+        'wire_api = "responses"\n'
+        "[analytics]\nenabled = false\n"
+        '[otel]\nexporter = "none"\n'
+    )
+    argv = ["codex", "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "--", ctx.instruction]
+    return argv, {"CODEX_HOME": str(codex_home)}
+
+
+def _claude_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+    # Onboarding done, so a headless run never waits on the first-run screens.
+    _write_json(ctx.home / ".claude.json", {"hasCompletedOnboarding": True, "bypassPermissionsModeAccepted": True})
+    env = {
+        # Its background calls (titles, summaries, subagents) ask for these model aliases: all one model.
+        "ANTHROPIC_SMALL_FAST_MODEL": ctx.model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": ctx.model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": ctx.model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": ctx.model,
+        "CLAUDE_CODE_SUBAGENT_MODEL": ctx.model,
+        # Telemetry, error reporting, auto-update and other traffic to Anthropic's hosts off.
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_TELEMETRY": "1",
+        "DISABLE_ERROR_REPORTING": "1",
+        "DISABLE_AUTOUPDATER": "1",
+        # --dangerously-skip-permissions is refused under root unless it is told it runs in a sandbox.
+        "IS_SANDBOX": "1",
+    }
+    argv = ["claude", "-p", "--dangerously-skip-permissions", "--model", ctx.model, "--", ctx.instruction]
+    return argv, env
+
+
+def _qwen_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+    settings = {
+        "security": {"auth": {"selectedType": "openai"}},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+    }
+    _write_json(ctx.home / ".qwen" / "settings.json", settings)
+    return ["qwen", "--yolo", "--auth-type", "openai", "-m", ctx.model, "-p", ctx.instruction], {}
+
+
+def _gemini_cli(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+    settings = {
+        "security": {"auth": {"selectedType": "gemini-api-key"}},
+        "privacy": {"usageStatisticsEnabled": False},
+        "telemetry": {"enabled": False},
+        "general": {"disableAutoUpdate": True, "disableUpdateNag": True},
+    }
+    _write_json(ctx.home / ".gemini" / "settings.json", settings)
+    # Gemini CLI exits 55 in a folder it has not been told to trust.
+    env = {"GEMINI_CLI_TRUST_WORKSPACE": "true"}
+    return ["gemini", "--yolo", "-m", ctx.model, "-p", ctx.instruction], env
+
+
+def _pi(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+    agent_dir = ctx.home / ".pi" / "agent"
+    provider = {
+        "baseUrl": ctx.base_url + "/v1",
+        "api": "openai-completions",
+        "apiKey": "POLAR_SESSION_KEY",  # the name of the variable holding the key
+        "models": [{"id": ctx.model}],
+    }
+    _write_json(agent_dir / "models.json", {"providers": {"polar": provider}})
+    _write_json(agent_dir / "settings.json", {"enableInstallTelemetry": False})
+    # PI_OFFLINE: no startup network traffic (update checks, package checks, install telemetry).
+    env = {"PI_CODING_AGENT_DIR": str(agent_dir), "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}
+    return ["pi", "-p", "--provider", "polar", "--model", ctx.model, ctx.instruction], env
+
+
+def _command(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+    if not spec.command:
+        raise HarnessError("preset 'command' needs harness.command (the argv to run)")
+    return list(spec.command), {}
+
+
+PRESETS: dict[str, Preset] = {
+    "codex": Preset("codex", "@openai/codex", ShellTool("exec_command", "cmd"), _codex),
+    "claude-code": Preset("claude-code", "@anthropic-ai/claude-code", ShellTool("Bash", "command"), _claude_code),
+    "qwen-code": Preset("qwen-code", "@qwen-code/qwen-code", ShellTool("run_shell_command", "command"), _qwen_code),
+    "gemini-cli": Preset("gemini-cli", "@google/gemini-cli", ShellTool("run_shell_command", "command"), _gemini_cli),
+    "pi": Preset("pi", "@mariozechner/pi-coding-agent", ShellTool("bash", "command"), _pi),
+    "command": Preset("command", "", None, _command),
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Launching
+# ---------------------------------------------------------------------------------------------------
+
+
+def prepare_launch(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext, *, search_path: str = "") -> Launch:
+    """The argv and environment that run `spec` for this session; writes the CLI's config files into
+    ctx.home. `search_path` (os.pathsep-joined folders, e.g. node_modules/.bin) is searched for the
+    program before PATH; spec.env is applied last, so a task can override anything."""
+    preset = PRESETS.get(spec.preset)
+    if preset is None:
+        raise HarnessError(f"unknown harness preset {spec.preset!r} (known: {', '.join(PRESETS)})")
+    path = os.pathsep.join(part for part in (search_path, os.environ.get("PATH", "")) if part)
+    argv, preset_env = preset.build(spec, ctx)
+    argv = [_resolve(argv[0], path, preset), *argv[1:]]
+    env = {**session_environment(ctx, path), **preset_env, **spec.env}
+    return Launch(argv, env)
+
+
+def _resolve(program: str, path: str, preset: Preset) -> str:
+    if os.sep in program:
+        return program  # a path (relative ones are relative to the workspace, the harness's cwd)
+    found = shutil.which(program, path=path)
+    if found is not None:
+        return found
+    if preset.package:
+        raise HarnessError(
+            f"the {preset.name} CLI ({program!r}) is not installed: install it with `npm install {preset.package}` "
+            "and put its node_modules/.bin on the search path or PATH"
+        )
+    raise HarnessError(f"harness command {program!r} not found on PATH")
