@@ -156,8 +156,7 @@ def _codex(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str
 
 
 def _claude_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
-    # Onboarding done, so a headless run never waits on the first-run screens.
-    _write_json(ctx.home / ".claude.json", {"hasCompletedOnboarding": True, "bypassPermissionsModeAccepted": True})
+    # Headless (-p) it needs no config file: no onboarding screens, and ANTHROPIC_API_KEY is used as is.
     env = {
         # Its background calls (titles, summaries, subagents) ask for these model aliases: all one model.
         "ANTHROPIC_SMALL_FAST_MODEL": ctx.model,
@@ -184,7 +183,8 @@ def _qwen_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list
         "telemetry": {"enabled": False},
     }
     _write_json(ctx.home / ".qwen" / "settings.json", settings)
-    return ["qwen", "--yolo", "--auth-type", "openai", "-m", ctx.model, "-p", ctx.instruction], {}
+    # --prompt=VALUE: a separate value starting with "-" would be read as a flag.
+    return ["qwen", "--yolo", "--auth-type", "openai", "-m", ctx.model, f"--prompt={ctx.instruction}"], {}
 
 
 def _gemini_cli(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
@@ -197,22 +197,23 @@ def _gemini_cli(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[lis
     _write_json(ctx.home / ".gemini" / "settings.json", settings)
     # Gemini CLI exits 55 in a folder it has not been told to trust.
     env = {"GEMINI_CLI_TRUST_WORKSPACE": "true"}
-    return ["gemini", "--yolo", "-m", ctx.model, "-p", ctx.instruction], env
+    return ["gemini", "--yolo", "-m", ctx.model, f"--prompt={ctx.instruction}"], env
 
 
 def _pi(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
-    agent_dir = ctx.home / ".pi" / "agent"
     provider = {
         "baseUrl": ctx.base_url + "/v1",
         "api": "openai-completions",
         "apiKey": "POLAR_SESSION_KEY",  # the name of the variable holding the key
         "models": [{"id": ctx.model}],
     }
-    _write_json(agent_dir / "models.json", {"providers": {"polar": provider}})
-    _write_json(agent_dir / "settings.json", {"enableInstallTelemetry": False})
-    # PI_OFFLINE: no startup network traffic (update checks, package checks, install telemetry).
-    env = {"PI_CODING_AGENT_DIR": str(agent_dir), "PI_OFFLINE": "1", "PI_SKIP_VERSION_CHECK": "1", "PI_TELEMETRY": "0"}
-    return ["pi", "-p", "--provider", "polar", "--model", ctx.model, ctx.instruction], env
+    _write_json(ctx.home / ".pi" / "agent" / "models.json", {"providers": {"polar": provider}})
+    # No startup network traffic: update checks, package update checks, install telemetry.
+    env = {"PI_OFFLINE": "1"}
+    # Pi has no "--": an argument starting with "-" is a flag and one starting with "@" a file to attach,
+    # so such an instruction gets a leading space.
+    message = " " + ctx.instruction if ctx.instruction.startswith(("-", "@")) else ctx.instruction
+    return ["pi", "-p", "--provider", "polar", "--model", ctx.model, message], env
 
 
 def _command(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
