@@ -67,8 +67,9 @@ class ShellTool:
         return {"name": self.name, "arguments": {self.command_argument: command}}
 
 
-# (spec, ctx) -> (argv with argv[0] a bare program name, the preset's own environment variables)
-LaunchBuilder = Callable[[rollout_pb2.HarnessSpec, HarnessContext], tuple[list[str], dict[str, str]]]
+# What a preset builds: argv (argv[0] a bare program name) and the preset's own environment variables.
+PresetLaunch = tuple[list[str], dict[str, str]]
+LaunchBuilder = Callable[[rollout_pb2.HarnessSpec, HarnessContext], PresetLaunch]
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def _toml_string(value: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
-def _codex(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+def _codex(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
     codex_home = ctx.home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)  # Codex refuses to start without it
     # Codex speaks only the Responses API (streaming); a custom provider points it at the gateway.
@@ -155,7 +156,7 @@ def _codex(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str
     return argv, {"CODEX_HOME": str(codex_home)}
 
 
-def _claude_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+def _claude_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
     # Headless (-p) it needs no config file: no onboarding screens, and ANTHROPIC_API_KEY is used as is.
     env = {
         # Its background calls (titles, summaries, subagents) ask for these model aliases: all one model.
@@ -176,7 +177,7 @@ def _claude_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[li
     return argv, env
 
 
-def _qwen_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+def _qwen_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
     settings = {
         "security": {"auth": {"selectedType": "openai"}},
         "privacy": {"usageStatisticsEnabled": False},
@@ -187,7 +188,7 @@ def _qwen_code(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list
     return ["qwen", "--yolo", "--auth-type", "openai", "-m", ctx.model, f"--prompt={ctx.instruction}"], {}
 
 
-def _gemini_cli(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+def _gemini_cli(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
     settings = {
         "security": {"auth": {"selectedType": "gemini-api-key"}},
         "privacy": {"usageStatisticsEnabled": False},
@@ -200,7 +201,7 @@ def _gemini_cli(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[lis
     return ["gemini", "--yolo", "-m", ctx.model, f"--prompt={ctx.instruction}"], env
 
 
-def _pi(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+def _pi(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
     provider = {
         "baseUrl": ctx.base_url + "/v1",
         "api": "openai-completions",
@@ -216,7 +217,7 @@ def _pi(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], 
     return ["pi", "-p", "--provider", "polar", "--model", ctx.model, message], env
 
 
-def _command(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> tuple[list[str], dict[str, str]]:
+def _command(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
     if not spec.command:
         raise HarnessError("preset 'command' needs harness.command (the argv to run)")
     return list(spec.command), {}
