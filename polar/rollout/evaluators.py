@@ -1,0 +1,175 @@
+"""Score a session's workspace after its harness ran: the reward of its trajectory.
+
+Kinds (EvaluatorSpec.kind):
+- ""        no evaluator: reward 0.
+- "command" `sh -c COMMAND` in the session's runtime, in the workspace. The reward is the number it
+            writes to $POLAR_REWARD_FILE if it writes one, else the last line of its output if that is a
+            number, else 1.0 for exit code 0 and 0.0 for any other. It also gets POLAR_TASK_ID,
+            POLAR_SESSION_ID, POLAR_INSTRUCTION and POLAR_WORKSPACE.
+- "python"  "module:function", imported and called as function(workspace: Path, task) in a worker
+            thread; it returns the reward.
+
+An evaluator that crashes (killed by a signal, raises), runs past its timeout, or gives something
+that is not a finite number yields reward 0.0 and an `error` saying so; `evaluate` never raises for
+it. A Python evaluator that times out cannot be stopped: its thread is abandoned and runs on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import math
+import numbers
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from polar.rollout.process import OUTPUT_LIMIT, ProcessStartError, exit_text
+from polar.rollout.runtimes.base import Runtime
+from polar.v1 import rollout_pb2
+
+DEFAULT_TIMEOUT_S = 300.0  # EvaluatorSpec.timeout_seconds 0 means this
+REWARD_FILE_NAME = "reward"  # in the runtime's root: outside the workspace the harness edits
+REWARD_FILE_MAX_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    reward: float
+    output: str  # the command's output, capped ("" for Python evaluators)
+    error: str  # "" unless the evaluator failed (then reward is 0.0)
+
+
+class _EvaluatorFailed(Exception):
+    """The evaluator gave no reward; the message says why."""
+
+
+async def evaluate(
+    spec: rollout_pb2.EvaluatorSpec,
+    *,
+    runtime: Runtime,
+    task: rollout_pb2.Task,
+    session_id: str,
+    output_limit: int = OUTPUT_LIMIT,
+) -> Evaluation:
+    """The session's reward per spec (see the module docstring); failures become Evaluation.error."""
+    timeout_s = spec.timeout_seconds or DEFAULT_TIMEOUT_S
+    if spec.kind == "":
+        return Evaluation(0.0, "", "")
+    if spec.kind == "command":
+        return await _evaluate_command(spec.command, runtime, task, session_id, timeout_s, output_limit)
+    if spec.kind == "python":
+        try:
+            reward = await _call_python(spec.callable, runtime.workspace, task, timeout_s)
+        except _EvaluatorFailed as exc:
+            return Evaluation(0.0, "", str(exc))
+        return Evaluation(reward, "", "")
+    return Evaluation(0.0, "", f"unknown evaluator kind {spec.kind!r}")
+
+
+# ------------------------------------------------------------------------------------------- command
+
+
+async def _evaluate_command(
+    command: str, runtime: Runtime, task: rollout_pb2.Task, session_id: str, timeout_s: float, output_limit: int
+) -> Evaluation:
+    reward_file = runtime.root / REWARD_FILE_NAME
+    reward_file.unlink(missing_ok=True)
+    env = runtime.command_env(
+        {
+            "POLAR_REWARD_FILE": str(reward_file),
+            "POLAR_TASK_ID": task.task_id,
+            "POLAR_SESSION_ID": session_id,
+            "POLAR_INSTRUCTION": task.instruction,
+            "POLAR_WORKSPACE": str(runtime.workspace),
+        }
+    )
+    try:
+        result = await runtime.run(["sh", "-c", command], env=env, timeout_s=timeout_s, output_limit=output_limit)
+    except ProcessStartError as exc:
+        return Evaluation(0.0, "", f"could not start: {exc}")
+    if result.timed_out:
+        return Evaluation(0.0, result.output, f"timed out after {timeout_s:g} s")
+    if result.exit_code < 0:
+        return Evaluation(0.0, result.output, exit_text(result.exit_code))
+    try:
+        reward = _reward_from_file(reward_file)
+    except _EvaluatorFailed as exc:
+        return Evaluation(0.0, result.output, str(exc))
+    if reward is None:
+        reward = _last_line_number(result.output)
+    if reward is None:
+        reward = 1.0 if result.exit_code == 0 else 0.0
+    return Evaluation(reward, result.output, "")
+
+
+def _reward_from_file(path: Path) -> float | None:
+    """The number in the reward file; None if the evaluator wrote none."""
+    try:
+        with path.open("rb") as file:
+            data = file.read(REWARD_FILE_MAX_BYTES + 1)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _EvaluatorFailed(f"cannot read the reward file: {exc}") from exc
+    text = data[:REWARD_FILE_MAX_BYTES].decode("utf-8", "replace").strip()
+    reward = _finite_number(text) if len(data) <= REWARD_FILE_MAX_BYTES else None
+    if reward is None:
+        raise _EvaluatorFailed(f"the reward file holds {_shorten(text)!r}, not a finite number")
+    return reward
+
+
+def _last_line_number(output: str) -> float | None:
+    lines = output.strip().splitlines()
+    return _finite_number(lines[-1].strip()) if lines else None
+
+
+def _finite_number(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+# -------------------------------------------------------------------------------------------- python
+
+
+async def _call_python(target: str, workspace: Path, task: rollout_pb2.Task, timeout_s: float) -> float:
+    """Import and call "module:function" in a daemon thread (one that times out is left behind, and
+    must not keep the process from exiting); its return value must be a finite real number."""
+    module_name, _, function_name = target.partition(":")
+    if not module_name or not function_name:
+        raise _EvaluatorFailed(f"callable {target!r} is not of the form 'module:function'")
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future = loop.create_future()
+
+    def settle(outcome: tuple[str, object]) -> None:
+        if not done.done():
+            done.set_result(outcome)
+
+    def call() -> None:
+        try:
+            function = getattr(importlib.import_module(module_name), function_name)
+            outcome = ("returned", function(workspace, task))
+        except BaseException as exc:  # noqa: BLE001 - whatever the evaluator raises is its failure
+            outcome = ("raised", exc)
+        with contextlib.suppress(RuntimeError):  # the loop closed while this ran past its timeout
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=call, name=f"evaluator {target}", daemon=True).start()
+    try:
+        how, value = await asyncio.wait_for(done, timeout_s)
+    except TimeoutError:
+        raise _EvaluatorFailed(f"{target} timed out after {timeout_s:g} s (its thread is left running)") from None
+    if how == "raised":
+        raise _EvaluatorFailed(f"{target} raised {type(value).__name__}: {value}")
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        kind = type(value).__name__
+        raise _EvaluatorFailed(f"{target} returned {_shorten(repr(value))} ({kind}), not a finite number")
+    return float(value)
+
+
+def _shorten(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
