@@ -241,7 +241,7 @@ def _group_alive(group: int) -> bool:
 
 
 def exit_text(exit_code: int) -> str:
-    """"exited with code N" or "killed by signal SIGNAME" for a ProcessResult.exit_code."""
+    """A ProcessResult.exit_code in words: "exited with code N" or "killed by signal SIGNAME"."""
     if exit_code >= 0:
         return f"exited with code {exit_code}"
     try:
