@@ -1,0 +1,103 @@
+"""The real agent CLIs, launched by their presets, run a tool loop through Envoy and the gateway.
+
+The CLIs are the versions pinned in tests/e2e/harness_install/ (installed there with `npm ci` on first
+use). For each preset the scripted model first calls the CLI's own shell tool, then answers once a
+tool result is in its prompt: the command must have run in the workspace, every call must be recorded
+without error, and the traces built from them must verify. Only 127.0.0.1 is contacted (the presets
+point every base URL at the gateway and turn telemetry and update checks off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from gateway.testing import running_gateway
+from polar.rollout.harness import PRESETS, HarnessContext, prepare_launch
+from polar.trajectory import build, verify, views_from_protos
+from polar.v1 import rollout_pb2
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.node]
+
+INSTALL_DIR = Path(__file__).resolve().parent / "harness_install"
+BIN_DIR = INSTALL_DIR / "node_modules" / ".bin"
+PROGRAMS = ("codex", "claude", "qwen", "gemini", "pi")
+CLI_PRESETS = [name for name, preset in PRESETS.items() if preset.shell_tool is not None]
+MODEL = "polar-scripted"
+SHELL_COMMAND = "echo hello > hello.txt"
+FINAL = "Done: hello.txt now contains the word hello."
+TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def anyio_backend():
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def harness_bin() -> Path:
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("the harness CLIs need node and npm on PATH")
+    if not all((BIN_DIR / program).exists() for program in PROGRAMS):
+        subprocess.run(
+            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=INSTALL_DIR, check=True, timeout=600
+        )
+    return BIN_DIR
+
+
+@pytest.mark.parametrize("preset", CLI_PRESETS)
+async def test_cli_runs_its_shell_tool_through_the_gateway(preset, harness_bin, tmp_path):
+    tool_call = "<tool_call>\n" + json.dumps(PRESETS[preset].shell_tool.call(SHELL_COMMAND)) + "\n</tool_call>"
+    script = {
+        "name": MODEL,
+        "cycle": True,
+        "rules": [{"prompt_regex": "<tool_response>", "text": FINAL}],
+        "outputs": [{"text": tool_call}],
+    }
+    async with running_gateway(script) as gw:
+        home, workspace = tmp_path / "home", tmp_path / "work"
+        home.mkdir()
+        workspace.mkdir()
+        context = HarnessContext(
+            instruction="Create a file named hello.txt containing the word hello, using the shell.",
+            base_url=gw.base_url,
+            key=gw.key,
+            model=MODEL,
+            home=home,
+            workspace=workspace,
+            session_id=gw.key,
+            task_id=preset,
+        )
+        launch = prepare_launch(rollout_pb2.HarnessSpec(preset=preset), context, search_path=str(harness_bin))
+        process = await asyncio.create_subprocess_exec(
+            *launch.argv,
+            cwd=workspace,
+            env=launch.env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            output, _ = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+        except TimeoutError:
+            os.killpg(process.pid, signal.SIGKILL)  # the CLI and whatever it started
+            await process.wait()
+            pytest.fail(f"{preset} ran past {TIMEOUT_S}s")
+        records = gw.records()
+    shown = output.decode(errors="replace")[-4000:]
+    assert process.returncode == 0, shown
+    assert FINAL in shown
+    assert (workspace / "hello.txt").read_text() == "hello\n", shown
+    assert len(records) >= 2
+    assert [r.error for r in records if r.error] == []
+    calls = views_from_protos(records)
+    report = verify(calls, build("prefix_merging", calls).traces)
+    assert report.ok, report.render()
