@@ -1,0 +1,501 @@
+"""The gRPC RolloutService (protos/polar/v1/rollout.proto) over the rollout store (store.py).
+
+The servicer is thin: tasks are checked by `tasks`, state lives in the store (one durable
+transaction per change), and typed errors become status codes here, and only here:
+
+    a task's problems (tasks.validate_task), a bad heartbeat, report or cursor -> INVALID_ARGUMENT
+    TaskExists -> ALREADY_EXISTS      UnknownTask, UnknownSession -> NOT_FOUND
+    NotAssigned -> FAILED_PRECONDITION     the server stopping (open result streams) -> UNAVAILABLE
+
+Dispatch happens inside Heartbeat, a long poll: the server records the node's progress, takes back
+sessions the node no longer lists (lost), assigns pending sessions to its free slots, and answers at
+once when it has sessions to start or new cancels, else when something changes (a submit, a cancel,
+sessions taken back) or the heartbeat interval ends. A newer heartbeat of the same node ends an
+older one that still waits, which then assigns nothing. A node silent for the node timeout is dead
+(checked in the background): its sessions go back to PENDING or, after their last attempt, are
+DONE and FAILED. Cancels of held sessions are repeated in each response while the node still lists
+the session before POSTRUN, so a lost response cannot lose a cancel.
+
+`start_rollout_server` also serves gRPC health checking (overall and `polar.v1.RolloutService`) and
+server reflection, like the other Polar services.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from polar import codec
+from polar.rollout.store import (
+    HELD_STATES,
+    POSTRUN,
+    InvalidCursor,
+    NotAssigned,
+    ReleasedGroup,
+    Requeued,
+    RolloutStore,
+    TaskExists,
+    UnknownSession,
+    UnknownTask,
+)
+from polar.rollout.tasks import normalize_task, validate_task
+from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+log = logging.getLogger("polar.rollout.server")
+
+SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+# Reports carry whole trajectories (every call's token ids and bodies) and result batches several of
+# them: clients of WatchResults need a receive limit this large too.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# Serialized trajectories per WatchResults message before compression; a group is never split, so
+# one larger group still goes out alone.
+BATCH_BYTES = 64 * 1024 * 1024
+DEFAULT_GROUPS_PER_BATCH = 16
+# Problems named in one INVALID_ARGUMENT before the rest are only counted.
+MAX_LISTED_PROBLEMS = 20
+# How long `serve_rollout` lets running calls finish after a stop signal before cancelling them.
+STOP_GRACE_SECONDS = 5.0
+
+
+class _Wakeup:
+    """Wakes every waiter at once; a waiter that comes after a wake-up waits for the next one."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def wake(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def current(self) -> asyncio.Event:
+        """The event the next wake-up sets: take it before checking for work, then wait on it."""
+        return self._event
+
+
+class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+    """See RolloutService in rollout.proto for each rpc's contract."""
+
+    def __init__(
+        self, store: RolloutStore, *, heartbeat_interval_s: float, node_timeout_s: float, max_attempts: int
+    ) -> None:
+        if not heartbeat_interval_s > 0:
+            raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
+        if not node_timeout_s > heartbeat_interval_s:
+            raise ValueError(
+                f"node_timeout_s ({node_timeout_s}) must exceed heartbeat_interval_s ({heartbeat_interval_s}):"
+                " a node waiting in its heartbeat would otherwise look dead"
+            )
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        self._store = store
+        self._interval = heartbeat_interval_s
+        self._node_timeout = node_timeout_s
+        self._max_attempts = max_attempts
+        self._work = _Wakeup()  # pending sessions, cancels or a newer heartbeat: polls look again
+        self._releases = _Wakeup()  # groups released: result streams look again
+        self._polls: dict[str, object] = {}  # node id -> its current heartbeat's token
+        self._new_cancels: dict[str, set[str]] = {}  # node id -> cancels not yet in a response
+        # Monotonic time each node was last heard from. Nodes of an existing store start counting
+        # now: a restarted server gives every node a full timeout to come back.
+        started = time.monotonic()
+        self._heard: dict[str, float] = {node.node_id: started for node in store.nodes()}
+        self._stopping = False
+        self._reaper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_dead_nodes(), name="rollout dead-node check")
+
+    async def stop(self) -> None:
+        """End waiting heartbeats (empty responses) and result streams (UNAVAILABLE) now."""
+        self._stopping = True
+        self._work.wake()
+        self._releases.wake()
+        if self._reaper is not None:
+            self._reaper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reaper
+
+    # Unary.
+    async def SubmitTasks(
+        self, request: rollout_pb2.SubmitTasksRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.SubmitTasksResponse:
+        tasks = [normalize_task(task) for task in request.tasks]
+        problems = []
+        first_index: dict[str, int] = {}
+        for index, task in enumerate(tasks):
+            problems += [f"tasks[{index}].{problem}" for problem in validate_task(task)]
+            if task.task_id in first_index:
+                problems.append(f"tasks[{index}].task_id: {task.task_id!r} repeats tasks[{first_index[task.task_id]}]")
+            first_index.setdefault(task.task_id, index)
+        if problems:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
+        try:
+            self._store.add_tasks(tasks, time.time())
+        except TaskExists as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        self._work.wake()
+        return rollout_pb2.SubmitTasksResponse(task_ids=[task.task_id for task in tasks])
+
+    # Server-streaming.
+    async def WatchResults(
+        self, request: rollout_pb2.WatchResultsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[rollout_pb2.WatchResultsResponse]:
+        if request.max_groups_per_batch < 0:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"max_groups_per_batch: must be >= 0, got {request.max_groups_per_batch}",
+            )
+        try:
+            cursor = self._store.parse_cursor(request.cursor)
+        except InvalidCursor as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        max_groups = request.max_groups_per_batch or DEFAULT_GROUPS_PER_BATCH
+        # An export ends with what was released when it asked, however long sending that takes.
+        end = self._store.last_release() if request.until_caught_up else None
+        while True:
+            if self._stopping:
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE, "the rollout server is stopping; resume from the last cursor"
+                )
+            released = self._releases.current()
+            groups = self._store.released_groups(cursor, max_groups=max_groups, max_bytes=BATCH_BYTES, up_to=end)
+            if groups:
+                yield await asyncio.to_thread(_results_message, groups)
+                cursor = groups[-1].seq
+            elif request.until_caught_up:
+                return
+            else:
+                await released.wait()
+
+    # Unary.
+    async def GetTaskStatus(
+        self, request: rollout_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GetTaskStatusResponse:
+        try:
+            statuses = self._store.task_statuses(list(request.task_ids))
+        except UnknownTask as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return rollout_pb2.GetTaskStatusResponse(tasks=statuses)
+
+    # Unary.
+    async def GetSessionStatus(
+        self, request: rollout_pb2.GetSessionStatusRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.GetSessionStatusResponse:
+        try:
+            status = self._store.session_status(request.session_id, time.time())
+        except UnknownSession as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        return rollout_pb2.GetSessionStatusResponse(status=status)
+
+    # Unary.
+    async def Cancel(
+        self, request: rollout_pb2.CancelRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.CancelResponse:
+        try:
+            record = self._store.cancel(list(request.task_ids), list(request.session_ids), time.time())
+        except (UnknownTask, UnknownSession) as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        for node_id, session_ids in record.held.items():
+            self._new_cancels.setdefault(node_id, set()).update(session_ids)
+        if record.held:
+            self._work.wake()
+        if record.released_groups:
+            self._releases.wake()
+        return rollout_pb2.CancelResponse(cancelled=record.cancelled)
+
+    # Unary.
+    async def RegisterNode(
+        self, request: rollout_pb2.RegisterNodeRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.RegisterNodeResponse:
+        problems = _pool_problems(request.pools)
+        if not request.runtimes:
+            problems.append("runtimes: a node must offer at least one runtime kind")
+        if problems:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
+        node_id = f"node-{uuid.uuid4().hex[:12]}"
+        self._store.add_node(node_id, request, time.time())
+        self._heard[node_id] = time.monotonic()
+        log.info(
+            "node %s registered (gateway %s, runtimes %s)",
+            node_id,
+            request.gateway_address,
+            ", ".join(request.runtimes),
+        )
+        self._work.wake()
+        return rollout_pb2.RegisterNodeResponse(node_id=node_id, heartbeat_interval_seconds=self._interval)
+
+    # Unary, long-polled.
+    async def Heartbeat(
+        self, request: rollout_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.HeartbeatResponse:
+        node_id = request.node_id
+        listed = [progress.session_id for progress in request.sessions]
+        if self._store.node(node_id) is None:
+            # Declared dead (or never registered): whatever it holds was given to others.
+            return rollout_pb2.HeartbeatResponse(reregister=True, cancel=listed)
+        problems = _pool_problems(request.pools) + _progress_problems(request.sessions)
+        if problems:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
+        poll = object()
+        self._polls[node_id] = poll
+        self._heard[node_id] = time.monotonic()
+        self._work.wake()  # an older heartbeat of this node still waiting ends now
+        beat = self._store.record_heartbeat(node_id, request.pools, request.sessions, time.time(), self._max_attempts)
+        self._taken_back(node_id, "lost by its node", beat.lost)
+        in_postrun = [progress.session_id for progress in request.sessions if progress.state == POSTRUN]
+        deadline = time.monotonic() + self._interval
+        try:
+            while True:
+                changed = self._work.current()
+                if self._polls.get(node_id) is not poll or self._stopping:
+                    return rollout_pb2.HeartbeatResponse(cancel=beat.foreign)
+                start = self._store.dispatch(node_id, time.time())
+                new_cancels = self._new_cancels.pop(node_id, None)
+                remaining = deadline - time.monotonic()
+                if start or new_cancels or remaining <= 0:
+                    cancel = self._store.cancels_for(node_id, exclude=in_postrun) + list(beat.foreign)
+                    return rollout_pb2.HeartbeatResponse(start=start, cancel=cancel)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+        finally:
+            if self._polls.get(node_id) is poll:
+                del self._polls[node_id]
+                self._heard[node_id] = time.monotonic()
+
+    # Unary.
+    async def ReportSession(
+        self, request: rollout_pb2.ReportSessionRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ReportSessionResponse:
+        trajectory = request.trajectory
+        problems = []
+        if not request.HasField("trajectory"):
+            problems.append("trajectory: required")
+        elif trajectory.outcome == common_pb2.SESSION_OUTCOME_UNSPECIFIED:
+            problems.append("trajectory.outcome: required (how the session ended)")
+        if trajectory.session_id not in ("", request.session_id):
+            problems.append(f"trajectory.session_id: {trajectory.session_id!r} is not the reported session")
+        if problems:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
+        try:
+            target = self._store.report_target(request.node_id, request.session_id)
+            if target is None:
+                return rollout_pb2.ReportSessionResponse()  # DONE already: a repeated report
+            if trajectory.attempt not in (0, target.attempt):
+                raise NotAssigned(
+                    f"session {request.session_id!r} is on attempt {target.attempt}, not {trajectory.attempt}"
+                )
+            trajectory.trajectory_id = trajectory.session_id = request.session_id
+            trajectory.task_id = trajectory.group_id = target.task.task_id
+            trajectory.attempt = target.attempt
+            trajectory.stage_timings.queued_seconds = target.queued_seconds
+            trajectory.metadata.update(target.task.metadata)
+            compressed = await asyncio.to_thread(_compressed, trajectory)
+            released = self._store.record_report(
+                request.node_id, request.session_id, target.attempt, trajectory, compressed, time.time()
+            )
+        except UnknownSession as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except NotAssigned as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        if released:
+            self._releases.wake()
+        return rollout_pb2.ReportSessionResponse()
+
+    # --- dead nodes --------------------------------------------------------------------------------
+
+    async def _reap_dead_nodes(self) -> None:
+        while True:
+            await asyncio.sleep(min(self._node_timeout / 4, 1.0))
+            try:
+                self._remove_silent_nodes()
+            except Exception:
+                # The check must outlive a failed round (a full disk, say): the next one retries.
+                log.exception("checking for dead nodes failed")
+
+    def _remove_silent_nodes(self) -> None:
+        now = time.monotonic()
+        for node in self._store.nodes():
+            heard = self._heard.setdefault(node.node_id, now)
+            if node.node_id in self._polls or now - heard <= self._node_timeout:
+                continue
+            requeued = self._store.remove_node(
+                node.node_id, f"node {node.node_id} stopped responding", time.time(), self._max_attempts
+            )
+            del self._heard[node.node_id]
+            self._new_cancels.pop(node.node_id, None)
+            log.warning("node %s sent no heartbeat for %.1f s: declared dead", node.node_id, now - heard)
+            self._taken_back(node.node_id, "its node died", requeued)
+
+    def _taken_back(self, node_id: str, why: str, requeued: Requeued) -> None:
+        if requeued.pending:
+            log.warning("sessions %s (%s, node %s): dispatched again", ", ".join(requeued.pending), why, node_id)
+            self._work.wake()
+        if requeued.finished:
+            log.warning(
+                "sessions %s (%s, node %s): finished without a result", ", ".join(requeued.finished), why, node_id
+            )
+        if requeued.released_groups:
+            self._releases.wake()
+
+
+def _listed(problems: list[str]) -> str:
+    shown = problems[:MAX_LISTED_PROBLEMS]
+    if len(problems) > len(shown):
+        shown.append(f"… and {len(problems) - len(shown)} more problems")
+    return "; ".join(shown)
+
+
+def _pool_problems(pools: Sequence[rollout_pb2.PoolStatus]) -> list[str]:
+    return [
+        f"pools[{index}].capacity: must be >= 0, got {pool.capacity}"
+        for index, pool in enumerate(pools)
+        if pool.capacity < 0
+    ]
+
+
+def _progress_problems(sessions: Sequence[rollout_pb2.SessionProgress]) -> list[str]:
+    problems = []
+    seen = set()
+    for index, progress in enumerate(sessions):
+        if progress.state not in HELD_STATES:
+            problems.append(
+                f"sessions[{index}].state: {_state_label(progress.state)} is not a node's stage"
+                " (INIT, READY, RUNNING or POSTRUN)"
+            )
+        if progress.session_id in seen:
+            problems.append(f"sessions[{index}].session_id: {progress.session_id!r} is listed twice")
+        seen.add(progress.session_id)
+        timings = progress.stage_timings
+        for field in ("init_seconds", "ready_seconds", "running_seconds", "postrun_seconds"):
+            seconds = getattr(timings, field)
+            if not math.isfinite(seconds) or seconds < 0:
+                problems.append(f"sessions[{index}].stage_timings.{field}: must be finite and >= 0, got {seconds}")
+    return problems
+
+
+def _state_label(state: int) -> str:
+    return rollout_pb2.SessionState.Name(state) if state in rollout_pb2.SessionState.values() else str(state)
+
+
+def _compressed(trajectory: common_pb2.Trajectory) -> bytes:
+    return codec.compress(trajectory.SerializeToString())
+
+
+def _results_message(groups: list[ReleasedGroup]) -> rollout_pb2.WatchResultsResponse:
+    """One WatchResults message: the groups' stored trajectories framed as one batch, compressed."""
+    serialized = [
+        codec.decompress(blob, max_bytes=MAX_MESSAGE_BYTES) for group in groups for blob in group.trajectories
+    ]
+    batch = codec.trajectory_batch(serialized)
+    return rollout_pb2.WatchResultsResponse(
+        cursor=str(groups[-1].seq),
+        zstd_trajectories=codec.compress(batch),
+        group_count=len(groups),
+        trajectory_count=len(serialized),
+        uncompressed_bytes=len(batch),
+    )
+
+
+@dataclass
+class RunningRollout:
+    """A started rollout server; `stop()` ends it and closes its store."""
+
+    server: grpc.aio.Server
+    servicer: RolloutServicer
+    store: RolloutStore
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float = 1.0) -> None:
+        await self.servicer.stop()
+        await self.server.stop(grace)
+        self.store.close()
+
+
+async def start_rollout_server(
+    store_path: str | Path,
+    address: str = "127.0.0.1:0",
+    *,
+    heartbeat_interval_s: float = 1.0,
+    node_timeout_s: float = 10.0,
+    max_attempts: int = 3,
+) -> RunningRollout:
+    """Open (or create) the store and serve the RolloutService on `address` ("host:port"; port 0
+    picks a free one)."""
+    store = RolloutStore(store_path)
+    try:
+        servicer = RolloutServicer(
+            store, heartbeat_interval_s=heartbeat_interval_s, node_timeout_s=node_timeout_s, max_attempts=max_attempts
+        )
+        # No SO_REUSEPORT: a second server on a taken port must fail to bind, not share its traffic.
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ]
+        )
+        rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot bind the rollout server to {address!r}")
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await server.start()
+        servicer.start()
+    except BaseException:
+        store.close()
+        raise
+    host = address.rsplit(":", 1)[0]
+    return RunningRollout(server, servicer, store, host, port)
+
+
+async def serve_rollout(
+    store_path: str | Path,
+    address: str,
+    *,
+    heartbeat_interval_s: float = 1.0,
+    node_timeout_s: float = 10.0,
+    max_attempts: int = 3,
+    on_ready: Callable[[RunningRollout], None] | None = None,
+) -> None:
+    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully."""
+    running = await start_rollout_server(
+        store_path,
+        address,
+        heartbeat_interval_s=heartbeat_interval_s,
+        node_timeout_s=node_timeout_s,
+        max_attempts=max_attempts,
+    )
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        if on_ready is not None:
+            on_ready(running)
+        await stopping.wait()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)
+        await running.stop(STOP_GRACE_SECONDS)
