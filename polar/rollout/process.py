@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import math
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -148,7 +149,8 @@ async def run_process(
             preexec_fn=_die_with_parent(os.getpid()),
         )
     except OSError as exc:
-        raise ProcessStartError(_start_error_text(argv[0], cwd, exc)) from exc
+        path = env.get("PATH", os.defpath)
+        raise ProcessStartError(_start_error_text(argv[0], cwd, path, exc)) from exc
     group = transport.get_pid()  # a session leader's process group id is its pid
     try:
         ending = await _wait_first(collector.exited, cancel, timeout_s)
@@ -251,11 +253,14 @@ def exit_text(exit_code: int) -> str:
     return f"killed by signal {name}"
 
 
-def _start_error_text(binary: str, cwd: str | Path, exc: OSError) -> str:
+def _start_error_text(command: str, cwd: str | Path, path: str, exc: OSError) -> str:
     if exc.filename is not None and str(exc.filename) == str(cwd):
-        return f"cannot start {binary!r}: working folder {str(cwd)!r}: {exc.strerror}"
+        return f"cannot start {command!r}: working folder {str(cwd)!r}: {exc.strerror}"
+    if os.sep not in command and shutil.which(command, path=path) is None:
+        # Looked up on PATH: an unreadable PATH folder on the way turns "not found" into EACCES.
+        return f"cannot start {command!r}: no such command on PATH"
     if isinstance(exc, PermissionError):
-        return f"cannot start {binary!r}: not executable ({exc.strerror})"
+        return f"cannot start {command!r}: not executable ({exc.strerror})"
     if isinstance(exc, FileNotFoundError):
-        return f"cannot start {binary!r}: no such file or command on PATH"
-    return f"cannot start {binary!r}: {exc.strerror or exc}"
+        return f"cannot start {command!r}: no such file"
+    return f"cannot start {command!r}: {exc.strerror or exc}"

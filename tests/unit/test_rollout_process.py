@@ -79,12 +79,14 @@ async def test_runs_in_cwd_with_exactly_env_and_stdin_at_end_of_file(tmp_path):
 
 
 async def test_missing_or_unrunnable_commands_raise_start_errors_that_name_them(tmp_path):
-    with pytest.raises(ProcessStartError, match="'no-such-harness-cli'.*no such file"):
+    with pytest.raises(ProcessStartError, match="'no-such-harness-cli': no such command on PATH"):
         await run_process(["no-such-harness-cli"], cwd=tmp_path, env=ENV, timeout_s=5)
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho hi\n")
-    with pytest.raises(ProcessStartError, match="script.sh'.*not executable"):
+    with pytest.raises(ProcessStartError, match="script.sh': not executable"):
         await run_process([str(script)], cwd=tmp_path, env=ENV, timeout_s=5)
+    with pytest.raises(ProcessStartError, match="gone.sh': no such file"):
+        await run_process([str(tmp_path / "gone.sh")], cwd=tmp_path, env=ENV, timeout_s=5)
     with pytest.raises(ProcessStartError, match="working folder .*missing"):
         await run_process(["sh", "-c", "true"], cwd=tmp_path / "missing", env=ENV, timeout_s=5)
 
