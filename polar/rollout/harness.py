@@ -22,7 +22,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from polar.v1 import rollout_pb2
@@ -245,6 +245,7 @@ def prepare_launch(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext, *, search
     preset = PRESETS.get(spec.preset)
     if preset is None:
         raise HarnessError(f"unknown harness preset {spec.preset!r} (known: {', '.join(PRESETS)})")
+    ctx = replace(ctx, base_url=ctx.base_url.rstrip("/"))  # every dialect appends its own path
     path = os.pathsep.join(part for part in (search_path, os.environ.get("PATH", "")) if part)
     argv, preset_env = preset.build(spec, ctx)
     argv = [_resolve(argv[0], path, preset), *argv[1:]]

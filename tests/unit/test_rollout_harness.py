@@ -119,6 +119,12 @@ def test_every_base_url_is_the_gateway_and_every_key_the_session_key(preset, ctx
     assert env["ANTHROPIC_BASE_URL"] == env["GOOGLE_GEMINI_BASE_URL"] == BASE_URL
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_trailing_slash_on_the_base_url_is_dropped(preset, ctx, bin_dir):
+    env = launch_for(preset, replace(ctx, base_url=BASE_URL + "/"), bin_dir, command=["sh"]).env
+    assert (env["OPENAI_BASE_URL"], env["ANTHROPIC_BASE_URL"]) == (BASE_URL + "/v1", BASE_URL)
+
+
 @pytest.mark.parametrize("preset", CLI_PRESETS)
 def test_config_files_name_no_host_but_the_gateway(preset, ctx, bin_dir):
     launch_for(preset, ctx, bin_dir)
