@@ -103,9 +103,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._interval = heartbeat_interval_s
         self._node_timeout = node_timeout_s
         self._max_attempts = max_attempts
-        self._work = _Wakeup()  # pending sessions, cancels or a newer heartbeat: polls look again
         self._releases = _Wakeup()  # groups released: result streams look again
-        self._polls: dict[str, object] = {}  # node id -> its current heartbeat's token
+        # Node id -> the event its waiting heartbeat wakes on: set when there may be work for it
+        # (sessions pending, cancels) or when a newer heartbeat of the node replaces it.
+        self._polls: dict[str, asyncio.Event] = {}
         self._new_cancels: dict[str, set[str]] = {}  # node id -> cancels not yet in a response
         # Monotonic time each node was last heard from. Nodes of an existing store start counting
         # now: a restarted server gives every node a full timeout to come back.
@@ -120,7 +121,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def stop(self) -> None:
         """End waiting heartbeats (empty responses) and result streams (UNAVAILABLE) now."""
         self._stopping = True
-        self._work.wake()
+        self._wake_polls()
         self._releases.wake()
         if self._reaper is not None:
             self._reaper.cancel()
@@ -145,7 +146,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._store.add_tasks(tasks, time.time())
         except TaskExists as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
-        self._work.wake()
+        self._wake_polls()
         return rollout_pb2.SubmitTasksResponse(task_ids=[task.task_id for task in tasks])
 
     # Server-streaming.
@@ -209,8 +210,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         for node_id, session_ids in record.held.items():
             self._new_cancels.setdefault(node_id, set()).update(session_ids)
-        if record.held:
-            self._work.wake()
+            if (poll := self._polls.get(node_id)) is not None:
+                poll.set()
         if record.released_groups:
             self._releases.wake()
         return rollout_pb2.CancelResponse(cancelled=record.cancelled)
@@ -233,7 +234,6 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             request.gateway_address,
             ", ".join(request.runtimes),
         )
-        self._work.wake()
         return rollout_pb2.RegisterNodeResponse(node_id=node_id, heartbeat_interval_seconds=self._interval)
 
     # Unary, long-polled.
@@ -248,17 +248,18 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         problems = _pool_problems(request.pools) + _progress_problems(request.sessions)
         if problems:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
-        poll = object()
+        poll = asyncio.Event()
+        if (older := self._polls.get(node_id)) is not None:
+            older.set()  # it sees it was replaced and ends, assigning nothing
         self._polls[node_id] = poll
         self._heard[node_id] = time.monotonic()
-        self._work.wake()  # an older heartbeat of this node still waiting ends now
         beat = self._store.record_heartbeat(node_id, request.pools, request.sessions, time.time(), self._max_attempts)
         self._taken_back(node_id, "lost by its node", beat.lost)
         in_postrun = [progress.session_id for progress in request.sessions if progress.state == POSTRUN]
         deadline = time.monotonic() + self._interval
         try:
             while True:
-                changed = self._work.current()
+                poll.clear()  # before looking: a wake-up from now on is not missed
                 if self._polls.get(node_id) is not poll or self._stopping:
                     return rollout_pb2.HeartbeatResponse(cancel=beat.foreign)
                 start = self._store.dispatch(node_id, time.time())
@@ -268,7 +269,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                     cancel = self._store.cancels_for(node_id, exclude=in_postrun) + list(beat.foreign)
                     return rollout_pb2.HeartbeatResponse(start=start, cancel=cancel)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), remaining)
+                    await asyncio.wait_for(poll.wait(), remaining)
         finally:
             if self._polls.get(node_id) is poll:
                 del self._polls[node_id]
@@ -313,6 +314,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._releases.wake()
         return rollout_pb2.ReportSessionResponse()
 
+    def _wake_polls(self) -> None:
+        for poll in self._polls.values():
+            poll.set()
+
     # --- dead nodes --------------------------------------------------------------------------------
 
     async def _reap_dead_nodes(self) -> None:
@@ -341,7 +346,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     def _taken_back(self, node_id: str, why: str, requeued: Requeued) -> None:
         if requeued.pending:
             log.warning("sessions %s (%s, node %s): dispatched again", ", ".join(requeued.pending), why, node_id)
-            self._work.wake()
+            self._wake_polls()
         if requeued.finished:
             log.warning(
                 "sessions %s (%s, node %s): finished without a result", ", ".join(requeued.finished), why, node_id

@@ -93,12 +93,13 @@ CREATE TABLE nodes (
     base_url TEXT NOT NULL,
     runtimes TEXT NOT NULL,                   -- JSON list of runtime kinds
     pools TEXT NOT NULL,                      -- JSON {{name: [capacity, depth]}}, as last reported
-    registered_at REAL NOT NULL,
-    last_heartbeat REAL NOT NULL
+    registered_at REAL NOT NULL
 );
 """
 
 
+# What a heartbeat reports of each session, in the order record_heartbeat compares them.
+_PROGRESS_COLUMNS = ("state", "call_count", "init_s", "ready_s", "running_s", "postrun_s")
 # Sessions a task's mean reward counts: finished, and not cancelled (those were never scored).
 _SCORED = f"s.state = {DONE} AND s.outcome != {common_pb2.SESSION_OUTCOME_CANCELLED}"
 
@@ -292,15 +293,14 @@ class RolloutStore:
     def add_node(self, node_id: str, request: rollout_pb2.RegisterNodeRequest, now: float) -> None:
         with self._transaction() as db:
             db.execute(
-                "INSERT INTO nodes (node_id, gateway_address, base_url, runtimes, pools, registered_at, last_heartbeat)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO nodes (node_id, gateway_address, base_url, runtimes, pools, registered_at)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
                 (
                     node_id,
                     request.gateway_address,
                     request.base_url,
                     json.dumps(sorted(set(request.runtimes))),
                     _pools_json(request.pools),
-                    now,
                     now,
                 ),
             )
@@ -320,39 +320,46 @@ class RolloutStore:
         now: float,
         max_attempts: int,
     ) -> HeartbeatRecord:
-        """Stores the node's pools and its sessions' progress; takes back the sessions it lost."""
+        """Stores the node's pools and its sessions' progress; takes back the sessions it lost.
+        Writes only what changed, so an idle node's heartbeats cost no disk writes."""
         listed = {progress.session_id: progress for progress in sessions}
-        with self._transaction() as db:
-            db.execute(
-                "UPDATE nodes SET pools = ?, last_heartbeat = ? WHERE node_id = ?", (_pools_json(pools), now, node_id)
-            )
-            held = self._held(node_id)
-            lost = [row for row in held if row["session_id"] not in listed]
-            for row in held:
-                progress = listed.get(row["session_id"])
-                if progress is not None:
-                    timings = progress.stage_timings
-                    db.execute(
-                        "UPDATE sessions SET state = ?, call_count = ?, init_s = ?, ready_s = ?, running_s = ?,"
-                        " postrun_s = ? WHERE session_id = ?",
-                        (
-                            progress.state,
-                            progress.call_count,
-                            timings.init_seconds,
-                            timings.ready_seconds,
-                            timings.running_seconds,
-                            timings.postrun_seconds,
-                            row["session_id"],
-                        ),
-                    )
-            requeued = self._take_back(lost, f"node {node_id} lost the session", now, max_attempts)
-            mine = {row["session_id"] for row in held}
-            foreign = []
-            for session_id in listed.keys() - mine:
-                row = db.execute("SELECT state, node_id FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
-                # A DONE session of this node is one whose report is being acknowledged: still its own.
-                if row is None or row["state"] != DONE or row["node_id"] != node_id:
-                    foreign.append(session_id)
+        pools_json = _pools_json(pools)
+        pools_changed = (
+            self._db.execute("SELECT pools FROM nodes WHERE node_id = ?", (node_id,)).fetchone()["pools"] != pools_json
+        )
+        held = self._held(node_id)
+        lost = [row for row in held if row["session_id"] not in listed]
+        progressed = []
+        for row in held:
+            if (progress := listed.get(row["session_id"])) is not None:
+                timings = progress.stage_timings
+                values = (
+                    progress.state,
+                    progress.call_count,
+                    timings.init_seconds,
+                    timings.ready_seconds,
+                    timings.running_seconds,
+                    timings.postrun_seconds,
+                )
+                if values != tuple(row[column] for column in _PROGRESS_COLUMNS):
+                    progressed.append((*values, row["session_id"]))
+        requeued = Requeued()
+        if pools_changed or lost or progressed:
+            with self._transaction() as db:
+                db.execute("UPDATE nodes SET pools = ? WHERE node_id = ?", (pools_json, node_id))
+                db.executemany(
+                    f"UPDATE sessions SET {', '.join(f'{column} = ?' for column in _PROGRESS_COLUMNS)}"
+                    " WHERE session_id = ?",
+                    progressed,
+                )
+                requeued = self._take_back(lost, f"node {node_id} lost the session", now, max_attempts)
+        mine = {row["session_id"] for row in held}
+        foreign = []
+        for session_id in listed.keys() - mine:
+            row = self._db.execute("SELECT state, node_id FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+            # A DONE session of this node is one whose report is being acknowledged: still its own.
+            if row is None or row["state"] != DONE or row["node_id"] != node_id:
+                foreign.append(session_id)
         return HeartbeatRecord(lost=requeued, foreign=tuple(sorted(foreign)))
 
     def dispatch(self, node_id: str, now: float) -> list[rollout_pb2.SessionAssignment]:
@@ -365,15 +372,17 @@ class RolloutStore:
         free = capacity - len(self._held(node_id))
         if free <= 0:
             return []
+        rows = self._db.execute(
+            "SELECT s.session_id, s.attempts, s.pending_since, s.queued_s, t.task FROM sessions s"
+            f" JOIN tasks t ON t.seq = s.task_seq WHERE s.state = {PENDING}"
+            f" AND s.runtime_kind IN ({','.join('?' * len(node.runtimes))})"
+            " ORDER BY s.priority DESC, s.task_seq, s.idx LIMIT ?",
+            (*node.runtimes, free),
+        ).fetchall()
+        assignments = []
+        if not rows:
+            return assignments
         with self._transaction() as db:
-            rows = db.execute(
-                "SELECT s.session_id, s.attempts, s.pending_since, s.queued_s, t.task FROM sessions s"
-                f" JOIN tasks t ON t.seq = s.task_seq WHERE s.state = {PENDING}"
-                f" AND s.runtime_kind IN ({','.join('?' * len(node.runtimes))})"
-                " ORDER BY s.priority DESC, s.task_seq, s.idx LIMIT ?",
-                (*node.runtimes, free),
-            ).fetchall()
-            assignments = []
             for row in rows:
                 db.execute(
                     "UPDATE sessions SET state = ?, node_id = ?, attempts = attempts + 1, pending_since = NULL,"
