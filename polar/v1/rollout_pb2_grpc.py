@@ -99,7 +99,7 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetTaskStatus(self, request, context):
-        """Unary. Status of tasks (all tasks when task_ids is empty).
+        """Unary. Status of tasks (all tasks when task_ids is empty). NOT_FOUND names any unknown id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -114,7 +114,8 @@ class RolloutServiceServicer:
 
     def Cancel(self, request, context):
         """Unary. Cancels tasks or sessions; running sessions are stopped and still pass POSTRUN, so their
-        partial calls are kept and marked cancelled.
+        partial calls are kept and marked cancelled; pending sessions finish at once, cancelled, with an
+        empty trajectory. NOT_FOUND, cancelling nothing, when any id is unknown.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,7 +139,9 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportSession(self, request, context):
-        """Unary. A node reports a session's final result (trajectory or error).
+        """Unary. A node reports a session's final result (trajectory or error). A repeated report of a
+        finished session is acknowledged and ignored; NOT_FOUND for an unknown session;
+        FAILED_PRECONDITION when the node does not hold the session (any more).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
