@@ -32,13 +32,13 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from polar.children import dying_with_parent
 from polar.config import EnvoyConfig
 from polar.stack import (
     INFERENCE_SERVICE,
     ServiceSpec,
     StackError,
     _connectable,
-    _die_with_parent,
     free_port,
     join_host_port,
 )
@@ -149,7 +149,7 @@ def running(config_text: str, workers: int = 0, startup_timeout_s: float = START
         ]  # fmt: skip
         if workers:
             argv += ["--concurrency", str(workers)]
-        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent(os.getpid()))
+        process = subprocess.Popen(dying_with_parent(argv), stdin=subprocess.DEVNULL)
         try:
             yield _await_ready(process, admin_path, startup_timeout_s)
         finally:

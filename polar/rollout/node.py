@@ -64,7 +64,7 @@ class SessionRun:
 
     assignment: rollout_pb2.SessionAssignment
     clock: StageClock = field(default_factory=StageClock)
-    state: int = rollout_pb2.SESSION_STATE_INIT
+    state: int = rollout_pb2.SESSION_STATE_INIT  # until it has a runtime; its clock starts with a stage
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     gateway_session: Session | None = None
     task: asyncio.Task | None = None
@@ -215,7 +215,6 @@ class Node:
         if assignment.session_id in self.runs:
             return  # already held: the server repeated itself
         run = SessionRun(assignment)
-        run.enter(rollout_pb2.SESSION_STATE_INIT, "init")
         self.runs[run.session_id] = run
         run.task = asyncio.create_task(self._run_session(run), name=f"session {run.session_id}")
 
@@ -281,6 +280,7 @@ class Node:
             return prewarmed[0]
         if (evicted := self.ready.evict_for(key)) is not None:
             self._spawn(evicted.close())
+        run.enter(rollout_pb2.SESSION_STATE_INIT, "init")
         async with self.init.slot():
             if run.cancel.is_set():
                 return None
@@ -493,7 +493,9 @@ async def start_node(
     )
     pools: Node | None = None
     try:
-        pools = Node(node, running_gateway, available_providers(work_root), rollout_address)
+        # The docker check may wait seconds for an engine: off the event loop, which serves the gateway.
+        providers = await asyncio.to_thread(available_providers, work_root)
+        pools = Node(node, running_gateway, providers, rollout_address)
         pools.start()
         await pools.wait_registered(register_timeout_s)
     except BaseException:

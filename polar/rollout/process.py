@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from polar.stack import _die_with_parent
+from polar.children import dying_with_parent
 
 OUTPUT_LIMIT = 65536
 KILL_GRACE_S = 2.0
@@ -136,20 +136,21 @@ async def run_process(
     cap = OutputCap(output_limit)
     started = time.monotonic()
     loop = asyncio.get_running_loop()
+    path = env.get("PATH", os.defpath)
+    # Resolved here, not by the exec inside `setpriv`, so a missing command is an error, not exit 127.
+    executable = _resolve(argv[0], cwd, path)
     try:
         transport, collector = await loop.subprocess_exec(
             lambda: _Collector(cap),
-            *argv,
+            *dying_with_parent([executable, *argv[1:]], "KILL"),
             cwd=cwd,
             env=dict(env),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
         )
     except OSError as exc:
-        path = env.get("PATH", os.defpath)
         raise ProcessStartError(_start_error_text(argv[0], cwd, path, exc)) from exc
     group = transport.get_pid()  # a session leader's process group id is its pid
     try:
@@ -251,6 +252,24 @@ def exit_text(exit_code: int) -> str:
     except ValueError:
         name = str(-exit_code)
     return f"killed by signal {name}"
+
+
+def _resolve(command: str, cwd: str | Path, path: str) -> str:
+    """The file that `command` names (looked up on `path` when it has no slash); ProcessStartError
+    when there is none or it cannot be executed."""
+    if not Path(cwd).is_dir():
+        raise ProcessStartError(f"cannot start {command!r}: working folder {str(cwd)!r}: no such folder")
+    if os.sep not in command:
+        found = shutil.which(command, path=path)
+        if found is None:
+            raise ProcessStartError(f"cannot start {command!r}: no such command on PATH")
+        return found
+    file = Path(cwd) / command
+    if not file.exists():
+        raise ProcessStartError(f"cannot start {command!r}: no such file")
+    if file.is_dir() or not os.access(file, os.X_OK):
+        raise ProcessStartError(f"cannot start {command!r}: not executable")
+    return command
 
 
 def _start_error_text(command: str, cwd: str | Path, path: str, exc: OSError) -> str:

@@ -1,0 +1,245 @@
+"""A gateway node running sessions for a real rollout server: pools, prewarming, outcomes and faults.
+
+Real services on loopback ports (polar/rollout/testing.py): the rollout server on SQLite, the scripted
+inference server, Envoy, the node with its gateway; the harness is a real subprocess
+(rollout_harness.py) speaking OpenAI Chat Completions through Envoy. The scripted model answers with a
+`write_file` tool call, then, once the tool result is in the prompt, with a final message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from polar.rollout.testing import TEST_NODE, command_task, running_rollout
+from polar.trajectory import verify, views_from_protos
+from polar.trajectory.records import BuiltTrace
+from polar.v1 import common_pb2, rollout_pb2
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+HARNESS = str(Path(__file__).with_name("rollout_harness.py"))
+TOOL_CALL = '<tool_call>\n{"name": "write_file", "arguments": {"path": "out.txt", "content": "hello"}}\n</tool_call>'
+SCRIPT = {
+    "name": "polar-scripted",
+    "cycle": True,
+    "rules": [{"prompt_regex": "<tool_response>", "text": "Done: out.txt says hello."}],
+    "outputs": [{"text": TOOL_CALL}],
+}
+FOUND_HELLO = 'test "$(cat out.txt)" = hello'
+OUTCOME = common_pb2.SessionOutcome
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def harness(mode: str = "normal") -> list[str]:
+    return [sys.executable, HARNESS, mode]
+
+
+def assert_faithful(trajectory: common_pb2.Trajectory) -> None:
+    """Every trainable token of every trace is one the engine sampled, with its logprob."""
+    calls = views_from_protos(trajectory.calls)
+    traces = [BuiltTrace.from_proto(trace) for trace in trajectory.traces]
+    report = verify(calls, traces)
+    assert report.ok, report.render()
+
+
+async def test_a_group_runs_end_to_end_and_arrives_whole() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        [task_id] = await rollout.submit(
+            command_task(harness(), instruction="Write hello to out.txt.", group_size=2, evaluator=FOUND_HELLO,
+                         metadata={"suite": "smoke"})
+        )  # fmt: skip
+        [group] = await rollout.groups(1)
+    assert [t.session_id for t in group] == [f"{task_id}.0", f"{task_id}.1"]
+    for trajectory in group:
+        assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED, trajectory.error
+        assert trajectory.group_id == task_id and trajectory.task_id == task_id
+        assert trajectory.reward == 1.0
+        assert len(trajectory.calls) == 2
+        assert len(trajectory.traces) == 1  # the second call extends the first: one merged trace
+        assert trajectory.builder == "prefix_merging"
+        assert_faithful(trajectory)
+        assert trajectory.attempt == 1 and trajectory.harness_exit_code == 0
+        assert "Done: out.txt says hello." in trajectory.harness_output
+        assert trajectory.metadata["suite"] == "smoke"
+        timings = trajectory.stage_timings
+        assert timings.running_seconds > 0 and timings.postrun_seconds > 0
+        assert timings.queued_seconds >= 0
+
+
+async def test_the_task_builder_is_used() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        await rollout.submit(command_task(harness(), builder="per_request"))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.builder == "per_request"
+    assert len(trajectory.traces) == 2
+    assert_faithful(trajectory)
+
+
+async def test_a_prewarmed_session_skips_init() -> None:
+    config = dataclasses.replace(TEST_NODE, prewarm=True, ready_slots=2)
+    async with running_rollout(SCRIPT, node=config) as rollout:
+        node = rollout.nodes[0].node
+        async with asyncio.timeout(30):
+            while node.ready.size < 2:
+                await asyncio.sleep(0.02)
+        await rollout.submit(command_task(harness(), evaluator=FOUND_HELLO))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED, trajectory.error
+    assert trajectory.stage_timings.init_seconds == 0.0
+    assert trajectory.reward == 1.0
+
+
+async def test_without_prewarming_every_session_passes_init() -> None:
+    config = dataclasses.replace(TEST_NODE, prewarm=False)
+    async with running_rollout(SCRIPT, node=config) as rollout:
+        await rollout.submit(command_task(harness()))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.stage_timings.init_seconds > 0.0
+    assert rollout.nodes[0].node.ready.size == 0
+
+
+async def test_a_crashing_harness_keeps_its_calls() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        await rollout.submit(command_task(harness("crash"), evaluator="echo 0.25"))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_FAILED
+    assert "exited with code 3" in trajectory.error
+    assert trajectory.harness_exit_code == 3
+    assert "harness: giving up" in trajectory.harness_output
+    assert len(trajectory.calls) == 1
+    assert_faithful(trajectory)
+    assert trajectory.reward == 0.25  # the evaluator still judged what the harness left behind
+
+
+async def test_a_harness_past_its_timeout_is_killed_with_its_children() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        await rollout.submit(command_task(harness("hang"), timeout_s=3.0))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_TIMED_OUT
+    assert "timeout of 3 s" in trajectory.error
+    assert len(trajectory.calls) == 1
+    assert 3.0 <= trajectory.stage_timings.running_seconds < 20.0
+    assert not _processes_running(HARNESS) and not _processes_running("time.sleep(600)")
+
+
+async def test_a_harness_that_never_calls_the_model() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        await rollout.submit(command_task(harness("silent")))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_FAILED
+    assert "without calling the model" in trajectory.error
+    assert len(trajectory.calls) == 0 and len(trajectory.traces) == 0
+
+
+async def test_a_flooding_harness_is_capped_and_still_completes() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        await rollout.submit(command_task(harness("flood"), evaluator=FOUND_HELLO))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED, trajectory.error
+    assert len(trajectory.calls) == 2 and trajectory.reward == 1.0
+    assert len(trajectory.harness_output.encode()) <= TEST_NODE.harness_output_limit + 200
+    assert "omitted" in trajectory.harness_output
+
+
+async def test_a_failing_prepare_step_fails_the_session_without_running_the_harness() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        runtime = rollout_pb2.RuntimeSpec(kind="local", prepare=["echo preparing", "exit 7"])
+        await rollout.submit(command_task(harness(), runtime=runtime))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_FAILED
+    assert trajectory.error.startswith("runtime:") and "exit 7" in trajectory.error
+    assert len(trajectory.calls) == 0
+    assert trajectory.stage_timings.running_seconds == 0.0
+
+
+async def test_a_crashing_evaluator_fails_the_session_and_keeps_the_calls() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        await rollout.submit(command_task(harness(), evaluator="echo broken >&2; kill -SEGV $$"))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_FAILED
+    assert "evaluator:" in trajectory.error
+    assert trajectory.reward == 0.0
+    assert len(trajectory.calls) == 2
+    assert_faithful(trajectory)
+
+
+async def test_a_cancelled_running_session_keeps_its_partial_calls() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        [task_id] = await rollout.submit(command_task(harness("hang"), timeout_s=120))
+        session_id = f"{task_id}.0"
+        async with asyncio.timeout(30):
+            while (await rollout.session_status(session_id)).call_count < 1:
+                await asyncio.sleep(0.05)
+        response = await rollout.stub.Cancel(rollout_pb2.CancelRequest(session_ids=[session_id]), timeout=10)
+        assert response.cancelled == 1
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_CANCELLED
+    assert len(trajectory.calls) == 1
+    assert not _processes_running("time.sleep(600)")
+
+
+async def test_session_status_follows_the_stages() -> None:
+    async with running_rollout(SCRIPT) as rollout:
+        [task_id] = await rollout.submit(command_task(harness("slow"), evaluator=FOUND_HELLO))
+        running = await rollout.wait_for_state(f"{task_id}.0", rollout_pb2.SESSION_STATE_RUNNING)
+        assert running.node_id == rollout.nodes[0].node.node_id
+        done = await rollout.wait_for_state(f"{task_id}.0", rollout_pb2.SESSION_STATE_DONE)
+    assert done.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED and done.reward == 1.0
+    assert done.call_count == 2 and done.attempts == 1
+
+
+async def test_a_restarted_rollout_server_loses_nothing(tmp_path: Path) -> None:
+    """The server stops while a session runs and a finished group is stored; started again on the same
+    store and port, it still has the finished group, and the node's running session reports into it."""
+    from polar.rollout.server import start_rollout_server
+
+    async with running_rollout(SCRIPT, store_path=tmp_path / "rollout.db") as rollout:
+        [first] = await rollout.submit(command_task(harness(), evaluator=FOUND_HELLO))
+        [[finished]] = await rollout.groups(1)
+        [second] = await rollout.submit(_slow_task())
+        await rollout.wait_for_state(f"{second}.0", rollout_pb2.SESSION_STATE_RUNNING)
+        address = rollout.rollout.address
+        await rollout.rollout.stop()
+        await asyncio.sleep(0.5)
+        rollout.rollout = await start_rollout_server(
+            rollout.store_path, address, heartbeat_interval_s=0.5, node_timeout_s=5.0
+        )
+        groups = await rollout.groups(2)
+    assert [group[0].task_id for group in groups] == [first, second]
+    assert groups[0][0] == finished
+    [after] = groups[1]
+    assert after.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED, after.error
+    assert after.attempt == 1 and after.reward == 1.0 and len(after.calls) == 2
+
+
+def _slow_task() -> rollout_pb2.Task:
+    task = command_task(harness("slow"), evaluator=FOUND_HELLO)
+    task.harness.env["POLAR_TEST_PAUSE"] = "3"
+    return task
+
+
+def _processes_running(needle: str) -> list[int]:
+    """Pids of live processes whose command line contains `needle` (zombies excluded)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found
+
