@@ -253,11 +253,13 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             older.set()  # it sees it was replaced and ends, assigning nothing
         self._polls[node_id] = poll
         self._heard[node_id] = time.monotonic()
-        beat = self._store.record_heartbeat(node_id, request.pools, request.sessions, time.time(), self._max_attempts)
-        self._taken_back(node_id, "lost by its node", beat.lost)
-        in_postrun = [progress.session_id for progress in request.sessions if progress.state == POSTRUN]
-        deadline = time.monotonic() + self._interval
         try:
+            beat = self._store.record_heartbeat(
+                node_id, request.pools, request.sessions, time.time(), self._max_attempts
+            )
+            self._taken_back(node_id, "lost by its node", beat.lost)
+            in_postrun = [progress.session_id for progress in request.sessions if progress.state == POSTRUN]
+            deadline = time.monotonic() + self._interval
             while True:
                 poll.clear()  # before looking: a wake-up from now on is not missed
                 if self._polls.get(node_id) is not poll or self._stopping:
