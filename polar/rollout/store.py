@@ -6,17 +6,18 @@ restart. One server owns a store at a time (exclusive locking); a second one is 
 
 A session's life in the store::
 
-    PENDING ──dispatch──▶ INIT / READY / RUNNING / POSTRUN (held by a node) ──report──▶ DONE
-       ▲                       │
-       └── lost or node dead ──┤ (attempts < max_attempts; else DONE, FAILED)
-                               └── cancelled while PENDING ──▶ DONE, CANCELLED
+    PENDING ──dispatch──▶ INIT / READY / RUNNING / POSTRUN ──report──▶ DONE
+     │  ▲                   (held by a node; a cancel is passed on to it)
+     │  └── lost by its node, or the node died, with attempts left; else DONE: FAILED, or
+     │      CANCELLED if a cancel was asked for
+     └── cancelled ──▶ DONE: CANCELLED
 
 A task's group is released (given the next cursor) in the transaction that makes its last session
 DONE. Methods take the current time (`now`, Unix seconds) from the caller.
 
 Exceptions::
 
-    StoreError              the file cannot be opened as a rollout store (or is in use)
+    StoreError              the base; itself: the file is no rollout store, or is in use
     ├── TaskExists          a submitted task id is taken
     ├── UnknownTask         no task has that id
     ├── UnknownSession      no session has that id
@@ -105,7 +106,7 @@ _SCORED = f"s.state = {DONE} AND s.outcome != {common_pb2.SESSION_OUTCOME_CANCEL
 
 
 class StoreError(Exception):
-    """The rollout store cannot be used; the message says which file and why."""
+    """Base of the store's errors; raised itself when the file cannot be opened as a rollout store."""
 
 
 class TaskExists(StoreError):
@@ -541,7 +542,7 @@ class RolloutStore:
         task = rollout_pb2.Task.FromString(
             self._db.execute("SELECT task FROM tasks WHERE seq = ?", (row["task_seq"],)).fetchone()["task"]
         )
-        queued = row["queued_s"] + (now - row["pending_since"] if row["state"] == PENDING else 0.0)
+        queued = row["queued_s"] + (max(0.0, now - row["pending_since"]) if row["state"] == PENDING else 0.0)
         trajectory = common_pb2.Trajectory(
             trajectory_id=row["session_id"],
             session_id=row["session_id"],
