@@ -35,8 +35,10 @@ COMPLETED, CANCELLED, FAILED = (
     common_pb2.SESSION_OUTCOME_CANCELLED,
     common_pb2.SESSION_OUTCOME_FAILED,
 )
-# Short enough for quick tests, long enough that a loaded 2-core machine keeps its heartbeats in time.
-FAST = {"heartbeat_interval_s": 0.2, "node_timeout_s": 0.8, "max_attempts": 2}
+# Quick heartbeats; a node timeout long enough that no test's node dies of a slow (loaded) machine.
+# Tests of dead nodes set a short one.
+FAST = {"heartbeat_interval_s": 0.2, "node_timeout_s": 5.0, "max_attempts": 2}
+SHORT_NODE_TIMEOUT_S = 0.8
 
 
 @pytest.fixture(scope="module")
@@ -405,7 +407,7 @@ async def test_a_session_the_node_stops_listing_is_lost_and_dispatched_again(sta
 
 
 async def test_a_silent_node_is_dead_and_its_sessions_go_to_another(start):
-    _, stub = await start(max_attempts=2)
+    _, stub = await start(node_timeout_s=SHORT_NODE_TIMEOUT_S)
     await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t", 2)]))
     silent = await DriverNode(stub).register()
     assert len((await silent.beat()).start) == 2
@@ -429,7 +431,7 @@ async def test_a_silent_node_is_dead_and_its_sessions_go_to_another(start):
 
 
 async def test_a_dead_node_on_the_last_attempt_fails_its_sessions_and_completes_the_group(start):
-    _, stub = await start(max_attempts=1)
+    _, stub = await start(max_attempts=1, node_timeout_s=SHORT_NODE_TIMEOUT_S)
     await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t", 2)]))
     node = await DriverNode(stub, running=1).register()
     await node.beat()
@@ -493,7 +495,7 @@ async def test_a_cancel_is_repeated_until_the_node_reaches_postrun(start):
 
 
 async def test_cancel_of_a_held_session_whose_node_dies_finishes_it_cancelled(start):
-    _, stub = await start()
+    _, stub = await start(node_timeout_s=SHORT_NODE_TIMEOUT_S)
     await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t")]))
     node = await DriverNode(stub).register()
     await node.beat()
