@@ -191,6 +191,29 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         return rollout_pb2.GetTaskStatusResponse(tasks=statuses)
 
     # Unary.
+    async def ListNodes(
+        self, request: rollout_pb2.ListNodesRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ListNodesResponse:
+        now = time.monotonic()
+        return rollout_pb2.ListNodesResponse(
+            nodes=[
+                rollout_pb2.NodeInfo(
+                    node_id=node.node_id,
+                    gateway_address=node.gateway_address,
+                    base_url=node.base_url,
+                    runtimes=node.runtimes,
+                    pools=[
+                        rollout_pb2.PoolStatus(name=name, capacity=capacity, depth=depth)
+                        for name, (capacity, depth) in node.pools.items()
+                    ],
+                    session_count=self._store.held_count(node.node_id),
+                    seconds_since_heartbeat=0.0 if node.node_id in self._polls else now - self._heard.get(node.node_id, now),
+                )
+                for node in self._store.nodes()
+            ]
+        )
+
+    # Unary.
     async def GetSessionStatus(
         self, request: rollout_pb2.GetSessionStatusRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GetSessionStatusResponse:

@@ -417,6 +417,12 @@ class RolloutStore:
             db.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,))
         return requeued
 
+    def held_count(self, node_id: str) -> int:
+        """Sessions assigned to the node and not yet reported."""
+        return self._db.execute(
+            f"SELECT COUNT(*) FROM sessions WHERE node_id = ? AND state BETWEEN {INIT} AND {POSTRUN}", (node_id,)
+        ).fetchone()[0]
+
     def _held(self, node_id: str) -> list[sqlite3.Row]:
         return self._db.execute(
             f"SELECT * FROM sessions WHERE node_id = ? AND state BETWEEN {INIT} AND {POSTRUN} ORDER BY task_seq, idx",

@@ -28,7 +28,7 @@ from polar.envoy import running_async
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
 from polar.rollout.node import RunningNode, start_node
-from polar.rollout.server import RunningRollout, start_rollout_server
+from polar.rollout.server import MAX_MESSAGE_BYTES, RunningRollout, start_rollout_server
 from polar.stack import free_port, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -91,6 +91,9 @@ class RolloutHandle:
             finally:
                 call.cancel()
         return groups
+
+    async def nodes(self) -> list[rollout_pb2.NodeInfo]:
+        return list((await self.stub.ListNodes(rollout_pb2.ListNodesRequest(), timeout=10)).nodes)
 
     async def session_status(self, session_id: str) -> rollout_pb2.SessionStatus:
         response = await self.stub.GetSessionStatus(rollout_pb2.GetSessionStatusRequest(session_id=session_id), timeout=10)
@@ -155,7 +158,9 @@ async def running_rollout(
             max_attempts=max_attempts,
         )
         stack.push_async_callback(rollout.stop)
-        channel = grpc.aio.insecure_channel(rollout.address)
+        channel = grpc.aio.insecure_channel(
+            rollout.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        )
         stack.push_async_callback(channel.close)
         handle = RolloutHandle(
             rollout=rollout,

@@ -301,3 +301,31 @@ class ReportSessionRequest(_message.Message):
 class ReportSessionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeInfo(_message.Message):
+    __slots__ = ("node_id", "gateway_address", "base_url", "runtimes", "pools", "session_count", "seconds_since_heartbeat")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    RUNTIMES_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    gateway_address: str
+    base_url: str
+    runtimes: _containers.RepeatedScalarFieldContainer[str]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    session_count: int
+    seconds_since_heartbeat: float
+    def __init__(self, node_id: _Optional[str] = ..., gateway_address: _Optional[str] = ..., base_url: _Optional[str] = ..., runtimes: _Optional[_Iterable[str]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., session_count: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+
+class ListNodesResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...

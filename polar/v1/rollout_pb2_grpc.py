@@ -75,6 +75,11 @@ class RolloutServiceStub:
                 request_serializer=polar_dot_v1_dot_rollout__pb2.ReportSessionRequest.SerializeToString,
                 response_deserializer=polar_dot_v1_dot_rollout__pb2.ReportSessionResponse.FromString,
                 _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/polar.v1.RolloutService/ListNodes',
+                request_serializer=polar_dot_v1_dot_rollout__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_rollout__pb2.ListNodesResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -147,6 +152,13 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListNodes(self, request, context):
+        """Unary. The live nodes, each with its pools as of its latest heartbeat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +201,11 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.ReportSession,
                     request_deserializer=polar_dot_v1_dot_rollout__pb2.ReportSessionRequest.FromString,
                     response_serializer=polar_dot_v1_dot_rollout__pb2.ReportSessionResponse.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=polar_dot_v1_dot_rollout__pb2.ListNodesRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_rollout__pb2.ListNodesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -408,6 +425,33 @@ class RolloutService:
             '/polar.v1.RolloutService/ReportSession',
             polar_dot_v1_dot_rollout__pb2.ReportSessionRequest.SerializeToString,
             polar_dot_v1_dot_rollout__pb2.ReportSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polar.v1.RolloutService/ListNodes',
+            polar_dot_v1_dot_rollout__pb2.ListNodesRequest.SerializeToString,
+            polar_dot_v1_dot_rollout__pb2.ListNodesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -673,3 +673,22 @@ async def test_a_restarted_server_keeps_results_and_nodes(start, tmp_path):
     group = trajectories(await results(stub, cursor="1"))
     assert [(t.session_id, t.attempt) for t in group] == [("t.0", 1), ("t.1", 1), ("t.2", 2), ("t.3", 2)]
     assert [m.cursor for m in await results(stub)] == ["2"]
+
+
+async def test_list_nodes_shows_pools_and_held_sessions(start) -> None:
+    _, stub = await start()
+    assert list((await stub.ListNodes(rollout_pb2.ListNodesRequest())).nodes) == []
+    node = await DriverNode(stub, running=2, ready=1).register()
+    await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t", group_size=2)]))
+    await node.beat()
+    node.pools[2].depth = 2
+    await node.beat()
+    [info] = (await stub.ListNodes(rollout_pb2.ListNodesRequest())).nodes
+    assert info.node_id == node.node_id
+    assert info.gateway_address == "127.0.0.1:1" and info.base_url == "http://127.0.0.1:2"
+    assert list(info.runtimes) == ["local"]
+    assert {pool.name: (pool.capacity, pool.depth) for pool in info.pools} == {
+        "init": (4, 0), "ready": (1, 0), "running": (2, 2)
+    }  # fmt: skip
+    assert info.session_count == 2
+    assert 0 <= info.seconds_since_heartbeat < 5
