@@ -273,7 +273,8 @@ class Node:
             )
         key = spec_key(spec)
         if self.config.prewarm:
-            self.ready.want(key, spec)
+            for unwanted in self.ready.want(key, spec):
+                self._spawn(unwanted.close())
         prewarmed = self.ready.take(key)
         if prewarmed is not None:
             self._prewarm_wakeup.set()

@@ -7,9 +7,11 @@ of slots and the sessions in it now, which is what heartbeats report.
 Prewarming: runtimes do not depend on the task, only on its `RuntimeSpec` (kind, template, prepare
 commands, image), so INIT may prepare them before any session asks. `ReadyBuffer` keeps up to
 `capacity` such runtimes, keyed by the spec's fingerprint; a session whose spec has one takes it and
-skips INIT entirely. Which specs to keep warm: those configured for the node, then those of recently
-assigned tasks, most recent first. When the buffer is full of other specs and a session finds none of
-its own, the least recently wanted spec gives up a runtime so the next refill can serve the new one.
+skips INIT entirely. Which specs to keep warm: those of recently assigned tasks, sharing the buffer
+evenly with the most recent first; before any task was seen, the node's configured specs (the default
+empty workspace), which step aside as soon as a task wants another spec. When the buffer is full of
+other specs and a session finds none of its own, the least recently wanted spec gives up a runtime
+so the next refill can serve the new one.
 """
 
 from __future__ import annotations
@@ -75,22 +77,35 @@ class ReadyBuffer(Generic[PrewarmedRuntime]):
 
     def __init__(self, capacity: int, configured: Iterable[tuple[str, rollout_pb2.RuntimeSpec]] = ()) -> None:
         self.capacity = capacity
-        self._configured = [key for key, _ in configured]
-        # Every spec worth keeping warm, least recently wanted first.
+        # Every spec worth keeping warm, least recently wanted first (at most `capacity` of them).
         self._warm: OrderedDict[str, _Warm[PrewarmedRuntime]] = OrderedDict(
             (key, _Warm(spec)) for key, spec in configured
         )
+        # Configured specs no task has wanted yet: warm only until a task wants something else.
+        self._placeholders = set(self._warm)
         self.preparing = 0
 
     @property
     def size(self) -> int:
         return sum(len(warm.runtimes) for warm in self._warm.values())
 
-    def want(self, key: str, spec: rollout_pb2.RuntimeSpec) -> None:
-        """A session asked for this spec: keep it warm, ahead of the others."""
+    def want(self, key: str, spec: rollout_pb2.RuntimeSpec) -> list[PrewarmedRuntime]:
+        """A session asked for this spec: keep it warm, ahead of the others. Returns the prewarmed
+        runtimes no longer worth keeping (of placeholders, or of specs pushed out), for closing."""
+        dropped: list[PrewarmedRuntime] = []
+        if key in self._placeholders:
+            self._placeholders.discard(key)
+        elif self._placeholders:
+            for placeholder in self._placeholders:
+                dropped += [runtime for runtime, _ in self._warm.pop(placeholder).runtimes]
+            self._placeholders.clear()
         if key not in self._warm:
             self._warm[key] = _Warm(spec)
         self._warm.move_to_end(key)
+        while len(self._warm) > self.capacity:
+            _, oldest = self._warm.popitem(last=False)
+            dropped += [runtime for runtime, _ in oldest.runtimes]
+        return dropped
 
     def take(self, key: str) -> tuple[PrewarmedRuntime, float] | None:
         """A prewarmed runtime of this spec and the time it became ready, oldest first; None if none."""
@@ -125,8 +140,6 @@ class ReadyBuffer(Generic[PrewarmedRuntime]):
         for other, warm in self._warm.items():
             if other != key and warm.runtimes:
                 runtime, _ = warm.runtimes.pop()
-                if not warm.runtimes and other not in self._configured:
-                    del self._warm[other]
                 return runtime
         return None
 
@@ -135,8 +148,7 @@ class ReadyBuffer(Generic[PrewarmedRuntime]):
         warm = self._warm.get(key)
         if warm is not None and not warm.runtimes:
             del self._warm[key]
-            if key in self._configured:
-                self._configured.remove(key)
+            self._placeholders.discard(key)
 
     def drain(self) -> list[PrewarmedRuntime]:
         """Every prewarmed runtime, removed (for shutdown)."""

@@ -92,7 +92,7 @@ class RolloutHandle:
                 call.cancel()
         return groups
 
-    async def nodes(self) -> list[rollout_pb2.NodeInfo]:
+    async def list_nodes(self) -> list[rollout_pb2.NodeInfo]:
         return list((await self.stub.ListNodes(rollout_pb2.ListNodesRequest(), timeout=10)).nodes)
 
     async def session_status(self, session_id: str) -> rollout_pb2.SessionStatus:

@@ -93,12 +93,41 @@ def test_ready_buffer_fills_to_capacity_counting_runtimes_being_prepared() -> No
 
 
 def test_ready_buffer_prepares_the_most_recently_wanted_spec_first() -> None:
-    buffer: ReadyBuffer[str] = ReadyBuffer(4, [("a", spec("a"))])
+    buffer: ReadyBuffer[str] = ReadyBuffer(4, [])
+    buffer.want("a", spec("a"))
     buffer.want("b", spec("b"))
     assert buffer.next_to_prepare()[0] == "b"
     buffer.put("b", spec("b"), "b1")
     # b has one, a none: the emptier one comes next, so the buffer is shared among warm specs.
     assert buffer.next_to_prepare()[0] == "a"
+
+
+def test_configured_specs_step_aside_once_a_task_wants_another() -> None:
+    buffer: ReadyBuffer[str] = ReadyBuffer(4, [("default", spec("default"))])
+    buffer.put("default", spec("default"), "d1")
+    assert buffer.want("default", spec("default")) == []  # a task wanting the default keeps it
+    buffer.want("a", spec("a"))
+    assert buffer.next_to_prepare()[0] == "a"
+
+
+def test_placeholder_runtimes_are_given_back_when_a_task_spec_arrives() -> None:
+    buffer: ReadyBuffer[str] = ReadyBuffer(4, [("default", spec("default"))])
+    buffer.put("default", spec("default"), "d1")
+    buffer.put("default", spec("default"), "d2")
+    assert sorted(buffer.want("a", spec("a"))) == ["d1", "d2"]
+    assert buffer.size == 0
+    buffer.put("a", spec("a"), "a1")
+    buffer.want("b", spec("b"))  # no placeholders any more: a stays warm
+    assert buffer.take("a")[0] == "a1"
+
+
+def test_ready_buffer_keeps_at_most_capacity_specs() -> None:
+    buffer: ReadyBuffer[str] = ReadyBuffer(2, [])
+    buffer.want("a", spec("a"))
+    buffer.put("a", spec("a"), "a1")
+    buffer.want("b", spec("b"))
+    assert buffer.want("c", spec("c")) == ["a1"]  # a, the least recently wanted, is pushed out
+    assert buffer.take("a") is None
 
 
 def test_ready_buffer_gives_up_the_least_wanted_spec_when_full() -> None:
@@ -122,7 +151,8 @@ def test_ready_buffer_evicts_nothing_while_there_is_room() -> None:
 
 
 def test_ready_buffer_drain_returns_every_runtime() -> None:
-    buffer: ReadyBuffer[str] = ReadyBuffer(3, [("a", spec("a"))])
+    buffer: ReadyBuffer[str] = ReadyBuffer(3, [])
+    buffer.want("a", spec("a"))
     buffer.put("a", spec("a"), "a1")
     buffer.want("b", spec("b"))
     buffer.put("b", spec("b"), "b1")
@@ -145,7 +175,7 @@ def test_ready_buffer_never_holds_more_than_its_capacity(capacity: int, operatio
     made, out = [], []
     for op, key in operations:
         if op == "want":
-            buffer.want(key, spec(key))
+            out += buffer.want(key, spec(key))
         elif op == "take":
             if (taken := buffer.take(key)) is not None:
                 out.append(taken[0])

@@ -1,0 +1,395 @@
+"""Rollout throughput: sessions/s and submit→RUNNING latency, with and without prewarming.
+
+Every service runs in its own process, as `polar up` starts them:
+
+    bench ──SubmitTasks/WatchResults──▶ rollout server (SQLite store)
+                                          ▲ heartbeats, reports
+    harness ──HTTP──▶ Envoy ──▶ node (gateway + pools) ──gRPC──▶ Envoy ──▶ inference (scripted engine)
+
+The harness is trivial on purpose, so the bench measures the rollout machinery, not an agent: a
+Python program (standard library, started with -S) that makes one Chat Completions call through Envoy
+with its session key, holds the session for --hold seconds, and exits 0. The runtime is what a task
+of a code repository needs, kept small: the workspace is copied from a template folder (a few source
+files), then prepared by committing it to a fresh git repository and creating a Python virtual
+environment (`python -m venv --without-pip`), which is the INIT work prewarming takes off the path.
+
+A point is (concurrent sessions C, prewarming on or off). Each point gets a fresh rollout server
+(its own store) and a fresh node with C RUNNING slots and C READY slots; with prewarming the bench
+waits until the node reports a full READY buffer (ListNodes). Then C sessions are submitted in one
+SubmitTasks call (tasks of 8 sessions each, one GRPO group per task), and the results stream is
+followed until every group is released. Per point:
+
+* sessions/s: C over the time from the submit to the last group's release, and "added": that time
+  minus the hold, what the machinery itself took;
+* submit→RUNNING per session: the server's queued time plus the node's INIT and READY time, from
+  the stage timings each trajectory carries (the moment the node starts the harness's stage);
+* peak RUNNING: the most sessions whose RUNNING stages overlap, from the same timings (all sessions
+  were submitted at one instant, so each stage's start is known relative to it): 256 means the node
+  held all 256 harnesses at once;
+* CPU seconds per session of the node and of the rollout server (from /proc), since everything
+  shares the machine's cores.
+
+    python scripts/bench_rollout.py --quick     # C = 64, under a minute on 2 CPU cores
+    python scripts/bench_rollout.py             # C = 64 and 256
+
+Prints a table and writes JSON (default bench-results/rollout.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+
+from polar.codec import read_trajectory_batch
+from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig
+from polar.envoy import render_config
+from polar.envoy import running as running_envoy
+from polar.rollout.server import MAX_MESSAGE_BYTES
+from polar.stack import free_port, inference_spec, join_host_port, node_spec, rollout_spec, running
+from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+GROUP_SIZE = 8
+HOST = "127.0.0.1"
+# Short, so the node's pools as the server last heard them (ListNodes) are never stale for long.
+HEARTBEAT_INTERVAL_S = 0.2
+
+HARNESS = """\
+import http.client, json, os, sys, time, urllib.parse
+url = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"])
+connection = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+body = {"model": os.environ["POLAR_MODEL"], "max_tokens": 16,
+        "messages": [{"role": "user", "content": os.environ["POLAR_INSTRUCTION"]}]}
+connection.request("POST", url.path + "/chat/completions", json.dumps(body),
+                   {"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"})
+reply = connection.getresponse()
+reply.read()
+if reply.status != 200:
+    sys.exit(f"the gateway answered {reply.status}")
+time.sleep(float(os.environ["BENCH_HOLD_SECONDS"]))
+"""
+
+
+@dataclass
+class Point:
+    sessions: int
+    prewarm: bool
+    seconds: float  # submit → last group released
+    added_seconds: float  # seconds minus the hold: what the machinery took
+    sessions_per_s: float
+    submit_to_running_p50_ms: float
+    submit_to_running_p90_ms: float
+    submit_to_running_max_ms: float
+    queued_p50_ms: float
+    init_p50_ms: float
+    ready_p50_ms: float
+    peak_running: int
+    completed: int
+    node_cpu_ms_per_session: float
+    rollout_cpu_ms_per_session: float
+    errors: list[str]
+
+
+def main() -> int:
+    args = _parse_args()
+    sizes = (64,) if args.quick else tuple(args.sessions)
+    hold = args.hold if args.hold is not None else (2.0 if args.quick else 4.0)
+    load_before = os.getloadavg()[0]
+    points: list[Point] = []
+    with tempfile.TemporaryDirectory(prefix="polar-bench-rollout-") as scratch_name:
+        scratch = Path(scratch_name)
+        harness = scratch / "harness.py"
+        harness.write_text(HARNESS)
+        template = _template(scratch / "template")
+        with _shared_services(scratch, max(sizes)) as (inference_address, envoy_harness, gateway_port):
+            for size in sizes:
+                for prewarm in (False, True):
+                    point = _measure(
+                        scratch, size, prewarm, hold, harness, template, inference_address, envoy_harness, gateway_port
+                    )
+                    points.append(point)
+                    _print_point(point)
+    report = {
+        "benchmark": "rollout",
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_1min_before": load_before},
+        "hold_seconds": hold,
+        "group_size": GROUP_SIZE,
+        "points": [asdict(point) for point in points],
+    }
+    _print_table(points, hold, load_before)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {args.out}")
+    return 0 if all(point.completed == point.sessions for point in points) else 1
+
+
+@contextlib.contextmanager
+def _shared_services(scratch: Path, most_sessions: int) -> Iterator[tuple[str, str, int]]:
+    """The inference server and Envoy, shared by every point; yields (Envoy's inference listener,
+    Envoy's harness base URL, the gateway HTTP port Envoy forwards to)."""
+    script = scratch / "script.json"
+    script.write_text(json.dumps({"name": "polar-scripted", "outputs": [{"text": "Done."}], "cycle": True}))
+    inference_config = InferenceConfig(engine="scripted", port=0, script=str(script), max_batch_size=most_sessions * 2)
+    with contextlib.ExitStack() as stack:
+        inference = stack.enter_context(running(inference_spec(inference_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
+        gateway_port = free_port(HOST)
+        envoy_config = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, access_log="/dev/null")
+        text = render_config(envoy_config, [inference.dial_address], join_host_port(HOST, gateway_port))
+        envoy = stack.enter_context(running_envoy(text, workers=envoy_config.workers))
+        yield (
+            join_host_port(HOST, envoy.inference_port),
+            "http://" + join_host_port(HOST, envoy.harness_port),
+            gateway_port,
+        )
+
+
+def _measure(
+    scratch: Path,
+    sessions: int,
+    prewarm: bool,
+    hold: float,
+    harness: Path,
+    template: Path,
+    inference_address: str,
+    base_url: str,
+    gateway_port: int,
+) -> Point:
+    name = f"{sessions}-{'prewarm' if prewarm else 'cold'}"
+    rollout_config = RolloutConfig(
+        port=0, store=str(scratch / f"rollout-{name}.db"), heartbeat_interval_s=HEARTBEAT_INTERVAL_S
+    )
+    with running(rollout_spec(rollout_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S) as rollout:
+        node_config = NodeConfig(
+            rollout_address=rollout.dial_address,
+            init_workers=16,
+            ready_slots=sessions,
+            running_slots=sessions,
+            postrun_workers=8,
+            prewarm=prewarm,
+            work_root=str(_fresh(scratch / f"work-{name}")),
+        )
+        gateway = GatewayConfig(port=gateway_port, grpc_port=0, inference_address=inference_address)
+        with running(node_spec(node_config, gateway, InferenceConfig(), base_url=base_url), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S) as node:
+            channel = grpc.insecure_channel(
+                rollout.dial_address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            )
+            with channel:
+                stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+                # The node prewarms the default (empty) workspace until it sees a task's spec; both
+                # modes run the warm-up session, so the node is equally warm otherwise.
+                cursor = _warm_up(stub, harness, template)
+                _wait_for_node(stub, ready=sessions if prewarm else 0)
+                cpu_before = {"node": _cpu_seconds(node.process.pid), "rollout": _cpu_seconds(rollout.process.pid)}
+                tasks = [_task(harness, hold, template, index) for index in range(sessions // GROUP_SIZE)]
+                submitted = time.monotonic()
+                stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=tasks), timeout=60)
+                trajectories, _ = _collect(stub, len(tasks), timeout_s=120 + 4 * hold, cursor=cursor)
+                seconds = time.monotonic() - submitted
+                node_cpu = _cpu_seconds(node.process.pid) - cpu_before["node"]
+                rollout_cpu = _cpu_seconds(rollout.process.pid) - cpu_before["rollout"]
+    return _point(sessions, prewarm, seconds, hold, trajectories, node_cpu, rollout_cpu)
+
+
+def _template(folder: Path) -> Path:
+    """A small source tree, the workspace every session starts from."""
+    (folder / "src").mkdir(parents=True)
+    (folder / "README.md").write_text("# calculator\n")
+    (folder / "src" / "calculator.py").write_text("def add(a, b):\n    return a - b\n")
+    (folder / "tests").mkdir()
+    (folder / "tests" / "test_calculator.py").write_text(
+        "from src.calculator import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+    )
+    return folder
+
+
+def _runtime(template: Path) -> rollout_pb2.RuntimeSpec:
+    return rollout_pb2.RuntimeSpec(
+        kind="local",
+        template=str(template),
+        prepare=[
+            "git init -q . && git add -A && git -c user.name=bench -c user.email=bench@localhost commit -qm template",
+            f"{sys.executable} -m venv --without-pip .venv",
+        ],
+    )
+
+
+def _warm_up(stub: rollout_pb2_grpc.RolloutServiceStub, harness: Path, template: Path) -> str:
+    """One session of the bench's runtime spec, so the node keeps that spec warm; waits for it and
+    returns the results cursor after it."""
+    task = _task(harness, 0.0, template, 0, group_size=1, task_id="warm-up")
+    stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task]), timeout=60)
+    return _collect(stub, 1, timeout_s=120)[1]
+
+
+def _task(
+    harness: Path, hold: float, template: Path, index: int, *, group_size: int = GROUP_SIZE, task_id: str = ""
+) -> rollout_pb2.Task:
+    return rollout_pb2.Task(
+        task_id=task_id or f"bench-{index:04d}",
+        instruction="Say done.",
+        group_size=group_size,
+        runtime=_runtime(template),
+        harness=rollout_pb2.HarnessSpec(
+            preset="command", command=[sys.executable, "-S", str(harness)], env={"BENCH_HOLD_SECONDS": str(hold)}
+        ),
+        timeout_seconds=60 + 4 * hold,
+    )
+
+
+def _wait_for_node(stub: rollout_pb2_grpc.RolloutServiceStub, ready: int, timeout_s: float = 120.0) -> None:
+    """Until one node is registered and (with prewarming) reports `ready` prewarmed runtimes.
+
+    Pools are as of the node's latest heartbeat, which may predate the warm-up's end (when the
+    default workspace's prewarmed runtimes gave way to the bench's spec): a few intervals pass first."""
+    time.sleep(3 * HEARTBEAT_INTERVAL_S)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        nodes = stub.ListNodes(rollout_pb2.ListNodesRequest(), timeout=10).nodes
+        if nodes and all(pool.depth >= ready for pool in nodes[0].pools if pool.name == "ready"):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"the node did not report {ready} prewarmed runtimes within {timeout_s:g} s")
+
+
+def _collect(
+    stub: rollout_pb2_grpc.RolloutServiceStub, groups: int, timeout_s: float, cursor: str = ""
+) -> tuple[list[common_pb2.Trajectory], str]:
+    """The next `groups` released groups after `cursor`, and the cursor after them."""
+    trajectories: list[common_pb2.Trajectory] = []
+    released = 0
+    for batch in stub.WatchResults(rollout_pb2.WatchResultsRequest(cursor=cursor), timeout=timeout_s):
+        trajectories += read_trajectory_batch(batch.zstd_trajectories)
+        released += batch.group_count
+        cursor = batch.cursor
+        if released >= groups:
+            break
+    return trajectories, cursor
+
+
+def _point(
+    sessions: int,
+    prewarm: bool,
+    seconds: float,
+    hold: float,
+    trajectories: Sequence[common_pb2.Trajectory], node_cpu: float, rollout_cpu: float
+) -> Point:
+    timings = [t.stage_timings for t in trajectories]
+    to_running = [1000 * (s.queued_seconds + s.init_seconds + s.ready_seconds) for s in timings]
+    spans = [
+        (s.queued_seconds + s.init_seconds + s.ready_seconds, s.queued_seconds + s.init_seconds + s.ready_seconds + s.running_seconds)
+        for s in timings
+    ]
+    completed = sum(t.outcome == common_pb2.SESSION_OUTCOME_COMPLETED for t in trajectories)
+    errors = sorted({t.error for t in trajectories if t.error})
+    return Point(
+        sessions=sessions,
+        prewarm=prewarm,
+        seconds=seconds,
+        added_seconds=seconds - hold,
+        sessions_per_s=sessions / seconds,
+        submit_to_running_p50_ms=_quantile(to_running, 0.5),
+        submit_to_running_p90_ms=_quantile(to_running, 0.9),
+        submit_to_running_max_ms=max(to_running, default=0.0),
+        queued_p50_ms=_quantile([1000 * s.queued_seconds for s in timings], 0.5),
+        init_p50_ms=_quantile([1000 * s.init_seconds for s in timings], 0.5),
+        ready_p50_ms=_quantile([1000 * s.ready_seconds for s in timings], 0.5),
+        peak_running=_peak_overlap(spans),
+        completed=completed,
+        node_cpu_ms_per_session=1000 * node_cpu / sessions,
+        rollout_cpu_ms_per_session=1000 * rollout_cpu / sessions,
+        errors=errors[:5],
+    )
+
+
+def _peak_overlap(spans: Sequence[tuple[float, float]]) -> int:
+    """The most intervals [start, end) that contain one instant."""
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    peak = current = 0
+    for _, change in events:
+        current += change
+        peak = max(peak, current)
+    return peak
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process and its waited-for children (the harnesses are the node's)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _fresh(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _print_point(point: Point) -> None:
+    mode = "prewarmed" if point.prewarm else "cold"
+    print(
+        f"  {point.sessions} sessions, {mode}: {point.completed}/{point.sessions} completed in {point.seconds:.2f} s",
+        flush=True,
+    )
+
+
+def _print_table(points: Sequence[Point], hold: float, load_before: float) -> None:
+    print(
+        f"\nRollout: one node, scripted engine, a harness that makes one call and holds {hold:g} s "
+        f"({os.cpu_count()} CPUs, load {load_before:.2f} before)"
+    )
+    header = (
+        f"{'sessions':>8} {'prewarm':>8} {'sess/s':>7} {'added':>6} {'→RUN p50':>9} {'p90':>7} {'max':>7} "
+        f"{'queued':>7} {'init':>6} {'ready':>6} {'peak RUN':>8} {'done':>5} {'node cpu':>9} {'rollout':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for p in points:
+        print(
+            f"{p.sessions:>8} {'yes' if p.prewarm else 'no':>8} {p.sessions_per_s:>7.1f} {p.added_seconds:>5.2f}s "
+            f"{p.submit_to_running_p50_ms:>7.1f}ms {p.submit_to_running_p90_ms:>5.0f}ms {p.submit_to_running_max_ms:>5.0f}ms "
+            f"{p.queued_p50_ms:>5.1f}ms {p.init_p50_ms:>4.1f}ms {p.ready_p50_ms:>4.1f}ms {p.peak_running:>8} "
+            f"{p.completed:>5} {p.node_cpu_ms_per_session:>7.1f}ms {p.rollout_cpu_ms_per_session:>6.1f}ms"
+        )
+        for error in p.errors:
+            print(f"{'':>8} error: {error}")
+    print(
+        "\nadded: submit → last release, minus the hold. →RUN: submit → the node starts the harness's stage\n"
+        "(queued + init + ready). node cpu includes the harnesses and prepare steps it waited for; per session."
+    )
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="64 sessions only, a short hold (under a minute)")
+    parser.add_argument("--sessions", type=int, nargs="+", default=[64, 256], help="concurrent sessions per point")
+    parser.add_argument("--hold", type=float, help="seconds each harness holds its session (default 2 quick, 4 full)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "rollout.json", help="JSON output file")
+    args = parser.parse_args()
+    if any(size % GROUP_SIZE or size <= 0 for size in args.sessions):
+        parser.error(f"--sessions must be positive multiples of {GROUP_SIZE}")
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())
