@@ -3,7 +3,12 @@
     polar serve inference   an InferenceService server over one engine (torch, vllm, scripted)
     polar serve envoy       Envoy in front of the gateway and the inference servers (polar.envoy)
     polar serve gateway     the API dialects (HTTP) and GatewayService (gRPC) over an inference service
+    polar serve rollout     the RolloutService: tasks in, sessions out to nodes, GRPO groups released
+    polar serve node        a gateway plus the pools that run sessions for a rollout server
     polar session open|show|close   recording sessions on a gateway (keys, call records)
+    polar submit            tasks from a JSON Lines file, all or none
+    polar status            the tasks' sessions per state, rewards, released groups (--watch: live)
+    polar results           released groups exported as JSON Lines, resumable from a cursor
     polar up                the whole stack, on the embedded defaults or a TOML config
     polar version           the installed version
 
@@ -16,14 +21,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 import polar
 from polar import envoy
-from polar.config import GatewayConfig, InferenceConfig, load_config
+from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, load_config
 from polar.stack import StackError, join_host_port, run_stack
 
 
@@ -112,6 +120,7 @@ def _run_inference_server(args: argparse.Namespace) -> None:
 
 
 def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    """`polar serve gateway` options; `polar serve node` takes the same."""
     defaults = GatewayConfig()
     parser.add_argument("--inference", required=True, metavar="HOST:PORT", help="gRPC address of the inference service")
     parser.add_argument("--host", default=defaults.host, help="address to listen on (default: %(default)s)")
@@ -125,32 +134,175 @@ def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default=defaults.tokenizer, help="tokenizer folder (default: the one inference names)")
     parser.add_argument(
         "--base-url", default="", metavar="URL",
-        help="the URL harnesses use, reported by GetNodeStatus (Envoy's harness listener; default: the gateway's own)",
+        help="the URL harnesses are given (Envoy's harness listener; default: the gateway's own)",
     )  # fmt: skip
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
 
 
 def _serve_gateway(args: argparse.Namespace) -> int:
-    from gateway.dialects import available_dialects
-    from gateway.server import serve_gateway
+    from gateway.server import GatewayStartError, serve_gateway
 
     def on_ready(running) -> None:
-        dialects = ", ".join(available_dialects()) or "none"
+        print(f"gateway: {_gateway_line(running, args)}", flush=True)
+        _report_ready(args.ready_fd, running.grpc_port)
+
+    try:
+        asyncio.run(
+            serve_gateway(
+                args.inference, args.host, args.port, args.grpc_port, args.chat_format, args.parser, args.history,
+                on_ready, tokenizer_path=args.tokenizer, base_url=args.base_url,
+            )
+        )  # fmt: skip
+    except GatewayStartError as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
+def _gateway_line(running, args: argparse.Namespace) -> str:
+    """What a started gateway (gateway.server.RunningGateway) serves, in one line."""
+    from gateway.dialects import available_dialects
+
+    dialects = ", ".join(available_dialects()) or "none"
+    return (
+        f"{running.gateway.model.name} at {running.http_url} ({dialects}); harness base URL {running.base_url}; "
+        f"GatewayService on {join_host_port(args.host, running.grpc_port)}; inference {args.inference}"
+    )
+
+
+def _report_ready(ready_fd: int | None, port: int) -> None:
+    """Tell `polar up` (which passed --ready-fd) the port that serves; see polar.stack."""
+    if ready_fd is not None:
+        with os.fdopen(ready_fd, "w") as ready:
+            ready.write(f"{port}\n")
+
+
+def _rollout_server_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = RolloutConfig()
+    parser.add_argument("--host", default=defaults.host, help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=defaults.port, help="0 picks a free port (default: %(default)s)")
+    parser.add_argument(
+        "--store", default=defaults.store, metavar="FILE",
+        help="SQLite file of tasks, sessions and results; reopened as it is on restart (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--heartbeat-interval", type=_positive_float, default=defaults.heartbeat_interval_s, metavar="SECONDS",
+        help="longest a node's heartbeat waits for work (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--node-timeout", type=_positive_float, default=defaults.node_timeout_s, metavar="SECONDS",
+        help="a node silent this long is dead and its sessions are dispatched again (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-attempts", type=_positive_int, default=defaults.max_attempts,
+        help="dispatches of one session before it is marked failed (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+
+
+def _serve_rollout(args: argparse.Namespace) -> int:
+    from polar.rollout.server import serve_rollout
+    from polar.rollout.store import StoreError
+
+    def on_ready(running) -> None:
+        print(f"rollout: RolloutService on {join_host_port(args.host, running.port)}; store {args.store}", flush=True)
+        _report_ready(args.ready_fd, running.port)
+
+    try:
+        asyncio.run(
+            serve_rollout(
+                args.store,
+                join_host_port(args.host, args.port),
+                heartbeat_interval_s=args.heartbeat_interval,
+                node_timeout_s=args.node_timeout,
+                max_attempts=args.max_attempts,
+                on_ready=on_ready,
+            )
+        )
+    except StoreError as exc:
+        raise CliError(str(exc)) from None
+    return 0
+
+
+def _node_arguments(parser: argparse.ArgumentParser) -> None:
+    _gateway_arguments(parser)
+    defaults = NodeConfig()
+    _rollout_option(parser, "the rollout server to work for")
+    parser.add_argument(
+        "--init-workers", type=_positive_int, default=defaults.init_workers,
+        help="runtimes prepared at once (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ready-slots", type=_non_negative_int, default=defaults.ready_slots,
+        help="prepared runtimes kept waiting for a harness (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--running-slots", type=_positive_int, default=defaults.running_slots,
+        help="harnesses run at once (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--postrun-workers", type=_positive_int, default=defaults.postrun_workers,
+        help="sessions evaluated, rebuilt and reported at once (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-prewarm", dest="prewarm", action="store_false", help="prepare a runtime only when a session needs it"
+    )
+    parser.add_argument(
+        "--work-root", default=defaults.work_root, metavar="DIR",
+        help="folder for session workspaces (default: a temporary folder, removed at exit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--harness-path", default=defaults.harness_path, metavar="DIRS",
+        help=f"folders searched for harness CLIs before PATH ({os.pathsep!r}-separated), e.g. node_modules/.bin",
+    )  # fmt: skip
+    parser.add_argument(
+        "--harness-output-limit", type=_positive_int, default=defaults.harness_output_limit, metavar="BYTES",
+        help="harness and evaluator output kept per session (default: %(default)s)",
+    )  # fmt: skip
+
+
+def _serve_node(args: argparse.Namespace) -> int:
+    from gateway.server import GatewayStartError
+    from polar.rollout.node import serve_node
+
+    node = NodeConfig(
+        rollout_address=args.rollout,
+        init_workers=args.init_workers,
+        ready_slots=args.ready_slots,
+        running_slots=args.running_slots,
+        postrun_workers=args.postrun_workers,
+        prewarm=args.prewarm,
+        work_root=args.work_root,
+        harness_path=args.harness_path,
+        harness_output_limit=args.harness_output_limit,
+    )
+    gateway = GatewayConfig(
+        host=args.host,
+        port=args.port,
+        grpc_port=args.grpc_port,
+        chat_format=args.chat_format,
+        parser=args.parser,
+        history=args.history,
+        inference_address=args.inference,
+        tokenizer=args.tokenizer,
+    )
+
+    def on_ready(running) -> None:
+        pools = ", ".join(f"{p.name} {p.capacity}" for p in running.node.pool_status())
         print(
-            f"gateway: {running.gateway.model.name} at {running.http_url} ({dialects}); harness base URL {running.base_url}; "
-            f"GatewayService on {join_host_port(args.host, running.grpc_port)}; inference {args.inference}",
+            f"node {running.node.node_id}: {_gateway_line(running.gateway, args)}; rollout {args.rollout}; pools {pools}",
             flush=True,
         )
-        if args.ready_fd is not None:
-            with os.fdopen(args.ready_fd, "w") as ready:
-                ready.write(f"{running.grpc_port}\n")
+        _report_ready(args.ready_fd, running.gateway.grpc_port)
 
-    asyncio.run(
-        serve_gateway(
-            args.inference, args.host, args.port, args.grpc_port, args.chat_format, args.parser, args.history,
-            on_ready, tokenizer_path=args.tokenizer, base_url=args.base_url,
-        )
-    )  # fmt: skip
+    try:
+        asyncio.run(
+            serve_node(
+                node, gateway, inference_address=args.inference, rollout_address=args.rollout,
+                base_url=args.base_url, on_ready=on_ready,
+            )
+        )  # fmt: skip
+    except GatewayStartError as exc:
+        raise CliError(str(exc)) from None
     return 0
 
 
@@ -230,6 +382,177 @@ def _session_close(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------ submit, status, results
+
+
+def _rollout_option(parser: argparse.ArgumentParser, help: str = "RolloutService address") -> None:
+    default = join_host_port(RolloutConfig().host, RolloutConfig().port)
+    parser.add_argument("--rollout", default=default, metavar="HOST:PORT", help=f"{help} (default: %(default)s)")
+
+
+def _rollout_rpc(address: str, method: str, request):
+    """One unary RolloutService call; gRPC failures become one-line errors."""
+    import grpc
+
+    from polar.v1 import rollout_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return getattr(rollout_pb2_grpc.RolloutServiceStub(channel), method)(request, timeout=30)
+        except grpc.RpcError as exc:
+            raise _rpc_error(method, address, exc) from None
+
+
+def _rpc_error(method: str, address: str, exc) -> CliError:
+    import grpc
+
+    hint = " (is `polar up` or `polar serve rollout` running there?)" if exc.code() == grpc.StatusCode.UNAVAILABLE else ""
+    return CliError(f"{method} on {address}: {exc.code().name}: {exc.details()}{hint}")
+
+
+def _submit_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="TASKS.jsonl", help="one Task per line (protobuf JSON; '#' lines skipped); - reads stdin")
+    _rollout_option(parser)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from polar.rollout.tasks import TaskFileError, parse_task_lines
+    from polar.v1 import rollout_pb2
+
+    source = "<stdin>" if args.file == "-" else args.file
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CliError(f"cannot read task file {source}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise CliError(f"task file {source} is not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    try:
+        tasks = parse_task_lines(text, source)
+    except TaskFileError as exc:
+        # One problem per line in the message; the error stays one line, nothing was submitted.
+        raise CliError(f"nothing submitted: {'; '.join(str(exc).splitlines())}") from None
+    if not tasks:
+        raise CliError(f"nothing submitted: {source} holds no tasks (only blank or '#' lines)")
+    response = _rollout_rpc(args.rollout, "SubmitTasks", rollout_pb2.SubmitTasksRequest(tasks=tasks))
+    for task_id in response.task_ids:
+        print(task_id)
+    return 0
+
+
+def _status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("task_ids", nargs="*", metavar="TASK_ID", help="tasks to show (default: every task)")
+    _rollout_option(parser)
+    parser.add_argument("--watch", action="store_true", help="redraw until every task is released (or Ctrl-C)")
+    parser.add_argument(
+        "--interval", type=_positive_float, default=1.0, metavar="SECONDS", help="--watch: seconds between redraws (default: %(default)s)"
+    )
+
+
+def _status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from polar.rollout.report import render_nodes, render_status, render_totals, summarize
+    from polar.v1 import rollout_pb2, rollout_pb2_grpc
+
+    tty = sys.stdout.isatty()
+    with grpc.insecure_channel(args.rollout) as channel:
+        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+
+        def fetch() -> tuple[list, list]:
+            """(the live nodes, the tasks asked for)."""
+            method = "ListNodes"
+            try:
+                nodes = stub.ListNodes(rollout_pb2.ListNodesRequest(), timeout=30).nodes
+                method = "GetTaskStatus"
+                tasks = stub.GetTaskStatus(rollout_pb2.GetTaskStatusRequest(task_ids=args.task_ids), timeout=30).tasks
+            except grpc.RpcError as exc:
+                raise _rpc_error(method, args.rollout, exc) from None
+            return list(nodes), list(tasks)
+
+        nodes, tasks = fetch()
+        if not args.watch:
+            print(render_nodes(nodes) + "\n\n" + render_status(tasks))
+            return 0
+        last_totals = None
+        while True:
+            done = all(task.released for task in tasks)
+            if tty:
+                node_lines = render_nodes(nodes)
+                # What the nodes, a blank line, the header, the totals and the cursor's line leave.
+                rows = shutil.get_terminal_size().lines - node_lines.count("\n") - 5
+                # Home and clear to the end, then draw: the screen replaces itself in place.
+                sys.stdout.write(f"\x1b[H\x1b[J{node_lines}\n\n{render_status(tasks, bars=True, max_rows=rows)}\n")
+                sys.stdout.flush()
+            elif done:
+                print(render_nodes(nodes) + "\n\n" + render_status(tasks), flush=True)
+            else:
+                # Not a terminal (a log, a pipe): one totals line per change, the tables at the end.
+                totals = render_totals(summarize(tasks))
+                if totals != last_totals:
+                    print(totals, flush=True)
+                    last_totals = totals
+            if done:
+                return 0
+            time.sleep(args.interval)
+            nodes, tasks = fetch()
+
+
+def _results_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--export", required=True, metavar="OUT.jsonl",
+        help="file to write, one Trajectory per line (protobuf JSON), whole groups in release order; - for stdout",
+    )  # fmt: skip
+    _rollout_option(parser)
+    parser.add_argument("--cursor", default="", help="start after this cursor (printed by an earlier export)")
+    parser.add_argument("--follow", action="store_true", help="keep exporting groups as they are released, until Ctrl-C")
+
+
+def _results(args: argparse.Namespace) -> int:
+    import grpc
+
+    from polar.rollout.report import trajectory_lines
+    from polar.v1 import rollout_pb2, rollout_pb2_grpc
+
+    to_stdout = args.export == "-"
+    report = sys.stderr if to_stdout else sys.stdout
+    request = rollout_pb2.WatchResultsRequest(cursor=args.cursor, until_caught_up=not args.follow)
+    cursor, groups, trajectories = args.cursor, 0, 0
+
+    def summary() -> None:
+        where = "stdout" if to_stdout else args.export
+        print(f"exported {trajectories} trajectories of {groups} groups to {where}", file=report)
+        # The file holds every group up to this cursor: `--cursor` with it resumes after them.
+        print(f"cursor: {cursor}" if cursor else "cursor: none (nothing released yet)", file=report, flush=True)
+
+    try:
+        out = sys.stdout if to_stdout else open(args.export, "w", encoding="utf-8")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        raise CliError(f"cannot write {args.export}: {exc.strerror}") from None
+    try:
+        with grpc.insecure_channel(args.rollout) as channel:
+            stream = rollout_pb2_grpc.RolloutServiceStub(channel).WatchResults(request)
+            try:
+                for batch in stream:
+                    lines = trajectory_lines(batch.zstd_trajectories)
+                    out.writelines(line + "\n" for line in lines)
+                    out.flush()
+                    trajectories += len(lines)
+                    cursor = batch.cursor
+                    groups += batch.group_count
+            except grpc.RpcError as exc:
+                summary()
+                raise _rpc_error("WatchResults", args.rollout, exc) from None
+            except KeyboardInterrupt:
+                stream.cancel()
+                summary()
+                return 130
+    finally:
+        if not to_stdout:
+            out.close()
+    summary()
+    return 0
+
+
 # ------------------------------------------------------------------------------------------- up
 
 
@@ -269,9 +592,14 @@ COMMANDS: tuple[Command, ...] = (
     Command(("serve", "inference"), "serve a model over gRPC (InferenceService)", _inference_arguments, _serve_inference),
     Command(("serve", "envoy"), "run Envoy in front of the gateway and the inference servers", envoy.add_arguments, envoy.serve),
     Command(("serve", "gateway"), "serve the API dialects over HTTP and GatewayService over gRPC", _gateway_arguments, _serve_gateway),
+    Command(("serve", "rollout"), "serve the RolloutService: tasks, dispatch to nodes, results", _rollout_server_arguments, _serve_rollout),
+    Command(("serve", "node"), "run a gateway node: the gateway plus the pools that run sessions", _node_arguments, _serve_node),
     Command(("session", "open"), "open a recording session on a gateway and print its key", _session_open_arguments, _session_open),
     Command(("session", "show"), "print a session and its call records", _session_show_arguments, _session_show),
     Command(("session", "close"), "close a session (its key is refused from then on)", _session_key_arguments, _session_close),
+    Command(("submit",), "submit the tasks of a JSON Lines file (all or none) and print their ids", _submit_arguments, _submit),
+    Command(("status",), "show each task's sessions per state, its reward and whether it was released", _status_arguments, _status),
+    Command(("results",), "export released groups as JSON Lines and print the cursor to resume from", _results_arguments, _results),
     Command(("up",), "start the whole stack and supervise it until Ctrl-C", _up_arguments, _up),
     Command(("verify",), "check that every trainable token of a session's traces is what the engine sampled", _verify_arguments, _verify),
     Command(("version",), "print the installed version", lambda parser: None, _version),
@@ -326,6 +654,23 @@ def _positive_int(text: str) -> int:
     value = _int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be > 0")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
     return value
 
 

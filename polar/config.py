@@ -19,6 +19,14 @@ overrides any subset, one table per section:
     # inference_port = 50050      # gRPC, balanced over the inference servers
     # access_log = "-"            # JSON lines: "-" = stdout, or a file
 
+    [rollout]
+    # port = 50070                # RolloutService: `polar submit/status/results --rollout host:port`
+    # store = "polar-rollout.db"  # SQLite file; tasks and results survive a restart
+
+    [node]
+    # running_slots = 16          # harnesses run at once
+    # work_root = ""              # "" = a temporary folder for session workspaces
+
 Keys that no dataclass field names are rejected by their dotted name, and values must have the
 field's type, so a typo fails at load time instead of silently leaving a default in place.
 """
@@ -74,7 +82,8 @@ class EnvoyConfig:
 @dataclass
 class GatewayConfig:
     """The gateway (`polar serve gateway`): the harness-facing API dialects over HTTP, and the
-    GatewayService (sessions) over gRPC, in one process."""
+    GatewayService (sessions) over gRPC, in one process. In `polar up` these are the settings of the
+    node's gateway (a node is a gateway plus the pools that run sessions)."""
 
     host: str = "127.0.0.1"  # address of both listeners; "0.0.0.0" for every interface
     port: int = 8000  # HTTP port of the dialect routes (Envoy's harness listener forwards here)
@@ -121,9 +130,11 @@ class NodeConfig:
 class StackConfig:
     """Everything `polar up` starts; one field per service section."""
 
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     inference: InferenceConfig = field(default_factory=InferenceConfig)
-    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     envoy: EnvoyConfig = field(default_factory=EnvoyConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)  # the node's gateway
+    node: NodeConfig = field(default_factory=NodeConfig)
     # Seconds a service may take from start until healthy. Generous because the first run builds
     # the model folders (tiny, smollm2-135m) in the cache.
     startup_timeout_s: float = 600.0

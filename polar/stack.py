@@ -33,12 +33,13 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from polar.config import GatewayConfig, InferenceConfig, StackConfig
-from polar.v1 import gateway_pb2, inference_pb2
+from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, StackConfig
+from polar.v1 import gateway_pb2, inference_pb2, rollout_pb2
 
 PR_SET_PDEATHSIG = 1
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 HEALTH_POLL_SECONDS = 0.1
 
 
@@ -84,27 +85,32 @@ class Service:
 def plan(config: StackConfig) -> list[ServiceSpec]:
     """The services `polar up` starts, in start order (each may depend on those before it).
 
-    Envoy stands in front of the gateway (harnesses use its harness listener) and between the
-    gateway and the inference server (its inference listener, unless [gateway] inference_address
-    names another address)."""
+    The rollout server comes first, so the node can register as soon as it starts. Envoy stands in
+    front of the node's gateway (harnesses use its harness listener) and between that gateway and
+    the inference server (its inference listener, unless [gateway] inference_address names another
+    address)."""
     # polar.envoy builds on this module (ServiceSpec, StackError), hence the import at use.
     from polar.envoy import envoy_spec
 
     gw = config.gateway
-    # Envoy starts before the gateway and forwards to its HTTP port, so that port is fixed now.
+    # Envoy starts before the node and forwards to its gateway's HTTP port, so that port is fixed now.
     if gw.port == 0:
         gw = dataclasses.replace(gw, port=free_port(gw.host))
-    # The gateway reports Envoy's harness listener as its base URL, so that port is fixed now too.
+    # The node hands harnesses Envoy's harness listener as their base URL, so that port is fixed now too.
     env = config.envoy
     if env.harness_port == 0:
         env = dataclasses.replace(env, harness_port=free_port(env.host))
     inference = gateway_inference_address(dataclasses.replace(gw, inference_address=""), config.inference)
     gateway_http = join_host_port(_connectable(gw.host), gw.port)
     gw = dataclasses.replace(gw, inference_address=gw.inference_address or "{envoy}")
+    node = dataclasses.replace(config.node, rollout_address=config.node.rollout_address or "{rollout}")
     return [
+        rollout_spec(config.rollout),
         inference_spec(config.inference),
         envoy_spec(env, [inference], gateway_http),
-        gateway_spec(gw, config.inference, base_url="http://" + join_host_port(_connectable(env.host), env.harness_port)),
+        node_spec(
+            node, gw, config.inference, base_url="http://" + join_host_port(_connectable(env.host), env.harness_port)
+        ),
     ]
 
 
@@ -141,10 +147,14 @@ def gateway_inference_address(gw: GatewayConfig, inf: InferenceConfig) -> str:
 def gateway_spec(gw: GatewayConfig, inf: InferenceConfig, base_url: str = "") -> ServiceSpec:
     """`polar serve gateway` with the given settings; its readiness port is the GatewayService's.
     `base_url` is the URL harnesses use (Envoy's harness listener), which the gateway reports."""
-    inference = gateway_inference_address(gw, inf)
+    argv = (sys.executable, "-m", "polar", "serve", "gateway", *_gateway_options(gw, inf, base_url))
+    return ServiceSpec("gateway", argv, gw.host, GATEWAY_SERVICE, _gateway_detail(gw, inf))
+
+
+def _gateway_options(gw: GatewayConfig, inf: InferenceConfig, base_url: str) -> list[str]:
+    """The options `polar serve gateway` and `polar serve node` share."""
     argv = [
-        sys.executable, "-m", "polar", "serve", "gateway",
-        "--inference", inference, "--host", gw.host,
+        "--inference", gateway_inference_address(gw, inf), "--host", gw.host,
         "--port", str(gw.port), "--grpc-port", str(gw.grpc_port),
         "--chat-format", gw.chat_format, "--parser", gw.parser, "--history", gw.history,
     ]  # fmt: skip
@@ -152,10 +162,45 @@ def gateway_spec(gw: GatewayConfig, inf: InferenceConfig, base_url: str = "") ->
         argv += ["--tokenizer", gw.tokenizer]
     if base_url:
         argv += ["--base-url", base_url]
+    return argv
+
+
+def _gateway_detail(gw: GatewayConfig, inf: InferenceConfig) -> str:
     http = f"http://{join_host_port(_connectable(gw.host), gw.port)}" if gw.port else "a free port (in its log)"
     # A "{name}" address is another service of the stack, known once it is up: name the service.
-    detail = f"HTTP {http}, inference via {inference.strip('{}')}"
-    return ServiceSpec("gateway", tuple(argv), gw.host, GATEWAY_SERVICE, detail)
+    return f"HTTP {http}, inference via {gateway_inference_address(gw, inf).strip('{}')}"
+
+
+def rollout_spec(rollout: RolloutConfig) -> ServiceSpec:
+    """`polar serve rollout` with the given settings."""
+    argv = [
+        sys.executable, "-m", "polar", "serve", "rollout",
+        "--host", rollout.host, "--port", str(rollout.port), "--store", rollout.store,
+        "--heartbeat-interval", str(rollout.heartbeat_interval_s),
+        "--node-timeout", str(rollout.node_timeout_s), "--max-attempts", str(rollout.max_attempts),
+    ]  # fmt: skip
+    return ServiceSpec("rollout", tuple(argv), rollout.host, ROLLOUT_SERVICE, f"tasks and results in {rollout.store}")
+
+
+def node_spec(node: NodeConfig, gw: GatewayConfig, inf: InferenceConfig, base_url: str = "") -> ServiceSpec:
+    """`polar serve node`: a gateway with the given settings plus the session pools, working for the
+    rollout server at `node.rollout_address`. Its readiness port is its GatewayService's."""
+    argv = [
+        sys.executable, "-m", "polar", "serve", "node", *_gateway_options(gw, inf, base_url),
+        "--rollout", node.rollout_address,
+        "--init-workers", str(node.init_workers), "--ready-slots", str(node.ready_slots),
+        "--running-slots", str(node.running_slots), "--postrun-workers", str(node.postrun_workers),
+        "--harness-output-limit", str(node.harness_output_limit),
+    ]  # fmt: skip
+    if not node.prewarm:
+        argv.append("--no-prewarm")
+    if node.work_root:
+        argv += ["--work-root", node.work_root]
+    if node.harness_path:
+        argv += ["--harness-path", node.harness_path]
+    pools = f"init {node.init_workers}, ready {node.ready_slots}, running {node.running_slots}, postrun {node.postrun_workers}"
+    detail = f"{_gateway_detail(gw, inf)}, reports to {node.rollout_address.strip('{}')}; pools {pools}"
+    return ServiceSpec("node", tuple(argv), gw.host, GATEWAY_SERVICE, detail)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import re
 
-from polar.config import EnvoyConfig, GatewayConfig, StackConfig
+import pytest
+
+from polar.cli import build_parser
+from polar.config import ConfigError, EnvoyConfig, GatewayConfig, NodeConfig, RolloutConfig, StackConfig, load_config
 from polar.stack import plan
 
 
@@ -12,16 +15,73 @@ def _option(argv: tuple[str, ...], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def test_the_gateway_reports_envoys_harness_listener_as_its_base_url():
-    inference, envoy, gateway = plan(StackConfig(envoy=EnvoyConfig(harness_port=0), gateway=GatewayConfig(port=0)))
-    assert [s.name for s in (inference, envoy, gateway)] == ["inference", "envoy", "gateway"]
+def _parse(argv: tuple[str, ...]):
+    """The child's argv as `polar` itself parses it (after `python -m polar`)."""
+    assert argv[1:3] == ("-m", "polar")
+    return build_parser().parse_args(argv[3:])
+
+
+def test_the_rollout_server_starts_first_and_the_node_last():
+    services = plan(StackConfig())
+    assert [s.name for s in services] == ["rollout", "inference", "envoy", "node"]
+    rollout, *_, node = services
+    assert rollout.health_service == "polar.v1.RolloutService"
+    assert node.health_service == "polar.v1.GatewayService"
+    # The node dials the rollout server the stack started, whatever port it bound.
+    assert _option(node.argv, "--rollout") == "{rollout}"
+    assert _option(node.argv, "--inference") == "{envoy}"
+
+
+def test_the_node_reports_envoys_harness_listener_as_its_base_url():
+    *_, envoy, node = plan(StackConfig(envoy=EnvoyConfig(harness_port=0), gateway=GatewayConfig(port=0)))
     harness = re.search(r"harness base URL (\S+) ", envoy.detail).group(1)
-    assert _option(gateway.argv, "--base-url") == harness
+    assert _option(node.argv, "--base-url") == harness
     assert _option(envoy.argv, "--harness-port") == harness.rpartition(":")[2] != "0"
-    # Envoy forwards harness requests to the port the gateway is told to listen on.
-    assert _option(envoy.argv, "--gateway").rpartition(":")[2] == _option(gateway.argv, "--port") != "0"
+    # Envoy forwards harness requests to the port the node's gateway is told to listen on.
+    assert _option(envoy.argv, "--gateway").rpartition(":")[2] == _option(node.argv, "--port") != "0"
 
 
 def test_a_configured_harness_port_is_the_base_url():
-    *_, gateway = plan(StackConfig(envoy=EnvoyConfig(host="0.0.0.0", harness_port=8123)))
-    assert _option(gateway.argv, "--base-url") == "http://127.0.0.1:8123"
+    *_, node = plan(StackConfig(envoy=EnvoyConfig(host="0.0.0.0", harness_port=8123)))
+    assert _option(node.argv, "--base-url") == "http://127.0.0.1:8123"
+
+
+def test_every_rollout_and_node_setting_reaches_its_command_line():
+    rollout_config = RolloutConfig(
+        host="0.0.0.0", port=0, store="runs/a.db", heartbeat_interval_s=0.25, node_timeout_s=7.5, max_attempts=5
+    )
+    node_config = NodeConfig(
+        rollout_address="10.0.0.2:50070", init_workers=3, ready_slots=0, running_slots=9, postrun_workers=2,
+        prewarm=False, work_root="/srv/sessions", harness_path="/opt/clis/bin", harness_output_limit=999,
+    )  # fmt: skip
+    gateway_config = GatewayConfig(port=8001, grpc_port=0, history="template", tokenizer="tiny")
+    rollout, *_, node = plan(StackConfig(rollout=rollout_config, node=node_config, gateway=gateway_config))
+
+    served = _parse(rollout.argv)
+    assert (served.host, served.port, served.store) == ("0.0.0.0", 0, "runs/a.db")
+    assert (served.heartbeat_interval, served.node_timeout, served.max_attempts) == (0.25, 7.5, 5)
+
+    node_args = _parse(node.argv)
+    assert node_args.rollout == "10.0.0.2:50070"
+    assert (node_args.init_workers, node_args.ready_slots, node_args.running_slots, node_args.postrun_workers) == (3, 0, 9, 2)
+    assert node_args.prewarm is False
+    assert (node_args.work_root, node_args.harness_path, node_args.harness_output_limit) == ("/srv/sessions", "/opt/clis/bin", 999)
+    assert (node_args.port, node_args.grpc_port, node_args.history, node_args.tokenizer) == (8001, 0, "template", "tiny")
+    assert "reports to 10.0.0.2:50070" in node.detail
+
+
+@pytest.mark.parametrize("prewarm", [True, False])
+def test_the_node_prewarms_unless_told_not_to(prewarm):
+    *_, node = plan(StackConfig(node=NodeConfig(prewarm=prewarm)))
+    assert _parse(node.argv).prewarm is prewarm
+
+
+def test_rollout_and_node_sections_load_from_a_config_file(tmp_path):
+    path = tmp_path / "stack.toml"
+    path.write_text('[rollout]\nstore = "run-1.db"\nnode_timeout_s = 4\n[node]\nrunning_slots = 2\nprewarm = false\n')
+    config = load_config(path)
+    assert (config.rollout.store, config.rollout.node_timeout_s) == ("run-1.db", 4.0)
+    assert (config.node.running_slots, config.node.prewarm) == (2, False)
+    path.write_text("[node]\nruning_slots = 2\n")
+    with pytest.raises(ConfigError, match="'node.runing_slots'"):
+        load_config(path)
