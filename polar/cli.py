@@ -390,13 +390,23 @@ def _rollout_option(parser: argparse.ArgumentParser, help: str = "RolloutService
     parser.add_argument("--rollout", default=default, metavar="HOST:PORT", help=f"{help} (default: %(default)s)")
 
 
+def _rollout_channel(address: str):
+    """A channel to the rollout server that takes messages as large as the server sends (results
+    batches pass gRPC's default 4 MB)."""
+    import grpc
+
+    from polar.rollout.server import MAX_MESSAGE_BYTES
+
+    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+
+
 def _rollout_rpc(address: str, method: str, request):
     """One unary RolloutService call; gRPC failures become one-line errors."""
     import grpc
 
     from polar.v1 import rollout_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with _rollout_channel(address) as channel:
         try:
             return getattr(rollout_pb2_grpc.RolloutServiceStub(channel), method)(request, timeout=30)
         except grpc.RpcError as exc:
@@ -455,7 +465,7 @@ def _status(args: argparse.Namespace) -> int:
     from polar.v1 import rollout_pb2, rollout_pb2_grpc
 
     tty = sys.stdout.isatty()
-    with grpc.insecure_channel(args.rollout) as channel:
+    with _rollout_channel(args.rollout) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
 
         def fetch() -> tuple[list, list]:
@@ -529,7 +539,7 @@ def _results(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot write {args.export}: {exc.strerror}") from None
     try:
-        with grpc.insecure_channel(args.rollout) as channel:
+        with _rollout_channel(args.rollout) as channel:
             stream = rollout_pb2_grpc.RolloutServiceStub(channel).WatchResults(request)
             try:
                 for batch in stream:

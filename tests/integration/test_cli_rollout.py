@@ -9,6 +9,7 @@ process) with a scripted model that solves it.
 from __future__ import annotations
 
 import asyncio
+import base64
 import concurrent.futures
 import contextlib
 import json
@@ -363,6 +364,19 @@ def test_the_example_tasks_run_end_to_end(tmp_path, monkeypatch):
         assert "Done." in trajectory["harnessOutput"]
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.splitlines()[-1] == "total: 2 tasks, 2 released; 4 sessions: 4 done; mean reward 1.000"
+
+
+def test_an_export_takes_batches_past_grpcs_default_message_limit(tmp_path):
+    # Task metadata is copied into every trajectory: two sessions of 3 MB each that do not compress
+    # make one results message past gRPC's default 4 MB receive limit.
+    blob = base64.b64encode(os.urandom(2_250_000)).decode()
+    with _rollout_in_a_thread(EXAMPLE_SCRIPT) as rollout:
+        _submit(rollout, tmp_path, _task_line(groupSize=2, metadata={"blob": blob}))
+        watched = run("status", "--watch", "--interval", "0.2", "--rollout", rollout, timeout=120)
+        assert watched.returncode == 0, watched.stderr
+        exported = run("results", "--export", str(tmp_path / "big.jsonl"), "--rollout", rollout)
+    assert exported.returncode == 0, exported.stderr
+    assert [t["metadata"]["blob"] == blob for t in _exported(tmp_path / "big.jsonl")] == [True, True]
 
 
 def _closed_port() -> int:
