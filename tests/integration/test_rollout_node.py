@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -243,3 +244,41 @@ def _processes_running(needle: str) -> list[int]:
             found.append(int(entry.name))
     return found
 
+
+
+async def test_a_killed_node_s_session_is_run_again_elsewhere() -> None:
+    """A node process is SIGKILLed while its harness runs: the harness dies with it (PDEATHSIG), the
+    server declares the node dead after its timeout, and another node runs the session again."""
+    from polar.config import GatewayConfig, InferenceConfig
+    from polar.stack import node_spec, running
+
+    async with running_rollout(SCRIPT, node=None, heartbeat_interval_s=0.2, node_timeout_s=2.0) as rollout:
+        config = dataclasses.replace(TEST_NODE, rollout_address=rollout.address)
+        gateway = GatewayConfig(port=rollout.http_port, grpc_port=0, inference_address=rollout.inference_address)
+        spec = node_spec(config, gateway, InferenceConfig(), base_url=rollout.base_url)
+        # Started from a thread: the inference server it needs runs on this test's event loop.
+        starting = running(spec, 120, 10)
+        doomed = await asyncio.to_thread(starting.__enter__)
+        try:
+            [task_id] = await rollout.submit(_slow_task())
+            session_id = f"{task_id}.0"
+            async with asyncio.timeout(60):
+                while (status := await rollout.session_status(session_id)).call_count < 1:
+                    await asyncio.sleep(0.05)
+            first_node = status.node_id
+            assert _processes_running(HARNESS)
+            os.kill(doomed.process.pid, signal.SIGKILL)
+            await asyncio.to_thread(doomed.process.wait)
+        finally:
+            await asyncio.to_thread(starting.__exit__, None, None, None)
+        async with asyncio.timeout(10):
+            while _processes_running(HARNESS):
+                await asyncio.sleep(0.05)
+        await rollout.start_node()
+        [[trajectory]] = await rollout.groups(1)
+        status = await rollout.session_status(session_id)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED, trajectory.error
+    assert trajectory.attempt == 2 and status.attempts == 2
+    assert status.node_id != first_node
+    assert len(trajectory.calls) == 2 and trajectory.reward == 1.0
+    assert_faithful(trajectory)
