@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from gateway.sessions import HISTORY_FROM_PROTO, Draining, SessionExists, SessionStore, UnknownSession
+from polar.grpc_server import bind, new_server, set_serving
 from polar.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
@@ -105,16 +104,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
 async def start_grpc(servicer: GatewayServicer, address: str) -> tuple[grpc.aio.Server, int]:
     """A started gRPC server for the servicer on `address`; returns it and the bound port."""
-    # No SO_REUSEPORT: a second gateway on a taken port must fail to bind, not share its traffic.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server, health_servicer = new_server(SERVICE_NAME)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind the gateway's gRPC server to {address!r}")
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    port = bind(server, address, "the gateway's gRPC server")
+    await set_serving(health_servicer, SERVICE_NAME)
     await server.start()
     return server, port

@@ -20,12 +20,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightUpdateError
 from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
 from polar.inference.weights import WeightsAssembler
+from polar.grpc_server import bind, new_server, set_serving
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -219,25 +218,11 @@ async def _close(stream: AsyncIterator[TokenChunk | GenerationEnd]) -> None:
 
 async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
     """Start the engine and a gRPC server for it on `address`; return the server and bound port."""
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            # gRPC sets SO_REUSEPORT by default: a second server on a taken port would silently
-            # share its traffic instead of failing to bind.
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
-    )
+    server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=MAX_MESSAGE_BYTES)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    port = server.add_insecure_port(address)
-    if port == 0:
-        raise OSError(f"cannot bind the inference server to {address!r}")
+    port = bind(server, address, "the inference server")
     await engine.start()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health_servicer, SERVICE_NAME)
     await server.start()
     return server, port
 

@@ -34,8 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from polar import codec
 from polar.rollout.store import (
@@ -51,6 +49,7 @@ from polar.rollout.store import (
     UnknownTask,
 )
 from polar.rollout.tasks import normalize_task, validate_task
+from polar.grpc_server import bind, new_server, set_serving
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("polar.rollout.server")
@@ -473,23 +472,10 @@ async def start_rollout_server(
         servicer = RolloutServicer(
             store, heartbeat_interval_s=heartbeat_interval_s, node_timeout_s=node_timeout_s, max_attempts=max_attempts
         )
-        # No SO_REUSEPORT: a second server on a taken port must fail to bind, not share its traffic.
-        server = grpc.aio.server(
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            ]
-        )
+        server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=MAX_MESSAGE_BYTES)
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
-        health_servicer = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-        port = server.add_insecure_port(address)
-        if port == 0:
-            raise OSError(f"cannot bind the rollout server to {address!r}")
-        for service in ("", SERVICE_NAME):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        port = bind(server, address, "the rollout server")
+        await set_serving(health_servicer, SERVICE_NAME)
         await server.start()
         servicer.start()
     except BaseException:
