@@ -4,7 +4,7 @@ Each service is a `ServiceSpec` (`plan` lists them in start order; later service
 there). A child runs in its own process group, so Ctrl-C at the terminal reaches only the supervisor,
 which then stops the children in reverse start order: SIGTERM to the group, SIGKILL to whatever is
 left after `stop_timeout_s`. Each child also asks the kernel for SIGTERM when the supervisor dies
-(PR_SET_PDEATHSIG), so even a SIGKILLed supervisor leaves no orphan.
+(PR_SET_PDEATHSIG, through polar.children), so even a SIGKILLed supervisor leaves no orphan.
 
 Readiness: a child is handed the write end of a pipe (`--ready-fd N`) and writes its bound port
 there once it serves; the supervisor then polls gRPC health checking on that port until SERVING.
@@ -17,7 +17,6 @@ A child that exits while the stack runs is reported, the others are stopped, and
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import os
 import select
@@ -33,10 +32,10 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from polar.children import dying_with_parent
 from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, StackConfig
 from polar.v1 import gateway_pb2, inference_pb2, rollout_pb2
 
-PR_SET_PDEATHSIG = 1
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
@@ -253,11 +252,10 @@ def _spawn(spec: ServiceSpec, started: dict[str, str] | None = None) -> tuple[Se
     read_fd, write_fd = os.pipe()
     try:
         process = subprocess.Popen(
-            [*argv, "--ready-fd", str(write_fd)],
+            dying_with_parent([*argv, "--ready-fd", str(write_fd)]),
             stdin=subprocess.DEVNULL,
             pass_fds=(write_fd,),
             process_group=0,
-            preexec_fn=_die_with_parent(os.getpid()),
         )
     except BaseException:
         os.close(read_fd)
@@ -274,19 +272,6 @@ def _await_ready(child: Service, ready_fd: int, timeout_s: float) -> None:
     with os.fdopen(ready_fd, "rb", buffering=0) as ready:
         child.port = _await_port(child, ready, deadline, timeout_s)
     _await_healthy(child, deadline, timeout_s)
-
-
-def _die_with_parent(parent_pid: int):
-    # Resolved before fork: loading a library in the forked child of a threaded process can deadlock.
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        # The supervisor may have died between fork and prctl; the signal would then never come.
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return preexec
 
 
 def _await_port(child: Service, ready, deadline: float, timeout_s: float) -> int:

@@ -1,8 +1,8 @@
 """Run one black-box command (a harness, a prepare step, an evaluator) and always get it back.
 
 `run_process` starts the command in its own session, hence its own process group, with stdin from
-/dev/null and the kernel asked to SIGTERM it should this process die (PR_SET_PDEATHSIG, tied to the
-thread running the event loop). Its stdout and stderr share one pipe that is drained while it runs,
+/dev/null and the kernel asked to SIGKILL it should this process die (PR_SET_PDEATHSIG through
+polar.children, tied to the thread running the event loop). Its stdout and stderr share one pipe that is drained while it runs,
 so a command that floods its output never blocks on a full pipe, and only the first and last bytes
 are kept (`OutputCap`), so memory stays bounded.
 
