@@ -238,19 +238,26 @@ PRESETS: dict[str, Preset] = {
 # ---------------------------------------------------------------------------------------------------
 
 
-def prepare_launch(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext, *, search_path: str = "") -> Launch:
+def prepare_launch(
+    spec: rollout_pb2.HarnessSpec, ctx: HarnessContext, *, search_path: str = "", in_container: bool = False
+) -> Launch:
     """The argv and environment that run `spec` for this session; writes the CLI's config files into
     ctx.home. `search_path` (os.pathsep-joined folders, e.g. node_modules/.bin) is searched for the
-    program before PATH; spec.env is applied last, so a task can override anything."""
+    program before PATH; spec.env is applied last, so a task can override anything. `in_container`:
+    the harness runs in a container (the docker runtime), whose image has its own programs and PATH,
+    so the program is not looked up here and PATH is left to the image."""
     preset = PRESETS.get(spec.preset)
     if preset is None:
         raise HarnessError(f"unknown harness preset {spec.preset!r} (known: {', '.join(PRESETS)})")
     ctx = replace(ctx, base_url=ctx.base_url.rstrip("/"))  # every dialect appends its own path
     path = os.pathsep.join(part for part in (search_path, os.environ.get("PATH", "")) if part)
     argv, preset_env = preset.build(spec, ctx)
-    argv = [_resolve(argv[0], path, preset), *argv[1:]]
-    env = {**session_environment(ctx, path), **preset_env, **spec.env}
-    return Launch(argv, env)
+    env = session_environment(ctx, path)
+    if in_container:
+        del env["PATH"]
+    else:
+        argv = [_resolve(argv[0], path, preset), *argv[1:]]
+    return Launch(argv, {**env, **preset_env, **spec.env})
 
 
 def _resolve(program: str, path: str, preset: Preset) -> str:

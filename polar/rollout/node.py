@@ -317,6 +317,7 @@ class Node:
                         task_id=task.task_id,
                     ),
                     search_path=self.config.harness_path,
+                    in_container=runtime.kind == "docker",
                 )
                 result = await runtime.run(
                     launch.argv,

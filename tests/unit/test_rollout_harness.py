@@ -261,3 +261,12 @@ def test_unknown_preset_lists_the_known_ones(preset, ctx, bin_dir):
 def test_every_cli_preset_names_its_shell_tool(preset):
     tool = PRESETS[preset].shell_tool
     assert tool.call("echo hi") == {"name": tool.name, "arguments": {tool.command_argument: "echo hi"}}
+
+
+@pytest.mark.parametrize("preset", CLI_PRESETS)
+def test_in_a_container_the_image_finds_the_cli_on_its_own_path(preset, ctx):
+    """The docker runtime: the CLI lives in the image, not on this host, and the image's PATH stays."""
+    launch = prepare_launch(rollout_pb2.HarnessSpec(preset=preset), ctx, in_container=True)
+    assert launch.argv[0] == PROGRAMS[preset]
+    assert "PATH" not in launch.env
+    assert launch.env["POLAR_SESSION_KEY"] == KEY and launch.env["HOME"] == str(ctx.home)
