@@ -6,8 +6,6 @@ tokenizer once, and starts both servers; `serve_gateway` runs them until SIGINT/
 
 from __future__ import annotations
 
-import asyncio
-import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -22,6 +20,7 @@ from gateway.parsers import get_output_parser
 from gateway.render import History
 from gateway.service import GatewayServicer, start_grpc
 from gateway.sessions import SessionStore
+from polar.grpc_server import until_stop_signal
 from polar.stack import join_host_port
 
 # How long start-up waits for the inference service to answer GetModelInfo.
@@ -143,18 +142,11 @@ async def serve_gateway(
         tokenizer_path=tokenizer_path,
         base_url=base_url,
     )
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for signum in signals:
-        loop.add_signal_handler(signum, stopping.set)
     try:
         if on_ready is not None:
             on_ready(running)
-        await stopping.wait()
+        await until_stop_signal()
     finally:
-        for signum in signals:
-            loop.remove_signal_handler(signum)
         await running.stop()
 
 

@@ -1,4 +1,5 @@
-"""What every Polar gRPC server shares: no SO_REUSEPORT, health checking, reflection, a clear bind error.
+"""What every Polar gRPC server shares: no SO_REUSEPORT, health checking, reflection, a clear bind
+error, and running until SIGINT or SIGTERM.
 
     server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=...)
     add_MyServiceServicer_to_server(servicer, server)
@@ -8,6 +9,9 @@
 """
 
 from __future__ import annotations
+
+import asyncio
+import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -49,3 +53,18 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service_name: 
     """Report SERVING overall and for the service."""
     for service in ("", service_name):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+
+async def until_stop_signal() -> None:
+    """Return once SIGINT or SIGTERM reaches this process (how every `polar serve …` ends); the
+    handlers are removed again on the way out, also when the wait is cancelled."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for signum in signals:
+        loop.add_signal_handler(signum, stopping.set)
+    try:
+        await stopping.wait()
+    finally:
+        for signum in signals:
+            loop.remove_signal_handler(signum)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -24,7 +23,7 @@ import grpc
 from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightUpdateError
 from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
 from polar.inference.weights import WeightsAssembler
-from polar.grpc_server import bind, new_server, set_serving
+from polar.grpc_server import bind, new_server, set_serving, until_stop_signal
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -230,17 +229,10 @@ async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[gr
 async def serve(engine: Engine, address: str, on_ready: Callable[[int], None] | None = None) -> None:
     """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine."""
     server, port = await start_server(engine, address)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for signum in signals:
-        loop.add_signal_handler(signum, stopping.set)
     try:
         if on_ready is not None:
             on_ready(port)
-        await stopping.wait()
+        await until_stop_signal()
     finally:
-        for signum in signals:
-            loop.remove_signal_handler(signum)
         await server.stop(STOP_GRACE_SECONDS)
         await engine.stop()

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import logging
 import shutil
-import signal
 import tempfile
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import grpc
 from gateway.server import RunningGateway, start_gateway
 from gateway.sessions import Session
 from polar.config import GatewayConfig, NodeConfig
+from polar.grpc_server import until_stop_signal
 from polar.rollout.evaluators import evaluate
 from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
 from polar.rollout.pools import Pool, ReadyBuffer, StageClock
@@ -523,16 +523,9 @@ async def serve_node(
     running = await start_node(
         node, gateway, inference_address=inference_address, rollout_address=rollout_address, base_url=base_url
     )
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for signum in signals:
-        loop.add_signal_handler(signum, stopping.set)
     try:
         if on_ready is not None:
             on_ready(running)
-        await stopping.wait()
+        await until_stop_signal()
     finally:
-        for signum in signals:
-            loop.remove_signal_handler(signum)
         await running.stop()

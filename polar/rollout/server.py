@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -49,7 +48,7 @@ from polar.rollout.store import (
     UnknownTask,
 )
 from polar.rollout.tasks import normalize_task, validate_task
-from polar.grpc_server import bind, new_server, set_serving
+from polar.grpc_server import bind, new_server, set_serving, until_stop_signal
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("polar.rollout.server")
@@ -502,16 +501,9 @@ async def serve_rollout(
         node_timeout_s=node_timeout_s,
         max_attempts=max_attempts,
     )
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for signum in signals:
-        loop.add_signal_handler(signum, stopping.set)
     try:
         if on_ready is not None:
             on_ready(running)
-        await stopping.wait()
+        await until_stop_signal()
     finally:
-        for signum in signals:
-            loop.remove_signal_handler(signum)
         await running.stop(STOP_GRACE_SECONDS)

@@ -12,23 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from gateway.testing import running_gateway
+from agent_clis import installed_clis
 from polar.rollout.harness import PRESETS, HarnessContext, prepare_launch
 from polar.trajectory import build, verify, views_from_protos
 from polar.v1 import rollout_pb2
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.node]
 
-INSTALL_DIR = Path(__file__).resolve().parent / "harness_install"
-BIN_DIR = INSTALL_DIR / "node_modules" / ".bin"
-PROGRAMS = ("codex", "claude", "qwen", "gemini", "pi")
 CLI_PRESETS = [name for name, preset in PRESETS.items() if preset.shell_tool is not None]
 MODEL = "polar-scripted"
 SHELL_COMMAND = "echo hello > hello.txt"
@@ -43,13 +39,7 @@ def anyio_backend():
 
 @pytest.fixture(scope="module")
 def harness_bin() -> Path:
-    if shutil.which("node") is None or shutil.which("npm") is None:
-        pytest.skip("the harness CLIs need node and npm on PATH")
-    if not all((BIN_DIR / program).exists() for program in PROGRAMS):
-        subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=INSTALL_DIR, check=True, timeout=600
-        )
-    return BIN_DIR
+    return installed_clis()
 
 
 @pytest.mark.parametrize("preset", CLI_PRESETS)

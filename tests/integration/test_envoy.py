@@ -35,6 +35,7 @@ from polar.config import EnvoyConfig
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
 from polar.stack import free_port
+from polar_cli import spawned
 from polar.stack import running as running_service
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -575,45 +576,30 @@ def test_polar_up_serves_harnesses_through_envoy(tmp_path):
     log = tmp_path / "access.log"
     config = tmp_path / "stack.toml"
     config.write_text(
+        f'[rollout]\nport = 0\nstore = "{tmp_path / "rollout.db"}"\n'
         f'[inference]\nengine = "scripted"\nscript = "{script_file}"\nport = 0\n'
         "[gateway]\nport = 0\ngrpc_port = 0\n"
         f'[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\naccess_log = "{log}"\n'
     )
-    up = subprocess.Popen(
-        [sys.executable, "-m", "polar", "up", "--config", str(config)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        table = _read_until(up, "  gateway ")
-        harness = re.search(r"^  envoy .* harness base URL (http://\S+) ", table, re.M).group(1)
-        admin = re.search(r"^  envoy .* admin http://(\S+)$", table, re.M).group(1)
-        gateway_grpc = re.search(r"^  gateway\s+(\S+)", table, re.M).group(1)
-        key = subprocess.run(
-            [sys.executable, "-m", "polar", "session", "open", "--gateway", gateway_grpc],
-            capture_output=True, text=True, check=True, timeout=60,
-        ).stdout.split()[-1]  # fmt: skip
-        reply = openai.OpenAI(base_url=f"{harness}/v1", api_key=key).chat.completions.create(
-            model="scripted", messages=[{"role": "user", "content": "Hi"}]
-        )
-        assert reply.choices[0].message.content == "Hello through Envoy."
-        # The gateway's call reached the inference server through Envoy's inference cluster.
-        assert re.search(r"^cluster\.inference\.upstream_rq_total: [1-9]", _admin_text(admin, "/stats"), re.M)
-        [entry] = access_log_lines(log, 1)
-        assert (entry["path"], entry["status"]) == ("/v1/chat/completions", 200)
-    finally:
-        up.send_signal(signal.SIGINT)
-        assert up.wait(timeout=30) == 0
+    with spawned() as start:
+        up, lines = start("up", "--config", str(config))
+        try:
+            harness, admin = lines.wait_for(r"^  envoy .* harness base URL (http://\S+) .* admin http://(\S+)$").groups()
+            node_grpc = lines.wait_for(r"^  node\s+(\S+)").group(1)
+            key = subprocess.run(
+                [sys.executable, "-m", "polar", "session", "open", "--gateway", node_grpc],
+                capture_output=True, text=True, check=True, timeout=60,
+            ).stdout.split()[-1]  # fmt: skip
+            reply = openai.OpenAI(base_url=f"{harness}/v1", api_key=key).chat.completions.create(
+                model="scripted", messages=[{"role": "user", "content": "Hi"}]
+            )
+            assert reply.choices[0].message.content == "Hello through Envoy."
+            # The gateway's call reached the inference server through Envoy's inference cluster.
+            assert re.search(r"^cluster\.inference\.upstream_rq_total: [1-9]", _admin_text(admin, "/stats"), re.M)
+            [entry] = access_log_lines(log, 1)
+            assert (entry["path"], entry["status"]) == ("/v1/chat/completions", 200)
+        finally:
+            up.send_signal(signal.SIGINT)
+            assert up.wait(timeout=30) == 0
     with pytest.raises(OSError):  # Envoy went down with the stack
         _admin_text(admin, "/ready")
-
-
-def _read_until(process: subprocess.Popen, marker: str) -> str:
-    """The process's output up to and including the first line containing marker."""
-    seen = []
-    deadline = time.monotonic() + 120
-    for line in process.stdout:
-        seen.append(line)
-        if marker in line:
-            return "".join(seen)
-        assert time.monotonic() < deadline, "".join(seen)
-    raise AssertionError(f"output ended before {marker!r}: {''.join(seen)}")
