@@ -26,8 +26,8 @@ followed until every group is released. Per point:
 * peak RUNNING: the most sessions whose RUNNING stages overlap, from the same timings (all sessions
   were submitted at one instant, so each stage's start is known relative to it): 256 means the node
   held all 256 harnesses at once;
-* CPU seconds per session of the node and of the rollout server (from /proc), since everything
-  shares the machine's cores.
+* CPU time per session of the node process itself, of what it waited for (harnesses, prepare steps,
+  evaluators) and of the rollout server (from /proc), since everything shares the machine's cores.
 
     python scripts/bench_rollout.py --quick     # C = 64, under a minute on 2 CPU cores
     python scripts/bench_rollout.py             # C = 64 and 256
@@ -99,7 +99,8 @@ class Point:
     ready_p50_ms: float
     peak_running: int
     completed: int
-    node_cpu_ms_per_session: float
+    node_cpu_ms_per_session: float  # the node process alone (gateway, pools, heartbeats)
+    children_cpu_ms_per_session: float  # the harnesses and prepare steps it ran
     rollout_cpu_ms_per_session: float
     errors: list[str]
 
@@ -193,15 +194,20 @@ def _measure(
                 # modes run the warm-up session, so the node is equally warm otherwise.
                 cursor = _warm_up(stub, harness, template)
                 _wait_for_node(stub, ready=sessions if prewarm else 0)
-                cpu_before = {"node": _cpu_seconds(node.process.pid), "rollout": _cpu_seconds(rollout.process.pid)}
+                node_before, children_before = _cpu_seconds(node.process.pid)
+                rollout_before = sum(_cpu_seconds(rollout.process.pid))
                 tasks = [_task(harness, hold, template, index) for index in range(sessions // GROUP_SIZE)]
                 submitted = time.monotonic()
                 stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=tasks), timeout=60)
                 trajectories, _ = _collect(stub, len(tasks), timeout_s=120 + 4 * hold, cursor=cursor)
                 seconds = time.monotonic() - submitted
-                node_cpu = _cpu_seconds(node.process.pid) - cpu_before["node"]
-                rollout_cpu = _cpu_seconds(rollout.process.pid) - cpu_before["rollout"]
-    return _point(sessions, prewarm, seconds, hold, trajectories, node_cpu, rollout_cpu)
+                node_after, children_after = _cpu_seconds(node.process.pid)
+                cpu = (
+                    node_after - node_before,
+                    children_after - children_before,
+                    sum(_cpu_seconds(rollout.process.pid)) - rollout_before,
+                )
+    return _point(sessions, prewarm, seconds, hold, trajectories, cpu)
 
 
 def _template(folder: Path) -> Path:
@@ -285,7 +291,8 @@ def _point(
     prewarm: bool,
     seconds: float,
     hold: float,
-    trajectories: Sequence[common_pb2.Trajectory], node_cpu: float, rollout_cpu: float
+    trajectories: Sequence[common_pb2.Trajectory],
+    cpu: tuple[float, float, float],  # node, its children, rollout server: seconds
 ) -> Point:
     timings = [t.stage_timings for t in trajectories]
     to_running = [1000 * (s.queued_seconds + s.init_seconds + s.ready_seconds) for s in timings]
@@ -309,8 +316,9 @@ def _point(
         ready_p50_ms=_quantile([1000 * s.ready_seconds for s in timings], 0.5),
         peak_running=_peak_overlap(spans),
         completed=completed,
-        node_cpu_ms_per_session=1000 * node_cpu / sessions,
-        rollout_cpu_ms_per_session=1000 * rollout_cpu / sessions,
+        node_cpu_ms_per_session=1000 * cpu[0] / sessions,
+        children_cpu_ms_per_session=1000 * cpu[1] / sessions,
+        rollout_cpu_ms_per_session=1000 * cpu[2] / sessions,
         errors=errors[:5],
     )
 
@@ -333,11 +341,12 @@ def _quantile(values: Sequence[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and its waited-for children (the harnesses are the node's)."""
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """User + system CPU seconds of a process, and of its children it waited for."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    utime, stime, cutime, cstime = (int(value) for value in fields[11:15])
+    tick = os.sysconf("SC_CLK_TCK")
+    return (utime + stime) / tick, (cutime + cstime) / tick
 
 
 def _fresh(path: Path) -> Path:
@@ -360,7 +369,7 @@ def _print_table(points: Sequence[Point], hold: float, load_before: float) -> No
     )
     header = (
         f"{'sessions':>8} {'prewarm':>8} {'sess/s':>7} {'added':>6} {'→RUN p50':>9} {'p90':>7} {'max':>7} "
-        f"{'queued':>7} {'init':>6} {'ready':>6} {'peak RUN':>8} {'done':>5} {'node cpu':>9} {'rollout':>8}"
+        f"{'queued':>7} {'init':>6} {'ready':>6} {'peak RUN':>8} {'done':>5} {'node cpu':>9} {'children':>9} {'rollout':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -369,13 +378,15 @@ def _print_table(points: Sequence[Point], hold: float, load_before: float) -> No
             f"{p.sessions:>8} {'yes' if p.prewarm else 'no':>8} {p.sessions_per_s:>7.1f} {p.added_seconds:>5.2f}s "
             f"{p.submit_to_running_p50_ms:>7.1f}ms {p.submit_to_running_p90_ms:>5.0f}ms {p.submit_to_running_max_ms:>5.0f}ms "
             f"{p.queued_p50_ms:>5.1f}ms {p.init_p50_ms:>4.1f}ms {p.ready_p50_ms:>4.1f}ms {p.peak_running:>8} "
-            f"{p.completed:>5} {p.node_cpu_ms_per_session:>7.1f}ms {p.rollout_cpu_ms_per_session:>6.1f}ms"
+            f"{p.completed:>5} {p.node_cpu_ms_per_session:>7.1f}ms {p.children_cpu_ms_per_session:>7.1f}ms "
+            f"{p.rollout_cpu_ms_per_session:>6.1f}ms"
         )
         for error in p.errors:
             print(f"{'':>8} error: {error}")
     print(
         "\nadded: submit → last release, minus the hold. →RUN: submit → the node starts the harness's stage\n"
-        "(queued + init + ready). node cpu includes the harnesses and prepare steps it waited for; per session."
+        "(queued + init + ready). CPU per session: the node process, its children (harnesses, prepare steps),\n"
+        "the rollout server."
     )
 
 
