@@ -22,6 +22,8 @@ from polar.v1 import rollout_pb2
 HARNESS_PRESETS = ("codex", "claude-code", "qwen-code", "gemini-cli", "pi", "command")
 RUNTIME_KINDS = ("local", "docker")
 EVALUATOR_KINDS = ("", "command", "python")  # "": no evaluator, every reward is 0
+# A GRPO group is a handful to a few hundred sessions; a typo's billion would be one endless transaction.
+MAX_GROUP_SIZE = 4096
 
 DEFAULT_BUILDER = "prefix_merging"
 DEFAULT_TIMEOUT_S = 1800.0
@@ -69,8 +71,8 @@ def validate_task(task: rollout_pb2.Task) -> list[str]:
             f"task_id: {task.task_id!r} is not 1 to 128 letters, digits, '.', '_' or '-'"
             " starting with a letter or digit"
         )
-    if task.group_size <= 0:
-        problems.append(f"group_size: must be > 0, got {task.group_size}")
+    if not 0 < task.group_size <= MAX_GROUP_SIZE:
+        problems.append(f"group_size: must be between 1 and {MAX_GROUP_SIZE}, got {task.group_size}")
     problems += _harness_problems(task)
     problems += _runtime_problems(task.runtime)
     problems += _evaluator_problems(task.evaluator)

@@ -219,7 +219,7 @@ async def test_submit_fills_defaults_and_makes_a_group_of_sessions(start):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (task("b", group_size=0), "tasks[1].group_size: must be > 0, got 0"),
+        (task("b", group_size=0), "tasks[1].group_size: must be between 1 and 4096, got 0"),
         (
             task("b", harness=rollout_pb2.HarnessSpec(preset="x")),
             "tasks[1].harness.preset: unknown preset 'x' (known: ",
@@ -248,8 +248,8 @@ async def test_submit_names_every_problem(start):
     bad = rollout_pb2.Task(task_id="x", group_size=-1, harness=rollout_pb2.HarnessSpec(preset="codex"))
     error = await rpc_error(stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("ok"), bad, bad])))
     assert error.details() == (
-        "tasks[1].group_size: must be > 0, got -1; tasks[1].instruction: required (empty); "
-        "tasks[2].group_size: must be > 0, got -1; tasks[2].instruction: required (empty); "
+        "tasks[1].group_size: must be between 1 and 4096, got -1; tasks[1].instruction: required (empty); "
+        "tasks[2].group_size: must be between 1 and 4096, got -1; tasks[2].instruction: required (empty); "
         "tasks[2].task_id: 'x' repeats tasks[1]"
     )
 
