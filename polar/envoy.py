@@ -137,8 +137,11 @@ def running(config_text: str, workers: int = 0, startup_timeout_s: float = START
     """
     with tempfile.TemporaryDirectory(prefix="polar-envoy-") as scratch:
         admin_path = Path(scratch) / "admin-address"
+        # A file rather than --config-yaml: the whole config on the command line fills `ps`.
+        config_path = Path(scratch) / "envoy.yaml"
+        config_path.write_text(config_text)
         argv = [
-            str(envoy_binary()), "--config-yaml", config_text,
+            str(envoy_binary()), "--config-path", str(config_path),
             # Envoy writes its bound admin address here, which is how an admin port of 0 is found.
             "--admin-address-path", str(admin_path),
             # Hot restart would make every Envoy on the machine share one base id: a second one fails.
