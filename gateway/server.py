@@ -14,7 +14,7 @@ from aiohttp import web
 
 from gateway.app import create_app
 from gateway.chat_format import get_chat_format
-from gateway.core import Gateway, InferenceClient, ModelSpec
+from gateway.core import DEFAULT_GENERATE_TIMEOUT_S, Gateway, InferenceClient, ModelSpec
 from gateway.dialects.base import Dialect
 from gateway.parsers import get_output_parser
 from gateway.render import History
@@ -76,6 +76,7 @@ async def start_gateway(
     tokenizer_path: str = "",  # a tokenizer folder or a model alias ("tiny"); "" = the one inference names
     base_url: str = "",  # the URL harnesses use (Envoy's harness listener); "" = the gateway's own
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
     dialects: Mapping[str, Dialect] | None = None,
 ) -> RunningGateway:
     """Both servers started and serving; ports 0 pick free ones; `dialects` override the registry's."""
@@ -96,6 +97,7 @@ async def start_gateway(
             chat_format=get_chat_format(chat_format, tokenizer),
             parser=output_parser,
             tokenizer=tokenizer.backend_tokenizer,
+            generate_timeout_s=generate_timeout_s,
         )
         runner = web.AppRunner(create_app(gateway, dialects), access_log=None, shutdown_timeout=STOP_GRACE_SECONDS)
         await runner.setup()
@@ -128,6 +130,7 @@ async def serve_gateway(
     *,
     tokenizer_path: str = "",
     base_url: str = "",
+    generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
 ) -> None:
     """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully; `base_url` is reported to
     GetNodeStatus as the URL harnesses use (Envoy's harness listener in the stack)."""
@@ -141,6 +144,7 @@ async def serve_gateway(
         history=history,
         tokenizer_path=tokenizer_path,
         base_url=base_url,
+        generate_timeout_s=generate_timeout_s,
     )
     try:
         if on_ready is not None:

@@ -133,6 +133,10 @@ def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tokenizer", default=defaults.tokenizer, help="tokenizer folder (default: the one inference names)")
     parser.add_argument(
+        "--generate-timeout", type=_positive_float, default=defaults.generate_timeout_s, metavar="S",
+        help="seconds one generation may take before it is abandoned as hung (default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--base-url", default="", metavar="URL",
         help="the URL harnesses are given (Envoy's harness listener; default: the gateway's own)",
     )  # fmt: skip
@@ -151,6 +155,7 @@ def _serve_gateway(args: argparse.Namespace) -> int:
             serve_gateway(
                 args.inference, args.host, args.port, args.grpc_port, args.chat_format, args.parser, args.history,
                 on_ready, tokenizer_path=args.tokenizer, base_url=args.base_url,
+                generate_timeout_s=args.generate_timeout,
             )
         )  # fmt: skip
     except GatewayStartError as exc:
@@ -284,6 +289,7 @@ def _serve_node(args: argparse.Namespace) -> int:
         history=args.history,
         inference_address=args.inference,
         tokenizer=args.tokenizer,
+        generate_timeout_s=args.generate_timeout,
     )
 
     def on_ready(running) -> None:

@@ -95,6 +95,9 @@ class GatewayConfig:
     # balances them over the [inference] servers with session affinity.
     inference_address: str = ""
     tokenizer: str = ""  # Hugging Face tokenizer folder; "" = the one the inference server names
+    # A generation, first token to last, taking longer is abandoned as hung (the call fails and is
+    # recorded as such). Raise it for slow models that write long answers.
+    generate_timeout_s: float = 900.0
 
 
 @dataclass

@@ -156,6 +156,7 @@ def _gateway_options(gw: GatewayConfig, inf: InferenceConfig, base_url: str) -> 
         "--inference", gateway_inference_address(gw, inf), "--host", gw.host,
         "--port", str(gw.port), "--grpc-port", str(gw.grpc_port),
         "--chat-format", gw.chat_format, "--parser", gw.parser, "--history", gw.history,
+        "--generate-timeout", str(gw.generate_timeout_s),
     ]  # fmt: skip
     if gw.tokenizer:
         argv += ["--tokenizer", gw.tokenizer]

@@ -492,6 +492,7 @@ async def start_node(
         history=gateway.history,
         tokenizer_path=gateway.tokenizer,
         base_url=base_url,
+        generate_timeout_s=gateway.generate_timeout_s,
     )
     pools: Node | None = None
     try:

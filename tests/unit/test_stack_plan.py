@@ -54,7 +54,7 @@ def test_every_rollout_and_node_setting_reaches_its_command_line():
         rollout_address="10.0.0.2:50070", init_workers=3, ready_slots=0, running_slots=9, postrun_workers=2,
         prewarm=False, work_root="/srv/sessions", harness_path="/opt/clis/bin", harness_output_limit=999,
     )  # fmt: skip
-    gateway_config = GatewayConfig(port=8001, grpc_port=0, history="template", tokenizer="tiny")
+    gateway_config = GatewayConfig(port=8001, grpc_port=0, history="template", tokenizer="tiny", generate_timeout_s=3600.0)
     rollout, *_, node = plan(StackConfig(rollout=rollout_config, node=node_config, gateway=gateway_config))
 
     served = _parse(rollout.argv)
@@ -67,6 +67,7 @@ def test_every_rollout_and_node_setting_reaches_its_command_line():
     assert node_args.prewarm is False
     assert (node_args.work_root, node_args.harness_path, node_args.harness_output_limit) == ("/srv/sessions", "/opt/clis/bin", 999)
     assert (node_args.port, node_args.grpc_port, node_args.history, node_args.tokenizer) == (8001, 0, "template", "tiny")
+    assert node_args.generate_timeout == 3600.0
     assert "reports to 10.0.0.2:50070" in node.detail
 
 
