@@ -123,15 +123,22 @@ def _best_prior(
     if not prior_calls:
         return None, FIRST_CALL
 
+    # Only a call with fewer messages than the request (its reply is one more) can be extended; the
+    # others cannot match, so a session of many calls that each start afresh costs a length check each.
+    sizes = [len(prior.conversation.messages) for prior in prior_calls]
+    candidates = [index for index, size in enumerate(sizes) if size < len(messages)]
+    if not candidates:
+        return None, HISTORY_DIVERGED
+
     def rank(index: int) -> tuple[int, int]:
-        return len(prior_calls[index].conversation.messages), index
+        return sizes[index], index
 
     # A conversation that grows one turn at a time extends its latest, longest call: check that one
-    # first, in linear time, and sort the whole session only when it does not match.
-    best = max(range(len(prior_calls)), key=rank)
+    # first, in linear time, and sort the candidates only when it does not match.
+    best = max(candidates, key=rank)
     if _mismatch(prior_calls[best], messages, conversation, strict_reasoning) is None:
         return prior_calls[best], ""
-    longest_first = sorted(range(len(prior_calls)), key=rank, reverse=True)
+    longest_first = sorted(candidates, key=rank, reverse=True)
     reason = HISTORY_DIVERGED
     for index in longest_first:
         miss = _mismatch(prior_calls[index], messages, conversation, strict_reasoning)
