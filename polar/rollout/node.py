@@ -68,6 +68,8 @@ class SessionRun:
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     gateway_session: Session | None = None
     task: asyncio.Task | None = None
+    # Calls (in completion order) that an acknowledged heartbeat carried to the server.
+    calls_delivered: int = 0
 
     @property
     def session_id(self) -> str:
@@ -78,9 +80,14 @@ class SessionRun:
         self.clock.enter(stage, since)
 
     def progress(self) -> rollout_pb2.SessionProgress:
-        calls = len(self.gateway_session.records) if self.gateway_session is not None else 0
+        """Where the session stands, with the calls completed since the last delivered heartbeat."""
+        records = self.gateway_session.records if self.gateway_session is not None else []
         return rollout_pb2.SessionProgress(
-            session_id=self.session_id, state=self.state, call_count=calls, stage_timings=self.clock.timings()
+            session_id=self.session_id,
+            state=self.state,
+            call_count=len(records),
+            stage_timings=self.clock.timings(),
+            new_calls=records[self.calls_delivered :],
         )
 
 
@@ -160,12 +167,11 @@ class Node:
             ),
         ]
 
-    def _heartbeat_request(self) -> rollout_pb2.HeartbeatRequest:
-        return rollout_pb2.HeartbeatRequest(
-            node_id=self.node_id,
-            pools=self.pool_status(),
-            sessions=[run.progress() for run in self.runs.values()],
-        )
+    def _heartbeat_request(self) -> tuple[rollout_pb2.HeartbeatRequest, dict[str, int]]:
+        """The request, and per session the calls it delivers once acknowledged."""
+        sessions = [run.progress() for run in self.runs.values()]
+        request = rollout_pb2.HeartbeatRequest(node_id=self.node_id, pools=self.pool_status(), sessions=sessions)
+        return request, {progress.session_id: progress.call_count for progress in sessions}
 
     # --- the rollout link --------------------------------------------------------------------------
 
@@ -189,15 +195,17 @@ class Node:
             try:
                 if not self.node_id:
                     await self._register()
-                response = await self._stub.Heartbeat(
-                    self._heartbeat_request(), timeout=2 * self.heartbeat_interval_s + 5.0
-                )
+                request, delivers = self._heartbeat_request()
+                response = await self._stub.Heartbeat(request, timeout=2 * self.heartbeat_interval_s + 5.0)
             except grpc.aio.AioRpcError as exc:
                 log.warning("rollout server %s: %s; retrying", self.rollout_address, exc.details() or exc.code().name)
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
                 continue
             delay = RETRY_FIRST_S
+            for session_id, calls in delivers.items():
+                if (run := self.runs.get(session_id)) is not None and run.gateway_session is not None:
+                    run.calls_delivered = calls
             if response.reregister:
                 # The server declared this node dead and gave its sessions to others: stop them.
                 log.warning("the rollout server no longer knows node %s; registering again", self.node_id)

@@ -37,7 +37,7 @@ from pathlib import Path
 from polar import codec
 from polar.v1 import common_pb2, rollout_pb2
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 PENDING = rollout_pb2.SESSION_STATE_PENDING
 INIT = rollout_pb2.SESSION_STATE_INIT
 POSTRUN = rollout_pb2.SESSION_STATE_POSTRUN
@@ -87,6 +87,15 @@ CREATE TABLE released_groups (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,    -- the results cursor
     task_seq INTEGER NOT NULL UNIQUE REFERENCES tasks (seq),
     released_at REAL NOT NULL
+);
+-- Calls a node reported in its heartbeats, kept until the session's result holds them: the calls of
+-- an attempt whose node died become the result's abandoned_calls.
+CREATE TABLE partial_calls (
+    session_id TEXT NOT NULL REFERENCES sessions (session_id),
+    attempt INTEGER NOT NULL,
+    call_id TEXT NOT NULL,
+    record BLOB NOT NULL,                     -- serialized CallRecord
+    PRIMARY KEY (session_id, attempt, call_id)
 );
 CREATE TABLE nodes (
     node_id TEXT PRIMARY KEY,
@@ -331,8 +340,13 @@ class RolloutStore:
         held = self._held(node_id)
         lost = [row for row in held if row["session_id"] not in listed]
         progressed = []
+        new_calls = []
         for row in held:
             if (progress := listed.get(row["session_id"])) is not None:
+                new_calls += [
+                    (row["session_id"], row["attempts"], call.call_id, call.SerializeToString())
+                    for call in progress.new_calls
+                ]
                 timings = progress.stage_timings
                 values = (
                     progress.state,
@@ -345,9 +359,13 @@ class RolloutStore:
                 if values != tuple(row[column] for column in _PROGRESS_COLUMNS):
                     progressed.append((*values, row["session_id"]))
         requeued = Requeued()
-        if pools_changed or lost or progressed:
+        if pools_changed or lost or progressed or new_calls:
             with self._transaction() as db:
                 db.execute("UPDATE nodes SET pools = ? WHERE node_id = ?", (pools_json, node_id))
+                db.executemany(
+                    "INSERT OR IGNORE INTO partial_calls (session_id, attempt, call_id, record) VALUES (?, ?, ?, ?)",
+                    new_calls,
+                )
                 db.executemany(
                     f"UPDATE sessions SET {', '.join(f'{column} = ?' for column in _PROGRESS_COLUMNS)}"
                     " WHERE session_id = ?",
@@ -519,6 +537,11 @@ class RolloutStore:
                 return 0
             if row["state"] not in HELD_STATES or row["node_id"] != node_id or row["attempts"] != attempt:
                 raise NotAssigned(f"session {session_id!r} was taken back from node {node_id!r} during its report")
+            abandoned = self._take_partial_calls(session_id, before_attempt=attempt)
+            if abandoned:
+                trajectory = common_pb2.Trajectory.FromString(trajectory.SerializeToString())
+                trajectory.abandoned_calls.extend(abandoned)
+                zstd_trajectory = codec.compress(trajectory.SerializeToString())
             timings = trajectory.stage_timings
             db.execute(
                 "UPDATE sessions SET init_s = ?, ready_s = ?, running_s = ?, postrun_s = ? WHERE session_id = ?",
@@ -567,6 +590,7 @@ class RolloutStore:
             ),
             metadata=task.metadata,
             attempt=row["attempts"],
+            abandoned_calls=self._take_partial_calls(row["session_id"]),
         )
         self._db.execute(
             "UPDATE sessions SET queued_s = ?, pending_since = NULL WHERE session_id = ?", (queued, row["session_id"])
@@ -583,6 +607,18 @@ class RolloutStore:
             len(serialized),
             now,
         )
+
+    def _take_partial_calls(self, session_id: str, before_attempt: int | None = None) -> list[common_pb2.CallRecord]:
+        """Within a transaction: the session's heartbeat-reported calls (of attempts before
+        `before_attempt`, or all), in attempt and call order; every stored row of it is deleted,
+        since the result about to be stored holds what is kept."""
+        limit = "" if before_attempt is None else " AND attempt < ?"
+        arguments = (session_id,) if before_attempt is None else (session_id, before_attempt)
+        rows = self._db.execute(
+            f"SELECT record FROM partial_calls WHERE session_id = ?{limit} ORDER BY attempt, call_id", arguments
+        ).fetchall()
+        self._db.execute("DELETE FROM partial_calls WHERE session_id = ?", (session_id,))
+        return [common_pb2.CallRecord.FromString(row["record"]) for row in rows]
 
     def _store_result(
         self,

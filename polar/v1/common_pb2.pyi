@@ -206,7 +206,7 @@ class StageTimings(_message.Message):
     def __init__(self, queued_seconds: _Optional[float] = ..., init_seconds: _Optional[float] = ..., ready_seconds: _Optional[float] = ..., running_seconds: _Optional[float] = ..., postrun_seconds: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "session_id", "task_id", "group_id", "traces", "reward", "weight", "stats", "outcome", "error", "builder", "min_policy_version", "max_policy_version", "stage_timings", "metadata", "calls", "attempt", "harness_exit_code", "harness_output", "evaluator_output")
+    __slots__ = ("trajectory_id", "session_id", "task_id", "group_id", "traces", "reward", "weight", "stats", "outcome", "error", "builder", "min_policy_version", "max_policy_version", "stage_timings", "metadata", "calls", "attempt", "harness_exit_code", "harness_output", "evaluator_output", "abandoned_calls")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,7 @@ class Trajectory(_message.Message):
     HARNESS_EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     HARNESS_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     EVALUATOR_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_CALLS_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     session_id: str
     task_id: str
@@ -254,7 +255,8 @@ class Trajectory(_message.Message):
     harness_exit_code: int
     harness_output: str
     evaluator_output: str
-    def __init__(self, trajectory_id: _Optional[str] = ..., session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., traces: _Optional[_Iterable[_Union[Trace, _Mapping]]] = ..., reward: _Optional[float] = ..., weight: _Optional[float] = ..., stats: _Optional[_Union[MergeStats, _Mapping]] = ..., outcome: _Optional[_Union[SessionOutcome, str]] = ..., error: _Optional[str] = ..., builder: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., stage_timings: _Optional[_Union[StageTimings, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., calls: _Optional[_Iterable[_Union[CallRecord, _Mapping]]] = ..., attempt: _Optional[int] = ..., harness_exit_code: _Optional[int] = ..., harness_output: _Optional[str] = ..., evaluator_output: _Optional[str] = ...) -> None: ...
+    abandoned_calls: _containers.RepeatedCompositeFieldContainer[CallRecord]
+    def __init__(self, trajectory_id: _Optional[str] = ..., session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., traces: _Optional[_Iterable[_Union[Trace, _Mapping]]] = ..., reward: _Optional[float] = ..., weight: _Optional[float] = ..., stats: _Optional[_Union[MergeStats, _Mapping]] = ..., outcome: _Optional[_Union[SessionOutcome, str]] = ..., error: _Optional[str] = ..., builder: _Optional[str] = ..., min_policy_version: _Optional[int] = ..., max_policy_version: _Optional[int] = ..., stage_timings: _Optional[_Union[StageTimings, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., calls: _Optional[_Iterable[_Union[CallRecord, _Mapping]]] = ..., attempt: _Optional[int] = ..., harness_exit_code: _Optional[int] = ..., harness_output: _Optional[str] = ..., evaluator_output: _Optional[str] = ..., abandoned_calls: _Optional[_Iterable[_Union[CallRecord, _Mapping]]] = ...) -> None: ...
 
 class TrajectoryBatch(_message.Message):
     __slots__ = ("trajectories",)

@@ -257,16 +257,18 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionProgress, _Mapping]]] = ...) -> None: ...
 
 class SessionProgress(_message.Message):
-    __slots__ = ("session_id", "state", "call_count", "stage_timings")
+    __slots__ = ("session_id", "state", "call_count", "stage_timings", "new_calls")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     CALL_COUNT_FIELD_NUMBER: _ClassVar[int]
     STAGE_TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    NEW_CALLS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     state: SessionState
     call_count: int
     stage_timings: _common_pb2.StageTimings
-    def __init__(self, session_id: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., call_count: _Optional[int] = ..., stage_timings: _Optional[_Union[_common_pb2.StageTimings, _Mapping]] = ...) -> None: ...
+    new_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.CallRecord]
+    def __init__(self, session_id: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., call_count: _Optional[int] = ..., stage_timings: _Optional[_Union[_common_pb2.StageTimings, _Mapping]] = ..., new_calls: _Optional[_Iterable[_Union[_common_pb2.CallRecord, _Mapping]]] = ...) -> None: ...
 
 class SessionAssignment(_message.Message):
     __slots__ = ("session_id", "task", "attempt")

@@ -248,7 +248,8 @@ def _processes_running(needle: str) -> list[int]:
 
 async def test_a_killed_node_s_session_is_run_again_elsewhere() -> None:
     """A node process is SIGKILLed while its harness runs: the harness dies with it (PDEATHSIG), the
-    server declares the node dead after its timeout, and another node runs the session again."""
+    server declares the node dead after its timeout, and another node runs the session again; the
+    call the dead node recorded arrives too, as an abandoned call."""
     from polar.config import GatewayConfig, InferenceConfig
     from polar.stack import node_spec, running
 
@@ -282,3 +283,6 @@ async def test_a_killed_node_s_session_is_run_again_elsewhere() -> None:
     assert status.node_id != first_node
     assert len(trajectory.calls) == 2 and trajectory.reward == 1.0
     assert_faithful(trajectory)
+    # The call the dead node recorded (and delivered in a heartbeat) is kept, apart from the traces.
+    [abandoned] = trajectory.abandoned_calls
+    assert abandoned.call_id == "c0001" and len(abandoned.sampled_token_ids) > 0

@@ -450,6 +450,56 @@ async def test_a_dead_node_on_the_last_attempt_fails_its_sessions_and_completes_
     assert group[1].error == status.error and group[1].group_id == "t"
 
 
+def call(call_id: str, token: int) -> common_pb2.CallRecord:
+    return common_pb2.CallRecord(call_id=call_id, prompt_token_ids=[1, 2], sampled_token_ids=[token])
+
+
+async def test_calls_a_dead_node_delivered_in_heartbeats_reach_the_next_attempt_s_result(start):
+    _, stub = await start(node_timeout_s=SHORT_NODE_TIMEOUT_S)
+    await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t")]))
+    doomed = await DriverNode(stub).register()
+    await doomed.beat()
+    doomed.held["t.0"] = rollout_pb2.SessionProgress(
+        session_id="t.0", state=RUNNING, call_count=2, new_calls=[call("c0001", 7), call("c0002", 8)]
+    )
+    await doomed.beat()
+    # A retried heartbeat repeats a call: it is kept once.
+    del doomed.held["t.0"].new_calls[0]
+    await doomed.beat()
+    survivor = await DriverNode(stub).register()
+
+    async def survivor_took_it() -> bool:
+        await survivor.beat()
+        return "t.0" in survivor.held
+
+    await eventually(survivor_took_it)
+    survivor.advance("t.0", RUNNING, calls=1)
+    survivor.held["t.0"].new_calls.append(call("c0001", 9))
+    await survivor.beat()
+    await survivor.report("t.0", calls=[call("c0001", 9)])
+    [result] = trajectories(await results(stub))
+    assert result.attempt == 2
+    assert [(c.call_id, list(c.sampled_token_ids)) for c in result.calls] == [("c0001", [9])]
+    assert [(c.call_id, list(c.sampled_token_ids)) for c in result.abandoned_calls] == [("c0001", [7]), ("c0002", [8])]
+
+
+async def test_a_session_failed_with_its_dead_node_keeps_the_calls_it_delivered(start):
+    _, stub = await start(max_attempts=1, node_timeout_s=SHORT_NODE_TIMEOUT_S)
+    await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t")]))
+    node = await DriverNode(stub).register()
+    await node.beat()
+    node.held["t.0"] = rollout_pb2.SessionProgress(session_id="t.0", state=RUNNING, call_count=1, new_calls=[call("c0001", 7)])
+    await node.beat()
+
+    async def failed() -> bool:
+        return (await session(stub, "t.0")).state == DONE
+
+    await eventually(failed)
+    [result] = trajectories(await results(stub))
+    assert result.outcome == FAILED
+    assert [c.call_id for c in result.abandoned_calls] == ["c0001"]
+
+
 # --- Cancel -------------------------------------------------------------------------------------------
 
 

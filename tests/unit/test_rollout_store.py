@@ -17,6 +17,7 @@ from polar import codec
 from polar.rollout.store import (
     InvalidCursor,
     NotAssigned,
+    SCHEMA_VERSION,
     RolloutStore,
     StoreError,
     TaskExists,
@@ -118,7 +119,7 @@ def test_a_file_that_is_not_a_store_is_refused(tmp_path):
     other = tmp_path / "other.db"
     with sqlite3.connect(other) as db:
         db.execute("PRAGMA user_version = 7")
-    with pytest.raises(StoreError, match="schema version 7; this Polar reads 1"):
+    with pytest.raises(StoreError, match=f"schema version 7; this Polar reads {SCHEMA_VERSION}"):
         RolloutStore(other)
     with pytest.raises(StoreError, match="cannot open the rollout store"):
         RolloutStore(tmp_path / "missing-folder" / "rollout.db")
