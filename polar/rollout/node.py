@@ -256,6 +256,8 @@ class Node:
                 harness = HarnessRun(common_pb2.SESSION_OUTCOME_FAILED, f"runtime: {exc}")
             if runtime is not None:
                 harness = await self._run_harness(run, runtime)
+            elif not harness.error:
+                harness = HarnessRun(common_pb2.SESSION_OUTCOME_CANCELLED, "cancelled before its runtime was prepared")
             run.enter(rollout_pb2.SESSION_STATE_POSTRUN, "postrun")
             async with self.postrun.slot():
                 trajectory = await self._postrun(run, runtime, harness)

@@ -189,6 +189,24 @@ async def test_a_cancelled_running_session_keeps_its_partial_calls() -> None:
     assert not _processes_running("time.sleep(600)")
 
 
+async def test_a_session_cancelled_while_waiting_for_init_ends_cancelled() -> None:
+    config = dataclasses.replace(TEST_NODE, init_workers=1, prewarm=False)
+    slow_prepare = rollout_pb2.RuntimeSpec(kind="local", prepare=["sleep 2"])
+    async with running_rollout(SCRIPT, node=config) as rollout:
+        [task_id] = await rollout.submit(command_task(harness(), group_size=2, runtime=slow_prepare))
+        waiting = f"{task_id}.1"
+        node = rollout.nodes[0].node
+        async with asyncio.timeout(30):
+            while node.init.waiting < 1:
+                await asyncio.sleep(0.02)
+        await rollout.stub.Cancel(rollout_pb2.CancelRequest(session_ids=[waiting]), timeout=10)
+        [group] = await rollout.groups(1)
+    by_id = {t.session_id: t for t in group}
+    assert by_id[waiting].outcome == OUTCOME.SESSION_OUTCOME_CANCELLED, by_id[waiting].error
+    assert by_id[waiting].stage_timings.running_seconds == 0.0
+    assert by_id[f"{task_id}.0"].outcome == OUTCOME.SESSION_OUTCOME_COMPLETED
+
+
 async def test_session_status_follows_the_stages() -> None:
     async with running_rollout(SCRIPT) as rollout:
         [task_id] = await rollout.submit(command_task(harness("slow"), evaluator=FOUND_HELLO))
