@@ -6,6 +6,7 @@ tokenizer once, and starts both servers; `serve_gateway` runs them until SIGINT/
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -27,6 +28,11 @@ from polar.stack import join_host_port
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
 # How long a stop lets calls in flight finish before they are cancelled (and recorded as aborted).
 STOP_GRACE_SECONDS = 5.0
+# A closed session stays readable (GetSession, WatchSession) this long, then its records are dropped,
+# so a gateway that runs for weeks does not keep every call it ever served. Nodes drop theirs as soon
+# as the rollout server holds them.
+CLOSED_SESSION_RETENTION_S = 3600.0
+SWEEP_INTERVAL_S = 60.0
 
 
 class GatewayStartError(RuntimeError):
@@ -44,6 +50,7 @@ class RunningGateway:
     base_url: str  # what harnesses use: the one given to start_gateway (Envoy's), else http_url
     _runner: web.AppRunner
     _grpc_server: grpc.aio.Server
+    _sweeper: asyncio.Task
 
     @property
     def store(self) -> SessionStore:
@@ -59,6 +66,7 @@ class RunningGateway:
         return join_host_port(_connectable(self.http_host), self.grpc_port)
 
     async def stop(self) -> None:
+        self._sweeper.cancel()
         await self._grpc_server.stop(STOP_GRACE_SECONDS)
         await self._runner.cleanup()
         await self.gateway.inference.close()
@@ -115,7 +123,14 @@ async def start_gateway(
         await runner.cleanup()
         await inference.close()
         raise
-    return RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server)
+    sweeper = asyncio.create_task(_forget_closed_sessions(gateway.store), name="closed-session sweeper")
+    return RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server, sweeper)
+
+
+async def _forget_closed_sessions(store: SessionStore) -> None:
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        store.forget_closed(CLOSED_SESSION_RETENTION_S)
 
 
 async def serve_gateway(

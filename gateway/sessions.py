@@ -218,6 +218,14 @@ class SessionStore:
         del self._by_key[session.key]
         del self._by_id[session.session_id]
 
+    def forget_closed(self, older_than_s: float, now_ns: int | None = None) -> int:
+        """Forget every finished session closed more than `older_than_s` ago; returns how many."""
+        cutoff = (time.time_ns() if now_ns is None else now_ns) - int(older_than_s * 1e9)
+        stale = [s.session_id for s in self._by_id.values() if s.finished and s.closed_unix_ns < cutoff]
+        for session_id in stale:
+            self.forget(session_id)
+        return len(stale)
+
     def record(self, session: Session, record: common_pb2.CallRecord, prior: PriorCall | None = None) -> None:
         session.finish_call(record, prior)
         self.calls_total += 1

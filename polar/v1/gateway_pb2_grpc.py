@@ -89,7 +89,8 @@ class GatewayServiceServicer:
 
     def GetSession(self, request, context):
         """Unary. The session and every call recorded so far, in arrival order. NOT_FOUND for an unknown
-        session.
+        session, including one forgotten: a closed session is dropped an hour after it was closed, once
+        no call of it is in flight.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -105,3 +106,22 @@ async def test_drain_gives_up_after_its_timeout():
     store = SessionStore()
     store.open()
     assert await store.drain(0.05) == 1
+
+
+async def test_closed_sessions_are_forgotten_after_the_retention_but_open_and_busy_ones_stay():
+    store = SessionStore()
+    old, busy, recent, still_open = (store.open(session_id=name) for name in ("old", "busy", "recent", "open"))
+    for session in (old, busy, recent):
+        store.close(session.session_id)
+    busy.begin_call()  # a call still in flight after the close
+    now = time.time_ns()
+    old.closed_unix_ns = busy.closed_unix_ns = now - 7200 * 10**9
+    assert store.forget_closed(3600, now_ns=now) == 1
+    with pytest.raises(UnknownSession):
+        store.find("old")
+    with pytest.raises(UnknownSession):
+        store.authorize(old.key)
+    assert {store.find(name).session_id for name in ("busy", "recent", "open")} == {"busy", "recent", "open"}
+    _finish(store, busy, "c0001")  # its last call recorded: now it goes too
+    assert store.forget_closed(3600, now_ns=now) == 1
+    assert still_open.closed is False and store.find("open") is still_open
