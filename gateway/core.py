@@ -460,8 +460,7 @@ class Gateway:
             if renderer is None:
                 reply = Reply(200, call.response_body)
             else:
-                await stream.send_events(events)
-                await stream.send_finish(result)
+                await stream.send_finish(events, result)
         except ClientGone:
             call.aborted = True
         except BaseException as exc:
@@ -513,16 +512,19 @@ class _Stream:
         self.opened = False
 
     async def send_events(self, events: list[ParseEvent]) -> None:
-        if self.renderer is None:
-            return
+        if self.renderer is not None:
+            await self._send(await self._render(events))
+
+    async def send_finish(self, events: list[ParseEvent], result: DialectResult) -> None:
+        """The last events and the renderer's finish, in one write."""
+        if self.renderer is not None:
+            await self._send([*await self._render(events), *self.renderer.finish(result)])
+
+    async def _render(self, events: list[ParseEvent]) -> list[bytes]:
         chunks = await self._open()
         for event in events:
             chunks += self.renderer.events(event)
-        await self._send(chunks)
-
-    async def send_finish(self, result: DialectResult) -> None:
-        if self.renderer is not None:
-            await self._send([*await self._open(), *self.renderer.finish(result)])
+        return chunks
 
     async def send_error(self, error: GatewayError) -> None:
         """The renderer's error event and terminator; only for a stream already open."""
