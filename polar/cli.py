@@ -9,7 +9,7 @@
     polar submit            tasks from a JSON Lines file, all or none
     polar status            the tasks' sessions per state, rewards, released groups (--watch: live)
     polar results           released groups exported as JSON Lines, resumable from a cursor
-    polar up                the whole stack, on the embedded defaults or a TOML config
+    polar up                the whole stack, on the embedded defaults or a TOML config (--submit: and a task file)
     polar version           the installed version
 
 A failure is one line on stderr (`polar: error: ...`) and a non-zero exit, never a traceback:
@@ -23,6 +23,7 @@ import asyncio
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -432,12 +433,22 @@ def _submit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from polar.rollout.tasks import TaskFileError, parse_task_lines
     from polar.v1 import rollout_pb2
 
-    source = "<stdin>" if args.file == "-" else args.file
+    tasks = _read_tasks(args.file)
+    response = _rollout_rpc(args.rollout, "SubmitTasks", rollout_pb2.SubmitTasksRequest(tasks=tasks))
+    for task_id in response.task_ids:
+        print(task_id)
+    return 0
+
+
+def _read_tasks(file: str) -> list:
+    """Every task of a task file ("-": stdin), checked whole; CliError naming FILE:LINE otherwise."""
+    from polar.rollout.tasks import TaskFileError, parse_task_lines
+
+    source = "<stdin>" if file == "-" else file
     try:
-        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+        text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
     except OSError as exc:
         raise CliError(f"cannot read task file {source}: {exc.strerror}") from None
     except UnicodeDecodeError as exc:
@@ -449,10 +460,7 @@ def _submit(args: argparse.Namespace) -> int:
         raise CliError(f"nothing submitted: {'; '.join(str(exc).splitlines())}") from None
     if not tasks:
         raise CliError(f"nothing submitted: {source} holds no tasks (only blank or '#' lines)")
-    response = _rollout_rpc(args.rollout, "SubmitTasks", rollout_pb2.SubmitTasksRequest(tasks=tasks))
-    for task_id in response.task_ids:
-        print(task_id)
-    return 0
+    return tasks
 
 
 def _status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -574,10 +582,48 @@ def _results(args: argparse.Namespace) -> int:
 
 def _up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file overriding the embedded defaults (see polar/config.py)")
+    parser.add_argument(
+        "--submit", metavar="TASKS.jsonl",
+        help="once the stack serves, submit these tasks and print their progress until every group is released",
+    )  # fmt: skip
 
 
 def _up(args: argparse.Namespace) -> int:
-    return run_stack(load_config(args.config))
+    # The file is checked before anything starts: a bad line should not cost a stack start-up.
+    tasks = _read_tasks(args.submit) if args.submit else None
+    config = load_config(args.config)
+    if tasks is None:
+        return run_stack(config)
+
+    def follow(addresses: dict[str, str]) -> None:
+        threading.Thread(target=_submit_and_follow, args=(addresses["rollout"], tasks), daemon=True).start()
+
+    return run_stack(config, on_ready=follow)
+
+
+def _submit_and_follow(rollout: str, tasks: list) -> None:
+    """`polar up --submit`: the tasks submitted, a totals line per change, the table once all are
+    released. Runs beside the supervisor; a failure is reported in one line and the stack serves on."""
+    from polar.rollout.report import render_status, render_totals, summarize
+    from polar.v1 import rollout_pb2
+
+    try:
+        task_ids = list(_rollout_rpc(rollout, "SubmitTasks", rollout_pb2.SubmitTasksRequest(tasks=tasks)).task_ids)
+        print(f"polar up: submitted {len(task_ids)} task{'s' if len(task_ids) != 1 else ''}", flush=True)
+        last = None
+        while True:
+            request = rollout_pb2.GetTaskStatusRequest(task_ids=task_ids)
+            statuses = list(_rollout_rpc(rollout, "GetTaskStatus", request).tasks)
+            if all(status.released for status in statuses):
+                print(render_status(statuses), flush=True)
+                print(f"polar up: every group released; export them with `polar results --export FILE --rollout {rollout}`", flush=True)
+                return
+            if (totals := render_totals(summarize(statuses))) != last:
+                print(f"polar up: {totals}", flush=True)
+                last = totals
+            time.sleep(1.0)
+    except CliError as exc:
+        print(f"polar up: {exc}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------- verify

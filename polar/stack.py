@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -215,8 +215,13 @@ def running(spec: ServiceSpec, startup_timeout_s: float, stop_timeout_s: float) 
         _stop(service, stop_timeout_s)
 
 
-def run_stack(config: StackConfig, out: TextIO = sys.stdout) -> int:
+def run_stack(
+    config: StackConfig,
+    out: TextIO = sys.stdout,
+    on_ready: Callable[[dict[str, str]], None] | None = None,
+) -> int:
     """Start every service, print the endpoint table, supervise until a stop signal; return 0.
+    `on_ready` gets each service's dial address once all serve (it must not block: supervision waits).
 
     Raises StackError when a service fails to start or dies; every child is stopped either way.
     """
@@ -228,6 +233,8 @@ def run_stack(config: StackConfig, out: TextIO = sys.stdout) -> int:
             children.append(child)
             _await_ready(child, ready_fd, config.startup_timeout_s)
         _print_table(children, out)
+        if on_ready is not None:
+            on_ready({c.spec.name: c.dial_address for c in children})
         _supervise(children)
     except _StopRequested:
         pass

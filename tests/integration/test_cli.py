@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -183,6 +184,32 @@ def test_up_runs_a_submitted_task_and_stops_on_sigint_leaving_no_child(spawn, st
     # polar up reaps its children before it exits: every pid must already be gone, not just dying.
     assert [name for name, (_, pid) in rows.items() if alive(pid)] == []
     assert "Traceback" not in up.stderr.read()
+
+
+def test_up_submit_runs_the_tasks_and_shows_their_progress(spawn, stack_config, tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"instruction": "Say done.", "groupSize": 2,
+                                 "harness": {"preset": "command", "command": [sys.executable, str(HARNESS)]}}) + "\n")  # fmt: skip
+    up, lines = spawn("up", "--config", str(stack_config), "--submit", str(tasks))
+    lines.wait_for(r"^polar up: 4 services running")
+    lines.wait_for(r"^polar up: submitted 1 task$")
+    lines.wait_for(r"^total: 1 task, 1 released; 2 sessions: 2 done")
+    rollout = lines.wait_for(r"^polar up: every group released; export them with .* --rollout (\S+)`").group(1)
+    assert [line for line in lines.seen if line.startswith("polar up: 1 task, 0 released")]  # progress was shown
+    exported = run("results", "--export", "-", "--rollout", rollout)
+    assert [json.loads(line)["outcome"] for line in exported.stdout.splitlines() if line.startswith("{")] == [
+        "SESSION_OUTCOME_COMPLETED", "SESSION_OUTCOME_COMPLETED"
+    ]  # fmt: skip
+    up.send_signal(signal.SIGINT)  # the stack served on after the tasks, until stopped
+    assert up.wait(timeout=30) == 0
+
+
+def test_up_submit_with_a_bad_task_file_starts_nothing(tmp_path):
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"instruction": "x", "groupSize": 0, "harness": {"preset": "pi"}}\n')
+    started = time.monotonic()
+    assert_one_line_error(run("up", "--submit", str(tasks)), "nothing submitted", "tasks.jsonl:1")
+    assert time.monotonic() - started < 30  # refused before any service started
 
 
 def test_up_killed_with_sigkill_still_takes_its_children_down(spawn, stack_config):
