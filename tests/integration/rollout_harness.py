@@ -1,13 +1,12 @@
-"""A minimal agent harness for the rollout tests: the standard library only, OpenAI Chat Completions.
+"""The example agent (examples/agent/agent.py) bent into the faults a real harness shows, for the rollout tests.
 
     python rollout_harness.py MODE
 
 It reads the environment a node gives every harness (OPENAI_BASE_URL, OPENAI_API_KEY, POLAR_MODEL,
-POLAR_INSTRUCTION), offers the model a `write_file` tool, carries out each call the model makes in
-its working directory, and stops at the first answer without a tool call. MODE bends it into the
-faults a real harness shows:
+POLAR_INSTRUCTION) and talks OpenAI Chat Completions through the example agent's `chat` and
+`run_tool`. MODE:
 
-    normal   the loop above
+    normal   the example agent's loop: carry out each tool call, stop at the first plain answer
     crash    one call, then exit 3
     hang     one call, then start a background child and sleep until killed
     silent   exit 0 without calling the model
@@ -17,37 +16,15 @@ faults a real harness shows:
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import time
-import urllib.request
+from pathlib import Path
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "write_file",
-            "description": "Write text to a file in the working directory.",
-            "parameters": {
-                "type": "object",
-                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                "required": ["path", "content"],
-            },
-        },
-    }
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "agent"))
 
-
-def chat(messages: list[dict]) -> dict:
-    request = urllib.request.Request(
-        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
-        data=json.dumps({"model": os.environ["POLAR_MODEL"], "messages": messages, "tools": TOOLS}).encode(),
-        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.load(response)["choices"][0]["message"]
+from agent import chat, run_tool  # noqa: E402 - the example agent's folder is put on the path first
 
 
 def main(mode: str) -> int:
@@ -67,15 +44,13 @@ def main(mode: str) -> int:
         if mode == "hang":
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
             time.sleep(600)
-        messages.append({k: v for k, v in message.items() if v is not None})
+        messages.append({key: value for key, value in message.items() if value is not None})
         if not message.get("tool_calls"):
             print(message.get("content") or "")
             return 0
         for call in message["tool_calls"]:
-            arguments = json.loads(call["function"]["arguments"])
-            with open(arguments["path"], "w") as f:
-                f.write(arguments["content"])
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "written"})
+            result = run_tool(call["function"]["name"], call["function"]["arguments"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         if mode == "slow":
             time.sleep(float(os.environ.get("POLAR_TEST_PAUSE", "2")))
 
