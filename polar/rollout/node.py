@@ -268,8 +268,10 @@ class Node:
             if runtime is not None:
                 await asyncio.shield(runtime.close())
             if run.gateway_session is not None:
-                self.gateway.store.close(run.session_id)
-                self.gateway.store.forget(run.session_id)
+                # Already gone if a report took longer than the gateway keeps closed sessions.
+                with contextlib.suppress(LookupError):
+                    self.gateway.store.close(run.session_id)
+                    self.gateway.store.forget(run.session_id)
             self.runs.pop(run.session_id, None)
             self._prewarm_wakeup.set()
 
