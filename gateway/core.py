@@ -369,7 +369,7 @@ class Gateway:
                 raise GatewayError(ErrorKind.NOT_FOUND, f"the {dialect.name} dialect does not count tokens")
             request = dialect.parse_count_tokens(decode_body(raw), route)
             rendered = render_request(
-                self.chat_format, request.conversation, tuple(session.prior_calls), history=session.history
+                self.chat_format, request.conversation, session.prior_calls, history=session.history
             )
             return Reply(200, json_bytes(dialect.count_tokens_response(len(rendered.token_ids))))
         except GatewayError as exc:
@@ -389,7 +389,7 @@ class Gateway:
         self, session: Session, dialect: Dialect, request: DialectRequest, raw: bytes, received_ns: int, started: float
     ) -> _Call:
         rendered = render_request(
-            self.chat_format, request.conversation, tuple(session.prior_calls), history=session.history
+            self.chat_format, request.conversation, session.prior_calls, history=session.history
         )
         max_tokens, context_bound = max_tokens_for(
             request.sampling.max_tokens, len(rendered.token_ids), self.model.context_length

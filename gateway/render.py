@@ -32,7 +32,7 @@ History policy:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,10 +76,39 @@ class PriorCall:
     reply: Message
 
 
+class PriorCalls:
+    """A session's earlier calls, indexed by how many messages they were prompted with.
+
+    Only a call with fewer messages than a request can be extended by it, so a lookup visits those
+    alone, longest first and latest first within a length: a session of thousands of calls that each
+    start afresh (the same short request looped, or a harness's side calls) costs nothing per call,
+    where scanning every call grew with the session.
+    """
+
+    def __init__(self, calls: Iterable[PriorCall] = ()) -> None:
+        self._by_size: dict[int, list[PriorCall]] = {}
+        self._count = 0
+        for call in calls:
+            self.add(call)
+
+    def add(self, call: PriorCall) -> None:
+        """Append a call (in completion order)."""
+        self._by_size.setdefault(len(call.conversation.messages), []).append(call)
+        self._count += 1
+
+    def __len__(self) -> int:
+        return self._count
+
+    def longest_first(self, below: int) -> Iterator[PriorCall]:
+        """The calls prompted with fewer than `below` messages: most messages first, then latest first."""
+        for size in sorted((size for size in self._by_size if size < below), reverse=True):
+            yield from reversed(self._by_size[size])
+
+
 def render_request(
     chat_format: ChatFormat,
     conversation: Conversation,
-    prior_calls: Sequence[PriorCall] = (),
+    prior_calls: PriorCalls | Sequence[PriorCall] = (),
     *,
     history: History = "faithful",
 ) -> RenderedPrompt:
@@ -90,6 +119,8 @@ def render_request(
     if history == "template":
         messages = chat_format.template_history(messages)
     forced = forced_opening(chat_format, conversation.tool_choice)
+    if not isinstance(prior_calls, PriorCalls):
+        prior_calls = PriorCalls(prior_calls)
     prior, reason = _best_prior(prior_calls, messages, conversation, strict_reasoning=history == "template")
     if prior is None:
         seen = Conversation(messages, conversation.tools, conversation.tool_choice)
@@ -113,7 +144,7 @@ def render_request(
 
 
 def _best_prior(
-    prior_calls: Sequence[PriorCall],
+    prior_calls: PriorCalls,
     messages: Sequence[Message],
     conversation: Conversation,
     *,
@@ -122,28 +153,11 @@ def _best_prior(
     """The call to extend (longest history, then latest), or None and the reason of the closest miss."""
     if not prior_calls:
         return None, FIRST_CALL
-
-    # Only a call with fewer messages than the request (its reply is one more) can be extended; the
-    # others cannot match, so a session of many calls that each start afresh costs a length check each.
-    sizes = [len(prior.conversation.messages) for prior in prior_calls]
-    candidates = [index for index, size in enumerate(sizes) if size < len(messages)]
-    if not candidates:
-        return None, HISTORY_DIVERGED
-
-    def rank(index: int) -> tuple[int, int]:
-        return sizes[index], index
-
-    # A conversation that grows one turn at a time extends its latest, longest call: check that one
-    # first, in linear time, and sort the candidates only when it does not match.
-    best = max(candidates, key=rank)
-    if _mismatch(prior_calls[best], messages, conversation, strict_reasoning) is None:
-        return prior_calls[best], ""
-    longest_first = sorted(candidates, key=rank, reverse=True)
     reason = HISTORY_DIVERGED
-    for index in longest_first:
-        miss = _mismatch(prior_calls[index], messages, conversation, strict_reasoning)
+    for prior in prior_calls.longest_first(below=len(messages)):
+        miss = _mismatch(prior, messages, conversation, strict_reasoning)
         if miss is None:
-            return prior_calls[index], ""
+            return prior, ""
         if reason == HISTORY_DIVERGED:
             reason = miss
     return None, reason

@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
-from gateway.render import History, PriorCall
+from gateway.render import History, PriorCall, PriorCalls
 from polar.v1 import common_pb2, gateway_pb2
 
 # 32 random bytes: far past the 128 bits the contract asks for, and URL-safe for `?key=`.
@@ -74,7 +74,7 @@ class Session:
     closed_unix_ns: int = 0
     records: list[common_pb2.CallRecord] = field(default_factory=list)
     # Calls whose reply the client received, in completion order: what later prompts extend.
-    prior_calls: list[PriorCall] = field(default_factory=list)
+    prior_calls: PriorCalls = field(default_factory=PriorCalls)
     in_flight: int = 0
     _calls_begun: int = 0
     _watchers: list[asyncio.Queue[common_pb2.CallRecord | None]] = field(default_factory=list)
@@ -97,7 +97,7 @@ class Session:
         self.in_flight -= 1
         self.records.append(record)
         if prior is not None:
-            self.prior_calls.append(prior)
+            self.prior_calls.add(prior)
         for queue in self._watchers:
             queue.put_nowait(record)
         self._end_watchers_if_finished()

@@ -15,6 +15,7 @@ from gateway.render import (
     TEMPLATE_DROPS_SAMPLED_REASONING,
     TOOLS_CHANGED,
     PriorCall,
+    PriorCalls,
     render_request,
 )
 
@@ -288,3 +289,20 @@ def test_an_extending_call_encodes_only_the_new_messages(smollm2_tokenizer):
 def test_an_unknown_history_policy_is_refused(hermes):
     with pytest.raises(ValueError, match="faithful"):
         render_request(hermes, Conversation((Message("user", "hi"),)), [], history="verbatim")
+
+
+@settings(max_examples=200)
+@given(sizes=st.lists(st.integers(0, 6), max_size=40), below=st.integers(0, 8))
+def test_prior_calls_are_visited_longest_first_then_latest_first(sizes, below):
+    """The index visits exactly the calls with fewer messages than `below`, in the order the
+    longest-then-latest rule ranks them: (messages, completion order), highest first."""
+    calls = [
+        PriorCall(f"c{i:04d}", Conversation(tuple(Message("user", str(j)) for j in range(size))), (), (), Message("assistant"))
+        for i, size in enumerate(sizes)
+    ]
+    index = PriorCalls(calls)
+    expected = sorted(
+        (i for i, size in enumerate(sizes) if size < below), key=lambda i: (sizes[i], i), reverse=True
+    )
+    assert [call.call_id for call in index.longest_first(below)] == [calls[i].call_id for i in expected]
+    assert len(index) == len(calls)
