@@ -84,7 +84,8 @@ def _reply(reply: Reply) -> web.Response:
 
 
 class _HttpSink:
-    """A streamed HTTP response; each send is written to the socket at once."""
+    """A streamed HTTP response; each send is written to the socket at once, and `end` writes the
+    last bytes with the chunked terminator."""
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
@@ -108,6 +109,14 @@ class _HttpSink:
             raise RuntimeError("send before open")
         try:
             await self.response.write(b"".join(chunks))
+        except ConnectionError as exc:
+            raise ClientGone from exc
+
+    async def end(self, chunks: Sequence[bytes]) -> None:
+        if self.response is None:
+            raise RuntimeError("end before open")
+        try:
+            await self.response.write_eof(b"".join(chunks))
         except ConnectionError as exc:
             raise ClientGone from exc
 
@@ -138,7 +147,7 @@ async def _run(request: web.Request, dialect_name: str, route: Route) -> web.Str
         # this reply, it only closes the request: 499 as proxies log a client that closed first.
         return web.Response(status=CLIENT_CLOSED_REQUEST)
     try:
-        await sink.response.write_eof()
+        await sink.response.write_eof()  # no-op once the stream's end was sent
     except ConnectionError:
         pass  # the client left after the last event; the call is recorded already
     return sink.response

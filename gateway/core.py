@@ -49,6 +49,7 @@ from gateway.dialects.base import (
 )
 from gateway.output import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
+from gateway.read_ahead import ReadAhead
 from gateway.render import PriorCall, RenderedPrompt, render_request
 from gateway.sessions import Session, SessionError, SessionStore
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -91,6 +92,9 @@ class Sink(Protocol):
 
     async def send(self, chunks: Sequence[bytes]) -> None:
         """Send bytes now; raise ClientGone when the client has gone away."""
+
+    async def end(self, chunks: Sequence[bytes]) -> None:
+        """Send the last bytes and end the response, in one write; raise ClientGone like send."""
 
 
 @dataclass(frozen=True)
@@ -446,21 +450,26 @@ class Gateway:
             self._generate_request(call), call.session.session_id, self.generate_timeout_s
         )
         reply: Reply | None = None
+        messages = ReadAhead(grpc_call)
         try:
-            async for message in grpc_call:
-                events = call.take(message)
+            async for batch in messages:
+                events = []
+                for message in batch:
+                    events += call.take(message)
                 if not sink.connected():
                     raise ClientGone
                 await stream.send_events(events)
                 if call.output.stopped:
                     break
             events, result = call.finish()
-            body = call.dialect.render_response(call.request, result)
-            call.response_body = json_bytes(body)
             if renderer is None:
+                call.response_body = json_bytes(call.dialect.render_response(call.request, result))
                 reply = Reply(200, call.response_body)
             else:
+                # The stream ends before anything is recorded: the client is not kept waiting for
+                # the record (the response as a whole body, the CallRecord).
                 await stream.send_finish(events, result)
+                call.response_body = _recorded_body(call, result)
         except ClientGone:
             call.aborted = True
         except BaseException as exc:
@@ -471,6 +480,7 @@ class Gateway:
                 call.aborted = True
                 raise
         finally:
+            messages.close()
             grpc_call.cancel()
             self.store.record(call.session, call.record(), call.prior())
         return reply
@@ -488,6 +498,16 @@ class Gateway:
         except Exception:  # noqa: BLE001 - the stream is lost either way; the record says why
             log.exception("gateway: the %s dialect could not end a stream with an error", call.dialect.name)
         return None
+
+
+def _recorded_body(call: _Call, result: DialectResult) -> bytes:
+    """A streamed call's response as the record keeps it: the body the unstreamed call would have
+    had. The client already has the whole stream, so a dialect failing here only leaves it out."""
+    try:
+        return json_bytes(call.dialect.render_response(call.request, result))
+    except Exception:  # noqa: BLE001 - logged; the call itself succeeded
+        log.exception("gateway: the %s dialect could not render the recorded response", call.dialect.name)
+        return b""
 
 
 def _as_gateway_error(exc: BaseException) -> GatewayError:
@@ -516,9 +536,9 @@ class _Stream:
             await self._send(await self._render(events))
 
     async def send_finish(self, events: list[ParseEvent], result: DialectResult) -> None:
-        """The last events and the renderer's finish, in one write."""
+        """The last events and the renderer's finish, in one write that ends the response."""
         if self.renderer is not None:
-            await self._send([*await self._render(events), *self.renderer.finish(result)])
+            await self._sink.end([*await self._render(events), *self.renderer.finish(result)])
 
     async def _render(self, events: list[ParseEvent]) -> list[bytes]:
         chunks = await self._open()
@@ -529,7 +549,7 @@ class _Stream:
     async def send_error(self, error: GatewayError) -> None:
         """The renderer's error event and terminator; only for a stream already open."""
         if self.renderer is not None and self.opened:
-            await self._send(self.renderer.error(error))
+            await self._sink.end(self.renderer.error(error))
 
     async def _open(self) -> list[bytes]:
         if self.opened:

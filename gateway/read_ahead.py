@@ -1,0 +1,60 @@
+"""Reading a stream ahead of its consumer, handing over what arrived in batches."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class ReadAhead(Generic[T]):
+    """An async stream (a gRPC response stream) read in a task of its own, iterated as batches:
+    everything that arrived since the last batch.
+
+    Reading message by message makes each read a round trip through gRPC's completion queue, begun
+    only once the previous message is handled; here the next read is in flight while the caller
+    handles the current one, and messages that arrived meanwhile reach the caller together (one
+    write to the client instead of one per message). Nothing is held back: a batch is what has
+    arrived by the time the caller asks. The stream's error, if any, is raised after the messages
+    that came before it.
+    """
+
+    def __init__(self, stream: AsyncIterator[T]) -> None:
+        self._arrived: list[T] = []
+        self._ended = False
+        self._error: BaseException | None = None
+        self._wakeup = asyncio.Event()
+        self._reader = asyncio.ensure_future(self._read(stream))
+
+    async def _read(self, stream: AsyncIterator[T]) -> None:
+        try:
+            async for message in stream:
+                self._arrived.append(message)
+                self._wakeup.set()
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, in order
+            self._error = exc
+        finally:
+            self._ended = True
+            self._wakeup.set()
+
+    def __aiter__(self) -> AsyncIterator[list[T]]:
+        return self._batches()
+
+    async def _batches(self) -> AsyncIterator[list[T]]:
+        while True:
+            if not self._arrived and not self._ended:
+                await self._wakeup.wait()
+            self._wakeup.clear()
+            batch, self._arrived = self._arrived, []
+            if batch:
+                yield batch
+            elif self._ended:
+                if self._error is not None:
+                    raise self._error
+                return
+
+    def close(self) -> None:
+        """Stop reading (the caller is done with the stream)."""
+        self._reader.cancel()

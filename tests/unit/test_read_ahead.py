@@ -1,0 +1,120 @@
+"""ReadAhead: every message once, in order, in batches of what arrived; the stream's error after them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.read_ahead import ReadAhead
+
+
+class StreamFailed(Exception):
+    pass
+
+
+async def _stream(items, *, pauses=(), error: Exception | None = None):
+    """Yield items; after item i wait pauses[i] loop turns (0: the next one is there at once)."""
+    for index, item in enumerate(items):
+        yield item
+        for _ in range(pauses[index] if index < len(pauses) else 0):
+            await asyncio.sleep(0)
+    if error is not None:
+        raise error
+
+
+async def _collect(read_ahead: ReadAhead, consumer_turns: int = 0) -> list[list]:
+    batches = []
+    async for batch in read_ahead:
+        batches.append(batch)
+        for _ in range(consumer_turns):  # a consumer busy with each batch
+            await asyncio.sleep(0)
+    return batches
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    items=st.lists(st.integers(), max_size=30),
+    pauses=st.lists(st.integers(0, 3), max_size=30),
+    consumer_turns=st.integers(0, 4),
+    fails=st.booleans(),
+)
+def test_every_item_arrives_once_in_order_and_the_error_after_them(items, pauses, consumer_turns, fails):
+    async def run():
+        read_ahead = ReadAhead(_stream(items, pauses=pauses, error=StreamFailed() if fails else None))
+        batches: list[list] = []
+        try:
+            async for batch in read_ahead:
+                batches.append(batch)
+                for _ in range(consumer_turns):
+                    await asyncio.sleep(0)
+        except StreamFailed:
+            assert fails
+        else:
+            assert not fails
+        finally:
+            read_ahead.close()
+        return batches
+
+    batches = asyncio.run(asyncio.wait_for(run(), 5))
+    assert [item for batch in batches for item in batch] == items
+    assert all(batches)  # never an empty batch
+
+
+def test_a_stream_spent_before_the_consumer_looks_ends_the_iteration():
+    async def run():
+        read_ahead = ReadAhead(_stream([1, 2, 3]))
+        await asyncio.sleep(0.01)  # the reader has read everything and ended
+        return await _collect(read_ahead)
+
+    assert asyncio.run(asyncio.wait_for(run(), 5)) == [[1, 2, 3]]
+
+
+def test_what_arrives_while_the_consumer_is_busy_comes_as_one_batch():
+    async def run():
+        return await _collect(ReadAhead(_stream(list(range(6)), pauses=[1] * 6)), consumer_turns=5)
+
+    batches = asyncio.run(asyncio.wait_for(run(), 5))
+    assert batches[0] == [0] and len(batches) < 6 and [item for batch in batches for item in batch] == list(range(6))
+
+
+def test_a_consumer_that_keeps_up_gets_each_item_as_it_comes():
+    async def run():
+        return await _collect(ReadAhead(_stream(list(range(5)), pauses=[3] * 5)))
+
+    assert asyncio.run(asyncio.wait_for(run(), 5)) == [[0], [1], [2], [3], [4]]
+
+
+def test_close_stops_the_reader():
+    async def endless(done: asyncio.Event):
+        try:
+            while True:
+                yield 1
+                await asyncio.sleep(0.001)
+        finally:
+            done.set()
+
+    async def run():
+        done = asyncio.Event()
+        read_ahead = ReadAhead(endless(done))
+        async for _ in read_ahead:
+            break
+        read_ahead.close()
+        await asyncio.wait_for(done.wait(), 5)
+        return done.is_set()
+
+    assert asyncio.run(run())
+
+
+@pytest.mark.parametrize("before", [0, 3])
+def test_an_error_at_once_or_after_items_reaches_the_consumer(before):
+    async def run():
+        seen = []
+        with pytest.raises(StreamFailed):
+            async for batch in ReadAhead(_stream(list(range(before)), error=StreamFailed())):
+                seen += batch
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(run(), 5)) == list(range(before))
