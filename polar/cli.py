@@ -19,7 +19,6 @@ usage mistakes exit 2, everything else 1, an interrupt 130.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import sys
@@ -33,6 +32,7 @@ from typing import NoReturn
 import polar
 from polar import envoy
 from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, load_config
+from polar.grpc_server import run_service
 from polar.stack import StackError, join_host_port, run_stack
 
 
@@ -117,7 +117,7 @@ def _run_inference_server(args: argparse.Namespace) -> None:
             with os.fdopen(args.ready_fd, "w") as ready:
                 ready.write(f"{port}\n")
 
-    asyncio.run(serve(engine, join_host_port(args.host, args.port), on_ready))
+    run_service(serve(engine, join_host_port(args.host, args.port), on_ready))
 
 
 def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +152,7 @@ def _serve_gateway(args: argparse.Namespace) -> int:
         _report_ready(args.ready_fd, running.grpc_port)
 
     try:
-        asyncio.run(
+        run_service(
             serve_gateway(
                 args.inference, args.host, args.port, args.grpc_port, args.chat_format, args.parser, args.history,
                 on_ready, tokenizer_path=args.tokenizer, base_url=args.base_url,
@@ -214,7 +214,7 @@ def _serve_rollout(args: argparse.Namespace) -> int:
         _report_ready(args.ready_fd, running.port)
 
     try:
-        asyncio.run(
+        run_service(
             serve_rollout(
                 args.store,
                 join_host_port(args.host, args.port),
@@ -302,7 +302,7 @@ def _serve_node(args: argparse.Namespace) -> int:
         _report_ready(args.ready_fd, running.gateway.grpc_port)
 
     try:
-        asyncio.run(
+        run_service(
             serve_node(
                 node, gateway, inference_address=args.inference, rollout_address=args.rollout,
                 base_url=args.base_url, on_ready=on_ready,

@@ -1,5 +1,5 @@
 """What every Polar gRPC server shares: no SO_REUSEPORT, health checking, reflection, a clear bind
-error, and running until SIGINT or SIGTERM.
+error, running until SIGINT or SIGTERM, and the event loop its process runs on.
 
     server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=...)
     add_MyServiceServicer_to_server(servicer, server)
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections.abc import Coroutine
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -68,3 +70,19 @@ async def until_stop_signal() -> None:
     finally:
         for signum in signals:
             loop.remove_signal_handler(signum)
+
+
+def run_service(main: Coroutine[Any, Any, None]) -> None:
+    """Run a service process's main coroutine to its end, on uvloop where it is installed.
+
+    libuv's loop costs less per callback and per socket write than asyncio's own: the gateway, which
+    handles one loop turn per streamed token, spends about a tenth less CPU per request on it
+    (scripts/bench_gateway.py). grpc.aio runs on any asyncio loop.
+    """
+    try:
+        import uvloop
+    except ImportError:  # not on every platform (no Windows build)
+        asyncio.run(main)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main)
