@@ -20,7 +20,10 @@ loops the same request for a warm-up and then a fixed window. Requests that comp
 count; requests/s is those over the window; latency is a request's send to its last byte. Added
 latency p50/p99 = the point's p50/p99 minus those of the baseline at the same number of sessions: the
 inference server called directly over gRPC with the prompt ids the gateway rendered (read back from
-the gateway's call record), or, for LiteLLM, its backend called directly.
+the gateway's call record), or, for LiteLLM, its backend called directly. At 1 session, the added
+latency is the gateway's own cost per request, and a shared machine drifts by as much from one
+second to the next: those points alternate with their baseline in short rounds (baseline, gateway,
+baseline, …) and pool each side's requests over the rounds.
 
 The load generator is a hand-written HTTP/1.1 client on asyncio (pre-encoded requests, no SDK, no
 JSON parsing; a reply counts when its status is 200 and it holds the dialect's final marker) spread
@@ -117,6 +120,27 @@ class Point:
     baseline_p99_ms: float = math.nan
     cpu_us_per_request: dict[str, float] = field(default_factory=dict)  # per process: gateway, envoy, …
     first_error: str = ""
+
+    def over(self, baseline: Point) -> None:
+        """Set the added latency over the baseline's."""
+        self.baseline_p50_ms, self.baseline_p99_ms = baseline.p50_ms, baseline.p99_ms
+        self.added_p50_ms = self.p50_ms - baseline.p50_ms
+        self.added_p99_ms = self.p99_ms - baseline.p99_ms
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a point loads: a system at an address, its requests (one per session) and its final marker."""
+
+    system: str
+    route: str
+    dialect: str
+    stream: bool
+    kind: str  # "http" or "grpc"
+    address: str
+    payloads: tuple[bytes, ...]
+    marker: bytes
+    cpu_of: tuple[str, ...]  # the processes whose CPU time the point reports
 
 
 # ---------------------------------------------------------------------------------- load workers
@@ -411,6 +435,8 @@ class Settings:
     window_s: float
     sessions: tuple[int, ...]
     full_dialects: tuple[str, ...]  # measured at every number of sessions and route; others direct at 64
+    paired_rounds: int  # 1-session points: rounds alternating with the baseline, window_s split over them
+    paired_warmup_s: float  # each round's warm-up
 
     def sessions_for(self, dialect: str) -> tuple[int, ...]:
         return self.sessions if dialect in self.full_dialects else (COMPARE_SESSIONS,)
@@ -438,58 +464,88 @@ class Bench:
             conn.send(None)
             process.join(STOP_TIMEOUT_S)
 
-    def measure(
-        self, kind: str, address: str, payloads: Sequence[bytes], marker: bytes, cpu_of: Sequence[str],
-        warmup_s: float, window_s: float,
-    ) -> tuple[list[float], int, str, dict[str, float]]:  # fmt: skip
-        """Run one point; return its latencies (ms), errors, first error, and CPU seconds per process."""
+    def measure(self, target: Target, warmup_s: float, window_s: float) -> Measurement:
+        """Load the target for a warm-up and a window; what completed inside the window."""
+        payloads = target.payloads
         # Far enough ahead for every worker to connect its sessions first.
-        start_at = time.monotonic() + 0.2 + 0.002 * len(payloads)
+        start_at = time.monotonic() + 0.05 + 0.002 * len(payloads)
         shares = [payloads[i :: len(self._workers)] for i in range(len(self._workers))]
         for (_, conn), share in zip(self._workers, shares):
-            conn.send(Job(kind, address, tuple(share), marker, start_at, warmup_s, window_s))
-        pids = {name: self.processes[name] for name in cpu_of}
+            conn.send(Job(target.kind, target.address, tuple(share), target.marker, start_at, warmup_s, window_s))
+        pids = {name: self.processes[name] for name in target.cpu_of}
         pids |= {f"load{i}": process.pid for i, (process, _) in enumerate(self._workers) if shares[i]}
         time.sleep(max(0.0, start_at + warmup_s - time.monotonic()))
         before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
         time.sleep(max(0.0, start_at + warmup_s + window_s - time.monotonic()))
         cpu = {name: _cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-        latencies: list[float] = []
-        errors, first_error = 0, ""
+        measured = Measurement(window_s)
         for (_, conn), share in zip(self._workers, shares):
             result: JobResult = conn.recv()
-            latencies += result.latencies_ms
-            errors += result.errors
-            first_error = first_error or result.first_error
+            measured.latencies_ms += result.latencies_ms
+            measured.errors += result.errors
+            measured.first_error = measured.first_error or result.first_error
         load = sum(v for k, v in cpu.items() if k.startswith("load"))
-        cpu = {k: v for k, v in cpu.items() if not k.startswith("load")} | {"load": load}
-        return latencies, errors, first_error, cpu
+        measured.cpu_s = {k: v for k, v in cpu.items() if not k.startswith("load")} | {"load": load}
+        return measured
 
-    def point(
-        self, system: str, route: str, dialect: str, stream: bool, kind: str, address: str,
-        payloads: Sequence[bytes], marker: bytes, cpu_of: Sequence[str], baseline: Point | None = None,
-        slow: bool = False, show: bool = True,
-    ) -> Point:  # fmt: skip
+    def point(self, target: Target, baseline: Point | None = None, slow: bool = False, show: bool = True) -> Point:
         """One point, printed unless `show` is off; `slow` for a target whose requests may outlast
         --quick's warm-up and window."""
         warmup, window = self.settings.warmup_s, self.settings.window_s
         if slow:
             warmup, window = max(warmup, SLOW_WARMUP_S), max(window, SLOW_WINDOW_S)
-        latencies, errors, first_error, cpu = self.measure(kind, address, payloads, marker, cpu_of, warmup, window)
-        requests = len(latencies)
-        point = Point(
-            system, route, dialect, stream, len(payloads), window, requests, errors, requests / window,
-            _percentile(latencies, 50), _percentile(latencies, 99),
-            cpu_us_per_request={k: v / requests * 1e6 if requests else math.nan for k, v in cpu.items()},
-            first_error=first_error,
-        )  # fmt: skip
+        point = self.measure(target, warmup, window).point(target, len(target.payloads))
         if baseline is not None:
-            point.baseline_p50_ms, point.baseline_p99_ms = baseline.p50_ms, baseline.p99_ms
-            point.added_p50_ms = point.p50_ms - baseline.p50_ms
-            point.added_p99_ms = point.p99_ms - baseline.p99_ms
+            point.over(baseline)
         if show:
             print(_row(point), flush=True)
         return point
+
+    def paired(self, target: Target, baseline: Target) -> tuple[Point, Point]:
+        """The target and its baseline measured in alternating rounds (baseline, target, baseline, …)
+        and each pooled over its rounds: other work on a shared machine drifts by more than a
+        millisecond from one second to the next, and both sides see the same drift. The target's
+        point is printed with its added latency over the pooled baseline."""
+        rounds = self.settings.paired_rounds
+        warmup, window = self.settings.paired_warmup_s, self.settings.window_s / rounds
+        pooled_target, pooled_baseline = Measurement(0.0), Measurement(0.0)
+        for _ in range(rounds):
+            pooled_baseline.add(self.measure(baseline, warmup, window))
+            pooled_target.add(self.measure(target, warmup, window))
+        reference = pooled_baseline.point(baseline, len(baseline.payloads))
+        point = pooled_target.point(target, len(target.payloads))
+        point.over(reference)
+        print(_row(point), flush=True)
+        return reference, point
+
+
+@dataclass
+class Measurement:
+    """What one or more windows on one target measured."""
+
+    seconds: float
+    latencies_ms: list[float] = field(default_factory=list)
+    errors: int = 0
+    first_error: str = ""
+    cpu_s: dict[str, float] = field(default_factory=dict)  # per process, over the windows
+
+    def add(self, other: Measurement) -> None:
+        self.seconds += other.seconds
+        self.latencies_ms += other.latencies_ms
+        self.errors += other.errors
+        self.first_error = self.first_error or other.first_error
+        for name, seconds in other.cpu_s.items():
+            self.cpu_s[name] = self.cpu_s.get(name, 0.0) + seconds
+
+    def point(self, target: Target, sessions: int) -> Point:
+        requests = len(self.latencies_ms)
+        return Point(
+            target.system, target.route, target.dialect, target.stream, sessions, self.seconds, requests,
+            self.errors, requests / self.seconds, _percentile(self.latencies_ms, 50),
+            _percentile(self.latencies_ms, 99),
+            cpu_us_per_request={k: v / requests * 1e6 if requests else math.nan for k, v in self.cpu_s.items()},
+            first_error=self.first_error,
+        )  # fmt: skip
 
 
 def main() -> int:
@@ -503,6 +559,8 @@ def main() -> int:
         # --quick: every dialect direct at the comparison's number of sessions; every point of the
         # compared dialect.
         full_dialects=("anthropic",) if args.quick else DIALECTS,
+        paired_rounds=3 if args.quick else 6,
+        paired_warmup_s=0.1 if args.quick else 0.2,
     )
     load_before = os.getloadavg()[0]
     machine = _machine()
@@ -532,41 +590,34 @@ def main() -> int:
         print(f"\nmachine: {machine['cpu']} ({machine['cpu_cores']} cores), load average before: {load_before:.2f}")
         print(_header(), flush=True)
         baseline: dict[int, Point] = {}
-        baseline_payloads = {
-            n: [_generate_request(prompt, f"baseline-{i}").SerializeToString() for i in range(n)]
-            for n in settings.sessions
-        }
 
-        def measure_baseline(n: int, show: bool = True) -> Point:
-            return bench.point(
-                "inference", "grpc", "-", True, "grpc", polar.inference, baseline_payloads[n], b"", ["inference"],
-                show=show,
-            )  # fmt: skip
+        def baseline_target(n: int) -> Target:
+            payloads = tuple(_generate_request(prompt, f"baseline-{i}").SerializeToString() for i in range(n))
+            return Target("inference", "grpc", "-", True, "grpc", polar.inference, payloads, b"", ("inference",))
 
         for n in settings.sessions:
-            baseline[n] = measure_baseline(n)
+            baseline[n] = bench.point(baseline_target(n))
             points.append(baseline[n])
         for dialect in DIALECTS:
             for stream in (False, True):
                 marker = FINAL_MARKERS[dialect][stream]
                 for route in settings.routes_for(dialect):
                     address, gateway, cpu_of = (
-                        (polar.envoy_http, polar.gateway_envoy, ["envoy", "gateway_envoy", "inference"])
+                        (polar.envoy_http, polar.gateway_envoy, ("envoy", "gateway_envoy", "inference"))
                         if route == "envoy"
-                        else (polar.gateway_http, polar.gateway_direct, ["gateway_direct", "inference"])
+                        else (polar.gateway_http, polar.gateway_direct, ("gateway_direct", "inference"))
                     )
                     for n in settings.sessions_for(dialect):
                         keys = _open_sessions(gateway, n)
-                        payloads = [dialect_request(dialect, stream, model, key, address) for key in keys]
-                        # Other work on a shared machine drifts by more than a millisecond between
-                        # points: one session's added latency is over a baseline measured just before
-                        # (its figures are in the JSON). With more sessions, latency is queueing.
-                        reference = measure_baseline(1, show=False) if n == 1 else baseline[n]
-                        points.append(
-                            bench.point(
-                                "polar", route, dialect, stream, "http", address, payloads, marker, cpu_of, reference
-                            )
-                        )
+                        payloads = tuple(dialect_request(dialect, stream, model, key, address) for key in keys)
+                        target = Target("polar", route, dialect, stream, "http", address, payloads, marker, cpu_of)
+                        if n == 1:
+                            # One session's added latency is the gateway's own cost: measured in
+                            # rounds alternating with the baseline (its figures are in the JSON).
+                            points.append(bench.paired(target, baseline_target(1))[1])
+                        else:
+                            # With more sessions, latency is queueing: compare requests/s and CPU.
+                            points.append(bench.point(target, baseline[n]))
         if litellm_proxy is not None and not litellm_proxy.error:
             bench.processes |= litellm_proxy.pids
             litellm = {"version": litellm_proxy.version, "startup_s": litellm_proxy.startup_s}
@@ -857,18 +908,17 @@ def _litellm_points(bench: Bench, proxy: _LiteLLM) -> list[Point]:
         status, body = _send_once(proxy.address, request)
         if status != 200:
             raise RuntimeError(f"LiteLLM answered the warm-up request with {status}: {body[:500]!r}")
-        base_payloads = [backend_request(stream, proxy.backend)] * n
-        base_marker = FINAL_MARKERS["openai_chat"][stream]
-        baseline = bench.point(
-            "backend", "direct", "openai_chat", stream, "http", proxy.backend, base_payloads, base_marker, ["backend"]
-        )
-        payloads = [request] * n  # one key: LiteLLM has no sessions
-        marker = FINAL_MARKERS["anthropic"][stream]
-        point = bench.point(
-            "litellm", "direct", "anthropic", stream, "http", proxy.address, payloads, marker, ["litellm", "backend"],
-            baseline, slow=True,
+        backend = Target(
+            "backend", "direct", "openai_chat", stream, "http", proxy.backend,
+            (backend_request(stream, proxy.backend),) * n, FINAL_MARKERS["openai_chat"][stream], ("backend",),
         )  # fmt: skip
-        points += [baseline, point]
+        baseline = bench.point(backend)
+        litellm = Target(
+            "litellm", "direct", "anthropic", stream, "http", proxy.address,
+            (request,) * n,  # one key: LiteLLM has no sessions
+            FINAL_MARKERS["anthropic"][stream], ("litellm", "backend"),
+        )  # fmt: skip
+        points += [baseline, bench.point(litellm, baseline, slow=True)]
     return points
 
 
@@ -911,7 +961,8 @@ def _find(points: list[Point], system: str, route: str, dialect: str, stream: bo
 
 
 LATENCY_NOTE = (
-    "Added latency is the gateway's at 1 session (over a baseline measured just before each such point). "
+    "Added latency is the gateway's at 1 session: its p50 minus the baseline's, both pooled over rounds "
+    "that alternate between them. "
     "At 64 and 256 sessions every point is CPU-bound on the shared cores, so latency there is mostly "
     "queueing, and the gRPC baseline's own Python client costs more CPU per request than the HTTP load "
     "generator: added latency there can be negative and is not the gateway's cost; compare requests/s and "
