@@ -105,18 +105,17 @@ class _HttpSink:
             raise ClientGone from exc
 
     async def send(self, chunks: Sequence[bytes]) -> None:
-        if self.response is None:
-            raise RuntimeError("send before open")
-        try:
-            await self.response.write(b"".join(chunks))
-        except ConnectionError as exc:
-            raise ClientGone from exc
+        await self._write(chunks, last=False)
 
     async def end(self, chunks: Sequence[bytes]) -> None:
+        await self._write(chunks, last=True)
+
+    async def _write(self, chunks: Sequence[bytes], *, last: bool) -> None:
         if self.response is None:
-            raise RuntimeError("end before open")
+            raise RuntimeError("write before open")
+        data = b"".join(chunks)
         try:
-            await self.response.write_eof(b"".join(chunks))
+            await (self.response.write_eof(data) if last else self.response.write(data))
         except ConnectionError as exc:
             raise ClientGone from exc
 
