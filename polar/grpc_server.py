@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
@@ -72,17 +72,23 @@ async def until_stop_signal() -> None:
             loop.remove_signal_handler(signum)
 
 
-def run_service(main: Coroutine[Any, Any, None]) -> None:
-    """Run a service process's main coroutine to its end, on uvloop where it is installed.
+def run_service(main: Coroutine[Any, Any, None], *, use_uvloop: bool = True) -> None:
+    """Run a service process's main coroutine to its end, on uvloop where it is installed and
+    `use_uvloop` is on.
 
     libuv's loop costs less per callback and per socket write than asyncio's own: the gateway, which
     handles one loop turn per streamed token, spends about a tenth less CPU per request on it
-    (scripts/bench_gateway.py). grpc.aio runs on any asyncio loop.
+    (scripts/bench_gateway.py). grpc.aio runs on any asyncio loop. A process that starts children
+    keeps asyncio's loop: uvloop spawns them with fork(), which runs gRPC's fork handlers in the
+    parent on every spawn, where asyncio's loop spawns with vfork and runs none.
     """
+    with asyncio.Runner(loop_factory=_uvloop_factory() if use_uvloop else None) as runner:
+        runner.run(main)
+
+
+def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
     except ImportError:  # not on every platform (no Windows build)
-        asyncio.run(main)
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main)
+        return None
+    return uvloop.new_event_loop

@@ -202,6 +202,9 @@ def test_up_submit_runs_the_tasks_and_shows_their_progress(spawn, stack_config, 
     ]  # fmt: skip
     up.send_signal(signal.SIGINT)  # the stack served on after the tasks, until stopped
     assert up.wait(timeout=30) == 0
+    # The node started each harness and evaluator without a fork() that runs gRPC's fork handlers
+    # (they log "skipping fork() handlers" when they cannot run).
+    assert "fork() handlers" not in up.stderr.read()
 
 
 def test_up_submit_with_a_bad_task_file_starts_nothing(tmp_path):
