@@ -76,11 +76,10 @@ def run_service(main: Coroutine[Any, Any, None], *, use_uvloop: bool = True) -> 
     """Run a service process's main coroutine to its end, on uvloop where it is installed and
     `use_uvloop` is on.
 
-    libuv's loop costs less per callback and per socket write than asyncio's own: the gateway, which
-    handles one loop turn per streamed token, spends about a tenth less CPU per request on it
-    (scripts/bench_gateway.py). grpc.aio runs on any asyncio loop. A process that starts children
-    keeps asyncio's loop: uvloop spawns them with fork(), which runs gRPC's fork handlers in the
-    parent on every spawn, where asyncio's loop spawns with vfork and runs none.
+    libuv's loop costs less per callback and per socket write than asyncio's own, which tells in the
+    gateway: it takes a loop turn per streamed token. grpc.aio runs on any asyncio loop. A process
+    that starts children keeps asyncio's loop: uvloop spawns them with fork(), which runs gRPC's fork
+    handlers in the parent on every spawn, where asyncio's loop spawns with vfork and runs none.
     """
     with asyncio.Runner(loop_factory=_uvloop_factory() if use_uvloop else None) as runner:
         runner.run(main)
