@@ -18,10 +18,12 @@ STARTUP_SECONDS = 60
 
 
 class Lines:
-    """A child's output lines, read by a thread so that waits can time out."""
+    """A child's output lines, read by a thread so that waits can time out; `errors` gives what the
+    child wrote to stderr, for the message of a wait that fails because its output ended."""
 
-    def __init__(self, stream) -> None:
+    def __init__(self, stream, errors: Callable[[], str] = lambda: "") -> None:
         self.seen: list[str] = []
+        self._errors = errors
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
 
@@ -38,7 +40,9 @@ class Lines:
             except queue.Empty:
                 raise AssertionError(f"no line matching {pattern!r} in {timeout} s; got {self.seen}") from None
             if line is None:
-                raise AssertionError(f"output ended without a line matching {pattern!r}; got {self.seen}")
+                raise AssertionError(
+                    f"output ended without a line matching {pattern!r}; got {self.seen}; stderr: {self._errors()!r}"
+                )
             self.seen.append(line)
             match = re.search(pattern, line)
             if match:
@@ -65,7 +69,7 @@ def spawned() -> Iterator[Callable[..., tuple[subprocess.Popen, Lines]]]:
             [*POLAR, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
         )
         started.append(process)
-        return process, Lines(process.stdout)
+        return process, Lines(process.stdout, errors=lambda: _stderr_after_exit(process))
 
     try:
         yield start
@@ -74,6 +78,14 @@ def spawned() -> Iterator[Callable[..., tuple[subprocess.Popen, Lines]]]:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def _stderr_after_exit(process: subprocess.Popen) -> str:
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        return "(still running)"
+    return process.stderr.read() if process.stderr else ""
 
 
 def run(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess[str]:
