@@ -75,6 +75,18 @@ def run_tool(name: str, arguments: str) -> str:
         return f"error: {exc}"
 
 
+def take_reply(messages: list[dict], message: dict) -> str | None:
+    """Add the model's reply to the conversation and, when it calls tools, carry them out and add
+    their results; the answer when it calls none, else None (the model is called again)."""
+    messages.append({key: value for key, value in message.items() if value is not None})
+    if not message.get("tool_calls"):
+        return message.get("content") or ""
+    for call in message["tool_calls"]:
+        result = run_tool(call["function"]["name"], call["function"]["arguments"])
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    return None
+
+
 def main() -> int:
     messages = [{"role": "user", "content": os.environ["POLAR_INSTRUCTION"]}]
     for _ in range(MAX_TURNS):
@@ -83,13 +95,10 @@ def main() -> int:
         except (urllib.error.URLError, OSError) as exc:
             print(f"agent: the model call failed: {exc}", file=sys.stderr)
             return 1
-        messages.append({key: value for key, value in message.items() if value is not None})
-        if not message.get("tool_calls"):
-            print(message.get("content") or "")
+        answer = take_reply(messages, message)
+        if answer is not None:
+            print(answer)
             return 0
-        for call in message["tool_calls"]:
-            result = run_tool(call["function"]["name"], call["function"]["arguments"])
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
     print(f"agent: stopped after {MAX_TURNS} model calls")
     return 0
 

@@ -2,9 +2,9 @@
 
 `run_process` starts the command in its own session, hence its own process group, with stdin from
 /dev/null and the kernel asked to SIGKILL it should this process die (PR_SET_PDEATHSIG through
-polar.children, tied to the thread running the event loop). Its stdout and stderr share one pipe that is drained while it runs,
-so a command that floods its output never blocks on a full pipe, and only the first and last bytes
-are kept (`OutputCap`), so memory stays bounded.
+polar.children, tied to the thread running the event loop). Its stdout and stderr share one pipe
+that is drained while it runs, so a command that floods its output never blocks on a full pipe, and
+only the first and last bytes are kept (`OutputCap`), so memory stays bounded.
 
 A timeout or a cancel sends SIGTERM to the whole group and SIGKILL to whatever is left after a short
 grace. The group is stopped the same way after the leader exits by itself, so background children

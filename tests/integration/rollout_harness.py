@@ -4,7 +4,7 @@
 
 It reads the environment a node gives every harness (OPENAI_BASE_URL, OPENAI_API_KEY, POLAR_MODEL,
 POLAR_INSTRUCTION) and talks OpenAI Chat Completions through the example agent's `chat` and
-`run_tool`. MODE:
+`take_reply`. MODE:
 
     normal   the example agent's loop: carry out each tool call, stop at the first plain answer
     crash    one call, then exit 3
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "agent"))
 
-from agent import chat, run_tool  # noqa: E402 - the example agent's folder is put on the path first
+from agent import chat, take_reply  # noqa: E402 - the example agent's folder is put on the path first
 
 
 def main(mode: str) -> int:
@@ -44,13 +44,10 @@ def main(mode: str) -> int:
         if mode == "hang":
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
             time.sleep(600)
-        messages.append({key: value for key, value in message.items() if value is not None})
-        if not message.get("tool_calls"):
-            print(message.get("content") or "")
+        answer = take_reply(messages, message)
+        if answer is not None:
+            print(answer)
             return 0
-        for call in message["tool_calls"]:
-            result = run_tool(call["function"]["name"], call["function"]["arguments"])
-            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
         if mode == "slow":
             time.sleep(float(os.environ.get("POLAR_TEST_PAUSE", "2")))
 
