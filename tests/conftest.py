@@ -4,12 +4,20 @@ Hypothesis: in CI (CI=true) every property test draws the same examples on every
 per-example deadline, so a 2-core machine under load cannot fail a run on a slow example or a lucky
 draw; locally, each run explores fresh examples. The vLLM tier's environment has no Hypothesis (none
 of its tests use it), hence the guarded import.
+
+Async tests (AnyIO's pytest plugin) share one asyncio event loop for the whole run, as each of our
+services does in production. grpc.aio's completion queue is process-wide and hands each completion
+to the loop its call was made on: an operation still pending in C-core when a test's own loop closed
+would complete later, inside whichever test polls next, as "RuntimeError: Event loop is closed".
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+
+import pytest
 
 if importlib.util.find_spec("hypothesis") is not None:
     from hypothesis import settings
@@ -17,3 +25,12 @@ if importlib.util.find_spec("hypothesis") is not None:
     settings.register_profile("ci", derandomize=True, deadline=None, database=None)
     if os.environ.get("CI") == "true":
         settings.load_profile("ci")
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> Iterator[str]:
+    """asyncio, on one loop: AnyIO's test runner (and its loop) stays open while this fixture is."""
+    from anyio.pytest_plugin import get_runner
+
+    with get_runner("asyncio", {}):
+        yield "asyncio"

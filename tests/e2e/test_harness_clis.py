@@ -33,11 +33,6 @@ TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
 def harness_bin() -> Path:
     return installed_clis()
 

@@ -59,11 +59,6 @@ OUTCOME = common_pb2.SessionOutcome
 
 
 @pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
 def harness_bin() -> Path:
     return installed_clis()
 

@@ -43,11 +43,6 @@ TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"  # one loop for the module-scoped gateway
-
-
-@pytest.fixture(scope="module")
 async def gateway():
     async with running_gateway(SCRIPT) as gw:
         yield gw

@@ -73,12 +73,6 @@ ROUTES = [
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    # One event loop for the module: the gateways below live as long as it does.
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
 async def gw():
     async with running_gateway(FAKE_SCRIPT, dialects={"openai_chat": FakeDialect()}) as handle:
         yield handle

@@ -263,11 +263,6 @@ class _ErrorLog(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"  # one loop for the module-scoped gateway
-
-
-@pytest.fixture(scope="module")
 async def gateway():
     async with running_gateway(SCRIPT) as running:
         yield running

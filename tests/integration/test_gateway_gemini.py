@@ -45,11 +45,6 @@ STEP = types.FunctionDeclaration(name="step", description="Do one step", paramet
 HI = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
 
 
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"  # one loop for the module-scoped gateway
-
-
 # HTTP clients made by this module's tests, closed while the module's event loop still runs: left to
 # the garbage collector, their connections would close on a loop that is gone and fail a later test.
 CLIENTS: list[httpx2.AsyncClient] = []

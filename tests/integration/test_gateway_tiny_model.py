@@ -34,11 +34,6 @@ FINISHES = {
 }
 
 
-@pytest.fixture(scope="module")
-def anyio_backend():
-    return "asyncio"  # one loop for the module-scoped gateway
-
-
 # HTTP clients of this module's SDKs, closed while the module's event loop still runs.
 CLIENTS: list[httpx2.AsyncClient] = []
 

@@ -45,13 +45,6 @@ SCRIPT = {
 }
 
 
-@pytest.fixture(scope="module")
-def anyio_backend():
-    # One event loop for the module: grpc.aio objects left from a test on a closed loop would
-    # otherwise post their completions to it ("Event loop is closed") during a later test.
-    return "asyncio"
-
-
 async def open_server(engine):
     server, port = await start_server(engine)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -32,13 +32,6 @@ SCRIPT = {
 
 
 @pytest.fixture(scope="module")
-def anyio_backend():
-    # One event loop for the module: grpc.aio objects left from a test on a closed loop would
-    # otherwise post their completions to it ("Event loop is closed") during a later test.
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
 def node_client() -> Path:
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("the Node.js client test needs node and npm on PATH")

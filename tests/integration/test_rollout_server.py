@@ -41,13 +41,6 @@ FAST = {"heartbeat_interval_s": 0.2, "node_timeout_s": 5.0, "max_attempts": 2}
 SHORT_NODE_TIMEOUT_S = 0.8
 
 
-@pytest.fixture(scope="module")
-def anyio_backend():
-    # One event loop for the module: grpc.aio objects left from a test on a closed loop would
-    # otherwise post their completions to it during a later test.
-    return "asyncio"
-
-
 Stub = rollout_pb2_grpc.RolloutServiceStub
 
 

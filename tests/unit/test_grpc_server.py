@@ -14,11 +14,6 @@ from polar.grpc_server import bind, new_server, run_service, set_serving
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 async def test_a_taken_port_is_a_clear_error() -> None:
     first, _ = new_server("polar.v1.RolloutService")
     second, _ = new_server("polar.v1.RolloutService")

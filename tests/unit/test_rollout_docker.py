@@ -24,11 +24,6 @@ IMAGE = os.environ.get("POLAR_TEST_DOCKER_IMAGE", "alpine:3.20")
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 def work_root(tmp_path):
     return tmp_path / "sessions"
 

@@ -21,11 +21,6 @@ TASK = rollout_pb2.Task(task_id="task-7", instruction="make the tests pass")
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 async def runtime(tmp_path):
     runtime = await LocalProvider(tmp_path / "sessions").create(rollout_pb2.RuntimeSpec(kind="local"), name="s")
     yield runtime

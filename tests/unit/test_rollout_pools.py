@@ -15,11 +15,6 @@ from polar.v1 import rollout_pb2
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def spec(name: str) -> rollout_pb2.RuntimeSpec:
     return rollout_pb2.RuntimeSpec(kind="local", template=name)
 

@@ -24,11 +24,6 @@ ENV = {"PATH": os.environ.get("PATH", os.defpath)}
 FLOOD_BYTES = 50 * 1024 * 1024
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def running(pid: int) -> bool:
     """Whether pid is a live process (an exited one waiting to be reaped is not)."""
     try:

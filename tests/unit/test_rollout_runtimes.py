@@ -27,11 +27,6 @@ ENV = {"PATH": os.environ.get("PATH", os.defpath)}
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 def work_root(tmp_path):
     return tmp_path / "sessions"
 

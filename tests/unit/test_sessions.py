@@ -13,11 +13,6 @@ from polar.v1 import common_pb2, gateway_pb2
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 def _finish(store: SessionStore, session, call_id: str) -> None:
     store.record(session, common_pb2.CallRecord(call_id=call_id, session_id=session.session_id))
 
