@@ -7,6 +7,7 @@ tokenizer once, and starts both servers; `serve_gateway` runs them until SIGINT/
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -77,6 +78,7 @@ async def start_gateway(
     *,
     host: str = "127.0.0.1",
     http_port: int = 0,
+    http_socket: socket.socket | None = None,
     grpc_port: int = 0,
     chat_format: str = "hermes",
     parser: str = "hermes",
@@ -87,8 +89,17 @@ async def start_gateway(
     generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
     dialects: Mapping[str, Dialect] | None = None,
 ) -> RunningGateway:
-    """Both servers started and serving; ports 0 pick free ones; `dialects` override the registry's."""
-    output_parser = get_output_parser(parser)  # unknown names fail before anything starts
+    """Both servers started and serving; ports 0 pick free ones; `dialects` override the registry's.
+
+    `http_socket`, a listening socket bound by whoever had to know the port first, is served instead
+    of binding host:http_port; the gateway owns it from then on and closes it when it stops.
+    """
+    try:
+        output_parser = get_output_parser(parser)  # unknown names fail before anything starts
+    except BaseException:
+        if http_socket is not None:
+            http_socket.close()
+        raise
     inference = InferenceClient(inference_address)
     try:
         try:
@@ -111,9 +122,14 @@ async def start_gateway(
         await runner.setup()
     except BaseException:
         await inference.close()
+        if http_socket is not None:
+            http_socket.close()
         raise
     try:
-        site = web.TCPSite(runner, host, http_port, reuse_port=False)
+        if http_socket is not None:
+            site: web.BaseSite = web.SockSite(runner, http_socket)
+        else:
+            site = web.TCPSite(runner, host, http_port, reuse_port=False)
         await site.start()
         bound_http = runner.addresses[0][1]
         base_url = base_url or "http://" + join_host_port(_connectable(host), bound_http)
@@ -122,6 +138,8 @@ async def start_gateway(
     except BaseException:
         await runner.cleanup()
         await inference.close()
+        if http_socket is not None:
+            http_socket.close()
         raise
     sweeper = asyncio.create_task(_forget_closed_sessions(gateway.store), name="closed-session sweeper")
     return RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server, sweeper)
@@ -143,6 +161,7 @@ async def serve_gateway(
     history: History,
     on_ready: Callable[[RunningGateway], None] | None = None,
     *,
+    http_socket: socket.socket | None = None,
     tokenizer_path: str = "",
     base_url: str = "",
     generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
@@ -153,6 +172,7 @@ async def serve_gateway(
         inference_address,
         host=http_host,
         http_port=http_port,
+        http_socket=http_socket,
         grpc_port=grpc_port,
         chat_format=chat_format,
         parser=parser,

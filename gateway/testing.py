@@ -32,7 +32,7 @@ from polar.envoy import RunningEnvoy, running_async
 from polar.inference.engines.base import Engine
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
-from polar.stack import free_port, join_host_port
+from polar.stack import join_host_port, listening_socket
 from polar.v1 import common_pb2
 
 STOP_GRACE_SECONDS = 1.0
@@ -104,18 +104,23 @@ async def running_gateway(
         inference_server, port = await start_server(engine, f"{HOST}:0")
         stack.push_async_callback(inference_server.stop, STOP_GRACE_SECONDS)
         address = join_host_port(HOST, port)
-        gateway_inference, http_port, base_url, proxy = address, 0, "", None
+        gateway_inference, http_socket, base_url, proxy = address, None, "", None
         if envoy:
             # Envoy starts first (the gateway asks inference for its model through it), so the
-            # gateway's HTTP port is fixed before either starts, as `polar up` does.
-            http_port = free_port(HOST)
-            proxy = await stack.enter_async_context(running_async(TEST_ENVOY, [address], join_host_port(HOST, http_port)))
+            # gateway's HTTP port is bound before either starts, as `polar up` does.
+            http_socket = listening_socket(HOST)
+            gateway_http = join_host_port(HOST, http_socket.getsockname()[1])
+            try:
+                proxy = await stack.enter_async_context(running_async(TEST_ENVOY, [address], gateway_http))
+            except BaseException:
+                http_socket.close()
+                raise
             gateway_inference = join_host_port(HOST, proxy.inference_port)
             base_url = "http://" + join_host_port(HOST, proxy.harness_port)
         running = await start_gateway(
             gateway_inference,
             host=HOST,
-            http_port=http_port,
+            http_socket=http_socket,
             base_url=base_url,
             chat_format=chat_format,
             parser=parser,

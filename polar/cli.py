@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -142,6 +143,8 @@ def _gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="the URL harnesses are given (Envoy's harness listener; default: the gateway's own)",
     )  # fmt: skip
     parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    # `polar up` binds the HTTP port before Envoy, which forwards to it, and passes the socket here.
+    parser.add_argument("--http-fd", type=int, help=argparse.SUPPRESS)
 
 
 def _serve_gateway(args: argparse.Namespace) -> int:
@@ -155,8 +158,8 @@ def _serve_gateway(args: argparse.Namespace) -> int:
         run_service(
             serve_gateway(
                 args.inference, args.host, args.port, args.grpc_port, args.chat_format, args.parser, args.history,
-                on_ready, tokenizer_path=args.tokenizer, base_url=args.base_url,
-                generate_timeout_s=args.generate_timeout,
+                on_ready, http_socket=_inherited_socket(args.http_fd), tokenizer_path=args.tokenizer,
+                base_url=args.base_url, generate_timeout_s=args.generate_timeout,
             )
         )  # fmt: skip
     except GatewayStartError as exc:
@@ -173,6 +176,18 @@ def _gateway_line(running, args: argparse.Namespace) -> str:
         f"{running.gateway.model.name} at {running.http_url} ({dialects}); harness base URL {running.base_url}; "
         f"GatewayService on {join_host_port(args.host, running.grpc_port)}; inference {args.inference}"
     )
+
+
+def _inherited_socket(fd: int | None) -> socket.socket | None:
+    """The listening socket a parent passed as --http-fd."""
+    if fd is None:
+        return None
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise CliError(f"--http-fd {fd} is not an open socket: {exc.strerror}") from None
+    sock.set_inheritable(False)  # the harnesses and evaluators a node starts get no copy
+    return sock
 
 
 def _report_ready(ready_fd: int | None, port: int) -> None:
@@ -306,7 +321,7 @@ def _serve_node(args: argparse.Namespace) -> int:
         run_service(
             serve_node(
                 node, gateway, inference_address=args.inference, rollout_address=args.rollout,
-                base_url=args.base_url, on_ready=on_ready,
+                base_url=args.base_url, http_socket=_inherited_socket(args.http_fd), on_ready=on_ready,
             ),
             use_uvloop=False,
         )  # fmt: skip

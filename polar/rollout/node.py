@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable
@@ -485,12 +486,14 @@ async def start_node(
     inference_address: str,
     rollout_address: str,
     base_url: str = "",
+    http_socket: socket.socket | None = None,
     register_timeout_s: float = 60.0,
 ) -> RunningNode:
     """The gateway started, the node registered with the rollout server and heartbeating.
 
     `base_url` is what harnesses use (Envoy's harness listener); "" means the gateway's own HTTP
-    address. Ports 0 in `gateway` pick free ones.
+    address. Ports 0 in `gateway` pick free ones. `http_socket` is served instead of binding the
+    gateway's HTTP port (see gateway.server.start_gateway).
     """
     own_root = None if node.work_root else Path(tempfile.mkdtemp(prefix="polar-node-"))
     work_root = Path(node.work_root) if node.work_root else own_root
@@ -498,6 +501,7 @@ async def start_node(
         inference_address,
         host=gateway.host,
         http_port=gateway.port,
+        http_socket=http_socket,
         grpc_port=gateway.grpc_port,
         chat_format=gateway.chat_format,
         parser=gateway.parser,
@@ -530,11 +534,17 @@ async def serve_node(
     inference_address: str,
     rollout_address: str,
     base_url: str = "",
+    http_socket: socket.socket | None = None,
     on_ready: Callable[[RunningNode], None] | None = None,
 ) -> None:
     """Serve until cancelled or SIGINT/SIGTERM, then stop."""
     running = await start_node(
-        node, gateway, inference_address=inference_address, rollout_address=rollout_address, base_url=base_url
+        node,
+        gateway,
+        inference_address=inference_address,
+        rollout_address=rollout_address,
+        base_url=base_url,
+        http_socket=http_socket,
     )
     try:
         if on_ready is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import tempfile
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
 from polar.rollout.node import RunningNode, start_node
 from polar.rollout.server import MAX_MESSAGE_BYTES, RunningRollout, start_rollout_server
-from polar.stack import free_port, join_host_port
+from polar.stack import join_host_port, listening_socket
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 HOST = "127.0.0.1"
@@ -47,6 +48,7 @@ class RolloutHandle:
     inference_address: str  # what nodes send generations to (Envoy's inference listener)
     base_url: str  # Envoy's harness listener
     http_port: int  # the gateway port Envoy forwards harness requests to
+    http_socket: socket.socket  # bound to http_port and listening, for the first node to serve
     store_path: Path
     engine: ScriptedEngine
     nodes: list[RunningNode] = field(default_factory=list)
@@ -59,13 +61,13 @@ class RolloutHandle:
         """One more node on this stack; the first gets Envoy's harness listener, later ones their own
         gateway's address (Envoy forwards to one gateway)."""
         first = not self.nodes
-        gateway = GatewayConfig(port=self.http_port if first else 0, grpc_port=0)
         node = await start_node(
             config,
-            gateway,
+            GatewayConfig(port=0, grpc_port=0),
             inference_address=self.inference_address,
             rollout_address=self.address,
             base_url=self.base_url if first else "",
+            http_socket=self.http_socket if first else None,
         )
         self.nodes.append(node)
         return node
@@ -146,9 +148,9 @@ async def running_rollout(
         stack.push_async_callback(engine.stop)
         inference_server, port = await start_server(engine, f"{HOST}:0")
         stack.push_async_callback(inference_server.stop, 1.0)
-        http_port = free_port(HOST)
+        http_socket = stack.enter_context(listening_socket(HOST))
         proxy = await stack.enter_async_context(
-            running_async(TEST_ENVOY, [join_host_port(HOST, port)], join_host_port(HOST, http_port))
+            running_async(TEST_ENVOY, [join_host_port(HOST, port)], join_host_port(HOST, http_socket.getsockname()[1]))
         )
         rollout = await start_rollout_server(
             store_path,
@@ -167,7 +169,8 @@ async def running_rollout(
             stub=rollout_pb2_grpc.RolloutServiceStub(channel),
             inference_address=join_host_port(HOST, proxy.inference_port),
             base_url="http://" + join_host_port(HOST, proxy.harness_port),
-            http_port=http_port,
+            http_port=http_socket.getsockname()[1],
+            http_socket=http_socket,
             store_path=store_path,
             engine=engine,
         )

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polar_cli import STARTUP_SECONDS, alive, assert_one_line_error, run, spawned, wait_dead
 
 import polar
+from polar.stack import listening_socket
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -139,6 +140,11 @@ def test_usage_mistake_is_a_one_line_error():
     assert result.returncode == 2
 
 
+def test_a_gateway_handed_a_closed_socket_is_a_one_line_error():
+    result = run("serve", "gateway", "--inference", "127.0.0.1:1", "--http-fd", "987")
+    assert_one_line_error(result, "--http-fd 987 is not an open socket")
+
+
 def test_console_script_prints_the_version():
     polar_script = Path(sys.executable).parent / "polar"
     result = subprocess.run([str(polar_script), "version"], check=False, capture_output=True, text=True, timeout=60)
@@ -250,6 +256,16 @@ def test_up_fails_when_a_child_cannot_start(tmp_path, spawn):
     errors = up.stderr.read().strip().splitlines()
     assert "missing.json" in errors[0]  # the child's own one-line error
     assert errors[-1] == "polar: error: inference exited with code 1 before it was ready"
+
+
+def test_up_with_its_gateway_port_taken_is_a_one_line_error_before_anything_starts(tmp_path):
+    with listening_socket("127.0.0.1") as taken:
+        port = taken.getsockname()[1]
+        config = tmp_path / "stack.toml"
+        config.write_text(f"[gateway]\nport = {port}\n")
+        started = time.monotonic()
+        assert_one_line_error(run("up", "--config", str(config)), f"gateway's HTTP port 127.0.0.1:{port} cannot be bound")
+        assert time.monotonic() - started < 30  # refused before any service started
 
 
 def test_up_rejects_an_unknown_config_key_by_name(tmp_path):

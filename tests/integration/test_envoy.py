@@ -34,7 +34,7 @@ from polar import envoy
 from polar.config import EnvoyConfig
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
-from polar.stack import free_port
+from polar.stack import listening_socket
 from polar_cli import spawned
 from polar.stack import running as running_service
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -57,12 +57,6 @@ def script(tokens: list[int]) -> dict:
         "rules": [{"prompt_regex": "^9$", "token_ids": STREAMED, "delay_seconds": 0.02}],
         "outputs": [{"token_ids": tokens, "logprobs": [-0.25, -0.5, -0.75]}],
     }
-
-
-@pytest.fixture(scope="module")
-def anyio_backend():
-    # One event loop for the module: grpc.aio objects must not outlive the loop they were made on.
-    return "asyncio"
 
 
 @contextlib.asynccontextmanager
@@ -537,14 +531,15 @@ async def test_polar_serve_envoy_becomes_healthy_through_envoy_and_proxies(tmp_p
 @pytest.mark.slow
 async def test_the_gateway_behind_envoy_streams_to_the_sdk_and_keeps_sessions_on_one_server(tmp_path):
     log = tmp_path / "access.log"
-    gateway_port = free_port("127.0.0.1")
+    gateway_http = listening_socket("127.0.0.1")
+    gateway_port = gateway_http.getsockname()[1]
     async with (
         inference_server(text="From A.") as (a, _),
         inference_server(text="From B.") as (b, _),
         envoy_in_front([a, b], gateway_http=f"127.0.0.1:{gateway_port}", access_log=str(log)) as proxy,
     ):
         await wait_for_health(proxy, {a: "healthy", b: "healthy"})
-        gateway = await start_gateway(f"127.0.0.1:{proxy.inference_port}", http_port=gateway_port)
+        gateway = await start_gateway(f"127.0.0.1:{proxy.inference_port}", http_socket=gateway_http)
         try:
             replies = {}
             for i in range(8):

@@ -36,11 +36,6 @@ FOUND_HELLO = 'test "$(cat out.txt)" = hello'
 OUTCOME = common_pb2.SessionOutcome
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 def harness(mode: str = "normal") -> list[str]:
     return [sys.executable, HARNESS, mode]
 
@@ -263,7 +258,6 @@ def _processes_running(needle: str) -> list[int]:
     return found
 
 
-
 async def test_a_killed_node_s_session_is_run_again_elsewhere() -> None:
     """A node process is SIGKILLed while its harness runs: the harness dies with it (PDEATHSIG), the
     server declares the node dead after its timeout, and another node runs the session again; the
@@ -276,7 +270,7 @@ async def test_a_killed_node_s_session_is_run_again_elsewhere() -> None:
         gateway = GatewayConfig(port=rollout.http_port, grpc_port=0, inference_address=rollout.inference_address)
         spec = node_spec(config, gateway, InferenceConfig(), base_url=rollout.base_url)
         # Started from a thread: the inference server it needs runs on this test's event loop.
-        starting = running(spec, 120, 10)
+        starting = running(spec, 120, 10, http_socket=rollout.http_socket)
         doomed = await asyncio.to_thread(starting.__enter__)
         try:
             [task_id] = await rollout.submit(_slow_task())

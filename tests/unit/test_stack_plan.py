@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from polar.cli import build_parser
 from polar.config import ConfigError, EnvoyConfig, GatewayConfig, NodeConfig, RolloutConfig, StackConfig, load_config
-from polar.stack import plan
+from polar.stack import Service, StackError, _resolve, plan
 
 
 def _option(argv: tuple[str, ...], name: str) -> str:
@@ -32,18 +30,33 @@ def test_the_rollout_server_starts_first_and_the_node_last():
     assert _option(node.argv, "--inference") == "{envoy}"
 
 
-def test_the_node_reports_envoys_harness_listener_as_its_base_url():
-    *_, envoy, node = plan(StackConfig(envoy=EnvoyConfig(harness_port=0), gateway=GatewayConfig(port=0)))
-    harness = re.search(r"harness base URL (\S+) ", envoy.detail).group(1)
-    assert _option(node.argv, "--base-url") == harness
-    assert _option(envoy.argv, "--harness-port") == harness.rpartition(":")[2] != "0"
-    # Envoy forwards harness requests to the port the node's gateway is told to listen on.
-    assert _option(envoy.argv, "--gateway").rpartition(":")[2] == _option(node.argv, "--port") != "0"
+def test_the_node_is_given_envoys_harness_listener_as_its_base_url():
+    *_, envoy, node = plan(StackConfig(envoy=EnvoyConfig(harness_port=0), gateway=GatewayConfig(port=8001)))
+    # Envoy binds its harness port itself and reports the URL when ready; the node gets what it reported.
+    assert _option(envoy.argv, "--harness-port") == "0"
+    assert _option(node.argv, "--base-url") == "{envoy.base_url}"
+    assert "harness base URL {base_url}" in envoy.detail
+    # Envoy forwards harness requests to the gateway port, which the supervisor binds for the node.
+    assert _option(envoy.argv, "--gateway") == "127.0.0.1:8001" and _option(node.argv, "--port") == "8001"
+    assert node.takes_http_socket and not envoy.takes_http_socket
 
 
-def test_a_configured_harness_port_is_the_base_url():
-    *_, node = plan(StackConfig(envoy=EnvoyConfig(host="0.0.0.0", harness_port=8123)))
-    assert _option(node.argv, "--base-url") == "http://127.0.0.1:8123"
+def test_the_gateway_port_must_be_bound_before_planning():
+    with pytest.raises(ValueError, match="must be fixed"):
+        plan(StackConfig(gateway=GatewayConfig(port=0)))
+
+
+def test_a_service_s_reports_fill_later_arguments_and_its_table_line():
+    [envoy] = [spec for spec in plan(StackConfig()) if spec.name == "envoy"]
+    service = Service(envoy, process=None, port=50051, reported={"base_url": "http://127.0.0.1:8123", "admin": "127.0.0.1:9901"})
+    started = {"envoy": service}
+    assert _resolve("{envoy}", started) == "127.0.0.1:50051"
+    assert _resolve("{envoy.base_url}", started) == "http://127.0.0.1:8123"
+    assert _resolve("{rollout}", started) == "{rollout}"  # not started (yet): left as it is
+    assert service.detail.startswith("harness base URL http://127.0.0.1:8123 -> gateway 127.0.0.1:8000")
+    assert service.detail.endswith("admin http://127.0.0.1:9901")
+    with pytest.raises(StackError, match="did not report 'harness'"):
+        _resolve("{envoy.harness}", started)
 
 
 def test_every_rollout_and_node_setting_reaches_its_command_line():
