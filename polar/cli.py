@@ -317,13 +317,11 @@ def _serve_node(args: argparse.Namespace) -> int:
         _report_ready(args.ready_fd, running.gateway.grpc_port)
 
     try:
-        # The node starts harnesses and evaluators: asyncio's loop (see run_service).
         run_service(
             serve_node(
                 node, gateway, inference_address=args.inference, rollout_address=args.rollout,
                 base_url=args.base_url, http_socket=_inherited_socket(args.http_fd), on_ready=on_ready,
-            ),
-            use_uvloop=False,
+            )
         )  # fmt: skip
     except GatewayStartError as exc:
         raise CliError(str(exc)) from None

@@ -72,16 +72,15 @@ async def until_stop_signal() -> None:
             loop.remove_signal_handler(signum)
 
 
-def run_service(main: Coroutine[Any, Any, None], *, use_uvloop: bool = True) -> None:
-    """Run a service process's main coroutine to its end, on uvloop where it is installed and
-    `use_uvloop` is on.
+def run_service(main: Coroutine[Any, Any, None]) -> None:
+    """Run a service process's main coroutine to its end, on uvloop where it is installed.
 
     libuv's loop costs less per callback and per socket write than asyncio's own, which tells in the
-    gateway: it takes a loop turn per streamed token. grpc.aio runs on any asyncio loop. A process
-    that starts children keeps asyncio's loop: uvloop spawns them with fork(), which runs gRPC's fork
-    handlers in the parent on every spawn, where asyncio's loop spawns with vfork and runs none.
+    gateway: it takes a loop turn per streamed token. grpc.aio runs on any asyncio loop. The node
+    starts its children with subprocess.Popen (polar.rollout.process), never the loop's
+    subprocess_exec: uvloop's spawns them with fork(), which runs gRPC's fork handlers in the parent.
     """
-    with asyncio.Runner(loop_factory=_uvloop_factory() if use_uvloop else None) as runner:
+    with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
         runner.run(main)
 
 

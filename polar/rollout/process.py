@@ -99,23 +99,47 @@ def omission_marker(omitted: int) -> str:
     return f"\n[… {omitted} bytes omitted …]\n"
 
 
-class _Collector(asyncio.SubprocessProtocol):
-    """Feeds the child's output into an OutputCap as it arrives and notes the leader's exit and the
-    pipe's end (which come apart when a background child keeps the pipe open)."""
+class _Collector(asyncio.Protocol):
+    """Feeds the child's output into an OutputCap as it arrives and notes the pipe's end (which comes
+    after the leader's exit when a background child keeps the pipe open)."""
 
     def __init__(self, cap: OutputCap) -> None:
         self.cap = cap
-        self.exited = asyncio.Event()
         self.pipe_closed = asyncio.Event()
 
-    def pipe_data_received(self, fd: int, data: bytes) -> None:
+    def data_received(self, data: bytes) -> None:
         self.cap.feed(data)
 
-    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+    def eof_received(self) -> bool:
+        return False  # nothing to write back: let the transport close
+
+    def connection_lost(self, exc: Exception | None) -> None:
         self.pipe_closed.set()
 
-    def process_exited(self) -> None:
-        self.exited.set()
+
+def _watch_exit(loop: asyncio.AbstractEventLoop, process: subprocess.Popen, exited: asyncio.Event) -> None:
+    """Reap the leader and set `exited` once it exits, from the loop's callbacks: woken by its pidfd
+    where the kernel has them (Linux 5.3), else by polling."""
+
+    def poll() -> None:
+        if process.poll() is None:
+            loop.call_later(GROUP_POLL_S, poll)
+        else:
+            exited.set()
+
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
+        poll()
+        return
+
+    def reap() -> None:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+        process.wait()  # it has exited: this reaps it at once
+        exited.set()
+
+    loop.add_reader(pidfd, reap)
 
 
 async def run_process(
@@ -140,9 +164,10 @@ async def run_process(
     # Resolved here, not by the exec inside `setpriv`, so a missing command is an error, not exit 127.
     executable = _resolve(argv[0], cwd, path)
     try:
-        transport, collector = await loop.subprocess_exec(
-            lambda: _Collector(cap),
-            *dying_with_parent([executable, *argv[1:]], "KILL"),
+        # subprocess.Popen, not the loop's subprocess_exec: CPython starts the child with vfork, where
+        # uvloop forks, which runs gRPC's fork handlers in this process (and logs that it skips them).
+        process = subprocess.Popen(
+            dying_with_parent([executable, *argv[1:]], "KILL"),
             cwd=cwd,
             env=dict(env),
             stdin=subprocess.DEVNULL,
@@ -152,22 +177,29 @@ async def run_process(
         )
     except OSError as exc:
         raise ProcessStartError(_start_error_text(argv[0], cwd, path, exc)) from exc
-    group = transport.get_pid()  # a session leader's process group id is its pid
+    group = process.pid  # a session leader's process group id is its pid
+    exited = asyncio.Event()
+    _watch_exit(loop, process, exited)
+    transport: asyncio.ReadTransport | None = None
     try:
-        ending = await _wait_first(collector.exited, cancel, timeout_s)
+        transport, collector = await loop.connect_read_pipe(lambda: _Collector(cap), process.stdout)
+        ending = await _wait_first(exited, cancel, timeout_s)
         timed_out, cancelled = ending == "timed out", ending == "cancelled"
-        await _stop_group(group, collector.exited, kill_grace_s)
-        await collector.exited.wait()
+        await _stop_group(group, exited, kill_grace_s)
+        await exited.wait()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(collector.pipe_closed.wait(), DRAIN_AFTER_EXIT_S)
     except BaseException:
-        _signal_group(group, signal.SIGKILL)
+        _signal_group(group, signal.SIGKILL)  # the exit watch reaps the leader once it is gone
         raise
     finally:
         # Closes our end of the pipe: a writer that escaped the group gets EPIPE instead of blocking.
-        transport.close()
+        if transport is not None:
+            transport.close()
+        else:
+            process.stdout.close()
     return ProcessResult(
-        exit_code=transport.get_returncode(),
+        exit_code=process.returncode,
         timed_out=timed_out,
         cancelled=cancelled,
         output=cap.text(),

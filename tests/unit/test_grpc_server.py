@@ -47,14 +47,3 @@ def test_a_service_runs_on_uvloop_and_serves_grpc_on_it() -> None:
     run_service(main())
     assert isinstance(seen["loop"], uvloop.Loop)
     assert seen["status"] == health_pb2.HealthCheckResponse.SERVING
-
-
-def test_a_service_that_starts_children_keeps_asyncios_loop() -> None:
-    uvloop = pytest.importorskip("uvloop")
-    seen = {}
-
-    async def main() -> None:
-        seen["loop"] = asyncio.get_running_loop()
-
-    run_service(main(), use_uvloop=False)
-    assert not isinstance(seen["loop"], uvloop.Loop)

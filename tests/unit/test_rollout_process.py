@@ -4,6 +4,7 @@ group down, floods of output (capped, counted, never blocking), start errors, an
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import signal
 import subprocess
@@ -261,3 +262,41 @@ def test_capped_text_keeps_whole_characters_around_the_cut(text, limit):
         # A character cut in two becomes one replacement character; the rest is the text itself.
         assert text.startswith(head.rstrip("\ufffd"))
         assert text.endswith(tail.lstrip("\ufffd"))
+
+
+# ----------------------------------------------------------------------------------- on uvloop
+
+# The services run on uvloop where it is installed (polar.grpc_server.run_service), the node too: the
+# same behaviours, each on a fresh uvloop loop (no grpc.aio object is involved).
+ON_UVLOOP = [
+    test_output_of_both_streams_in_order_and_the_exit_code,
+    test_a_crash_reports_the_signal_as_a_negative_exit_code,
+    test_runs_in_cwd_with_exactly_env_and_stdin_at_end_of_file,
+    test_missing_or_unrunnable_commands_raise_start_errors_that_name_them,
+    test_a_hang_past_the_timeout_takes_its_background_children_with_it,
+    test_background_children_do_not_outlive_a_leader_that_exits,
+    test_a_child_that_left_the_group_cannot_hold_up_the_result,
+    test_cancel_stops_the_group_and_says_so,
+    test_cancelling_the_awaiting_task_kills_the_group,
+    test_a_flood_of_output_finishes_promptly_capped_and_fully_counted,
+    test_a_flood_that_never_ends_is_drained_until_its_timeout,
+]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("uvloop") is None, reason="uvloop is not installed")
+@pytest.mark.parametrize("case", ON_UVLOOP, ids=lambda case: case.__name__.removeprefix("test_"))
+def test_on_uvloop(case, tmp_path):
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(case(tmp_path))
+
+
+async def test_without_pidfds_the_exit_is_noticed_by_polling(tmp_path, monkeypatch):
+    def no_pidfds(pid: int) -> int:
+        raise OSError(38, "Function not implemented")  # ENOSYS: a kernel older than 5.3
+
+    monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    result = await sh("sleep 0.2; echo polled; exit 4", tmp_path, timeout_s=10)
+    assert result.exit_code == 4 and result.output == "polled\n"
+    assert not result.timed_out and result.seconds < 5
