@@ -35,6 +35,7 @@ DRAIN_AFTER_EXIT_S = 1.0
 GROUP_POLL_S = 0.02
 # SIGKILL cannot be refused, but a process in uninterruptible sleep (disk, a hung mount) dies late.
 SIGKILL_WAIT_S = 1.0
+READ_CHUNK = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -99,21 +100,39 @@ def omission_marker(omitted: int) -> str:
     return f"\n[… {omitted} bytes omitted …]\n"
 
 
-class _Collector(asyncio.Protocol):
-    """Feeds the child's output into an OutputCap as it arrives and notes the pipe's end (which comes
-    after the leader's exit when a background child keeps the pipe open)."""
+class _OutputReader:
+    """Drains the child's output pipe into an OutputCap from the loop's reader callbacks, and sets
+    `pipe_closed` at its end (which comes after the leader's exit when a background child keeps the
+    pipe open). It owns the read end, which only `close` closes: a transport over a file object
+    would have uvloop close the descriptor twice, the second time maybe another thread's new file."""
 
-    def __init__(self, cap: OutputCap) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, fd: int, cap: OutputCap) -> None:
+        os.set_blocking(fd, False)
+        self._loop = loop
+        self._fd = fd
         self.cap = cap
         self.pipe_closed = asyncio.Event()
+        loop.add_reader(fd, self._read)
 
-    def data_received(self, data: bytes) -> None:
-        self.cap.feed(data)
+    def _read(self) -> None:
+        # One read per wake-up: a flood of output takes its turns with everything else on the loop.
+        try:
+            data = os.read(self._fd, READ_CHUNK)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            self.cap.feed(data)
+        else:
+            self.close()
 
-    def eof_received(self) -> bool:
-        return False  # nothing to write back: let the transport close
-
-    def connection_lost(self, exc: Exception | None) -> None:
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        self._loop.remove_reader(self._fd)
+        os.close(self._fd)
+        self._fd = -1
         self.pipe_closed.set()
 
 
@@ -163,6 +182,7 @@ async def run_process(
     path = env.get("PATH", os.defpath)
     # Resolved here, not by the exec inside `setpriv`, so a missing command is an error, not exit 127.
     executable = _resolve(argv[0], cwd, path)
+    read_fd, write_fd = os.pipe()
     try:
         # subprocess.Popen, not the loop's subprocess_exec: CPython starts the child with vfork, where
         # uvloop forks, which runs gRPC's fork handlers in this process (and logs that it skips them).
@@ -171,33 +191,32 @@ async def run_process(
             cwd=cwd,
             env=dict(env),
             stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
+            stdout=write_fd,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
     except OSError as exc:
+        os.close(read_fd)
         raise ProcessStartError(_start_error_text(argv[0], cwd, path, exc)) from exc
+    finally:
+        os.close(write_fd)  # the child's copies are the only writers now
     group = process.pid  # a session leader's process group id is its pid
     exited = asyncio.Event()
     _watch_exit(loop, process, exited)
-    transport: asyncio.ReadTransport | None = None
+    output = _OutputReader(loop, read_fd, cap)
     try:
-        transport, collector = await loop.connect_read_pipe(lambda: _Collector(cap), process.stdout)
         ending = await _wait_first(exited, cancel, timeout_s)
         timed_out, cancelled = ending == "timed out", ending == "cancelled"
         await _stop_group(group, exited, kill_grace_s)
         await exited.wait()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(collector.pipe_closed.wait(), DRAIN_AFTER_EXIT_S)
+            await asyncio.wait_for(output.pipe_closed.wait(), DRAIN_AFTER_EXIT_S)
     except BaseException:
         _signal_group(group, signal.SIGKILL)  # the exit watch reaps the leader once it is gone
         raise
     finally:
         # Closes our end of the pipe: a writer that escaped the group gets EPIPE instead of blocking.
-        if transport is not None:
-            transport.close()
-        else:
-            process.stdout.close()
+        output.close()
     return ProcessResult(
         exit_code=process.returncode,
         timed_out=timed_out,

@@ -300,3 +300,25 @@ async def test_without_pidfds_the_exit_is_noticed_by_polling(tmp_path, monkeypat
     result = await sh("sleep 0.2; echo polled; exit 4", tmp_path, timeout_s=10)
     assert result.exit_code == 4 and result.output == "polled\n"
     assert not result.timed_out and result.seconds < 5
+
+
+def _loop_factories():
+    factories = [pytest.param(asyncio.new_event_loop, id="asyncio")]
+    if importlib.util.find_spec("uvloop") is not None:
+        import uvloop
+
+        factories.append(pytest.param(uvloop.new_event_loop, id="uvloop"))
+    return factories
+
+
+@pytest.mark.parametrize("loop_factory", _loop_factories())
+def test_no_descriptor_is_left_open(tmp_path, loop_factory):
+    # On a loop of its own: nothing else opens files meanwhile.
+    async def runs() -> None:
+        before = set(os.listdir("/proc/self/fd"))
+        for script in ("echo fast", "sleep 60 & wait", "exit 3"):
+            await sh(script, tmp_path, timeout_s=0.3, kill_grace_s=0.1)
+        assert set(os.listdir("/proc/self/fd")) <= before
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(runs())
