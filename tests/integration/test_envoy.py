@@ -531,37 +531,37 @@ async def test_polar_serve_envoy_becomes_healthy_through_envoy_and_proxies(tmp_p
 @pytest.mark.slow
 async def test_the_gateway_behind_envoy_streams_to_the_sdk_and_keeps_sessions_on_one_server(tmp_path):
     log = tmp_path / "access.log"
-    gateway_http = listening_socket("127.0.0.1")
-    gateway_port = gateway_http.getsockname()[1]
-    async with (
-        inference_server(text="From A.") as (a, _),
-        inference_server(text="From B.") as (b, _),
-        envoy_in_front([a, b], gateway_http=f"127.0.0.1:{gateway_port}", access_log=str(log)) as proxy,
-    ):
-        await wait_for_health(proxy, {a: "healthy", b: "healthy"})
-        gateway = await start_gateway(f"127.0.0.1:{proxy.inference_port}", http_socket=gateway_http)
-        try:
-            replies = {}
-            for i in range(8):
-                key = gateway.store.open(task_id=f"task-{i}").key
-                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.harness_port}/v1", api_key=key)
-                texts = set()
-                for _ in range(2):
-                    stream = await client.chat.completions.create(
-                        model="scripted", messages=[{"role": "user", "content": "Hi"}], stream=True
-                    )
-                    texts.add("".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]))
-                await client.close()
-                assert len(texts) == 1, f"session {i} was answered by both servers: {texts}"
-                replies[key] = texts.pop()
-                assert len(gateway.store.find(key).ordered_records()) == 2
-            assert set(replies.values()) == {"From A.", "From B."}
-        finally:
-            await gateway.stop()
-        entries = await asyncio.to_thread(access_log_lines, log, 16)
-    assert len(entries) == 16
-    assert all(e["path"] == "/v1/chat/completions" and e["status"] == 200 for e in entries)
-    assert {e["upstream"] for e in entries} == {f"127.0.0.1:{gateway_port}"}
+    with listening_socket("127.0.0.1") as gateway_http:  # the gateway closes it too; closing twice is harmless
+        gateway_port = gateway_http.getsockname()[1]
+        async with (
+            inference_server(text="From A.") as (a, _),
+            inference_server(text="From B.") as (b, _),
+            envoy_in_front([a, b], gateway_http=f"127.0.0.1:{gateway_port}", access_log=str(log)) as proxy,
+        ):
+            await wait_for_health(proxy, {a: "healthy", b: "healthy"})
+            gateway = await start_gateway(f"127.0.0.1:{proxy.inference_port}", http_socket=gateway_http)
+            try:
+                replies = {}
+                for i in range(8):
+                    key = gateway.store.open(task_id=f"task-{i}").key
+                    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.harness_port}/v1", api_key=key)
+                    texts = set()
+                    for _ in range(2):
+                        stream = await client.chat.completions.create(
+                            model="scripted", messages=[{"role": "user", "content": "Hi"}], stream=True
+                        )
+                        texts.add("".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]))
+                    await client.close()
+                    assert len(texts) == 1, f"session {i} was answered by both servers: {texts}"
+                    replies[key] = texts.pop()
+                    assert len(gateway.store.find(key).ordered_records()) == 2
+                assert set(replies.values()) == {"From A.", "From B."}
+            finally:
+                await gateway.stop()
+            entries = await asyncio.to_thread(access_log_lines, log, 16)
+        assert len(entries) == 16
+        assert all(e["path"] == "/v1/chat/completions" and e["status"] == 200 for e in entries)
+        assert {e["upstream"] for e in entries} == {f"127.0.0.1:{gateway_port}"}
 
 
 @pytest.mark.slow
