@@ -7,6 +7,7 @@ tokenizer once, and starts both servers; `serve_gateway` runs them until SIGINT/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -94,14 +95,13 @@ async def start_gateway(
     `http_socket`, a listening socket bound by whoever had to know the port first, is served instead
     of binding host:http_port; the gateway owns it from then on and closes it when it stops.
     """
-    try:
-        output_parser = get_output_parser(parser)  # unknown names fail before anything starts
-    except BaseException:
+    # What is undone, in reverse, should any step fail; nothing once all of them succeeded.
+    async with contextlib.AsyncExitStack() as on_failure:
         if http_socket is not None:
-            http_socket.close()
-        raise
-    inference = InferenceClient(inference_address)
-    try:
+            on_failure.callback(http_socket.close)
+        output_parser = get_output_parser(parser)  # unknown names fail before anything starts
+        inference = InferenceClient(inference_address)
+        on_failure.push_async_callback(inference.close)
         try:
             info = await inference.model_info(startup_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -120,12 +120,7 @@ async def start_gateway(
         )
         runner = web.AppRunner(create_app(gateway, dialects), access_log=None, shutdown_timeout=STOP_GRACE_SECONDS)
         await runner.setup()
-    except BaseException:
-        await inference.close()
-        if http_socket is not None:
-            http_socket.close()
-        raise
-    try:
+        on_failure.push_async_callback(runner.cleanup)
         if http_socket is not None:
             site: web.BaseSite = web.SockSite(runner, http_socket)
         else:
@@ -135,12 +130,7 @@ async def start_gateway(
         base_url = base_url or "http://" + join_host_port(_connectable(host), bound_http)
         servicer = GatewayServicer(gateway.store, base_url=base_url)
         grpc_server, bound_grpc = await start_grpc(servicer, join_host_port(host, grpc_port))
-    except BaseException:
-        await runner.cleanup()
-        await inference.close()
-        if http_socket is not None:
-            http_socket.close()
-        raise
+        on_failure.pop_all()
     sweeper = asyncio.create_task(_forget_closed_sessions(gateway.store), name="closed-session sweeper")
     return RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server, sweeper)
 

@@ -108,13 +108,9 @@ async def running_gateway(
         if envoy:
             # Envoy starts first (the gateway asks inference for its model through it), so the
             # gateway's HTTP port is bound before either starts, as `polar up` does.
-            http_socket = listening_socket(HOST)
+            http_socket = stack.enter_context(listening_socket(HOST))  # the gateway closes it too
             gateway_http = join_host_port(HOST, http_socket.getsockname()[1])
-            try:
-                proxy = await stack.enter_async_context(running_async(TEST_ENVOY, [address], gateway_http))
-            except BaseException:
-                http_socket.close()
-                raise
+            proxy = await stack.enter_async_context(running_async(TEST_ENVOY, [address], gateway_http))
             gateway_inference = join_host_port(HOST, proxy.inference_port)
             base_url = "http://" + join_host_port(HOST, proxy.harness_port)
         running = await start_gateway(

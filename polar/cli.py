@@ -34,7 +34,7 @@ import polar
 from polar import envoy
 from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, load_config
 from polar.grpc_server import run_service
-from polar.stack import StackError, join_host_port, run_stack
+from polar.stack import StackError, join_host_port, report_ready, run_stack
 
 
 class CliError(Exception):
@@ -114,9 +114,7 @@ def _run_inference_server(args: argparse.Namespace) -> None:
         d = engine.description
         where = f", {d.device}" if d.device else ""
         print(f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(args.host, port)}", flush=True)
-        if args.ready_fd is not None:
-            with os.fdopen(args.ready_fd, "w") as ready:
-                ready.write(f"{port}\n")
+        report_ready(args.ready_fd, port)
 
     run_service(serve(engine, join_host_port(args.host, args.port), on_ready))
 
@@ -152,7 +150,7 @@ def _serve_gateway(args: argparse.Namespace) -> int:
 
     def on_ready(running) -> None:
         print(f"gateway: {_gateway_line(running, args)}", flush=True)
-        _report_ready(args.ready_fd, running.grpc_port)
+        report_ready(args.ready_fd, running.grpc_port)
 
     try:
         run_service(
@@ -190,13 +188,6 @@ def _inherited_socket(fd: int | None) -> socket.socket | None:
     return sock
 
 
-def _report_ready(ready_fd: int | None, port: int) -> None:
-    """Tell `polar up` (which passed --ready-fd) the port that serves; see polar.stack."""
-    if ready_fd is not None:
-        with os.fdopen(ready_fd, "w") as ready:
-            ready.write(f"{port}\n")
-
-
 def _rollout_server_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = RolloutConfig()
     parser.add_argument("--host", default=defaults.host, help="address to listen on (default: %(default)s)")
@@ -226,7 +217,7 @@ def _serve_rollout(args: argparse.Namespace) -> int:
 
     def on_ready(running) -> None:
         print(f"rollout: RolloutService on {join_host_port(args.host, running.port)}; store {args.store}", flush=True)
-        _report_ready(args.ready_fd, running.port)
+        report_ready(args.ready_fd, running.port)
 
     try:
         run_service(
@@ -314,7 +305,7 @@ def _serve_node(args: argparse.Namespace) -> int:
             f"node {running.node.node_id}: {_gateway_line(running.gateway, args)}; rollout {args.rollout}; pools {pools}",
             flush=True,
         )
-        _report_ready(args.ready_fd, running.gateway.grpc_port)
+        report_ready(args.ready_fd, running.gateway.grpc_port)
 
     try:
         run_service(

@@ -41,6 +41,7 @@ from polar.stack import (
     StackError,
     _connectable,
     join_host_port,
+    report_ready,
 )
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.tmpl"
@@ -275,10 +276,8 @@ def serve(args: argparse.Namespace) -> int:
                 f"inference {join_host_port(host, envoy.inference_port)} -> {servers}; admin http://{envoy.admin}",
                 flush=True,
             )
-            if args.ready_fd is not None:
-                base_url = "http://" + join_host_port(_connectable(host), envoy.harness_port)
-                with os.fdopen(args.ready_fd, "w") as ready:
-                    ready.write(f"{envoy.inference_port} base_url={base_url} admin={envoy.admin}\n")
+            base_url = "http://" + join_host_port(_connectable(host), envoy.harness_port)
+            report_ready(args.ready_fd, envoy.inference_port, base_url=base_url, admin=envoy.admin)
             code = envoy.process.wait()
             raise EnvoyError(f"Envoy exited with code {code}")
     except _Stop:

@@ -335,6 +335,16 @@ def _resolve(arg: str, started: dict[str, Service]) -> str:
     return service.reported[key]
 
 
+def report_ready(ready_fd: int | None, port: int, **reported: str) -> None:
+    """A child's side of readiness: tell `polar up` (which passed --ready-fd) the port that serves
+    and what else it reports ("{name.key}" for later services); nothing without --ready-fd."""
+    if ready_fd is None:
+        return
+    words = [str(port), *(f"{key}={value}" for key, value in reported.items())]
+    with os.fdopen(ready_fd, "w") as ready:
+        ready.write(" ".join(words) + "\n")
+
+
 def _await_ready(child: Service, ready_fd: int, timeout_s: float) -> None:
     """Read the child's port from its readiness pipe, then wait until its health check says SERVING."""
     deadline = time.monotonic() + timeout_s
