@@ -495,3 +495,17 @@ async def test_polar_session_open_show_close(gw, http):
     assert code == 0 and "1 calls" in out
     code, _, err = await _polar("session", "show", "nope", "--gateway", gw.grpc_address)
     assert code == 1 and err.startswith("polar: error: GetSession") and "NOT_FOUND" in err
+
+
+async def test_a_gateway_that_cannot_start_closes_the_socket_it_was_handed():
+    from gateway.server import GatewayStartError, start_gateway
+    from polar.stack import listening_socket
+
+    unserved = listening_socket("127.0.0.1")
+    with pytest.raises(GatewayStartError, match="no inference service answered on 127.0.0.1:1"):
+        await start_gateway("127.0.0.1:1", http_socket=unserved, startup_timeout_s=0.5)
+    assert unserved.fileno() == -1
+    misnamed = listening_socket("127.0.0.1")
+    with pytest.raises(LookupError, match="no-such-parser"):
+        await start_gateway("127.0.0.1:1", http_socket=misnamed, parser="no-such-parser")
+    assert misnamed.fileno() == -1
