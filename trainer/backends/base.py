@@ -1,0 +1,96 @@
+"""The contract between the training loop and a backend that holds the model.
+
+The loop (trainer/loop.py) owns everything that is not the model: which groups to train on, their
+advantages and token weights (trainer/grpo.py), the packing into micro-batches (trainer/batches.py),
+weight sync and checkpoints. A backend owns the weights and the optimizer and does three things with
+micro-batches: score them (`logprobs`), learn from them (`update`), and hand out its weights under
+Hugging Face names (`hf_weights`, for the inference servers and for checkpoints).
+
+Every backend computes the same quantities: per-target log-probabilities under exactly the sampling
+distribution the inference engine drew each token from (`grpo.token_logprobs`), and the GRPO loss of
+`grpo.policy_loss` summed over micro-batches whose token weights are already normalised over the
+update, so accumulating their gradients gives the exact gradient of the whole update.
+
+    torch      one process, CPU or one GPU, any Hugging Face causal LM (torch_backend.py)
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from trainer.batches import MicroBatch
+from trainer.grpo import LossConfig
+
+
+class BackendError(RuntimeError):
+    """The backend cannot start or load what it was given (a missing model, a checkpoint of another
+    model); the message says which."""
+
+
+class UpdateAborted(Exception):
+    """`update` was asked to stop between micro-batches; the weights and optimizer are untouched."""
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What one optimizer update did."""
+
+    loss: float  # the update's GRPO loss (sum over its micro-batches)
+    grad_norm: float  # total gradient norm before clipping
+    stats: dict[str, float] = field(default_factory=dict)  # grpo.merge_stats of the micro-batches
+    tokens: int = 0  # real tokens forwarded
+    trainable_tokens: int = 0  # tokens with a loss
+    seconds: float = 0.0
+
+
+class Backend(abc.ABC):
+    """A model and its optimizer; see the module docstring for the contract."""
+
+    name: str  # "torch" or "megatron"
+
+    @property
+    @abc.abstractmethod
+    def model_description(self) -> dict[str, object]:
+        """What a checkpoint records to recognise the model later: at least "model_type",
+        "vocab_size", "hidden_size" and "num_hidden_layers"."""
+
+    @abc.abstractmethod
+    def logprobs(self, batches: Sequence[MicroBatch], *, reference: bool = False) -> list[torch.Tensor]:
+        """Per-target log-probabilities [R, L] of each micro-batch under the current weights (or the
+        frozen reference policy), without gradients; 0 where the micro-batch has no target."""
+
+    @abc.abstractmethod
+    def update(
+        self,
+        batches: Sequence[MicroBatch],
+        loss_config: LossConfig,
+        *,
+        old_logprobs: Sequence[torch.Tensor] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> UpdateResult:
+        """One optimizer update over the micro-batches (gradients accumulated, clipped, stepped).
+
+        `old_logprobs` are the policy's logprobs at the start of the step (`logprobs` before any
+        update of the step); None means this is the step's only update, so they equal the current
+        ones and come from the same forward pass. `should_stop` is asked between micro-batches: when
+        it answers True the gradients are dropped and UpdateAborted is raised.
+        """
+
+    @abc.abstractmethod
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter under its Hugging Face state-dict name, one tensor at a time (tied weights
+        once), detached; for weight sync and checkpoints."""
+
+    @abc.abstractmethod
+    def save(self, model_folder: Path, optimizer_file: Path) -> None:
+        """Write the model as a Hugging Face folder (safetensors, config, tokenizer) that
+        transformers and `polar serve inference --model` load, and the optimizer state."""
+
+    @abc.abstractmethod
+    def load_optimizer(self, optimizer_file: Path) -> None:
+        """Restore the optimizer state that `save` wrote."""

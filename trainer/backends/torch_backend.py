@@ -1,0 +1,206 @@
+"""The torch backend: one process, CPU or one GPU, any Hugging Face causal LM.
+
+The model is the Hugging Face class itself, so its parameter names are the ones the inference
+servers and checkpoints use. Packed micro-batches (one row of several traces, `position_ids`
+restarting at each trace) rely on transformers building a block-diagonal causal mask from the
+position ids, so traces in one row never attend to each other; padded ones pass their attention
+mask. Logits are computed only at the positions that have a trainable target (`logits_to_keep`),
+since prompts are most of a trace and the output layer is the widest matrix of a small model.
+
+fp32 on a CPU, bf16 on a GPU (parameters and activations; AdamW keeps its state in the parameters'
+dtype, as torch does); logprobs and the loss are always computed in fp32.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from trainer.backends.base import Backend, BackendError, UpdateAborted, UpdateResult
+from trainer.batches import MicroBatch
+from trainer.grpo import LossConfig, merge_stats, policy_loss, token_logprobs
+
+
+@dataclass(frozen=True)
+class TorchBackendOptions:
+    """How to build the torch backend (the [trainer] settings it reads)."""
+
+    model: str  # "tiny", "smollm2-135m" or a Hugging Face folder
+    device: str = "auto"
+    dtype: str = "auto"
+    lr: float = 1e-5
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    gradient_checkpointing: bool = False
+    reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
+    seed: int = 0
+    cpu_threads: int = 0  # 0 = torch's default
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(self, options: TorchBackendOptions) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as transformers_logging
+
+        from polar.inference.engines.torch_engine import resolve_device, resolve_dtype
+        from polar.inference.models import ModelNotFoundError, resolve_model
+
+        torch.manual_seed(options.seed)
+        if options.cpu_threads > 0:
+            torch.set_num_threads(options.cpu_threads)
+        try:
+            self.folder = resolve_model(options.model)
+        except ModelNotFoundError as exc:
+            raise BackendError(str(exc)) from None
+        self.device = resolve_device(options.device)
+        self.dtype = resolve_dtype(options.dtype, self.device)
+        self.options = options
+        transformers_logging.disable_progress_bar()
+        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, attn_implementation="sdpa")
+        self.model.to(self.device).train()
+        self.model.config.use_cache = False
+        if options.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        self.reference = None
+        if options.reference_model:
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=options.lr,
+            betas=(options.adam_beta1, options.adam_beta2),
+            weight_decay=options.weight_decay,
+            foreach=True,
+        )
+
+    @property
+    def model_description(self) -> dict[str, object]:
+        config = self.model.config
+        return {
+            "model_type": config.model_type,
+            "vocab_size": self.model.get_output_embeddings().weight.shape[0],
+            "hidden_size": config.hidden_size,
+            "num_hidden_layers": config.num_hidden_layers,
+        }
+
+    # -- scoring and learning ---------------------------------------------------------------------
+
+    def _target_logprobs(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [K] of the trainable targets, their flat indices [K] into [R * L])."""
+        batch = batch.to(self.device)
+        rows, length = batch.input_ids.shape
+        # Positions with a trainable target in any row: the only ones whose logits are needed.
+        keep = batch.loss_mask.any(dim=0).nonzero().squeeze(-1)  # [P]
+        packed = rows == 1
+        output = model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            # Packed rows: transformers derives the per-trace causal mask from position_ids.
+            attention_mask=None if packed else batch.attention_mask,
+            logits_to_keep=keep,
+            use_cache=False,
+        )
+        logits = output.logits  # [R, P, V]
+        selected = batch.loss_mask[:, keep]  # [R, P]
+        flat = torch.arange(rows * length, device=self.device).view(rows, length)[:, keep][selected]  # [K]
+        values = token_logprobs(
+            logits[selected].float(),
+            batch.targets[:, keep][selected],
+            batch.temperature[:, keep][selected],
+            batch.top_k[:, keep][selected],
+            batch.top_p[:, keep][selected],
+        )
+        return values, flat
+
+    def logprobs(self, batches: Sequence[MicroBatch], *, reference: bool = False) -> list[torch.Tensor]:
+        model = self.reference if reference else self.model
+        if model is None:
+            raise BackendError("no reference model was kept (kl_coef is 0)")
+        results = []
+        with torch.no_grad():
+            for batch in batches:
+                values, flat = self._target_logprobs(model, batch)
+                out = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
+                out[flat] = values
+                results.append(out.view(batch.input_ids.shape).cpu())
+        return results
+
+    def update(
+        self,
+        batches: Sequence[MicroBatch],
+        loss_config: LossConfig,
+        *,
+        old_logprobs: Sequence[torch.Tensor] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> UpdateResult:
+        started = time.perf_counter()
+        references = self.logprobs(batches, reference=True) if loss_config.kl_coef > 0 else None
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, all_stats, tokens, trainable = 0.0, [], 0, 0
+        for index, batch in enumerate(batches):
+            if should_stop():
+                self.optimizer.zero_grad(set_to_none=True)
+                raise UpdateAborted
+            values, flat = self._target_logprobs(self.model, batch)
+            device_batch = batch.to(self.device)
+
+            def gather(tensor: torch.Tensor) -> torch.Tensor:
+                return tensor.to(self.device).reshape(-1)[flat].float()
+
+            old = values.detach() if old_logprobs is None else gather(old_logprobs[index])
+            loss, stats = policy_loss(
+                values,
+                old,
+                gather(device_batch.behaviour_logprobs),
+                gather(device_batch.advantages),
+                gather(device_batch.token_weights),
+                loss_config,
+                ref_logprobs=None if references is None else gather(references[index]),
+            )
+            loss.backward()
+            total_loss += float(loss.detach())
+            all_stats.append(stats)
+            tokens += batch.tokens
+            trainable += batch.trainable_tokens
+        clip = self.options.grad_clip if self.options.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        if should_stop():
+            self.optimizer.zero_grad(set_to_none=True)
+            raise UpdateAborted
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return UpdateResult(
+            loss=total_loss,
+            grad_norm=grad_norm,
+            stats=merge_stats(all_stats) if all_stats else {},
+            tokens=tokens,
+            trainable_tokens=trainable,
+            seconds=time.perf_counter() - started,
+        )
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, parameter in self.model.named_parameters():
+            yield name, parameter.detach()
+
+    def save(self, model_folder: Path, optimizer_file: Path) -> None:
+        self.model.save_pretrained(model_folder, safe_serialization=True)
+        self.tokenizer.save_pretrained(model_folder)
+        torch.save(self.optimizer.state_dict(), optimizer_file)
+
+    def load_optimizer(self, optimizer_file: Path) -> None:
+        try:
+            state = torch.load(optimizer_file, map_location=self.device, weights_only=True)
+            self.optimizer.load_state_dict(state)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise BackendError(f"cannot restore the optimizer state {optimizer_file}: {exc}") from None

@@ -1,0 +1,136 @@
+"""`polar eval`: greedy pass@1 and sampled pass@k on the held-out tasks, through the same stack.
+
+Each held-out task runs twice: once greedily (one session, temperature 0) and once as a group of
+k = eval_samples sessions at the task's own sampling. A session passes when its reward reaches
+pass_threshold. pass@k is the unbiased estimator 1 - C(n - c, k) / C(n, k) over the n sessions of
+which c passed (with n = k it is "any of the k passed").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TextIO
+
+from polar.config import TrainerConfig
+from trainer.rollout_link import Dataset, GroupStream, RolloutLink
+
+POLL_S = 0.5
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Probability that at least one of k sessions drawn from n (c of which passed) passes."""
+    if not 0 <= c <= n or not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 0 < k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass(frozen=True)
+class TaskScore:
+    task: str  # the held-out task (its id in the file, or its line index)
+    greedy_reward: float
+    greedy_pass: bool
+    sampled_rewards: list[float]
+    sampled_passes: int
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    model: str
+    tasks: int
+    k: int
+    greedy_pass_at_1: float
+    sampled_pass_at_1: float
+    pass_at_k: float
+    reward_mean_greedy: float
+    reward_mean_sampled: float
+    seconds: float
+    per_task: list[TaskScore]
+
+    def table(self) -> str:
+        rows = [
+            ("model", self.model),
+            ("held-out tasks", str(self.tasks)),
+            ("greedy pass@1", f"{self.greedy_pass_at_1:.3f}"),
+            ("sampled pass@1", f"{self.sampled_pass_at_1:.3f}"),
+            (f"pass@{self.k}", f"{self.pass_at_k:.3f}"),
+            ("mean reward (greedy / sampled)", f"{self.reward_mean_greedy:.3f} / {self.reward_mean_sampled:.3f}"),
+            ("seconds", f"{self.seconds:.0f}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)
+
+
+def evaluate(config: TrainerConfig, rollout_address: str, model: str, stop: threading.Event, out: TextIO) -> EvalReport:
+    """Submit the held-out tasks (greedy and sampled), wait for every group, score them."""
+    started = time.monotonic()
+    k = config.eval_samples
+    if k < 1:
+        raise ValueError(f"[trainer] eval_samples must be >= 1, not {k}")
+    greedy = Dataset(config.heldout, seed=config.seed, prefix="eval-greedy", group_size=1)
+    sampled = Dataset(config.heldout, seed=config.seed, prefix="eval-sampled", group_size=k)
+    tasks = []
+    for n in range(len(greedy)):
+        task = greedy.task(n)
+        task.sampling.temperature = 0.0
+        tasks.append(task)
+        tasks.append(sampled.task(n))
+    link = RolloutLink(rollout_address)
+    results: dict[str, list[float]] = {}
+    names: dict[str, str] = {}
+    stream = GroupStream(link, "")
+    try:
+        link.submit(tasks)
+        out.write(f"eval: {len(greedy)} held-out tasks, greedy and {k} samples each\n")
+        out.flush()
+        while len(results) < len(tasks):
+            if stop.is_set():
+                raise KeyboardInterrupt
+            group = stream.next(POLL_S)
+            if group is None:
+                continue
+            first = group.trajectories[0]
+            results[first.task_id] = [t.reward for t in group.trajectories]
+            names[first.task_id] = first.metadata.get("dataset_task", first.task_id)
+            out.write(f"eval: {len(results)}/{len(tasks)} groups released\n")
+            out.flush()
+    finally:
+        stream.close()
+        link.close()
+    scores = []
+    for n in range(len(greedy)):
+        g = results[greedy.task_id(n)]
+        s = results[sampled.task_id(n)]
+        scores.append(
+            TaskScore(
+                task=names[greedy.task_id(n)],
+                greedy_reward=g[0],
+                greedy_pass=g[0] >= config.pass_threshold,
+                sampled_rewards=s,
+                sampled_passes=sum(r >= config.pass_threshold for r in s),
+            )
+        )
+    count = len(scores)
+    return EvalReport(
+        model=model,
+        tasks=count,
+        k=k,
+        greedy_pass_at_1=sum(s.greedy_pass for s in scores) / count,
+        sampled_pass_at_1=sum(s.sampled_passes / len(s.sampled_rewards) for s in scores) / count,
+        pass_at_k=sum(pass_at_k(len(s.sampled_rewards), s.sampled_passes, k) for s in scores) / count,
+        reward_mean_greedy=sum(s.greedy_reward for s in scores) / count,
+        reward_mean_sampled=sum(sum(s.sampled_rewards) / len(s.sampled_rewards) for s in scores) / count,
+        seconds=time.monotonic() - started,
+        per_task=scores,
+    )
+
+
+def write_report(report: EvalReport, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(report), indent=2) + "\n")

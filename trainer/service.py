@@ -1,0 +1,136 @@
+"""The trainer as a service (`polar serve trainer`): the training loop in a worker thread, and the
+TrainerService (protos/polar/v1/trainer.proto) answering status, policy version and checkpoint calls
+while it runs.
+
+The process ends by itself once the configured steps are done (exit 0: `polar train` then stops the
+stack), or on SIGINT/SIGTERM, after the loop has stopped between two micro-batches and written the
+checkpoint of its last completed step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import grpc
+
+from polar.config import TrainerConfig
+from polar.grpc_server import bind, new_server, set_serving, until_stop_signal
+from polar.v1 import trainer_pb2, trainer_pb2_grpc
+from trainer.backends.base import Backend, BackendError
+from trainer.checkpoints import CheckpointError
+from trainer.loop import TrainingRun
+
+SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+STOP_GRACE_SECONDS = 2.0
+
+
+def create_backend(config: TrainerConfig, model: str) -> Backend:
+    """The configured backend, holding `model` (the starting weights or a checkpoint's folder)."""
+    if config.backend != "torch":
+        raise BackendError(f"unknown trainer backend {config.backend!r} (known: torch)")
+    from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
+
+    return TorchBackend(
+        TorchBackendOptions(
+            model=model,
+            device=config.device,
+            dtype=config.dtype,
+            lr=config.lr,
+            adam_beta1=config.adam_beta1,
+            adam_beta2=config.adam_beta2,
+            weight_decay=config.weight_decay,
+            grad_clip=config.grad_clip,
+            gradient_checkpointing=config.gradient_checkpointing,
+            reference_model=config.kl_coef > 0,
+            seed=config.seed,
+            cpu_threads=config.cpu_threads,
+        )
+    )
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    """See TrainerService in trainer.proto for each rpc's contract."""
+
+    def __init__(self, run: TrainingRun) -> None:
+        self._run = run
+        self._checkpointing = asyncio.Lock()
+
+    # Unary.
+    async def GetStatus(self, request, context) -> trainer_pb2.GetStatusResponse:
+        run = self._run
+        with run.status_lock:
+            metrics = dict(run.last_metrics)
+        state = run.state
+        return trainer_pb2.GetStatusResponse(
+            status=trainer_pb2.TrainerStatus(
+                step=state.step,
+                total_steps=run.config.steps,
+                backend=run.backend.name,
+                trajectories_consumed=state.trajectories_consumed,
+                groups_consumed=state.groups_consumed,
+                trained_tokens=state.trained_tokens,
+                last_metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                results_cursor=state.cursor,
+                wait_seconds=metrics.get("seconds_rollout_wait", 0.0),
+                compute_seconds=metrics.get("seconds_train", 0.0),
+                push_seconds=metrics.get("seconds_weight_sync", 0.0),
+            )
+        )
+
+    # Unary.
+    async def GetPolicyVersion(self, request, context) -> trainer_pb2.GetPolicyVersionResponse:
+        state = self._run.state
+        return trainer_pb2.GetPolicyVersionResponse(
+            policy_version=trainer_pb2.PolicyVersion(version=state.policy_version, step=state.step)
+        )
+
+    # Unary.
+    async def SaveCheckpoint(self, request, context) -> trainer_pb2.SaveCheckpointResponse:
+        if self._checkpointing.locked():
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another SaveCheckpoint call is writing one")
+        async with self._checkpointing:
+            folder = Path(request.path) if request.path else None
+            try:
+                checkpoint = await asyncio.to_thread(self._run.save_checkpoint, folder)
+            except OSError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot write the checkpoint: {exc}")
+        return trainer_pb2.SaveCheckpointResponse(
+            checkpoint=trainer_pb2.Checkpoint(
+                path=str(checkpoint.path), step=checkpoint.state.step, policy_version=checkpoint.state.policy_version
+            )
+        )
+
+
+async def serve_trainer(
+    config: TrainerConfig,
+    run_dir: Path,
+    rollout_address: str,
+    inference_addresses: Sequence[str],
+    on_ready: Callable[[int], None] | None = None,
+) -> None:
+    """Load the model, serve TrainerService, train to the end or until SIGINT/SIGTERM."""
+    run = await asyncio.to_thread(
+        TrainingRun, config, run_dir, rollout_address, inference_addresses, create_backend, sys.stdout
+    )
+    server, health = new_server(SERVICE_NAME)
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(run), server)
+    port = bind(server, f"{config.host}:{config.port}", "the trainer")
+    await set_serving(health, SERVICE_NAME)
+    await server.start()
+    try:
+        if on_ready is not None:
+            on_ready(port)
+        training = asyncio.ensure_future(asyncio.to_thread(run.run))
+        stopping = asyncio.ensure_future(until_stop_signal())
+        await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        run.stop.set()
+        stopping.cancel()
+        await training  # raises what the loop raised
+    finally:
+        await server.stop(STOP_GRACE_SECONDS)
+
+
+__all__ = ["CheckpointError", "TrainerServicer", "create_backend", "serve_trainer"]
