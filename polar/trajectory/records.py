@@ -71,7 +71,10 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # The message's floats are float32: holding them so makes a round trip through it exact.
+        object.__setattr__(self, "temperature", float(np.float32(self.temperature)))
+        object.__setattr__(self, "top_p", float(np.float32(self.top_p)))
+        object.__setattr__(self, "stop_token_ids", tuple(int(token) for token in self.stop_token_ids))
 
     @classmethod
     def from_proto(cls, params: common_pb2.SamplingParams) -> SamplingParams:
