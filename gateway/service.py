@@ -3,7 +3,7 @@
 Thin over `gateway.sessions`; its typed errors become status codes here, and only here:
 
     UnknownSession -> NOT_FOUND    SessionExists -> ALREADY_EXISTS    Draining -> UNAVAILABLE
-    an unknown HistoryPolicy value -> INVALID_ARGUMENT
+    an unknown HistoryPolicy value, a SamplingPolicy out of range -> INVALID_ARGUMENT
 
 `start_grpc` also serves gRPC health checking (overall and `polar.v1.GatewayService`) and server
 reflection, like the inference server.
@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway.sampling import SamplingPolicy
 from gateway.sessions import HISTORY_FROM_PROTO, Draining, SessionExists, SessionStore, UnknownSession
 from polar.grpc_server import bind, new_server, set_serving
 from polar.v1 import gateway_pb2, gateway_pb2_grpc
@@ -36,12 +37,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> gateway_pb2.OpenSessionResponse:
         if request.history not in (gateway_pb2.HISTORY_POLICY_UNSPECIFIED, *HISTORY_FROM_PROTO):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown history policy {request.history}")
+        sampling = SamplingPolicy.from_proto(request.sampling)
+        if problems := sampling.problems():
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
         try:
             session = self._store.open(
                 session_id=request.session_id,
                 task_id=request.task_id,
                 history=HISTORY_FROM_PROTO.get(request.history),
                 metadata=dict(request.metadata),
+                sampling=sampling,
             )
         except Draining as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))

@@ -26,6 +26,7 @@ import grpc
 
 from gateway.dialects.base import Dialect
 from gateway.render import History
+from gateway.sampling import NO_POLICY, SamplingPolicy
 from gateway.server import RunningGateway, start_gateway
 from polar.config import EnvoyConfig
 from polar.envoy import RunningEnvoy, running_async
@@ -63,9 +64,11 @@ class GatewayHandle:
         """host:port of the GatewayService."""
         return self.running.grpc_address
 
-    def open_session(self, *, task_id: str = "", history: History | None = None) -> str:
-        """A new session's key."""
-        return self.running.store.open(task_id=task_id, history=history).key
+    def open_session(
+        self, *, task_id: str = "", history: History | None = None, sampling: SamplingPolicy = NO_POLICY
+    ) -> str:
+        """A new session's key; `sampling` is its task's policy."""
+        return self.running.store.open(task_id=task_id, history=history, sampling=sampling).key
 
     def close_session(self, key: str | None = None) -> None:
         self.running.store.close(key or self.key)

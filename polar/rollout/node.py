@@ -33,6 +33,7 @@ from pathlib import Path
 
 import grpc
 
+from gateway.sampling import SamplingPolicy
 from gateway.server import RunningGateway, start_gateway
 from gateway.sessions import Session
 from polar.config import GatewayConfig, NodeConfig
@@ -314,7 +315,12 @@ class Node:
                 # A session of the same id left from an earlier attempt on this node.
                 store.close(run.session_id)
                 store.forget(run.session_id)
-            session = store.open(session_id=run.session_id, task_id=task.task_id, metadata=dict(task.metadata))
+            session = store.open(
+                session_id=run.session_id,
+                task_id=task.task_id,
+                metadata=dict(task.metadata),
+                sampling=SamplingPolicy.from_proto(task.sampling),
+            )
             run.gateway_session = session
             try:
                 launch = prepare_launch(
