@@ -65,7 +65,8 @@ def test_the_session_budget_bounds_each_call_by_what_is_left():
     assert _max_tokens(Sampling(), policy, used=0) == (4096, Limit.CALL_CAP)
     assert _max_tokens(Sampling(), policy, used=8_000) == (2000, Limit.SESSION_BUDGET)
     assert _max_tokens(Sampling(max_tokens=50), policy, used=9_990) == (10, Limit.SESSION_BUDGET)
-    assert _max_tokens(Sampling(), SamplingPolicy(max_tokens_per_session=10_000), used=1) == (9_999, Limit.SESSION_BUDGET)
+    budget_only = SamplingPolicy(max_tokens_per_session=10_000)
+    assert _max_tokens(Sampling(), budget_only, used=1) == (9_999, Limit.SESSION_BUDGET)
 
 
 @pytest.mark.parametrize("used", [10_000, 12_345])
