@@ -373,7 +373,7 @@ def _event(data: dict[str, Any]) -> bytes:
     return sse(data, data["type"])
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     """One content block open at a time; a change of kind (or a new tool call) closes it."""
 
     def __init__(self, request: DialectRequest, call: CallInfo) -> None:
@@ -489,7 +489,7 @@ class AnthropicDialect(Dialect):
         return body
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(request, call)
+        return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return _error_body(error)

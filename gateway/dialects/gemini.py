@@ -524,7 +524,7 @@ def _error_body(error: GatewayError) -> tuple[int, dict[str, Any]]:
     return code, {"error": body}
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     """Chunks as SSE events (`alt=sse`) or as the elements of one JSON array (the REST default)."""
 
     def __init__(self, request: DialectRequest, call: CallInfo) -> None:
@@ -630,7 +630,7 @@ class GeminiDialect(Dialect):
         return _chunk(request, result.call, parts or [{"text": ""}], _finish(result.finish), _usage(result.usage))
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(request, call)
+        return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return _error_body(error)

@@ -466,7 +466,7 @@ def _render(request: DialectRequest, result: DialectResult) -> dict[str, Any]:
 _DONE = b"data: [DONE]\n\n"
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     """`chat.completion.chunk` events; every chunk carries `usage: null` when usage was asked for, as
     OpenAI's do, and the usage itself comes in a last chunk with no choices."""
 
@@ -528,7 +528,7 @@ class OpenAIChatDialect(Dialect):
         return _render(request, result)
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(request, call)
+        return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return error_response(error)

@@ -504,7 +504,7 @@ _FAILED_CODES = {
 }
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     """The Responses event sequence for one call; one output item is open at a time."""
 
     def __init__(self, request: DialectRequest, call: CallInfo) -> None:
@@ -674,7 +674,7 @@ class OpenAIResponsesDialect(Dialect):
         return _render(request, result)
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(request, call)
+        return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return error_response(error)

@@ -8,11 +8,11 @@ A value that is None (absent or null) is missing: an error, or None where the ch
 
 The rule for numbers, decided once and applied the same way in all four dialects:
 
-- An integer field takes a JSON number with no fractional part: `5` and `5.0` are both the integer 5.
-  JSON has one number type; JSON Schema, in which the OpenAI and Anthropic references are written,
-  counts 5.0 as an integer, Anthropic and Gemini (the proto JSON mapping) accept it. OpenAI refuses it,
-  but no client that works against OpenAI sends it, so accepting it everywhere breaks none. `5.5` is
-  refused as not an integer.
+- An integer field takes a JSON number with no fractional part: `5` and `5.0` are both the integer 5;
+  `5.5` is refused as not an integer. JSON has one number type, JSON Schema (the language of the OpenAI
+  and Anthropic API references) counts 5.0 as an integer, and Gemini's proto JSON mapping takes it for
+  an int32. OpenAI's own server refuses it, but accepting more than OpenAI breaks no client written
+  against it, whereas refusing would break clients of the APIs that accept it.
 - A number field takes any finite JSON number and gives a float. NaN and ±Infinity (Python's json
   module reads them, and a number too large for a double is Infinity) are refused, integer fields
   included: `temperature: must be a finite number, got NaN`.
@@ -23,6 +23,7 @@ The rule for numbers, decided once and applied the same way in all four dialects
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,21 +51,26 @@ def json_type(value: Any) -> str:
     return "array" if isinstance(value, list) else "object"
 
 
-class Wording:
-    """How a dialect words the kit's errors. `expected` is a JSON Schema type name; `reason` is the kit's
-    sentence about a value (`must be between 0 and 1, got 1.5`), to be framed with the path."""
+class Wording(abc.ABC):
+    """How a dialect words the kit's errors, so that each error reads like that API's own. `expected` is a
+    JSON Schema type name; `reason` is the kit's sentence about a value (`must be between 0 and 1, got
+    1.5`), for the dialect to frame with the path."""
 
+    @abc.abstractmethod
     def wrong_type(self, path: str, expected: str, value: Any) -> str:
-        return f"{path}: expected {expected}, got {json_type(value)}"
+        """`value` is not of the JSON type `expected`."""
 
+    @abc.abstractmethod
     def missing(self, path: str, expected: str) -> str:
-        return f"{path}: field required"
+        """A required field is absent or null."""
 
+    @abc.abstractmethod
     def bad_value(self, path: str, reason: str) -> str:
-        return f"{path}: {reason}"
+        """The type is right, the value is not: out of range, not finite, empty."""
 
+    @abc.abstractmethod
     def duplicate_tool(self, path: str, name: str) -> str:
-        return f"{path}: tool names must be unique; {name!r} is repeated"
+        """A second tool named `name`."""
 
 
 class Checks:
@@ -93,15 +99,8 @@ class Checks:
             raise self.invalid(path, self.wording.bad_value(path, "must not be empty"))
         return text
 
-    def integer(
-        self,
-        value: Any,
-        path: str,
-        low: int | None = None,
-        high: int | None = None,
-        *,
-        optional: bool = False,
-    ) -> int | None:
+    def integer(self, value: Any, path: str, low: int | None = None, high: int | None = None, *,
+                optional: bool = False) -> int | None:
         """An integer, 5.0 included (see the module docstring)."""
         if value is None:
             return self._missing(path, "integer", optional)
@@ -113,15 +112,8 @@ class Checks:
         self._within(value, path, low, high)
         return value
 
-    def number(
-        self,
-        value: Any,
-        path: str,
-        low: float | None = None,
-        high: float | None = None,
-        *,
-        optional: bool = False,
-    ) -> float | None:
+    def number(self, value: Any, path: str, low: float | None = None, high: float | None = None, *,
+               optional: bool = False) -> float | None:
         """A finite number, as a float."""
         if value is None:
             return self._missing(path, "number", optional)
@@ -159,7 +151,6 @@ class Checks:
     def _typed(self, value: Any, path: str, expected: str, kind: type, optional: bool) -> Any:
         if value is None:
             return self._missing(path, expected, optional)
-        # bool is an int in Python, and no other check here takes ints, so isinstance is exact.
         if not isinstance(value, kind):
             raise self.invalid(path, self.wording.wrong_type(path, expected, value))
         return value
