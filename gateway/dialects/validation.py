@@ -102,24 +102,18 @@ class Checks:
     def integer(self, value: Any, path: str, low: int | None = None, high: int | None = None, *,
                 optional: bool = False) -> int | None:
         """An integer, 5.0 included (see the module docstring)."""
-        if value is None:
-            return self._missing(path, "integer", optional)
-        self._finite(value, path, "integer")
-        if isinstance(value, float):
-            if not value.is_integer():
+        number = self._finite(value, path, "integer", optional)
+        if isinstance(number, float):
+            if not number.is_integer():
                 raise self.invalid(path, self.wording.wrong_type(path, "integer", value))
-            value = int(value)
-        self._within(value, path, low, high)
-        return value
+            number = int(number)
+        return self._within(number, path, low, high)
 
     def number(self, value: Any, path: str, low: float | None = None, high: float | None = None, *,
                optional: bool = False) -> float | None:
         """A finite number, as a float."""
-        if value is None:
-            return self._missing(path, "number", optional)
-        self._finite(value, path, "number")
-        self._within(value, path, low, high)
-        return float(value)
+        number = self._within(self._finite(value, path, "number", optional), path, low, high)
+        return None if number is None else float(number)
 
     def field(self, obj: Mapping[str, Any], key: str, kind: str, path: str | None = None, *,
               required: bool = False) -> Any:
@@ -160,7 +154,10 @@ class Checks:
             raise self.invalid(path, self.wording.missing(path, expected))
         return None
 
-    def _finite(self, value: Any, path: str, expected: str) -> None:
+    def _finite(self, value: Any, path: str, expected: str, optional: bool) -> int | float | None:
+        """A JSON number that is finite as a double; None if missing and optional."""
+        if value is None:
+            return self._missing(path, expected, optional)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.invalid(path, self.wording.wrong_type(path, expected, value))
         try:
@@ -170,10 +167,12 @@ class Checks:
         if not math.isfinite(as_double):
             reason = f"must be a finite number, got {_spelled(as_double)}"
             raise self.invalid(path, self.wording.bad_value(path, reason))
+        return value
 
-    def _within(self, value: int | float, path: str, low: float | None, high: float | None) -> None:
-        if (low is None or low <= value) and (high is None or value <= high):
-            return
+    def _within(self, value: Any, path: str, low: float | None, high: float | None) -> Any:
+        """The number, if it is None or in [low, high] (None: unbounded); compared exactly, as sent."""
+        if value is None or ((low is None or low <= value) and (high is None or value <= high)):
+            return value
         if low is not None and high is not None:
             reason = f"must be between {_shown(low)} and {_shown(high)}"
         elif low is not None:
