@@ -331,7 +331,9 @@ def forced_function_type(raw: Mapping[str, Any]) -> None:
     """An object `tool_choice` names a function: only functions can be forced."""
     kind = field(raw, "type", "string", "tool_choice.type", required=True)
     if kind != "function":
-        raise invalid("tool_choice.type", f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced.")
+        raise invalid(
+            "tool_choice.type", f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced."
+        )
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -348,7 +350,9 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
     max_tokens = CHECKS.integer(body.get("max_tokens"), "max_tokens", 1, optional=True)
-    max_completion_tokens = CHECKS.integer(body.get("max_completion_tokens"), "max_completion_tokens", 1, optional=True)
+    max_completion_tokens = CHECKS.integer(
+        body.get("max_completion_tokens"), "max_completion_tokens", 1, optional=True
+    )
     # OpenAI's seed is an int64; the engine's is a uint64, so a negative seed wraps around.
     seed = CHECKS.integer(body.get("seed"), "seed", INT64_MIN, INT64_MAX, optional=True)
     top_k = CHECKS.integer(body.get("top_k"), "top_k", -1, INT32_MAX, optional=True)  # -1 and 0: off
