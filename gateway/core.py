@@ -462,7 +462,7 @@ class Gateway:
 
     async def _generate(self, call: _Call, sink: Sink) -> Reply | None:
         renderer = call.dialect.stream_renderer(call.request, call.info) if call.request.stream else None
-        stream = _Stream(sink, renderer)
+        stream = _StreamWriter(sink, renderer)
         call.sent = time.perf_counter()
         grpc_call = self.inference.generate(
             self._generate_request(call), call.session.session_id, self.generate_timeout_s
@@ -503,7 +503,7 @@ class Gateway:
             self.store.record(call.session, call.record(), call.prior())
         return reply
 
-    async def _fail(self, call: _Call, stream: _Stream, error: GatewayError) -> Reply | None:
+    async def _fail(self, call: _Call, stream: _StreamWriter, error: GatewayError) -> Reply | None:
         """The error as the client gets it: a reply, or the stream's error event once it has started."""
         reply = self.error_reply(call.dialect, error)
         call.response_body = reply.body
@@ -539,8 +539,9 @@ def _as_gateway_error(exc: BaseException) -> GatewayError:
     return GatewayError(ErrorKind.INTERNAL, "the gateway stopped while the call was running")
 
 
-class _Stream:
-    """A response stream that opens (headers, then the renderer's start events) with the first
+class _StreamWriter:
+    """Writes one streamed response to the client's sink: the dialect's StreamRenderer makes the bytes,
+    this sends them. The response opens (headers, then the renderer's start events) with the first
     message from the engine, so that the renderer's hooks run in the contract's order: start, events,
     then finish or error."""
 
