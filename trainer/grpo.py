@@ -216,7 +216,8 @@ class LossStats:
     kl_weighted: torch.Tensor  # sum of token weight * k3; 0 without a reference
     is_weight_mean: torch.Tensor  # token-weighted mean of the truncated importance weight
     ratio_max: torch.Tensor  # largest policy ratio among weighted tokens; 0 when there is none
-    tokens: torch.Tensor  # positions with a nonzero token weight
+    tokens: torch.Tensor  # positions with a nonzero token weight, in the policy's support
+    outside_support: torch.Tensor  # weighted positions whose token the policy can no longer sample
 
 
 def policy_loss(
@@ -235,10 +236,17 @@ def policy_loss(
     ``behaviour_logprobs`` what the engine recorded; ``ref_logprobs`` the reference policy's, needed
     when ``config.kl_coef > 0``. Positions whose token weight is 0 contribute nothing, not even a NaN:
     every input is selected with ``torch.where`` before any arithmetic.
+
+    Under truncated sampling (top-p, top-k) a sampled token can lie outside the policy's current
+    support: the weights moved since it was sampled, or it sat on the nucleus boundary. Its logprob
+    is then -inf, its importance weight exp(old - behaviour) is 0, and it contributes nothing; such
+    positions are left out like unweighted ones (counted in ``outside_support``), so no -inf - -inf
+    turns into a NaN.
     """
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
-    weighted = token_weights != 0  # [N]
+    in_support = torch.isfinite(logprobs.detach()) & torch.isfinite(old_logprobs.detach())  # [N]
+    weighted = (token_weights != 0) & in_support  # [N]
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     weights = torch.where(weighted, token_weights, zero)  # [N]
     logp = torch.where(weighted, logprobs, zero)  # [N]
@@ -273,6 +281,7 @@ def policy_loss(
         is_weight_mean=((weights * is_weight).sum() / weight_sum.clamp(min=1e-30)).detach(),
         ratio_max=torch.where(weighted, ratio, zero).max().detach() if ratio.numel() else zero,
         tokens=weighted.sum(),
+        outside_support=((token_weights != 0) & ~in_support).sum(),
     )
     return loss, stats
 
@@ -280,14 +289,16 @@ def policy_loss(
 def merge_stats(stats: Sequence[LossStats]) -> dict[str, float]:
     """One step's statistics from its micro-batches' (one device sync); ratios of sums over the step."""
     if not stats:
-        return dict.fromkeys(("weight_sum", "tokens", "clip_fraction", "kl", "is_weight_mean", "ratio_max"), 0.0)
+        keys = ("weight_sum", "tokens", "clip_fraction", "kl", "is_weight_mean", "ratio_max", "outside_support")
+        return dict.fromkeys(keys, 0.0)
     rows = [
         torch.stack([s.weight_sum, s.clipped_weight, s.kl_weighted, s.is_weight_mean * s.weight_sum,
-                     s.ratio_max.to(s.weight_sum.dtype), s.tokens.to(s.weight_sum.dtype)])
+                     s.ratio_max.to(s.weight_sum.dtype), s.tokens.to(s.weight_sum.dtype),
+                     s.outside_support.to(s.weight_sum.dtype)])
         for s in stats
     ]
-    values = torch.stack(rows).double().cpu()  # [micro-batches, 6]
-    weight_sum, clipped, kl, is_weighted, _, tokens = values.sum(0).tolist()
+    values = torch.stack(rows).double().cpu()  # [micro-batches, 7]
+    weight_sum, clipped, kl, is_weighted, _, tokens, outside = values.sum(0).tolist()
     per_weight = 1 / weight_sum if weight_sum > 0 else 0.0
     return {
         "weight_sum": weight_sum,
@@ -296,6 +307,7 @@ def merge_stats(stats: Sequence[LossStats]) -> dict[str, float]:
         "kl": kl * per_weight,
         "is_weight_mean": is_weighted * per_weight,
         "ratio_max": float(values[:, 4].max()),
+        "outside_support": outside,
     }
 
 

@@ -265,7 +265,10 @@ class TrainingRun:
             group = stream.next(GROUP_POLL_S)
             if group is None:
                 continue
-            taken, cursor = taken + 1, group.cursor
+            cursor = group.cursor
+            if not self.dataset.owns(group.trajectories[0].task_id):
+                continue  # another run's group on a shared rollout server: passed over, not consumed
+            taken += 1
             lag = stale_lag(group, self.state.policy_version)
             if lag > self.config.max_staleness and self.config.stale_groups == "drop":
                 dropped += 1

@@ -294,3 +294,23 @@ def test_splitting_a_session_into_traces_leaves_the_step_loss_unchanged(sessions
         split_losses += losses
     expected = step_loss(whole, whole_losses, aggregation)
     assert step_loss(split, split_losses, aggregation) == pytest.approx(expected, abs=1e-9)
+
+
+def test_tokens_outside_the_policys_support_contribute_nothing_and_no_nan():
+    # A token sampled under top-p that the current policy can no longer sample has logprob -inf.
+    logprobs = torch.tensor([-1.0, float("-inf"), -2.0], requires_grad=True)
+    old = torch.tensor([-1.0, float("-inf"), -2.0])
+    behaviour = torch.tensor([-1.1, -3.0, -2.0])
+    weights = torch.tensor([0.25, 0.5, 0.25])
+    loss, stats = policy_loss(logprobs, old, behaviour, torch.tensor([1.0, 1.0, -1.0]), weights, LossConfig())
+    loss.backward()
+    assert math.isfinite(float(loss))
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad[1] == 0
+    merged = merge_stats([stats])
+    assert merged["outside_support"] == 1 and merged["tokens"] == 2
+    # The same loss as if the token had no weight at all.
+    reference, _ = policy_loss(
+        logprobs.detach().nan_to_num(neginf=0.0), old.nan_to_num(neginf=0.0), behaviour,
+        torch.tensor([1.0, 1.0, -1.0]), torch.tensor([0.25, 0.0, 0.25]), LossConfig(),
+    )  # fmt: skip
+    assert float(loss) == pytest.approx(float(reference))
