@@ -87,7 +87,8 @@ def test_pack_keeps_every_trainable_token_once_on_the_position_that_predicts_it(
     batches = pack(sequences, max_tokens)
     kept = [s for s in sequences if s.trainable_tokens]
     assert laid_out_targets(batches) == expected_targets(kept)
-    assert Counter(cut for b in batches for cut in row_sequences(b)) == Counter(tuple(s.token_ids.tolist()) for s in kept)
+    laid_out = Counter(cut for b in batches for cut in row_sequences(b))
+    assert laid_out == Counter(tuple(s.token_ids.tolist()) for s in kept)
     for batch in batches:
         assert batch.input_ids.shape[0] == 1
         assert batch.tokens == batch.padded_tokens <= max_tokens

@@ -105,6 +105,9 @@ def test_token_logprobs_equal_the_engines_with_their_gradients(truncating, chunk
     (expected_grad,) = torch.autograd.grad(expected, logits, upstream)
     (actual_grad,) = torch.autograd.grad(actual, logits, upstream)
     torch.testing.assert_close(actual_grad, expected_grad, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        untracked = token_logprobs(logits, targets, temperature, top_k, top_p, chunk_rows=chunk_rows)
+    assert torch.equal(untracked, actual.detach())
 
 
 def test_token_logprobs_upcast_half_precision_logits():
@@ -224,7 +227,8 @@ def test_micro_batch_gradients_add_up_to_the_full_batch_gradient():
 
     def loss_of(index):
         logprobs = token_logprobs(logits[index], targets[index], temperature[index], top_k[index], top_p[index])
-        return policy_loss(logprobs, old[index], behaviour[index], advantages[index], weights[index], config, ref[index])[0]
+        inputs = (logprobs, old[index], behaviour[index], advantages[index], weights[index])
+        return policy_loss(*inputs, config, ref[index])[0]
 
     full = loss_of(torch.arange(rows))
     (full_grad,) = torch.autograd.grad(full, logits)
@@ -287,7 +291,8 @@ def test_splitting_a_session_into_traces_leaves_the_step_loss_unchanged(sessions
     whole, whole_losses, split, split_losses = [], [], [], []
     for index, (pieces, session_weight) in enumerate(sessions):
         losses = [rng.normal(size=n) for n in pieces]  # the same tokens, whichever trace holds them
-        whole.append(TraceWeighting(f"s{index}", float(token_share_weights([sum(pieces)])[0]), session_weight, sum(pieces)))
+        whole_share = float(token_share_weights([sum(pieces)])[0])  # 1, or 0 with nothing to train
+        whole.append(TraceWeighting(f"s{index}", whole_share, session_weight, sum(pieces)))
         whole_losses.append(np.concatenate(losses))
         shares = token_share_weights(pieces)
         split += [TraceWeighting(f"s{index}", float(w), session_weight, n) for w, n in zip(shares, pieces)]
