@@ -60,7 +60,8 @@ def group_advantages(
     The baseline is the group mean, or with ``leave_one_out`` the mean of the other G-1 rewards (an
     unbiased baseline: it does not depend on r_i; a group of one has no other reward and gets 0).
     ``scale="std"`` divides by the group's population std plus ``eps``; ``"none"`` keeps the
-    centred reward (Dr. GRPO: no per-group rescaling, so easy and hard tasks weigh the same).
+    centred reward in reward units (Dr. GRPO: dividing by the std up-weights the groups whose rewards
+    barely vary, the tasks nearly always or nearly never solved).
     Computed in float64, returned in the rewards' float dtype (float32 for integer rewards).
     """
     if scale not in ADVANTAGE_SCALES:
@@ -69,7 +70,7 @@ def group_advantages(
     rewards = _check_rewards(rewards)  # [G] fp64
     size = rewards.numel()
     if is_degenerate(rewards):
-        return torch.zeros(size, dtype=dtype)
+        return torch.zeros_like(rewards, dtype=dtype)
     if leave_one_out:
         baseline = (rewards.sum() - rewards) / (size - 1)  # [G]; size > 1 as the group varies
     else:
@@ -343,7 +344,8 @@ def trace_token_weights(traces: Sequence[TraceWeighting], aggregation: str = "to
     Traces with no trainable token get 0, and a session with none does not count in the normaliser,
     so ``sum(coefficient * trainable_tokens) == 1`` unless the whole step has nothing to train on
     (then every coefficient is 0). A session with trainable tokens whose trace weights sum to 0 is an
-    error: an unset Trace.weight would otherwise silently drop the session from training.
+    error: an unset Trace.weight would otherwise silently drop the session from training. Pass the
+    whole step at once: the coefficients are normalised over it.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")

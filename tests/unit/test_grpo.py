@@ -253,6 +253,11 @@ def test_token_weights_by_hand():
     assert trace_token_weights(traces) == pytest.approx([1 / 90, 2 / 90, 2 / 90, 0.0])
     # Session level: a's mean weighs 1, b's mean weighs 2: coefficients W / N_session / 3.
     assert trace_token_weights(traces, "session") == pytest.approx([1 / 10 / 3, 2 / 40 / 3, 2 / 40 / 3, 0.0])
+    # Trace weights summing to W instead of 1 read the same.
+    scaled = [TraceWeighting(t.session_id, t.trace_weight * t.session_weight, t.session_weight, t.trainable_tokens)
+              for t in traces]
+    for aggregation in ("token", "session"):
+        assert trace_token_weights(scaled, aggregation) == pytest.approx(trace_token_weights(traces, aggregation))
 
 
 @pytest.mark.parametrize(
