@@ -93,63 +93,51 @@ def _truncating_rows(vocab: int, temperature: torch.Tensor, top_k: torch.Tensor,
     return sampled & (has_top_k | has_top_p)
 
 
-def _processed_target_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """[C] logprobs of targets [C] under the engine's truncated distribution of logits [C, V]."""
-    logprobs = batched_processed_logprobs(logits.float(), temperature, top_k, top_p)  # [C, V]
-    return logprobs.gather(-1, targets[:, None]).squeeze(-1)
-
-
 class _SampledLogprob(torch.autograd.Function):
     """The engine's logprob of each target, computed and differentiated one chunk of rows at a time.
 
     Plain autograd would keep fp32 [N, V] temporaries alive until backward, however the rows were
-    chunked. This function keeps only the logits (alive anyway: the model made them) and one
-    logsumexp per row, and redoes each chunk's work in backward. Chunks the engine does not truncate
-    use d logprob / d logits = (onehot(target) - softmax(logits / T)) / T; chunks holding a truncated
-    row rerun the engine's ``batched_processed_logprobs`` under autograd, one chunk at a time.
+    chunked. This function keeps only the logits (alive anyway: the model made them) and two numbers
+    per row: the logsumexp of the kept scaled logits and the truncation threshold. The engine keeps
+    exactly the tokens whose scaled logit reaches a threshold, so backward rebuilds each chunk's
+    distribution from the logits and those two numbers:
+    d logprob / d logits = (onehot(target) - softmax over the kept tokens) / T.
     """
 
     @staticmethod
     def forward(ctx, logits, targets, temperature, top_k, top_p, chunk_rows, chunk_truncates):
         # logits [N, V]; targets [N] int64 and temperature [N] fp32 on logits' device; top_k, top_p [N]
         scale = torch.where(temperature > 0, temperature, 1.0)  # [N]: greedy rows use T = 1
-        logsumexp = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)  # [N]
+        rows = logits.shape[0]
+        logsumexp = torch.empty(rows, dtype=torch.float32, device=logits.device)  # [N]
+        threshold = torch.full_like(logsumexp, -torch.inf)  # [N]: lowest kept scaled logit
         logprobs = torch.empty_like(logsumexp)  # [N]
-        for start, truncates in zip(range(0, logits.shape[0], chunk_rows), chunk_truncates):
+        for start, truncates in zip(range(0, rows, chunk_rows), chunk_truncates):
             chunk = slice(start, start + chunk_rows)
-            if truncates:
-                logprobs[chunk] = _processed_target_logprobs(
-                    logits[chunk], targets[chunk], temperature[chunk], top_k[chunk], top_p[chunk]
-                )
-                continue
             scaled = logits[chunk].float() / scale[chunk, None]  # [C, V]
+            if truncates:
+                processed = batched_processed_logprobs(
+                    logits[chunk].float(), temperature[chunk], top_k[chunk], top_p[chunk]
+                )  # [C, V], -inf where truncated
+                dropped = processed.isinf()
+                threshold[chunk] = scaled.masked_fill(dropped, torch.inf).amin(-1)
+                scaled.masked_fill_(dropped, -torch.inf)
             logsumexp[chunk] = scaled.logsumexp(-1)
             logprobs[chunk] = scaled.gather(-1, targets[chunk, None]).squeeze(-1) - logsumexp[chunk]
-        ctx.save_for_backward(logits, targets, temperature, top_k, top_p, logsumexp)
-        ctx.chunk_rows, ctx.chunk_truncates = chunk_rows, chunk_truncates
+        ctx.save_for_backward(logits, targets, scale, logsumexp, threshold)
+        ctx.chunk_rows = chunk_rows
         return logprobs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs):
-        logits, targets, temperature, top_k, top_p, logsumexp = ctx.saved_tensors
-        scale = torch.where(temperature > 0, temperature, 1.0)  # [N]
+        logits, targets, scale, logsumexp, threshold = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)  # [N, V]
-        for start, truncates in zip(range(0, logits.shape[0], ctx.chunk_rows), ctx.chunk_truncates):
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
             chunk = slice(start, start + ctx.chunk_rows)
-            if truncates:
-                with torch.enable_grad():
-                    inputs = logits[chunk].detach().requires_grad_()
-                    logprobs = _processed_target_logprobs(
-                        inputs, targets[chunk], temperature[chunk], top_k[chunk], top_p[chunk]
-                    )
-                    (grad_logits[chunk],) = torch.autograd.grad(logprobs, inputs, grad_logprobs[chunk])
-                continue
             scaled = logits[chunk].float() / scale[chunk, None]  # [C, V]
-            grad = (scaled - logsumexp[chunk, None]).exp_().neg_()  # [C, V] = -softmax
-            grad.scatter_add_(-1, targets[chunk, None], torch.ones_like(grad[:, :1]))
+            probs = (scaled - logsumexp[chunk, None]).exp_().masked_fill_(scaled < threshold[chunk, None], 0)
+            grad = probs.neg_().scatter_add_(-1, targets[chunk, None], torch.ones_like(probs[:, :1]))  # [C, V]
             grad_logits[chunk] = grad * (grad_logprobs[chunk] / scale[chunk])[:, None]
         return grad_logits, None, None, None, None, None, None
 
@@ -167,9 +155,9 @@ def token_logprobs(
     logits [N, V] (any float dtype, upcast to fp32 a chunk at a time); temperature, top_k, top_p [N]
     (any device). Greedy rows (temperature 0) use T = 1 and no truncation, as the engine's contract
     says. Differentiable w.r.t. logits. A chunk of ``chunk_rows`` rows with no truncated row takes the
-    fast path, log softmax(logits / T); any other chunk goes through the engine's own
-    ``batched_processed_logprobs``. Either way at most one chunk's fp32 [chunk_rows, V] temporaries
-    exist at a time, in forward and in backward.
+    fast path, log softmax(logits / T); any other chunk also runs the engine's own
+    ``batched_processed_logprobs`` (forward only) to learn which tokens it keeps. Either way at most
+    one chunk's fp32 [chunk_rows, V] temporaries exist at a time, in forward and in backward.
 
     A target the trainer's distribution truncates away gets -inf: the trainer's logits put it just
     outside the engine's top-k / top-p set (they should match the engine's logits closely).

@@ -104,7 +104,8 @@ def test_token_logprobs_equal_the_engines_with_their_gradients(truncating, chunk
     upstream = torch.randn(rows, generator=generator)
     (expected_grad,) = torch.autograd.grad(expected, logits, upstream)
     (actual_grad,) = torch.autograd.grad(actual, logits, upstream)
-    torch.testing.assert_close(actual_grad, expected_grad, rtol=0, atol=1e-6)
+    # fp32 rounding of the logsumexp (~1e-6 at these logits) shows in 1 - p of near-certain targets.
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=0, atol=1e-5)
     with torch.no_grad():
         untracked = token_logprobs(logits, targets, temperature, top_k, top_p, chunk_rows=chunk_rows)
     assert torch.equal(untracked, actual.detach())
