@@ -111,6 +111,24 @@ def test_token_logprobs_equal_the_engines_with_their_gradients(truncating, chunk
     assert torch.equal(untracked, actual.detach())
 
 
+def test_tied_logits_at_the_truncation_boundary_are_kept_together():
+    generator = torch.Generator().manual_seed(5)
+    rows = 12
+    logits = torch.randint(0, 4, (rows, 16), generator=generator).float().requires_grad_()  # many ties
+    temperature = torch.full((rows,), 0.9)
+    top_k = torch.tensor([1, 2, 3, 5, 0, 0] * 2)
+    top_p = torch.tensor([1.0] * 4 + [0.3, 0.6] + [0.5] * 6)
+    engine = batched_processed_logprobs(logits, temperature, top_k, top_p)
+    targets = engine.detach().argmax(-1)
+    expected = engine.gather(-1, targets[:, None]).squeeze(-1)
+    actual = token_logprobs(logits, targets, temperature, top_k, top_p, chunk_rows=5)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+    upstream = torch.randn(rows, generator=generator)
+    (expected_grad,) = torch.autograd.grad(expected, logits, upstream)
+    (actual_grad,) = torch.autograd.grad(actual, logits, upstream)
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=0, atol=1e-6)
+
+
 def test_token_logprobs_upcast_half_precision_logits():
     logits = torch.randn(5, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
     targets = torch.arange(5)
