@@ -163,4 +163,7 @@ class EngineOptions:
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
     max_batch_size: int = 64  # most sequences decoded in one step
     script: str = ""  # scripted engine: path of its JSON script
+    # Version the loaded weights are served as: a trainer checkpoint's, so that versions keep counting
+    # across a resumed run instead of starting again at 0.
+    policy_version: int = 0
     extra: dict[str, str] = field(default_factory=dict)  # engine-specific settings

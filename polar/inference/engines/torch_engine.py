@@ -221,7 +221,7 @@ class TorchEngine(Engine):
         self._parameters = dict(self.model.named_parameters())  # tied weights appear once
         self.description = self._describe(options.model, folder, tokenizer, generation_eos)
 
-        self._version = 0
+        self._version = options.policy_version
         self._wake = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
         self._updates: list[_Update] = []

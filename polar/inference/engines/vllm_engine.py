@@ -109,7 +109,7 @@ class VLLMEngine(Engine):
         self._folder = models.resolve_model(options.model)
         self._specs = self._read_specs()
         self.description = self._describe(dtype_name)
-        self._version = 0
+        self._version = options.policy_version
         self._llm = None
         self._ids = itertools.count()
         self._pumps: set[asyncio.Task] = set()
