@@ -9,6 +9,7 @@ overloaded) is checked through the real dialect modules.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import contextlib
 import json
@@ -579,13 +580,14 @@ async def test_polar_session_open_show_close(gw, http):
 
 async def test_a_gateway_that_cannot_start_closes_the_socket_it_was_handed():
     from gateway.server import GatewayStartError, start_gateway
-    from polar.stack import listening_socket
+    from polar.service import listening_socket
 
+    nowhere = GatewayConfig(port=0, grpc_port=0, inference_address="127.0.0.1:1")
     unserved = listening_socket("127.0.0.1")
     with pytest.raises(GatewayStartError, match="no inference service answered on 127.0.0.1:1"):
-        await start_gateway("127.0.0.1:1", http_socket=unserved, startup_timeout_s=0.5)
+        await start_gateway(nowhere, http_socket=unserved, startup_timeout_s=0.5)
     assert unserved.fileno() == -1
     misnamed = listening_socket("127.0.0.1")
     with pytest.raises(LookupError, match="no-such-parser"):
-        await start_gateway("127.0.0.1:1", http_socket=misnamed, parser="no-such-parser")
+        await start_gateway(dataclasses.replace(nowhere, parser="no-such-parser"), http_socket=misnamed)
     assert misnamed.fileno() == -1

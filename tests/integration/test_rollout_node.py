@@ -250,6 +250,7 @@ async def test_session_status_follows_the_stages() -> None:
 async def test_a_restarted_rollout_server_loses_nothing(tmp_path: Path) -> None:
     """The server stops while a session runs and a finished group is stored; started again on the same
     store and port, it still has the finished group, and the node's running session reports into it."""
+    from polar.config import RolloutConfig
     from polar.rollout.server import start_rollout_server
 
     async with running_rollout(SCRIPT, store_path=tmp_path / "rollout.db") as rollout:
@@ -257,11 +258,11 @@ async def test_a_restarted_rollout_server_loses_nothing(tmp_path: Path) -> None:
         [[finished]] = await rollout.groups(1)
         [second] = await rollout.submit(_slow_task())
         await rollout.wait_for_state(f"{second}.0", rollout_pb2.SESSION_STATE_RUNNING)
-        address = rollout.rollout.address
+        host, port = rollout.rollout.host, rollout.rollout.port
         await rollout.rollout.stop()
         await asyncio.sleep(0.5)
         rollout.rollout = await start_rollout_server(
-            rollout.store_path, address, heartbeat_interval_s=0.5, node_timeout_s=5.0
+            RolloutConfig(host=host, port=port, store=str(rollout.store_path), heartbeat_interval_s=0.5, node_timeout_s=5.0)
         )
         groups = await rollout.groups(2)
     assert [group[0].task_id for group in groups] == [first, second]
