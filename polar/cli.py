@@ -10,6 +10,8 @@
     polar status            the tasks' sessions per state, rewards, released groups (--watch: live)
     polar results           released groups exported as JSON Lines, resumable from a cursor
     polar up                the whole stack, on the embedded defaults or a TOML config (--submit: and a task file)
+    polar train             the stack plus the GRPO trainer on a config's dataset; resumes a run folder
+    polar eval              greedy pass@1 and sampled pass@k on the held-out tasks, base or checkpoint
     polar version           the installed version
 
 `polar serve NAME` is a row of polar.services: its flags are its config's fields (polar/config.py).
@@ -217,6 +219,37 @@ def _up(args: argparse.Namespace) -> int:
     return run_stack(config, on_ready=follow)
 
 
+# ---------------------------------------------------------------------------------- train, eval
+
+
+def _train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML file: [trainer] and any stack section (see polar/config.py)")
+    parser.add_argument("--run-dir", help="the run's folder; run again with it to resume (default: [trainer] run_dir)")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from polar.train import train
+
+    config = load_config(args.config)
+    return train(config, Path(args.run_dir or config.trainer.run_dir))
+
+
+def _eval_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML file: [trainer] heldout, eval_samples, pass_threshold, ...")
+    parser.add_argument("--checkpoint", help="a checkpoint folder (RUN_DIR/checkpoints/step-N) or a model folder")
+    parser.add_argument("--out", default="eval.json", help="the report as JSON (default: %(default)s)")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from polar.train import evaluate
+
+    return evaluate(load_config(args.config), Path(args.checkpoint) if args.checkpoint else None, Path(args.out))
+
+
 # --------------------------------------------------------------------------------------- verify
 
 
@@ -250,6 +283,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("status",), "show each task's sessions per state, its reward and whether it was released", _status_arguments, _status),
     Command(("results",), "export released groups as JSON Lines and print the cursor to resume from", _results_arguments, _results),
     Command(("up",), "start the whole stack and supervise it until Ctrl-C", _up_arguments, _up),
+    Command(("train",), "train the served model with GRPO on a dataset, the stack included", _train_arguments, _train),
+    Command(("eval",), "score a checkpoint (or the base model) on the held-out tasks", _eval_arguments, _eval),
     Command(("verify",), "check that every trainable token of a session's traces is what the engine sampled", _verify_arguments, _verify),
     Command(("version",), "print the installed version", lambda parser: None, _version),
 )

@@ -61,6 +61,9 @@ Port = Annotated[int, Check(lambda v: 0 <= v <= 65535, "a port in 0..65535")]
 Positive = Annotated[int, Check(lambda v: v > 0, "> 0")]
 Count = Annotated[int, Check(lambda v: v >= 0, ">= 0")]
 Seconds = Annotated[float, Check(lambda v: 0 < v < float("inf"), "a finite number > 0")]
+PositiveFloat = Annotated[float, Check(lambda v: 0 < v < float("inf"), "a finite number > 0")]
+Rate = Annotated[float, Check(lambda v: 0 <= v < float("inf"), "a finite number >= 0")]
+Fraction = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
 
 
 @dataclass
@@ -75,6 +78,9 @@ class InferenceConfig:
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda; or "float32", "bfloat16", ...
     max_batch_size: Positive = 64  # most sequences decoded in one step
     script: str = ""  # scripted engine only: path of its JSON script
+    # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
+    # resumes), so versions keep counting across a resumed run.
+    policy_version: Count = 0
 
 
 @dataclass
@@ -156,42 +162,43 @@ class TrainerConfig:
     servers. Its model must be the one [inference] serves (the same weights and vocabulary)."""
 
     host: str = "127.0.0.1"  # address of the TrainerService; "0.0.0.0" for every interface
-    port: int = 50080  # gRPC port of the TrainerService (status, policy version, checkpoints); 0 picks a free one
-    backend: str = "torch"  # "torch": one process, CPU or one GPU, any Hugging Face causal LM
+    port: Port = 50080  # gRPC port of the TrainerService (status, policy version, checkpoints); 0 picks a free one
+    run_dir: str = "runs/train"  # the run's folder: checkpoints, metrics.jsonl, TensorBoard events, reward.png
+    backend: Literal["torch"] = "torch"  # "torch": one process, CPU or one GPU, any Hugging Face causal LM
     model: str = "tiny"  # starting weights: "tiny", "smollm2-135m" or a Hugging Face folder
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda
     dataset: str = ""  # task file to train on (JSON Lines, the `polar submit` format), cycled in a seeded order
     heldout: str = ""  # task file that `polar eval` scores
     task_prefix: str = "train"  # submitted task ids are PREFIX-000000, PREFIX-000001, ...
-    steps: int = 20  # optimizer steps of the run; 0 = until stopped
-    groups_per_step: int = 4  # GRPO groups (tasks) trained on per step
-    groups_ahead: int = 4  # groups submitted beyond the current step, so rollouts overlap training
-    group_size: int = 0  # sessions per group; 0 = each task's groupSize
-    updates_per_step: int = 1  # optimizer updates per step (mini-batches of whole groups); > 1 makes the clip act
-    lr: float = 1e-5  # AdamW learning rate
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # largest gradient norm; 0 = no clipping
-    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
-    clip_high: float = 0.28  # and above at 1 + clip_high (asymmetric: more room to raise rare tokens)
-    importance_cap: float = 2.0  # cap of the importance weight against the behaviour logprobs the gateway recorded
-    kl_coef: float = 0.0  # weight of the low-variance KL to the starting policy; 0 = none (no reference model kept)
-    advantage_scale: str = "std"  # "std": (r - mean) / std within the group; "none": r - mean
+    steps: Count = 20  # optimizer steps of the run; 0 = until stopped
+    groups_per_step: Positive = 4  # GRPO groups (tasks) trained on per step
+    groups_ahead: Count = 4  # groups submitted beyond the current step, so rollouts overlap training
+    group_size: Count = 0  # sessions per group; 0 = each task's groupSize
+    updates_per_step: Positive = 1  # optimizer updates per step (mini-batches of whole groups); > 1 makes the clip act
+    lr: Rate = 1e-5  # AdamW learning rate
+    adam_beta1: Fraction = 0.9  # AdamW's first-moment decay
+    adam_beta2: Fraction = 0.99  # AdamW's second-moment decay
+    weight_decay: Rate = 0.0  # AdamW's decoupled weight decay
+    grad_clip: Rate = 1.0  # largest gradient norm; 0 = no clipping
+    clip_low: Fraction = 0.2  # the policy ratio is clipped below at 1 - clip_low
+    clip_high: Rate = 0.28  # and above at 1 + clip_high (asymmetric: more room to raise rare tokens)
+    importance_cap: PositiveFloat = 2.0  # cap of the importance weight against the behaviour logprobs the gateway recorded
+    kl_coef: Rate = 0.0  # weight of the low-variance KL to the starting policy; 0 = none (no reference model kept)
+    advantage_scale: Literal["std", "none"] = "std"  # "std": (r - mean) / std within the group; "none": r - mean
     leave_one_out: bool = False  # baseline = the mean of the group's other rewards
-    loss_aggregation: str = "token"  # "token": every trainable token weighs the same; "session": each session's mean
-    max_tokens_per_microbatch: int = 8192  # tokens packed into one forward pass; a longer trace is an error naming it
-    max_staleness: int = 1  # most policy versions a group's oldest token may lag the trainer
-    stale_groups: str = "drop"  # groups past max_staleness: "drop" them or "keep" them (importance-weighted)
+    loss_aggregation: Literal["token", "session"] = "token"  # "token": every trainable token weighs the same; "session": each session's mean
+    max_tokens_per_microbatch: Positive = 8192  # tokens packed into one forward pass; a longer trace is an error naming it
+    max_staleness: Count = 1  # most policy versions a group's oldest token may lag the trainer
+    stale_groups: Literal["drop", "keep"] = "drop"  # groups past max_staleness: dropped, or kept (importance-weighted)
     train_truncated: bool = True  # train on traces with a call that a sampling cap cut short
     pass_threshold: float = 1.0  # a session passes when its reward is at least this (pass_rate, polar eval)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
-    checkpoint_every: int = 5  # steps between checkpoints; one is also written at the end and on a stop
-    keep_checkpoints: int = 2  # newest checkpoints kept in the run folder
-    seed: int = 0  # dataset order and initialisation
-    cpu_threads: int = 0  # torch threads on a CPU; 0 = torch's default
-    eval_samples: int = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
+    checkpoint_every: Count = 5  # steps between checkpoints; one is also written at the end and on a stop
+    keep_checkpoints: Positive = 2  # newest checkpoints kept in the run folder
+    seed: Count = 0  # dataset order and initialisation
+    cpu_threads: Count = 0  # torch threads on a CPU; 0 = torch's default
+    eval_samples: Positive = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
 
 
 @dataclass

@@ -50,6 +50,11 @@ class ServiceSpec:
     detail: str  # one line for the endpoint table; "{key}" there is a value this service reports
     # The supervisor binds this service's HTTP port and hands it the listening socket (`--http-fd N`).
     takes_http_socket: bool = False
+    # A job (the trainer of `polar train`): its exit with code 0 is the stack's work done, and the
+    # stack stops with success; any other service's exit is a failure.
+    finishes: bool = False
+    # Seconds it gets to stop after SIGTERM (e.g. to write a checkpoint); 0 = the stack's stop_timeout_s.
+    stop_timeout_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,14 @@ a new service is a config dataclass plus one row here (and, to start it in `pola
 
 from __future__ import annotations
 
-from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig
+from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, TrainerConfig
 from polar.service import Flag, Service, join_host_port
-from polar.v1 import gateway_pb2, inference_pb2, rollout_pb2
+from polar.v1 import gateway_pb2, inference_pb2, rollout_pb2, trainer_pb2
 
 INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+TRAINER_SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 
 # Addresses of other services keep their short flags.
 _INFERENCE = Flag(
@@ -56,4 +57,16 @@ NODE = Service(
     flags=(_INFERENCE, _ROLLOUT), takes_http_socket=True,
 )  # fmt: skip
 
-SERVICES: tuple[Service, ...] = (INFERENCE, ENVOY, GATEWAY, ROLLOUT, NODE)
+TRAINER = Service(
+    "trainer", "train the policy with GRPO on the rollout server's groups (TrainerService)",
+    (TrainerConfig,), TRAINER_SERVICE, "trainer.service:serve_trainer",
+    flags=(
+        _ROLLOUT,
+        Flag(
+            "--inference", "inference", "an inference server to keep in sync; repeat for every one (not Envoy: each gets the weights)",
+            {"action": "append", "required": True, "metavar": "HOST:PORT"},
+        ),
+    ),
+)  # fmt: skip
+
+SERVICES: tuple[Service, ...] = (INFERENCE, ENVOY, GATEWAY, ROLLOUT, NODE, TRAINER)

@@ -32,7 +32,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -169,9 +169,12 @@ def run_stack(
     config: StackConfig,
     out: TextIO = sys.stdout,
     on_ready: Callable[[dict[str, str]], None] | None = None,
+    jobs: Sequence[ServiceSpec] = (),
 ) -> int:
-    """Start every service, print the endpoint table, supervise until a stop signal; return 0.
-    `on_ready` gets each service's dial address once all serve (it must not block: supervision waits).
+    """Start every service, print the endpoint table, supervise until a stop signal or until a job
+    finishes; return 0. `on_ready` gets each service's dial address once all serve (it must not
+    block: supervision waits). `jobs` start after the stack's own services, in order (`polar train`'s
+    trainer); they may use their addresses ("{rollout}", ...).
 
     Raises StackError when a service fails to start or dies; every child is stopped either way.
     """
@@ -185,7 +188,7 @@ def run_stack(
     try:
         with gateway_http:
             specs = plan(dataclasses.replace(config, gateway=dataclasses.replace(gw, port=gateway_http.getsockname()[1])))
-            for spec in specs:
+            for spec in [*specs, *jobs]:
                 child, ready_fd = _spawn(
                     spec, {c.spec.name: c for c in children}, gateway_http if spec.takes_http_socket else None
                 )
@@ -311,7 +314,8 @@ def _await_healthy(child: Service, deadline: float, timeout_s: float) -> None:
 
 
 def _supervise(children: list[Service]) -> None:
-    """Block until a child exits (then raise StackError) or a stop signal arrives."""
+    """Block until a job finishes (return), a child exits otherwise (raise StackError) or a stop
+    signal arrives."""
     while True:
         # WNOWAIT leaves the exited child for Popen to reap, so its returncode stays right.
         info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
@@ -320,12 +324,14 @@ def _supervise(children: list[Service]) -> None:
             os.waitpid(info.si_pid, 0)  # not a service; reap it so waitid does not return it again
             continue
         code = child.process.wait()
+        if child.spec.finishes and code == 0:
+            return
         raise StackError(f"{child.spec.name} (pid {child.process.pid}) {_exit_text(code)}")
 
 
 def _stop_all(children: list[Service], timeout_s: float) -> None:
     for child in reversed(children):
-        _stop(child, timeout_s)
+        _stop(child, child.spec.stop_timeout_s or timeout_s)
 
 
 def _stop(child: Service, timeout_s: float) -> None:

@@ -255,6 +255,7 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         dtype=config.dtype,
         max_batch_size=config.max_batch_size,
         script=config.script,
+        policy_version=config.policy_version,
     )
 
     def on_ready(port: int) -> None:
