@@ -142,7 +142,10 @@ class Service:
 
     def spec(self, *configs: Any, detail: str, **keywords: Any) -> ServiceSpec:
         """This service as a child of the stack, serving these configs."""
-        host = next(config.host for config in configs if hasattr(config, "host"))
+        hosts = [config.host for config in configs if hasattr(config, "host")]
+        if not hosts:
+            raise ValueError(f"{self.name}: no config section has the `host` its health check dials")
+        host = hosts[0]
         return ServiceSpec(self.name, self.argv(*configs, **keywords), host, self.health_service, detail)
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from polar.cli import build_parser
-from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, settings
+from polar.config import ConfigError, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, load_config, settings
 from polar.services import ENVOY, SERVICES
 from polar.service import Service
 
@@ -77,3 +77,16 @@ def test_a_bad_value_is_refused_with_what_it_must_be():
         parser.parse_args(["--port", "70000"])
     with pytest.raises(SystemExit, match="--max-attempts: must be > 0, not 0"):
         parser.parse_args(["--max-attempts", "0"])
+
+
+def test_a_config_file_is_held_to_the_same_checks(tmp_path):
+    path = tmp_path / "stack.toml"
+    for text, problem in [
+        ("[rollout]\nmax_attempts = 0\n", "'rollout.max_attempts' must be > 0, not 0"),
+        ("[gateway]\nport = 70000\n", "'gateway.port' must be a port in 0..65535"),
+        ('[gateway]\nhistory = "all"\n', "'gateway.history' must be one of 'faithful', 'template'"),
+        ('[node]\nready_slots = "2"\n', "'node.ready_slots' must be an integer, not '2'"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=problem):
+            load_config(path)
