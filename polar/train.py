@@ -75,13 +75,19 @@ def check_before_start(trainer: TrainerConfig, *, dataset: str) -> None:
 
 
 def train(config: StackConfig, run_dir: Path) -> int:
-    """`polar train`: the stack and the trainer until the trainer is done (0) or Ctrl-C."""
+    """`polar train`: the stack and the trainer until the trainer is done (0) or Ctrl-C (130)."""
     check_before_start(config.trainer, dataset=config.trainer.dataset)
     run_dir.mkdir(parents=True, exist_ok=True)
     stack, trainer = train_plan(config, run_dir)
-    code = run_stack(stack, jobs=[trainer])
+    run_stack(stack, jobs=[trainer])
     print(f"polar train: run folder {run_dir} (metrics.jsonl, reward.png, checkpoints/, tensorboard/)", flush=True)
-    return code
+    from trainer.checkpoints import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    steps = config.trainer.steps
+    # The stack also ends without error on Ctrl-C: then the run is not done, and says so like any
+    # interrupted command. Run again, it resumes.
+    return 0 if steps and checkpoint is not None and checkpoint.state.step >= steps else 130
 
 
 def evaluate(config: StackConfig, checkpoint: Path | None, out: Path) -> int:
