@@ -7,9 +7,9 @@ Each task asks the model to "Say the word W and nothing else." (one common Engli
 (check.py W) gives reward 1 when the reply holds W as a whole word, in any letter case, else 0.
 
 Why this task: it has a real, checkable reward on which SmolLM2-135M-Instruct starts in the useful
-range. Sampled at temperature 1.0 with a 16-token cap, its replies hold the word about a third of the
-time (at temperature 0 nearly always), so every group of 8 samples usually has both rewards and GRPO
-has a signal from the first step; stricter checks (the reply is exactly the word, or an exact
+range. Sampled at temperature 1.0 with a 16-token cap, about 30% of its replies hold the word (32% on
+the training words, 17% on the held-out ones; at temperature 0, 97%), so most groups of 8 samples
+have both rewards and GRPO has a signal from the first step; stricter checks (the reply is exactly the word, or an exact
 arithmetic answer) start near 0 on this model, which leaves GRPO nothing to learn from.
 
 The words are split at random (seeded, so reruns write the same files) into a training set and a
