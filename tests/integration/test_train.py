@@ -17,8 +17,10 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 
+from polar.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.integration.polar_cli import POLAR, Lines
 from trainer.metrics import STEP_KEYS, read_metrics
 
@@ -105,11 +107,29 @@ def processes_of(run_dir: Path) -> list[int]:
     return found
 
 
+def check_trainer_service(address: str, folder: Path) -> None:
+    """TrainerService answers while the run trains: status, policy version, a checkpoint on demand."""
+    with grpc.insecure_channel(address) as channel:
+        stub = trainer_pb2_grpc.TrainerServiceStub(channel)
+        status = stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=30).status
+        assert status.backend == "torch" and status.total_steps == STEPS and status.step >= 1
+        assert status.groups_consumed >= 2 and status.trained_tokens > 0 and status.results_cursor
+        assert "reward_mean" in status.last_metrics and status.compute_seconds > 0
+        version = stub.GetPolicyVersion(trainer_pb2.GetPolicyVersionRequest(), timeout=30).policy_version
+        assert version.version >= 1 and version.step >= 1
+        saved = stub.SaveCheckpoint(trainer_pb2.SaveCheckpointRequest(path=str(folder)), timeout=120).checkpoint
+    assert saved.step >= 1 and Path(saved.path).parent == folder
+    assert (Path(saved.path) / "tiny" / "model.safetensors").is_file()
+    assert json.loads((Path(saved.path) / "state.json").read_text())["step"] == saved.step
+
+
 def test_polar_train_raises_the_reward_of_the_tiny_model(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     process, lines = start_train(write_run(tmp_path, STEPS), run_dir)
     try:
+        trainer = lines.wait_for(r"^  trainer +(\S+:\d+) ", timeout=300).group(1)
         lines.wait_for(r"train: .*step 1/10", timeout=300)
+        check_trainer_service(trainer, tmp_path / "asked")
         lines.wait_for(r"train: done: 10 steps", timeout=600)
         assert process.wait(timeout=120) == 0
     finally:
@@ -182,3 +202,28 @@ def test_a_bad_config_fails_before_anything_starts(tmp_path: Path) -> None:
         assert result.stderr.startswith("polar: error: ") and message in result.stderr, result.stderr
         assert "Traceback" not in result.stderr and time.monotonic() - started < 60
     assert config.exists() and not (tmp_path / "r" / "rollout.db").exists()
+
+
+def test_polar_eval_scores_a_checkpoint_on_the_held_out_tasks(tmp_path: Path) -> None:
+    from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
+    from trainer.checkpoints import TrainerState, save_checkpoint
+
+    config = write_run(tmp_path, steps=1)
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("".join(line for line in (tmp_path / "tasks.jsonl").read_text().splitlines(True)[:2]))
+    config.write_text(config.read_text() + f'heldout = "{heldout}"\neval_samples = 2\npass_threshold = 0.5\n')
+    backend = TorchBackend(TorchBackendOptions(model="tiny", device="cpu"))
+    checkpoint = save_checkpoint(tmp_path / "checkpoints", backend, TrainerState(step=3, base_model="tiny"), "tiny")
+    out = tmp_path / "eval.json"
+    result = subprocess.run(
+        [*POLAR, "eval", str(config), "--checkpoint", str(checkpoint.path), "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "greedy pass@1" in result.stdout and "pass@2" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["tasks"] == 2 and report["k"] == 2 and report["model"].endswith("tiny")
+    for task in report["per_task"]:
+        assert len(task["sampled_rewards"]) == 2 and 0 <= task["greedy_reward"] <= 1
+        assert task["greedy_pass"] == (task["greedy_reward"] >= 0.5)
+    assert 0 <= report["greedy_pass_at_1"] <= 1 and report["sampled_pass_at_1"] <= report["pass_at_k"] <= 1

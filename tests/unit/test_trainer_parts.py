@@ -191,7 +191,7 @@ def test_checkpoints_are_complete_latest_and_pruned(tmp_path: Path) -> None:
     for step in (1, 2, 3):
         state = TrainerState(step=step, cursor=f"c{step}", policy_version=step, base_model="tiny",
                              model=FakeBackend.model_description)  # fmt: skip
-        save_checkpoint(tmp_path, FakeBackend(), state, "tiny", keep=2)
+        save_checkpoint(tmp_path / "checkpoints", FakeBackend(), state, "tiny", keep=2)
     latest = latest_checkpoint(tmp_path)
     assert latest is not None and latest.state.step == 3 and latest.state.cursor == "c3"
     assert latest.model_folder.name == "tiny" and latest.optimizer_file.read_bytes() == b"state"
