@@ -163,7 +163,11 @@ class MegatronBackend(Backend):
                 raise BackendError(f"{folder}: {exc.args[0]}") from None
             with torch.no_grad():
                 for name, value in converted.items():
-                    self.parameters[name].copy_(value)
+                    parameter = self.parameters[name]
+                    if parameter.shape != value.shape:
+                        raise BackendError(f"{folder}: {name} is {tuple(value.shape)} on this rank, the model "
+                                           f"expects {tuple(parameter.shape)}")
+                    parameter.copy_(value)
             loaded.update(converted)
         missing = set(self.parameters) - loaded
         if missing:
