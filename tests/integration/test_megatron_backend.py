@@ -80,3 +80,13 @@ def test_tp2_on_gloo_matches_the_torch_backend(tmp_path, model_type, tied):
     for name, tensor in ours["weights"].items():
         assert torch.equal(loaded[name], tensor), name
     assert len(torch.load(tmp_path / "optimizer.pt", weights_only=True)["ranks"]) == 2
+
+
+def test_trainer_config_selects_the_megatron_backend(tmp_path):
+    from polar.config import TrainerConfig
+    from trainer.service import create_backend
+
+    folder = save_tiny_model(tmp_path / "model", "llama", True)
+    backend = create_backend(TrainerConfig(backend="megatron", model=str(folder), dtype="float32"), str(folder))
+    assert isinstance(backend, MegatronBackend) and backend.name == "megatron"
+    assert backend.model_description["model_type"] == "llama"

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import groupby
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ from trainer.backends.megatron.model import ModelShape, UnsupportedModel, build_
 from trainer.backends.megatron.runtime import init_parallel, tp_group
 from trainer.batches import MicroBatch
 from trainer.grpo import LossConfig, merge_stats, policy_loss
+
+if TYPE_CHECKING:
+    from polar.config import TrainerConfig
 
 SHARD_BYTES = 2 * 1024**3  # safetensors files a saved model is split into
 INIT_STD = 0.02  # random initialisation (benchmarks): normal(0, INIT_STD), norms at 1
@@ -59,6 +63,30 @@ class MegatronBackendOptions:
     reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
     seed: int = 0
     cpu_threads: int = 0  # 0 = torch's default
+
+
+def options_from_config(config: TrainerConfig, model: str) -> MegatronBackendOptions:
+    """The backend's options from the [trainer] section: the same on every rank. The tensor-parallel
+    size is the job's rank count; gradient_checkpointing recomputes whole layers."""
+    return MegatronBackendOptions(
+        model=model,
+        dtype=config.dtype,
+        lr=config.lr,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        weight_decay=config.weight_decay,
+        grad_clip=config.grad_clip,
+        recompute="full" if config.gradient_checkpointing else "none",
+        reference_model=config.kl_coef > 0,
+        seed=config.seed,
+        cpu_threads=config.cpu_threads,
+    )
+
+
+def release_followers() -> None:
+    """On rank 0: end the other ranks' `follow()` loops (the run is over, or failed before any call)."""
+    if dist.is_initialized() and dist.get_rank() == 0 and dist.get_world_size() > 1:
+        dist.broadcast_object_list([("close", ())], src=0)
 
 
 class MegatronBackend(Backend):
@@ -219,8 +247,7 @@ class MegatronBackend(Backend):
 
     def close(self) -> None:
         """Release the followers (rank 0, once the run is over)."""
-        if self.parallel.is_leader:
-            self._announce("close")
+        release_followers()
 
     # -- scoring and learning ---------------------------------------------------------------------
 
