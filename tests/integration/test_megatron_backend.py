@@ -90,3 +90,9 @@ def test_trainer_config_selects_the_megatron_backend(tmp_path):
     backend = create_backend(TrainerConfig(backend="megatron", model=str(folder), dtype="float32"), str(folder))
     assert isinstance(backend, MegatronBackend) and backend.name == "megatron"
     assert backend.model_description["model_type"] == "llama"
+
+
+def test_recomputation_is_refused_on_the_cpu(tmp_path):
+    folder = save_tiny_model(tmp_path / "model", "llama", False)
+    with pytest.raises(BackendError, match="needs CUDA"):
+        MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32", recompute="full"))

@@ -113,6 +113,8 @@ class MegatronBackend(Backend):
         if options.dtype not in dtypes:
             raise BackendError(f"dtype must be one of {', '.join(dtypes)}, got {options.dtype!r}")
         self.dtype = dtypes[options.dtype]
+        if options.recompute != "none" and self.device.type != "cuda":
+            raise BackendError("recomputation needs CUDA: Megatron's checkpointing saves and restores CUDA's RNG state")
         self.folder = None
         self.tokenizer = None
         if random_config is None:
@@ -405,22 +407,24 @@ class MegatronBackend(Backend):
         leader = self.parallel.is_leader
         if leader:
             model_folder.mkdir(parents=True, exist_ok=True)
-        files: list[dict[str, torch.Tensor]] = [{}]
-        size = 0
-        for name, tensor in self._hf_weights():
-            tensor = tensor.to("cpu", copy=True).contiguous()
-            if size and size + tensor.nbytes > SHARD_BYTES:
-                files.append({})
-                size = 0
-            files[-1][name] = tensor
-            size += tensor.nbytes
+        weight_map: dict[str, str] = {}
+        pending: dict[str, torch.Tensor] = {}  # the next file's tensors, on the CPU: at most SHARD_BYTES
+
+        def write_pending() -> None:
+            file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(pending, model_folder / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(pending, file))
+            pending.clear()
+
+        total = 0
+        for name, tensor in self._hf_weights():  # yields on rank 0 only
+            if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > SHARD_BYTES:
+                write_pending()
+            pending[name] = tensor.to("cpu", copy=True).contiguous()
+            total += tensor.nbytes
         if leader:
-            weight_map = {}
-            for number, tensors in enumerate(files, 1):
-                file = f"model-{number:05d}-of-{len(files):05d}.safetensors"
-                save_file(tensors, model_folder / file, metadata={"format": "pt"})
-                weight_map.update(dict.fromkeys(tensors, file))
-            total = sum(t.nbytes for tensors in files for t in tensors.values())
+            if pending:
+                write_pending()
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (model_folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
             self.hf_config.save_pretrained(model_folder)
