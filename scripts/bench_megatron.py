@@ -179,7 +179,8 @@ def _run_point(rank: int, world: int, port: int, backend_name: str, args: dict, 
             from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
 
             backend = MegatronBackend(MegatronBackendOptions(
-                model=args["folder"], tp_size=world, dtype=args["dtype"], recompute=args["recompute"], lr=1e-6))
+                model=args["folder"], tp_size=world, dtype=args["dtype"], recompute=args["recompute"],
+                fused_swiglu=args["fused_swiglu"], lr=1e-6))
             if rank != 0:
                 backend.follow()
                 return
@@ -243,6 +244,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=0, help="timed steps (default 5, 2 with --quick)")
     parser.add_argument("--warmup", type=int, default=0, help="untimed steps first (default 2, 1 with --quick)")
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    parser.add_argument("--fused-swiglu", action="store_true", help="megatron: SwiGLU through torch.compile (Triton)")
     parser.add_argument("--model", help="a Hugging Face Qwen3 folder to use instead of a random one of the shape")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s of one GPU")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "megatron.json")
@@ -277,7 +279,7 @@ def main() -> int:
             "config": config, "device": device, "folder": str(folder), "tokens": tokens,
             "sequence_length": sequence_length, "micro_batches": args.micro_batches or (2 if args.quick else 4),
             "steps": args.steps or (2 if args.quick else 5), "warmup": args.warmup or (1 if args.quick else 2),
-            "recompute": args.recompute, "peak_tflops": args.peak_tflops,
+            "recompute": args.recompute, "fused_swiglu": args.fused_swiglu, "peak_tflops": args.peak_tflops,
             "dtype": "bfloat16" if device == "cuda" else "float32",
         }
         points = []
@@ -315,6 +317,7 @@ def _row(p: Point) -> str:
 def _table(points: list[Point], settings: dict) -> str:
     head = (f"{settings['micro_batches']} rows x {settings['tokens']} tokens "
             f"(sequences of {settings['sequence_length']}) per step, recompute={settings['recompute']}, "
+            f"fused_swiglu={settings['fused_swiglu']}, "
             f"{points[0].card if points else ''}\n"
             f"{'backend':<9} {'tp':>3} {'step ms':>10} {'tok/s':>10} {'TFLOP/s':>10} {'MFU %':>6} {'peak GiB':>9}")
     return "\n".join([head] + [_row(p) for p in points])

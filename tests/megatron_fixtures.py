@@ -135,14 +135,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str, recompute: str) -> None:
+def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str, recompute: str,
+             fused_swiglu: bool) -> None:
     """One rank of a TP job, as torchrun would start it: rank 0 drives the backend, the rest follow."""
     from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    backend = MegatronBackend(MegatronBackendOptions(model=folder, dtype=dtype, lr=LR, recompute=recompute))
+    backend = MegatronBackend(MegatronBackendOptions(model=folder, dtype=dtype, lr=LR, recompute=recompute,
+                                                     fused_swiglu=fused_swiglu))
     if rank != 0:
         backend.follow()
         return
@@ -157,9 +159,10 @@ def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str
     torch.save({"logprobs": logprobs, "result": result, "weights": weights}, out / "rank0.pt")
 
 
-def run_tensor_parallel(world: int, folder: Path, out: Path, dtype: str, recompute: str = "none") -> dict:
+def run_tensor_parallel(world: int, folder: Path, out: Path, dtype: str, recompute: str = "none",
+                        fused_swiglu: bool = False) -> dict:
     """Spawn a `world`-rank job on the tiny model at `folder`; rank 0's logprobs, update result and
     weights after the update (its saved model and optimizer are in `out`)."""
-    job = (world, _free_port(), str(folder), str(out), dtype, recompute)
+    job = (world, _free_port(), str(folder), str(out), dtype, recompute, fused_swiglu)
     torch.multiprocessing.spawn(_tp_rank, args=job, nprocs=world)
     return torch.load(out / "rank0.pt", weights_only=False)

@@ -5,7 +5,7 @@ without CUDA, without megatron-core, and (TP=2) without two GPUs.
 
 fp32: logprobs and loss within 1e-4 of the torch backend on the same GPU, and the weights after one
 AdamW step as on the CPU (at most 10% of a step on any element, 0.1% on average).
-Recomputation ("selective", "full") gives the fp32 results too.
+Recomputation ("selective", "full") and the compiled SwiGLU give the fp32 results too.
 bf16 (the training dtype): two bf16 implementations round differently, so each is compared with the
 fp32 truth instead: the megatron backend's largest logprob error may be at most twice the torch
 backend's plus 0.02 nats, and its loss error at most twice the torch backend's plus 1e-3. Weights
@@ -87,9 +87,9 @@ def test_tp2_nccl(tmp_path, folder, torch_fp32, torch_bf16, dtype):
         _assert_bf16_close(ours, torch_bf16, torch_fp32)
 
 
-@pytest.mark.parametrize("recompute", ["selective", "full"])
-def test_recomputation_changes_nothing(tmp_path, folder, torch_fp32, recompute):
-    """Recomputed activations (Megatron's checkpointing needs CUDA's RNG state: GPU only) give the
-    same logprobs, loss and step."""
-    ours = run_tensor_parallel(1, folder, tmp_path, "float32", recompute)
+@pytest.mark.parametrize("recompute,fused_swiglu", [("selective", False), ("full", False), ("none", True)])
+def test_recomputation_and_fusion_change_nothing(tmp_path, folder, torch_fp32, recompute, fused_swiglu):
+    """Recomputed activations (Megatron's checkpointing needs CUDA's RNG state: GPU only) and the
+    compiled SwiGLU give the same logprobs, loss and step."""
+    ours = run_tensor_parallel(1, folder, tmp_path, "float32", recompute, fused_swiglu)
     assert_matches(torch_fp32, ours["logprobs"], ours["result"], ours["weights"], atol=FP32_ATOL)

@@ -59,7 +59,8 @@ class MegatronBackendOptions:
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    recompute: str = "none"  # "none", "selective" (core attention) or "full" (whole layers)
+    recompute: str = "none"  # "none", "selective" (core attention) or "full" (whole layers); CUDA only
+    fused_swiglu: bool = False  # SwiGLU through torch.compile (CUDA only; needs Triton and a C compiler)
     reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
     seed: int = 0
     cpu_threads: int = 0  # 0 = torch's default
@@ -115,6 +116,8 @@ class MegatronBackend(Backend):
         self.dtype = dtypes[options.dtype]
         if options.recompute != "none" and self.device.type != "cuda":
             raise BackendError("recomputation needs CUDA: Megatron's checkpointing saves and restores CUDA's RNG state")
+        if options.fused_swiglu and self.device.type != "cuda":
+            raise BackendError("fused_swiglu needs CUDA")
         self.folder = None
         self.tokenizer = None
         if random_config is None:
@@ -133,7 +136,7 @@ class MegatronBackend(Backend):
             self.hf_config = random_config
         try:
             self.shape = ModelShape.from_hf_config(self.hf_config)
-            self.model = build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, options.recompute)
+            self.model = self._build()
         except UnsupportedModel as exc:
             raise BackendError(f"cannot build {options.model!r} with Megatron: {exc}") from None
         self.parameters = dict(self.model.named_parameters())
@@ -144,18 +147,26 @@ class MegatronBackend(Backend):
         self.model.train()
         self.reference = None
         if options.reference_model:
-            self.reference = build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, options.recompute)
+            self.reference = self._build()
             self.reference.load_state_dict(self.model.state_dict())
             self.reference.eval().requires_grad_(False)
+        cuda = self.device.type == "cuda"
         self.optimizer = torch.optim.AdamW(
             self.parameters.values(),
             lr=options.lr,
             betas=(options.adam_beta1, options.adam_beta2),
             weight_decay=options.weight_decay,
-            foreach=True,
+            # One kernel for the whole step on a GPU; the CPU has no fused AdamW.
+            fused=cuda or None,
+            foreach=None if cuda else True,
         )
         padded = self.shape.padded_vocab_size(self.parallel.tp_size)
         self.vocab_start = self.parallel.tp_rank * padded // self.parallel.tp_size
+
+    def _build(self):
+        options = self.options
+        return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, options.recompute,
+                           options.fused_swiglu)
 
     @property
     def model_description(self) -> dict[str, object]:
@@ -358,14 +369,18 @@ class MegatronBackend(Backend):
             for name, parameter in with_grad.items():
                 if "q_layernorm" in name or "k_layernorm" in name:
                     dist.all_reduce(parameter.grad, group=tp_group())
-        zero = torch.zeros((), dtype=torch.float32, device=self.device)
-        squares = {True: zero, False: zero}  # replicated -> sum of squared gradients
-        for name, parameter in with_grad.items():
-            squares[replicated(name)] = squares[replicated(name)] + parameter.grad.float().square().sum()
-        sharded = squares[False]
+
+        def square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+            """Sum of squares of the gradients' entries, accumulated in fp32."""
+            if not grads:
+                return torch.zeros((), dtype=torch.float32, device=self.device)
+            return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+
+        sharded = square_sum([p.grad for name, p in with_grad.items() if not replicated(name)])
+        duplicated = square_sum([p.grad for name, p in with_grad.items() if replicated(name)])
         if tp:
             dist.all_reduce(sharded, group=tp_group())
-        total = float((sharded + squares[True]).sqrt())
+        total = float((sharded + duplicated).sqrt())
         clip = self.options.grad_clip
         if clip > 0 and total > clip and math.isfinite(total):
             torch._foreach_mul_([p.grad for p in with_grad.values()], clip / (total + 1e-6))

@@ -100,9 +100,12 @@ class ModelShape:
                 raise UnsupportedModel(f"{count} {what} cannot be split over {tp_size} tensor-parallel ranks")
 
 
-def transformer_config(shape: ModelShape, tp_size: int, dtype: torch.dtype, recompute: str = "none"):
+def transformer_config(shape: ModelShape, tp_size: int, dtype: torch.dtype, recompute: str = "none",
+                       fused_swiglu: bool = False):
     """Megatron's TransformerConfig for the shape. `recompute`: "none", "selective" (core attention
-    recomputed in backward) or "full" (every layer's activations recomputed)."""
+    recomputed in backward) or "full" (every layer's activations recomputed). `fused_swiglu`:
+    Megatron's SwiGLU through torch.compile (one kernel each way, only fc1's output kept for
+    backward); it needs a working Triton toolchain."""
     import_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -135,8 +138,8 @@ def transformer_config(shape: ModelShape, tp_size: int, dtype: torch.dtype, reco
         # Weights come from a checkpoint (or the caller's initialisation), built on the CPU first.
         use_cpu_initialization=True,
         perform_initialization=False,
-        # The fused kernels come from Apex / TransformerEngine, which Polar does not require.
-        bias_activation_fusion=False,
+        bias_activation_fusion=fused_swiglu,
+        # The other fused kernels come from Apex / TransformerEngine, which Polar does not require.
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -191,14 +194,15 @@ def layer_spec(shape: ModelShape):
     return spec
 
 
-def build_model(shape: ModelShape, tp_size: int, dtype: torch.dtype, device: torch.device, recompute: str = "none"):
+def build_model(shape: ModelShape, tp_size: int, dtype: torch.dtype, device: torch.device, recompute: str = "none",
+                fused_swiglu: bool = False):
     """An uninitialised GPTModel for this rank's shard (parameters allocated, values arbitrary)."""
     import_megatron()
     from megatron.core.models.gpt import GPTModel
 
     shape.check_tensor_parallel(tp_size)
     model = GPTModel(
-        config=transformer_config(shape, tp_size, dtype, recompute),
+        config=transformer_config(shape, tp_size, dtype, recompute, fused_swiglu),
         transformer_layer_spec=layer_spec(shape),
         vocab_size=shape.padded_vocab_size(tp_size),
         max_sequence_length=shape.max_position_embeddings,
