@@ -1,5 +1,5 @@
-"""The megatron backend's pure parts: HF <-> Megatron conversion with tensor-parallel sharding, and the
-vocabulary-parallel logprobs on one rank. Neither needs megatron-core."""
+"""The megatron backend's pure parts: HF <-> Megatron conversion with tensor-parallel sharding, the
+vocabulary-parallel logprobs on one rank, and the SwiGLU backward. None needs megatron-core."""
 
 from __future__ import annotations
 
@@ -138,3 +138,12 @@ def test_truncated_sampling_is_refused_and_greedy_is_not():
         check_untruncated(300, temperature, torch.tensor([0, 20]), torch.ones(2))
     with pytest.raises(TruncatedSamplingError):
         check_untruncated(300, temperature, torch.zeros(2, dtype=torch.long), torch.tensor([1.0, 0.9]))
+
+
+def test_swiglu_backward_is_the_gradient():
+    from trainer.backends.megatron.model import _SwiGLU
+
+    fc1_out = torch.randn(5, 2, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_SwiGLU.apply, (fc1_out,))
+    gate, up = fc1_out.detach().chunk(2, dim=-1)
+    torch.testing.assert_close(_SwiGLU.apply(fc1_out), torch.nn.functional.silu(gate) * up)
