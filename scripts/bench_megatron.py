@@ -187,7 +187,8 @@ def _run_point(rank: int, world: int, port: int, backend_name: str, args: dict, 
         else:
             from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
-            backend = TorchBackend(TorchBackendOptions(model=args["folder"], device=device, dtype=args["dtype"], lr=1e-6))
+            backend = TorchBackend(TorchBackendOptions(model=args["folder"], device=device, dtype=args["dtype"], lr=1e-6,
+                                                       gradient_checkpointing=args["recompute"] == "full"))
         loss = LossConfig()
         seconds = []
         for step in range(args["warmup"] + args["steps"]):
@@ -243,7 +244,8 @@ def main() -> int:
     parser.add_argument("--micro-batches", type=int, default=0, help="rows per optimizer step (default 4, 2 with --quick)")
     parser.add_argument("--steps", type=int, default=0, help="timed steps (default 5, 2 with --quick)")
     parser.add_argument("--warmup", type=int, default=0, help="untimed steps first (default 2, 1 with --quick)")
-    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                        help="megatron's recomputation; full also turns on the torch backend's gradient checkpointing")
     parser.add_argument("--fused-swiglu", action="store_true", help="megatron: SwiGLU through torch.compile (Triton)")
     parser.add_argument("--model", help="a Hugging Face Qwen3 folder to use instead of a random one of the shape")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s of one GPU")
