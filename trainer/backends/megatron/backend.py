@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     from polar.config import TrainerConfig
 
 SHARD_BYTES = 2 * 1024**3  # safetensors files a saved model is split into
-INIT_STD = 0.02  # random initialisation (benchmarks): normal(0, INIT_STD), norms at 1
 
 
 @dataclass(frozen=True)
@@ -93,9 +92,8 @@ def release_followers() -> None:
 class MegatronBackend(Backend):
     name = "megatron"
 
-    def __init__(self, options: MegatronBackendOptions, random_config=None) -> None:
-        """Load `options.model`, or with `random_config` (a transformers config) build that model with
-        random weights instead (benchmarks). Every rank of the job constructs one."""
+    def __init__(self, options: MegatronBackendOptions) -> None:
+        """Load `options.model` onto every rank (each rank of the job constructs one)."""
         from transformers import AutoConfig, AutoTokenizer
 
         from polar.inference.models import ModelNotFoundError, resolve_model
@@ -118,32 +116,23 @@ class MegatronBackend(Backend):
             raise BackendError("recomputation needs CUDA: Megatron's checkpointing saves and restores CUDA's RNG state")
         if options.fused_swiglu and self.device.type != "cuda":
             raise BackendError("fused_swiglu needs CUDA")
-        self.folder = None
-        self.tokenizer = None
-        if random_config is None:
-            # Rank 0's choice (a checkpoint of the run, say) is every rank's.
-            choice = [options.model]
-            if self.parallel.world_size > 1:
-                dist.broadcast_object_list(choice, src=0)
-            try:
-                self.folder = resolve_model(choice[0])
-            except ModelNotFoundError as exc:
-                raise BackendError(str(exc)) from None
-            self.hf_config = AutoConfig.from_pretrained(self.folder)
-            if self.parallel.is_leader:
-                self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
-        else:
-            self.hf_config = random_config
+        # Rank 0's choice (a checkpoint of the run, say) is every rank's.
+        choice = [options.model]
+        if self.parallel.world_size > 1:
+            dist.broadcast_object_list(choice, src=0)
+        try:
+            self.folder = resolve_model(choice[0])
+        except ModelNotFoundError as exc:
+            raise BackendError(str(exc)) from None
+        self.hf_config = AutoConfig.from_pretrained(self.folder)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.folder) if self.parallel.is_leader else None
         try:
             self.shape = ModelShape.from_hf_config(self.hf_config)
             self.model = self._build()
         except UnsupportedModel as exc:
             raise BackendError(f"cannot build {options.model!r} with Megatron: {exc}") from None
         self.parameters = dict(self.model.named_parameters())
-        if random_config is None:
-            self._load_hf_folder(self.folder)
-        else:
-            self._random_init()
+        self._load_hf_folder(self.folder)
         self.model.train()
         self.reference = None
         if options.reference_model:
@@ -214,14 +203,6 @@ class MegatronBackend(Backend):
         if missing:
             raise BackendError(f"{folder} lacks the weights of {', '.join(sorted(missing)[:3])} ({len(missing)} in all)")
 
-    def _random_init(self) -> None:
-        with torch.no_grad():
-            for name, parameter in self.parameters.items():
-                if replicated(name):
-                    parameter.fill_(1.0)
-                else:
-                    parameter.normal_(0.0, INIT_STD)
-
     # -- the leader's announcements and the followers' loop -------------------------------------------
 
     def _announce(self, command: str, *args) -> None:
@@ -240,10 +221,14 @@ class MegatronBackend(Backend):
         """On every rank but 0: run what rank 0 announces until it calls `close`."""
         if self.parallel.is_leader:
             raise RuntimeError("rank 0 leads; only the other ranks follow")
+        def send_weights() -> None:
+            for _ in self._hf_weights():  # the gathers happen as rank 0 iterates; nothing comes here
+                pass
+
         handlers = {
             "logprobs": self._logprobs,
             "update": self._update,
-            "hf_weights": lambda: all(True for _ in self._hf_weights()),
+            "hf_weights": send_weights,
             "save": lambda: self._save(None, None),
             "load_optimizer": lambda: self._load_optimizer(None),
         }
