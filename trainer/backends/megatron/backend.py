@@ -221,6 +221,7 @@ class MegatronBackend(Backend):
         """On every rank but 0: run what rank 0 announces until it calls `close`."""
         if self.parallel.is_leader:
             raise RuntimeError("rank 0 leads; only the other ranks follow")
+
         def send_weights() -> None:
             for _ in self._hf_weights():  # the gathers happen as rank 0 iterates; nothing comes here
                 pass
