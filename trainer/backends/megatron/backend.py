@@ -33,7 +33,14 @@ import torch
 import torch.distributed as dist
 
 from trainer.backends.base import Backend, BackendError, UpdateAborted, UpdateResult
-from trainer.backends.megatron.convert import hf_to_megatron, layer_of, megatron_names, megatron_to_hf, replicated
+from trainer.backends.megatron.convert import (
+    hf_names,
+    hf_to_megatron,
+    layer_of,
+    megatron_names,
+    megatron_to_hf,
+    replicated,
+)
 from trainer.backends.megatron.logprobs import check_untruncated, vocab_parallel_logprobs
 from trainer.backends.megatron.model import ModelShape, UnsupportedModel, build_model, selected_logits
 from trainer.backends.megatron.runtime import init_parallel, tp_group
@@ -87,6 +94,22 @@ def release_followers() -> None:
     """On rank 0: end the other ranks' `follow()` loops (the run is over, or failed before any call)."""
     if dist.is_initialized() and dist.get_rank() == 0 and dist.get_world_size() > 1:
         dist.broadcast_object_list([("close", ())], src=0)
+
+
+class HFWeights:
+    """What `hf_weights` returns: the model's HF tensors, iterated once (each layer gathered from the
+    ranks as the iteration reaches it), and sized, so weight sync can send the tensor count before any
+    tensor exists."""
+
+    def __init__(self, backend: MegatronBackend) -> None:
+        self._backend = backend
+
+    def __len__(self) -> int:
+        return len(hf_names(self._backend.shape))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._backend._announce("hf_weights")
+        yield from self._backend._hf_weights()
 
 
 class MegatronBackend(Backend):
@@ -374,9 +397,8 @@ class MegatronBackend(Backend):
 
     # -- weights ----------------------------------------------------------------------------------
 
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._announce("hf_weights")
-        yield from self._hf_weights()
+    def hf_weights(self) -> HFWeights:
+        return HFWeights(self)
 
     def _hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Whole HF tensors on rank 0, a layer at a time: each layer's shards are gathered from the

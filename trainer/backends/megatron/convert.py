@@ -77,6 +77,11 @@ def megatron_names(shape: ModelShape) -> list[str]:
     return list(_rules(shape))
 
 
+def hf_names(shape: ModelShape) -> list[str]:
+    """Every HF tensor name the conversion produces (a tied model has no lm_head.weight)."""
+    return [hf_name for hf_group, _ in _rules(shape).values() for hf_name in hf_group]
+
+
 def replicated(name: str) -> bool:
     """Whether every tensor-parallel rank holds the whole parameter (the norms)."""
     return name.endswith("norm.weight")
