@@ -266,13 +266,8 @@ CHAT_FORMATS: dict[str, ChatFormatFactory] = {
 }
 
 
-def register_chat_format(name: str, factory: ChatFormatFactory) -> None:
-    """Make a model family's format available to `get_chat_format`."""
-    CHAT_FORMATS[name] = factory
-
-
 def get_chat_format(name: str, tokenizer: Any) -> ChatFormat:
-    """The chat format registered under `name`, bound to a Hugging Face tokenizer."""
+    """The chat format named `name` in CHAT_FORMATS, bound to a Hugging Face tokenizer."""
     factory = CHAT_FORMATS.get(name)
     if factory is None:
         raise UnknownChatFormatError(f"no chat format {name!r}; known: {', '.join(sorted(CHAT_FORMATS))}")

@@ -3,12 +3,18 @@
     key ──authorize──▶ session            (401: unknown or closed key)
     body ──dialect.parse_request──▶ DialectRequest
     conversation + session's prior calls ──render_request──▶ prompt ids (+ forced tool-call opening)
-    max_tokens clamped to what the context leaves  (prompt alone over the context: CONTEXT_LENGTH)
+    request's sampling + session's policy ──effective_sampling──▶ the engine's SamplingParams
+        (gateway/sampling.py: the task's temperature/top_p replace the harness's; max_tokens is the
+        smallest of the harness's, the task's per-call cap, the session budget's rest and what the
+        context leaves; prompt alone over the context: CONTEXT_LENGTH; budget used up: INVALID_REQUEST,
+        refused before anything is generated)
     prompt ──InferenceService.Generate (gRPC, x-polar-session)──▶ sampled ids + logprobs, as they come
     ids ──incremental detokenisation──▶ text ──client stop strings──▶ output parser ──▶ events
                                          (gateway/output.py)
     events ──dialect's StreamRenderer──▶ SSE bytes, sent at once   (or, unstreamed, render_response)
-    one CallRecord appended to the session, whatever happened once the prompt went to the engine
+    one CallRecord appended to the session, whatever happened once the prompt went to the engine: the
+        request as sent, the sampling the engine was asked for, and `truncated` when a limit the
+        harness did not ask for (the task's cap or budget, the context) ended the generation
 
 Errors: everything below the edge raises `GatewayError`; `Gateway.call` turns it into the dialect's
 error reply (or, once a stream has started, the renderer's in-stream error and terminator). An
@@ -44,6 +50,7 @@ from gateway.dialects.base import (
     FinishKind,
     GatewayError,
     Route,
+    Sampling,
     StreamRenderer,
     Usage,
 )
@@ -51,13 +58,13 @@ from gateway.output import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
 from gateway.read_ahead import ReadAhead
 from gateway.render import PriorCall, RenderedPrompt, render_request
+from gateway.sampling import NO_POLICY, Limit, effective_sampling
 from gateway.sessions import Session, SessionError, SessionStore
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("polar.gateway")
 
 SESSION_METADATA = "x-polar-session"  # Envoy hashes on it: a session's calls reach the same server
-DEFAULT_TEMPERATURE = 1.0
 # A whole generation, first token to last, may take this long before it is abandoned as hung.
 DEFAULT_GENERATE_TIMEOUT_S = 900.0
 
@@ -210,8 +217,8 @@ def finish_kind(engine_finish: int, *, stop_sequence: str | None, context_bound:
     return kind
 
 
-def max_tokens_for(requested: int | None, prompt_tokens: int, context_length: int) -> tuple[int, bool]:
-    """(max_tokens to ask the engine for, whether reaching it means the context is full)."""
+def context_room(prompt_tokens: int, context_length: int) -> int:
+    """Tokens the context leaves for the output after the prompt; CONTEXT_LENGTH when none."""
     left = context_length - prompt_tokens
     if left < 1:
         raise GatewayError(
@@ -219,11 +226,16 @@ def max_tokens_for(requested: int | None, prompt_tokens: int, context_length: in
             f"the prompt is {prompt_tokens} tokens; the model's context holds {context_length} "
             "(prompt and output together)",
         )
-    if requested is not None and requested < 1:
-        raise GatewayError(ErrorKind.INVALID_REQUEST, f"max tokens must be at least 1, not {requested}")
-    if requested is None or requested > left:
-        return left, True
-    return requested, False
+    return left
+
+
+def max_tokens_for(requested: int | None, prompt_tokens: int, context_length: int) -> tuple[int, bool]:
+    """(max_tokens to ask the engine for, whether reaching it means the context is full), for a call
+    of a session without a sampling policy."""
+    params, limit = effective_sampling(
+        Sampling(max_tokens=requested), NO_POLICY, 0, context_room(prompt_tokens, context_length)
+    )
+    return params.max_tokens, limit is Limit.CONTEXT
 
 
 @dataclass
@@ -237,8 +249,8 @@ class _Call:
     info: CallInfo
     record_id: str
     rendered: RenderedPrompt
-    max_tokens: int
-    context_bound: bool
+    sampling: common_pb2.SamplingParams  # what the engine is asked for
+    limit: Limit  # what set sampling.max_tokens
     output: OutputAssembler
     received_ns: int
     started: float  # perf_counter at arrival
@@ -256,6 +268,7 @@ class _Call:
 
     def take(self, message: inference_pb2.GenerateResponse) -> list[ParseEvent]:
         if message.token_ids:
+            self.session.count_sampled(len(message.token_ids))
             if self.policy_version is None:
                 self.policy_version = message.policy_version
                 self.first_token = time.perf_counter()
@@ -271,7 +284,7 @@ class _Call:
         finish = finish_kind(
             self.engine_finish,
             stop_sequence=self.output.stop_sequence,
-            context_bound=self.context_bound,
+            context_bound=self.limit is Limit.CONTEXT,
             tool_calls=bool(parsed.tool_calls),
         )
         usage = Usage(len(self.rendered.token_ids), len(self.output.token_ids))
@@ -307,7 +320,18 @@ class _Call:
                 prompt_tokens=len(self.rendered.token_ids), completion_tokens=len(self.output.token_ids)
             ),
             stream=self.request.stream,
+            sampling=self.sampling,
+            truncated=self.truncated,
         )
+
+    @property
+    def truncated(self) -> bool:
+        """The generation ended without a stop because of a limit the harness did not ask for."""
+        if self.aborted or self.error is not None or self.output.stopped:
+            return False
+        if self.engine_finish == common_pb2.FINISH_REASON_CONTEXT_LENGTH:
+            return True
+        return self.engine_finish == common_pb2.FINISH_REASON_LENGTH and self.limit.truncates
 
     def prior(self) -> PriorCall | None:
         """What later requests may extend: only a reply the client received whole."""
@@ -395,8 +419,11 @@ class Gateway:
         rendered = render_request(
             self.chat_format, request.conversation, session.prior_calls, history=session.history
         )
-        max_tokens, context_bound = max_tokens_for(
-            request.sampling.max_tokens, len(rendered.token_ids), self.model.context_length
+        sampling, limit = effective_sampling(
+            request.sampling,
+            session.sampling,
+            session.sampled_tokens,
+            context_room(len(rendered.token_ids), self.model.context_length),
         )
         forced_text = ""
         if rendered.forced_token_count:
@@ -417,8 +444,8 @@ class Gateway:
             info=CallInfo(call_id, received_ns // 1_000_000_000, len(rendered.token_ids)),
             record_id=session.begin_call(),
             rendered=rendered,
-            max_tokens=max_tokens,
-            context_bound=context_bound,
+            sampling=sampling,
+            limit=limit,
             output=output,
             received_ns=received_ns,
             started=started,
@@ -426,25 +453,16 @@ class Gateway:
         )
 
     def _generate_request(self, call: _Call) -> inference_pb2.GenerateRequest:
-        sampling = call.request.sampling
-        params = common_pb2.SamplingParams(
-            temperature=DEFAULT_TEMPERATURE if sampling.temperature is None else sampling.temperature,
-            top_p=sampling.top_p or 0.0,
-            top_k=sampling.top_k or 0,
-            max_tokens=call.max_tokens,
-        )
-        if sampling.seed is not None:
-            params.seed = sampling.seed % 2**64
         return inference_pb2.GenerateRequest(
             request_id=call.info.call_id,
             prompt_token_ids=call.rendered.token_ids,
-            sampling=params,
+            sampling=call.sampling,
             session_id=call.session.session_id,
         )
 
     async def _generate(self, call: _Call, sink: Sink) -> Reply | None:
         renderer = call.dialect.stream_renderer(call.request, call.info) if call.request.stream else None
-        stream = _Stream(sink, renderer)
+        stream = _StreamWriter(sink, renderer)
         call.sent = time.perf_counter()
         grpc_call = self.inference.generate(
             self._generate_request(call), call.session.session_id, self.generate_timeout_s
@@ -485,7 +503,7 @@ class Gateway:
             self.store.record(call.session, call.record(), call.prior())
         return reply
 
-    async def _fail(self, call: _Call, stream: _Stream, error: GatewayError) -> Reply | None:
+    async def _fail(self, call: _Call, stream: _StreamWriter, error: GatewayError) -> Reply | None:
         """The error as the client gets it: a reply, or the stream's error event once it has started."""
         reply = self.error_reply(call.dialect, error)
         call.response_body = reply.body
@@ -521,8 +539,9 @@ def _as_gateway_error(exc: BaseException) -> GatewayError:
     return GatewayError(ErrorKind.INTERNAL, "the gateway stopped while the call was running")
 
 
-class _Stream:
-    """A response stream that opens (headers, then the renderer's start events) with the first
+class _StreamWriter:
+    """Writes one streamed response to the client's sink: the dialect's StreamRenderer makes the bytes,
+    this sends them. The response opens (headers, then the renderer's start events) with the first
     message from the engine, so that the renderer's hooks run in the contract's order: start, events,
     then finish or error."""
 

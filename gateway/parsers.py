@@ -328,11 +328,6 @@ class HermesStream:
 OUTPUT_PARSERS: dict[str, OutputParser] = {"hermes": HermesParser()}
 
 
-def register_output_parser(parser: OutputParser) -> None:
-    """Make a model family's parser available to `get_output_parser` under its name."""
-    OUTPUT_PARSERS[parser.name] = parser
-
-
 def get_output_parser(name: str) -> OutputParser:
     parser = OUTPUT_PARSERS.get(name)
     if parser is None:

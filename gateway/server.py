@@ -1,7 +1,8 @@
 """One gateway process: the HTTP app and the GatewayService on one event loop, sharing one session store.
 
 `start_gateway` asks the inference service (or Envoy in front of it) for the model, loads its
-tokenizer once, and starts both servers; `serve_gateway` runs them until SIGINT/SIGTERM.
+tokenizer once, and starts both servers, as a `GatewayConfig` says; `serve_gateway` (`polar serve
+gateway`) runs them until SIGINT/SIGTERM.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -17,14 +18,14 @@ from aiohttp import web
 
 from gateway.app import create_app
 from gateway.chat_format import get_chat_format
-from gateway.core import DEFAULT_GENERATE_TIMEOUT_S, Gateway, InferenceClient, ModelSpec
+from gateway.core import Gateway, InferenceClient, ModelSpec
 from gateway.dialects.base import Dialect
 from gateway.parsers import get_output_parser
-from gateway.render import History
 from gateway.service import GatewayServicer, start_grpc
 from gateway.sessions import SessionStore
-from polar.grpc_server import until_stop_signal
-from polar.stack import join_host_port
+from polar.config import GatewayConfig
+from polar.grpc_server import serve_until_stopped
+from polar.service import Ready, ServiceError, connectable, join_host_port
 
 # How long start-up waits for the inference service to answer GetModelInfo.
 DEFAULT_STARTUP_TIMEOUT_S = 60.0
@@ -37,7 +38,7 @@ CLOSED_SESSION_RETENTION_S = 3600.0
 SWEEP_INTERVAL_S = 60.0
 
 
-class GatewayStartError(RuntimeError):
+class GatewayStartError(ServiceError):
     """The gateway cannot start (inference unreachable, no tokenizer); the message says why."""
 
 
@@ -49,7 +50,7 @@ class RunningGateway:
     http_host: str
     http_port: int
     grpc_port: int
-    base_url: str  # what harnesses use: the one given to start_gateway (Envoy's), else http_url
+    base_url: str  # what harnesses use: the config's (Envoy's in the stack), else http_url
     _runner: web.AppRunner
     _grpc_server: grpc.aio.Server
     _sweeper: asyncio.Task
@@ -61,11 +62,11 @@ class RunningGateway:
     @property
     def http_url(self) -> str:
         """The gateway's own HTTP address (behind Envoy, what Envoy forwards to)."""
-        return "http://" + join_host_port(_connectable(self.http_host), self.http_port)
+        return "http://" + join_host_port(connectable(self.http_host), self.http_port)
 
     @property
     def grpc_address(self) -> str:
-        return join_host_port(_connectable(self.http_host), self.grpc_port)
+        return join_host_port(connectable(self.http_host), self.grpc_port)
 
     async def stop(self) -> None:
         self._sweeper.cancel()
@@ -75,31 +76,27 @@ class RunningGateway:
 
 
 async def start_gateway(
-    inference_address: str,
+    config: GatewayConfig,
     *,
-    host: str = "127.0.0.1",
-    http_port: int = 0,
     http_socket: socket.socket | None = None,
-    grpc_port: int = 0,
-    chat_format: str = "hermes",
-    parser: str = "hermes",
-    history: History = "faithful",
-    tokenizer_path: str = "",  # a tokenizer folder or a model alias ("tiny"); "" = the one inference names
-    base_url: str = "",  # the URL harnesses use (Envoy's harness listener); "" = the gateway's own
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-    generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
     dialects: Mapping[str, Dialect] | None = None,
 ) -> RunningGateway:
-    """Both servers started and serving; ports 0 pick free ones; `dialects` override the registry's.
+    """Both servers started and serving, as `config` says (its inference_address is required here;
+    its tokenizer may also be a model alias such as "tiny"); ports 0 pick free ones; `dialects`
+    override the registry's.
 
     `http_socket`, a listening socket bound by whoever had to know the port first, is served instead
-    of binding host:http_port; the gateway owns it from then on and closes it when it stops.
+    of binding config's host and port; the gateway owns it from then on and closes it when it stops.
     """
+    host, inference_address = config.host, config.inference_address
     # What is undone, in reverse, should any step fail; nothing once all of them succeeded.
     async with contextlib.AsyncExitStack() as on_failure:
         if http_socket is not None:
             on_failure.callback(http_socket.close)
-        output_parser = get_output_parser(parser)  # unknown names fail before anything starts
+        if not inference_address:
+            raise ValueError("the gateway needs an inference address (GatewayConfig.inference_address)")
+        output_parser = get_output_parser(config.parser)  # unknown names fail before anything starts
         inference = InferenceClient(inference_address)
         on_failure.push_async_callback(inference.close)
         try:
@@ -108,15 +105,15 @@ async def start_gateway(
             raise GatewayStartError(
                 f"no inference service answered on {inference_address} within {startup_timeout_s:g} s: {exc.details()}"
             ) from exc
-        tokenizer = _load_tokenizer(tokenizer_path or info.tokenizer_path, info.name)
+        tokenizer = _load_tokenizer(config.tokenizer or info.tokenizer_path, info.name)
         gateway = Gateway(
-            store=SessionStore(history),
+            store=SessionStore(config.history),
             inference=inference,
             model=ModelSpec(info.name, info.context_length),
-            chat_format=get_chat_format(chat_format, tokenizer),
+            chat_format=get_chat_format(config.chat_format, tokenizer),
             parser=output_parser,
             tokenizer=tokenizer.backend_tokenizer,
-            generate_timeout_s=generate_timeout_s,
+            generate_timeout_s=config.generate_timeout_s,
         )
         runner = web.AppRunner(create_app(gateway, dialects), access_log=None, shutdown_timeout=STOP_GRACE_SECONDS)
         await runner.setup()
@@ -124,12 +121,12 @@ async def start_gateway(
         if http_socket is not None:
             site: web.BaseSite = web.SockSite(runner, http_socket)
         else:
-            site = web.TCPSite(runner, host, http_port, reuse_port=False)
+            site = web.TCPSite(runner, host, config.port, reuse_port=False)
         await site.start()
         bound_http = runner.addresses[0][1]
-        base_url = base_url or "http://" + join_host_port(_connectable(host), bound_http)
+        base_url = config.base_url or "http://" + join_host_port(connectable(host), bound_http)
         servicer = GatewayServicer(gateway.store, base_url=base_url)
-        grpc_server, bound_grpc = await start_grpc(servicer, join_host_port(host, grpc_port))
+        grpc_server, bound_grpc = await start_grpc(servicer, join_host_port(host, config.grpc_port))
         on_failure.pop_all()
     sweeper = asyncio.create_task(_forget_closed_sessions(gateway.store), name="closed-session sweeper")
     return RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server, sweeper)
@@ -141,42 +138,23 @@ async def _forget_closed_sessions(store: SessionStore) -> None:
         store.forget_closed(CLOSED_SESSION_RETENTION_S)
 
 
-async def serve_gateway(
-    inference_address: str,
-    http_host: str,
-    http_port: int,
-    grpc_port: int,
-    chat_format: str,
-    parser: str,
-    history: History,
-    on_ready: Callable[[RunningGateway], None] | None = None,
-    *,
-    http_socket: socket.socket | None = None,
-    tokenizer_path: str = "",
-    base_url: str = "",
-    generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S,
-) -> None:
-    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully; `base_url` is reported to
-    GetNodeStatus as the URL harnesses use (Envoy's harness listener in the stack)."""
-    running = await start_gateway(
-        inference_address,
-        host=http_host,
-        http_port=http_port,
-        http_socket=http_socket,
-        grpc_port=grpc_port,
-        chat_format=chat_format,
-        parser=parser,
-        history=history,
-        tokenizer_path=tokenizer_path,
-        base_url=base_url,
-        generate_timeout_s=generate_timeout_s,
+async def serve_gateway(config: GatewayConfig, ready: Ready, http_socket: socket.socket | None = None) -> None:
+    """`polar serve gateway`: serve until cancelled or SIGINT/SIGTERM, then stop gracefully; the
+    config's base_url is reported to GetNodeStatus as the URL harnesses use."""
+    running = await start_gateway(config, http_socket=http_socket)
+    await serve_until_stopped(running, running.stop, lambda r: ready(r.grpc_port, f"gateway: {describe(r)}"))
+
+
+def describe(running: RunningGateway) -> str:
+    """What a started gateway serves, in one line."""
+    from gateway.dialects import available_dialects
+
+    dialects = ", ".join(available_dialects()) or "none"
+    return (
+        f"{running.gateway.model.name} at {running.http_url} ({dialects}); harness base URL {running.base_url}; "
+        f"GatewayService on {join_host_port(running.http_host, running.grpc_port)}; "
+        f"inference {running.gateway.inference.address}"
     )
-    try:
-        if on_ready is not None:
-            on_ready(running)
-        await until_stop_signal()
-    finally:
-        await running.stop()
 
 
 def _load_tokenizer(path: str, model: str):
@@ -189,7 +167,3 @@ def _load_tokenizer(path: str, model: str):
     from polar.inference.models import ALIASES, resolve_model
 
     return AutoTokenizer.from_pretrained(resolve_model(path) if path in ALIASES else path)
-
-
-def _connectable(host: str) -> str:
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)

@@ -3,7 +3,7 @@
 Thin over `gateway.sessions`; its typed errors become status codes here, and only here:
 
     UnknownSession -> NOT_FOUND    SessionExists -> ALREADY_EXISTS    Draining -> UNAVAILABLE
-    an unknown HistoryPolicy value -> INVALID_ARGUMENT
+    an unknown HistoryPolicy value, a SamplingPolicy out of range -> INVALID_ARGUMENT
 
 `start_grpc` also serves gRPC health checking (overall and `polar.v1.GatewayService`) and server
 reflection, like the inference server.
@@ -15,13 +15,21 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway.sampling import SamplingPolicy
 from gateway.sessions import HISTORY_FROM_PROTO, Draining, SessionExists, SessionStore, UnknownSession
-from polar.grpc_server import bind, new_server, set_serving
+from polar.grpc_server import InvalidArgument, bind, new_server, set_serving, status_codes
 from polar.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
+@status_codes(
+    {
+        UnknownSession: grpc.StatusCode.NOT_FOUND,
+        SessionExists: grpc.StatusCode.ALREADY_EXISTS,
+        Draining: grpc.StatusCode.UNAVAILABLE,
+    }
+)
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     """See GatewayService in gateway.proto for each rpc's contract."""
 
@@ -35,48 +43,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.OpenSessionRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.OpenSessionResponse:
         if request.history not in (gateway_pb2.HISTORY_POLICY_UNSPECIFIED, *HISTORY_FROM_PROTO):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown history policy {request.history}")
-        try:
-            session = self._store.open(
-                session_id=request.session_id,
-                task_id=request.task_id,
-                history=HISTORY_FROM_PROTO.get(request.history),
-                metadata=dict(request.metadata),
-            )
-        except Draining as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except SessionExists as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            raise InvalidArgument(f"unknown history policy {request.history}")
+        sampling = SamplingPolicy.from_proto(request.sampling)
+        if problems := sampling.problems():
+            raise InvalidArgument("; ".join(problems))
+        session = self._store.open(
+            session_id=request.session_id,
+            task_id=request.task_id,
+            history=HISTORY_FROM_PROTO.get(request.history),
+            metadata=dict(request.metadata),
+            sampling=sampling,
+        )
         return gateway_pb2.OpenSessionResponse(session=session.to_proto())
 
     # Unary.
     async def CloseSession(
         self, request: gateway_pb2.CloseSessionRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.CloseSessionResponse:
-        try:
-            session = self._store.close(request.key)
-        except UnknownSession as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        session = self._store.close(request.key)
         return gateway_pb2.CloseSessionResponse(session=session.to_proto())
 
     # Unary.
     async def GetSession(
         self, request: gateway_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetSessionResponse:
-        try:
-            session = self._store.find(request.key)
-        except UnknownSession as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        session = self._store.find(request.key)
         return gateway_pb2.GetSessionResponse(session=session.to_proto(), calls=session.ordered_records())
 
     # Server-streaming.
     async def WatchSession(
         self, request: gateway_pb2.WatchSessionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.WatchSessionResponse]:
-        try:
-            session = self._store.find(request.key)
-        except UnknownSession as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        session = self._store.find(request.key)
         async for record in session.watch():
             yield gateway_pb2.WatchSessionResponse(call=record)
 

@@ -8,6 +8,8 @@ A call's life in its session: `begin_call()` when the prompt is about to go to t
 its id, "c0001", … in arrival order, and counts it in flight), then exactly one `finish_call()` with its
 `CallRecord`, and, when the client received the reply, the `PriorCall` later requests render against.
 A closed session refuses its key for new calls, but calls in flight still finish and are recorded.
+A session may carry its task's `SamplingPolicy` (gateway/sampling.py), which the core applies to each
+call; `sampled_tokens` counts what its calls sampled, as the tokens arrive, for the policy's budget.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 
 from gateway.render import History, PriorCall, PriorCalls
+from gateway.sampling import NO_POLICY, SamplingPolicy
 from polar.v1 import common_pb2, gateway_pb2
 
 # 32 random bytes: far past the 128 bits the contract asks for, and URL-safe for `?key=`.
@@ -70,12 +73,15 @@ class Session:
     history: History = "faithful"
     task_id: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict)
+    sampling: SamplingPolicy = NO_POLICY
     opened_unix_ns: int = field(default_factory=time.time_ns)
     closed_unix_ns: int = 0
     records: list[common_pb2.CallRecord] = field(default_factory=list)
     # Calls whose reply the client received, in completion order: what later prompts extend.
     prior_calls: PriorCalls = field(default_factory=PriorCalls)
     in_flight: int = 0
+    # Tokens sampled by the session's calls so far, those in flight included (the policy's budget).
+    sampled_tokens: int = 0
     _calls_begun: int = 0
     _watchers: list[asyncio.Queue[common_pb2.CallRecord | None]] = field(default_factory=list)
 
@@ -92,6 +98,10 @@ class Session:
         self._calls_begun += 1
         self.in_flight += 1
         return call_id_for(self._calls_begun)
+
+    def count_sampled(self, tokens: int) -> None:
+        """A call of this session received `tokens` more sampled tokens from the engine."""
+        self.sampled_tokens += tokens
 
     def finish_call(self, record: common_pb2.CallRecord, prior: PriorCall | None = None) -> None:
         self.in_flight -= 1
@@ -122,6 +132,7 @@ class Session:
             closed_unix_ns=self.closed_unix_ns,
             history=HISTORY_TO_PROTO[self.history],
             metadata=dict(self.metadata),
+            sampling=self.sampling.to_proto(),
         )
 
     async def watch(self) -> AsyncIterator[common_pb2.CallRecord]:
@@ -167,13 +178,17 @@ class SessionStore:
         task_id: str = "",
         history: History | None = None,
         metadata: Mapping[str, str] | None = None,
+        sampling: SamplingPolicy = NO_POLICY,
     ) -> Session:
-        """A new session; `history` None takes the gateway's default policy."""
+        """A new session; `history` None takes the gateway's default policy; `sampling` is applied to
+        every call (ValueError naming each field out of range)."""
         if self.draining:
             raise Draining("the gateway is draining: it opens no new sessions")
         history = history or self.default_history
         if history not in ("faithful", "template"):
             raise ValueError(f"history must be 'faithful' or 'template', not {history!r}")
+        if problems := sampling.problems():
+            raise ValueError("; ".join(problems))
         if session_id and session_id in self._by_id:
             raise SessionExists(f"a session with id {session_id!r} already exists")
         key = new_key()
@@ -183,6 +198,7 @@ class SessionStore:
             history=history,
             task_id=task_id,
             metadata=dict(metadata or {}),
+            sampling=sampling,
         )
         self._by_key[key] = session
         self._by_id[session.session_id] = session

@@ -26,13 +26,14 @@ import grpc
 
 from gateway.dialects.base import Dialect
 from gateway.render import History
+from gateway.sampling import NO_POLICY, SamplingPolicy
 from gateway.server import RunningGateway, start_gateway
-from polar.config import EnvoyConfig
+from polar.config import EnvoyConfig, GatewayConfig
 from polar.envoy import RunningEnvoy, running_async
 from polar.inference.engines.base import Engine
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
-from polar.stack import join_host_port, listening_socket
+from polar.service import join_host_port, listening_socket
 from polar.v1 import common_pb2
 
 STOP_GRACE_SECONDS = 1.0
@@ -63,9 +64,11 @@ class GatewayHandle:
         """host:port of the GatewayService."""
         return self.running.grpc_address
 
-    def open_session(self, *, task_id: str = "", history: History | None = None) -> str:
-        """A new session's key."""
-        return self.running.store.open(task_id=task_id, history=history).key
+    def open_session(
+        self, *, task_id: str = "", history: History | None = None, sampling: SamplingPolicy = NO_POLICY
+    ) -> str:
+        """A new session's key; `sampling` is its task's policy."""
+        return self.running.store.open(task_id=task_id, history=history, sampling=sampling).key
 
     def close_session(self, key: str | None = None) -> None:
         self.running.store.close(key or self.key)
@@ -113,16 +116,17 @@ async def running_gateway(
             proxy = await stack.enter_async_context(running_async(TEST_ENVOY, [address], gateway_http))
             gateway_inference = join_host_port(HOST, proxy.inference_port)
             base_url = "http://" + join_host_port(HOST, proxy.harness_port)
-        running = await start_gateway(
-            gateway_inference,
+        config = GatewayConfig(
             host=HOST,
-            http_socket=http_socket,
-            base_url=base_url,
+            port=0,
+            grpc_port=0,
             chat_format=chat_format,
             parser=parser,
             history=history,
-            dialects=dialects,
+            inference_address=gateway_inference,
+            base_url=base_url,
         )
+        running = await start_gateway(config, http_socket=http_socket, dialects=dialects)
         stack.push_async_callback(running.stop)
         key = running.store.open(task_id="test").key
         yield GatewayHandle(running, address, inference_server, engine, key, proxy)

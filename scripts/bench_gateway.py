@@ -69,7 +69,8 @@ import grpc
 from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig
 from polar.envoy import render_config
 from polar.envoy import running as running_envoy
-from polar.stack import Service, gateway_spec, inference_spec, join_host_port, listening_socket, running
+from polar.service import join_host_port, listening_socket
+from polar.stack import Service, gateway_spec, inference_spec, running
 from polar.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

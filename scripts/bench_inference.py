@@ -36,7 +36,8 @@ from pathlib import Path
 import grpc
 
 from polar.config import InferenceConfig
-from polar.stack import Service, inference_spec, join_host_port, running
+from polar.service import join_host_port
+from polar.stack import Service, inference_spec, running
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

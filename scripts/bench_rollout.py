@@ -58,7 +58,8 @@ from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig
 from polar.envoy import render_config
 from polar.envoy import running as running_envoy
 from polar.rollout.server import MAX_MESSAGE_BYTES
-from polar.stack import inference_spec, join_host_port, listening_socket, node_spec, rollout_spec, running
+from polar.service import join_host_port, listening_socket
+from polar.stack import inference_spec, node_spec, rollout_spec, running
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent

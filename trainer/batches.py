@@ -12,8 +12,10 @@ at 0 for each sequence, from which Hugging Face models (and ``sequence_lengths``
 take cu_seqlens) build a block-diagonal causal mask, so sequences in one row never attend to each
 other. Hugging Face does so only when called with ``attention_mask=None`` and ``use_cache=False``:
 its default (a KV cache, in train mode too) silently ignores the restarts and lets a row's sequences
-attend to the ones before them. ``pad`` puts one sequence per row, padded to the longest of its micro-batch: the layout to
-compare against.
+attend to the ones before them.
+
+``pad`` puts one sequence per row, padded to the longest of its micro-batch: the layout to compare
+against (the padded positions cost compute and teach nothing).
 
 Both layouts drop sequences with no trainable token: they add nothing to the gradient, only compute.
 The caller counts them if it reports them (``sequence.trainable_tokens == 0``).

@@ -22,6 +22,10 @@ from trainer.rollout_link import Dataset, GroupStream, RolloutLink
 POLL_S = 0.5
 
 
+class EvaluationStopped(Exception):
+    """The evaluation was asked to stop before every group was released."""
+
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Probability that at least one of k sessions drawn from n (c of which passed) passes."""
     if not 0 <= c <= n or not 0 < k <= n:
@@ -91,7 +95,7 @@ def evaluate(config: TrainerConfig, rollout_address: str, model: str, stop: thre
         out.flush()
         while len(results) < len(tasks):
             if stop.is_set():
-                raise KeyboardInterrupt
+                raise EvaluationStopped
             group = stream.next(POLL_S)
             if group is None:
                 continue

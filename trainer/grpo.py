@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
+from torch.autograd.function import once_differentiable
 
 from polar.inference.sampling import batched_processed_logprobs, to_device
 
@@ -60,7 +60,8 @@ def group_advantages(
     The baseline is the group mean, or with ``leave_one_out`` the mean of the other G-1 rewards (an
     unbiased baseline: it does not depend on r_i; a group of one has no other reward and gets 0).
     ``scale="std"`` divides by the group's population std plus ``eps``; ``"none"`` keeps the
-    centred reward (Dr. GRPO: no per-group rescaling, so easy and hard tasks weigh the same).
+    centred reward in reward units (Dr. GRPO: dividing by the std up-weights the groups whose rewards
+    barely vary, the tasks nearly always or nearly never solved).
     Computed in float64, returned in the rewards' float dtype (float32 for integer rewards).
     """
     if scale not in ADVANTAGE_SCALES:
@@ -69,7 +70,7 @@ def group_advantages(
     rewards = _check_rewards(rewards)  # [G] fp64
     size = rewards.numel()
     if is_degenerate(rewards):
-        return torch.zeros(size, dtype=dtype)
+        return torch.zeros_like(rewards, dtype=dtype)
     if leave_one_out:
         baseline = (rewards.sum() - rewards) / (size - 1)  # [G]; size > 1 as the group varies
     else:
@@ -92,50 +93,53 @@ def _truncating_rows(vocab: int, temperature: torch.Tensor, top_k: torch.Tensor,
     return sampled & (has_top_k | has_top_p)
 
 
-class _TemperedLogprob(torch.autograd.Function):
-    """log softmax(logits / T)[target] per row, computed chunk by chunk in fp32.
+class _SampledLogprob(torch.autograd.Function):
+    """The engine's logprob of each target, computed and differentiated one chunk of rows at a time.
 
-    Autograd through ``log_softmax`` would keep an fp32 [N, V] tensor alive until backward, however
-    the rows were chunked. This function keeps only the logits (already alive: the model made them)
-    and one logsumexp per row, and rebuilds each chunk's softmax in backward:
-    d logprob / d logits = (onehot(target) - softmax(logits / T)) / T.
+    Plain autograd would keep fp32 [N, V] temporaries alive until backward, however the rows were
+    chunked. This function keeps only the logits (alive anyway: the model made them) and two numbers
+    per row: the logsumexp of the kept scaled logits and the truncation threshold. The engine keeps
+    exactly the tokens whose scaled logit reaches a threshold, so backward rebuilds each chunk's
+    distribution from the logits and those two numbers:
+    d logprob / d logits = (onehot(target) - softmax over the kept tokens) / T.
     """
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, chunk_rows):
-        # logits [N, V] any float dtype; targets [N] int64; temperature [N] fp32 > 0, on logits' device
+    def forward(ctx, logits, targets, temperature, top_k, top_p, chunk_rows, chunk_truncates):
+        # logits [N, V]; targets [N] int64 and temperature [N] fp32 on logits' device; top_k, top_p [N]
+        scale = torch.where(temperature > 0, temperature, 1.0)  # [N]: greedy rows use T = 1
         rows = logits.shape[0]
         logsumexp = torch.empty(rows, dtype=torch.float32, device=logits.device)  # [N]
-        picked = torch.empty(rows, dtype=torch.float32, device=logits.device)  # [N]
-        for start in range(0, rows, chunk_rows):
+        threshold = torch.full_like(logsumexp, -torch.inf)  # [N]: lowest kept scaled logit
+        logprobs = torch.empty_like(logsumexp)  # [N]
+        for start, truncates in zip(range(0, rows, chunk_rows), chunk_truncates):
             chunk = slice(start, start + chunk_rows)
-            scaled = logits[chunk].float() / temperature[chunk, None]  # [C, V]
+            scaled = logits[chunk].float() / scale[chunk, None]  # [C, V]
+            if truncates:
+                processed = batched_processed_logprobs(
+                    logits[chunk].float(), temperature[chunk], top_k[chunk], top_p[chunk]
+                )  # [C, V], -inf where truncated
+                dropped = processed.isinf()
+                threshold[chunk] = scaled.masked_fill(dropped, torch.inf).amin(-1)
+                scaled.masked_fill_(dropped, -torch.inf)
             logsumexp[chunk] = scaled.logsumexp(-1)
-            picked[chunk] = scaled.gather(-1, targets[chunk, None]).squeeze(-1)
-        ctx.save_for_backward(logits, targets, temperature, logsumexp)
+            logprobs[chunk] = scaled.gather(-1, targets[chunk, None]).squeeze(-1) - logsumexp[chunk]
+        ctx.save_for_backward(logits, targets, scale, logsumexp, threshold)
         ctx.chunk_rows = chunk_rows
-        return picked - logsumexp
+        return logprobs
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_logprobs):
-        logits, targets, temperature, logsumexp = ctx.saved_tensors
+        logits, targets, scale, logsumexp, threshold = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)  # [N, V]
         for start in range(0, logits.shape[0], ctx.chunk_rows):
             chunk = slice(start, start + ctx.chunk_rows)
-            scaled = logits[chunk].float() / temperature[chunk, None]  # [C, V]
-            grad = (scaled - logsumexp[chunk, None]).exp_().neg_()  # [C, V] = -softmax
-            grad.scatter_add_(-1, targets[chunk, None], torch.ones_like(grad[:, :1]))
-            grad *= (grad_logprobs[chunk] / temperature[chunk])[:, None]
-            grad_logits[chunk] = grad
-        return grad_logits, None, None, None
-
-
-def _processed_target_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """[C] logprobs of targets [C] under the engine's truncated distribution of logits [C, V]."""
-    logprobs = batched_processed_logprobs(logits.float(), temperature, top_k, top_p)  # [C, V]
-    return logprobs.gather(-1, targets[:, None]).squeeze(-1)
+            scaled = logits[chunk].float() / scale[chunk, None]  # [C, V]
+            probs = (scaled - logsumexp[chunk, None]).exp_().masked_fill_(scaled < threshold[chunk, None], 0)
+            grad = probs.neg_().scatter_add_(-1, targets[chunk, None], torch.ones_like(probs[:, :1]))  # [C, V]
+            grad_logits[chunk] = grad * (grad_logprobs[chunk] / scale[chunk])[:, None]
+        return grad_logits, None, None, None, None, None, None
 
 
 def token_logprobs(
@@ -150,10 +154,10 @@ def token_logprobs(
 
     logits [N, V] (any float dtype, upcast to fp32 a chunk at a time); temperature, top_k, top_p [N]
     (any device). Greedy rows (temperature 0) use T = 1 and no truncation, as the engine's contract
-    says. Differentiable w.r.t. logits. Rows the engine did not truncate take a fast path, log
-    softmax(logits / T) with a hand-written backward; chunks holding a truncated row go through the
-    engine's own ``batched_processed_logprobs``, recomputed in backward (activation checkpointing),
-    so at most one chunk's fp32 [chunk_rows, V] temporaries exist at a time on either path.
+    says. Differentiable w.r.t. logits. A chunk of ``chunk_rows`` rows with no truncated row takes the
+    fast path, log softmax(logits / T); any other chunk also runs the engine's own
+    ``batched_processed_logprobs`` (forward only) to learn which tokens it keeps. Either way at most
+    one chunk's fp32 [chunk_rows, V] temporaries exist at a time, in forward and in backward.
 
     A target the trainer's distribution truncates away gets -inf: the trainer's logits put it just
     outside the engine's top-k / top-p set (they should match the engine's logits closely).
@@ -161,25 +165,12 @@ def token_logprobs(
     rows, vocab = logits.shape
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    truncated_rows = _truncating_rows(vocab, temperature, top_k, top_p).nonzero().squeeze(-1).cpu()  # one sync
+    chunks = -(-rows // chunk_rows)
+    chunk_truncates = tuple((torch.bincount(truncated_rows // chunk_rows, minlength=chunks) > 0).tolist())
     targets = to_device(targets.long(), logits.device)
-    scale = to_device(torch.where(temperature > 0, temperature, 1.0).float(), logits.device)  # [N]
-    truncated_rows = _truncating_rows(vocab, temperature, top_k, top_p).nonzero().squeeze(-1).cpu()
-    if truncated_rows.numel() == 0:
-        return _TemperedLogprob.apply(logits, targets, scale, chunk_rows)
-    chunks = range(0, rows, chunk_rows)
-    chunk_truncates = torch.bincount(truncated_rows // chunk_rows, minlength=len(chunks)).tolist()
-    parts = []
-    for start, truncates in zip(chunks, chunk_truncates):
-        chunk = slice(start, start + chunk_rows)
-        if not truncates:
-            parts.append(_TemperedLogprob.apply(logits[chunk], targets[chunk], scale[chunk], chunk_rows))
-            continue
-        args = (logits[chunk], targets[chunk], temperature[chunk], top_k[chunk], top_p[chunk])
-        if torch.is_grad_enabled() and logits.requires_grad:
-            parts.append(checkpoint(_processed_target_logprobs, *args, use_reentrant=False))
-        else:
-            parts.append(_processed_target_logprobs(*args))
-    return torch.cat(parts)
+    temperature = to_device(temperature.float(), logits.device)
+    return _SampledLogprob.apply(logits, targets, temperature, top_k, top_p, chunk_rows, chunk_truncates)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -188,13 +179,18 @@ def token_logprobs(
 
 @dataclass(frozen=True)
 class LossConfig:
-    clip_low: float = 0.2  # the ratio is clipped below at 1 - clip_low (PPO's epsilon)
-    clip_high: float = 0.28  # ... and above at 1 + clip_high: a wider upper bound (DAPO's clip-higher)
-    # lets unlikely tokens with positive advantage grow, which keeps the policy's entropy from collapsing
-    importance_cap: float = 2.0  # truncation of exp(old - behaviour), the trainer/inference mismatch
-    # and staleness correction: a token the engine found far less likely than the trainer does cannot
-    # dominate the step
-    kl_coef: float = 0.0  # weight of the k3 KL estimate against the reference policy; 0: no reference
+    """The GRPO loss's knobs."""
+
+    # The ratio is clipped to [1 - clip_low, 1 + clip_high] (PPO's epsilon, made asymmetric).
+    clip_low: float = 0.2
+    # A wider upper bound (DAPO's clip-higher) lets unlikely tokens with a positive advantage grow,
+    # which keeps the policy's entropy from collapsing.
+    clip_high: float = 0.28
+    # Truncation of exp(old - behaviour), the correction for trainer/inference mismatch and staleness:
+    # a token the engine found far less likely than the trainer does cannot dominate the step.
+    importance_cap: float = 2.0
+    # Weight of the k3 KL estimate against the reference policy; 0: no reference needed.
+    kl_coef: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.clip_low < 1:
@@ -216,7 +212,8 @@ class LossStats:
     kl_weighted: torch.Tensor  # sum of token weight * k3; 0 without a reference
     is_weight_mean: torch.Tensor  # token-weighted mean of the truncated importance weight
     ratio_max: torch.Tensor  # largest policy ratio among weighted tokens; 0 when there is none
-    tokens: torch.Tensor  # positions with a nonzero token weight
+    tokens: torch.Tensor  # positions with a nonzero token weight, in the policy's support
+    outside_support: torch.Tensor  # weighted positions whose token the policy can no longer sample
 
 
 def policy_loss(
@@ -230,15 +227,26 @@ def policy_loss(
 ) -> tuple[torch.Tensor, LossStats]:
     """The micro-batch's share of the step loss: ``sum(token_weights * per_token)``, and its stats.
 
+    ratio = exp(logprobs - old);  is_weight = min(exp(old - behaviour), importance_cap)
+    per_token = -is_weight * min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)
+                + kl_coef * k3,  k3 = exp(ref - logprobs) - (ref - logprobs) - 1
+
     Every input is [N] over the micro-batch's target positions. ``logprobs`` is the current policy's
     (differentiable); ``old_logprobs`` the policy's at the start of the step (detached);
     ``behaviour_logprobs`` what the engine recorded; ``ref_logprobs`` the reference policy's, needed
     when ``config.kl_coef > 0``. Positions whose token weight is 0 contribute nothing, not even a NaN:
     every input is selected with ``torch.where`` before any arithmetic.
+
+    Under truncated sampling (top-p, top-k) a sampled token can lie outside the policy's current
+    support: the weights moved since it was sampled, or it sat on the nucleus boundary. Its logprob
+    is then -inf, its importance weight exp(old - behaviour) is 0, and it contributes nothing; such
+    positions are left out like unweighted ones (counted in ``outside_support``), so no -inf - -inf
+    turns into a NaN.
     """
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
-    weighted = token_weights != 0  # [N]
+    in_support = torch.isfinite(logprobs.detach()) & torch.isfinite(old_logprobs.detach())  # [N]
+    weighted = (token_weights != 0) & in_support  # [N]
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     weights = torch.where(weighted, token_weights, zero)  # [N]
     logp = torch.where(weighted, logprobs, zero)  # [N]
@@ -273,6 +281,7 @@ def policy_loss(
         is_weight_mean=((weights * is_weight).sum() / weight_sum.clamp(min=1e-30)).detach(),
         ratio_max=torch.where(weighted, ratio, zero).max().detach() if ratio.numel() else zero,
         tokens=weighted.sum(),
+        outside_support=((token_weights != 0) & ~in_support).sum(),
     )
     return loss, stats
 
@@ -280,14 +289,16 @@ def policy_loss(
 def merge_stats(stats: Sequence[LossStats]) -> dict[str, float]:
     """One step's statistics from its micro-batches' (one device sync); ratios of sums over the step."""
     if not stats:
-        return dict.fromkeys(("weight_sum", "tokens", "clip_fraction", "kl", "is_weight_mean", "ratio_max"), 0.0)
+        keys = ("weight_sum", "tokens", "clip_fraction", "kl", "is_weight_mean", "ratio_max", "outside_support")
+        return dict.fromkeys(keys, 0.0)
     rows = [
         torch.stack([s.weight_sum, s.clipped_weight, s.kl_weighted, s.is_weight_mean * s.weight_sum,
-                     s.ratio_max.to(s.weight_sum.dtype), s.tokens.to(s.weight_sum.dtype)])
+                     s.ratio_max.to(s.weight_sum.dtype), s.tokens.to(s.weight_sum.dtype),
+                     s.outside_support.to(s.weight_sum.dtype)])
         for s in stats
     ]
-    values = torch.stack(rows).double().cpu()  # [micro-batches, 6]
-    weight_sum, clipped, kl, is_weighted, _, tokens = values.sum(0).tolist()
+    values = torch.stack(rows).double().cpu()  # [micro-batches, 7]
+    weight_sum, clipped, kl, is_weighted, _, tokens, outside = values.sum(0).tolist()
     per_weight = 1 / weight_sum if weight_sum > 0 else 0.0
     return {
         "weight_sum": weight_sum,
@@ -296,6 +307,7 @@ def merge_stats(stats: Sequence[LossStats]) -> dict[str, float]:
         "kl": kl * per_weight,
         "is_weight_mean": is_weighted * per_weight,
         "ratio_max": float(values[:, 4].max()),
+        "outside_support": outside,
     }
 
 
@@ -332,7 +344,8 @@ def trace_token_weights(traces: Sequence[TraceWeighting], aggregation: str = "to
     Traces with no trainable token get 0, and a session with none does not count in the normaliser,
     so ``sum(coefficient * trainable_tokens) == 1`` unless the whole step has nothing to train on
     (then every coefficient is 0). A session with trainable tokens whose trace weights sum to 0 is an
-    error: an unset Trace.weight would otherwise silently drop the session from training.
+    error: an unset Trace.weight would otherwise silently drop the session from training. Pass the
+    whole step at once: the coefficients are normalised over it.
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"unknown aggregation {aggregation!r}; expected one of {AGGREGATIONS}")

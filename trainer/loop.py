@@ -68,7 +68,7 @@ class StepBatch:
     rewards: list[float]
     sequences_per_update: list[list[TrainSequence]]
     degenerate_groups: int
-    stale_dropped: int
+    stale_dropped: list[str]  # task ids of the groups dropped as too stale
     truncated_skipped: int
     max_staleness: int
 
@@ -79,6 +79,12 @@ def stale_lag(group: Group, policy_version: int) -> int:
         policy_version - t.min_policy_version for t in group.trajectories if any(tr.loss_mask for tr in t.traces)
     ]
     return max(lags, default=0)
+
+
+def too_stale(group: Group, policy_version: int, config: TrainerConfig) -> bool:
+    """Whether the group is dropped: sampled more than max_staleness versions ago, with stale_groups
+    = "drop" (with "keep" it is trained on, its importance weights correcting for the old policy)."""
+    return config.stale_groups == "drop" and stale_lag(group, policy_version) > config.max_staleness
 
 
 def check_faithful(group: Group) -> None:
@@ -258,22 +264,24 @@ class TrainingRun:
 
     def _collect(self, stream: GroupStream, existing: set[str]) -> StepBatch:
         """groups_per_step usable groups from the stream (stale ones handled per stale_groups)."""
-        groups, dropped, lag_max, taken, cursor = [], 0, 0, 0, self.state.cursor
+        groups, dropped, lag_max, taken, cursor = [], [], 0, 0, self.state.cursor
         while len(groups) < self.config.groups_per_step:
             if self.stop.is_set():
                 raise StopRequested
             group = stream.next(GROUP_POLL_S)
             if group is None:
                 continue
-            taken, cursor = taken + 1, group.cursor
-            lag = stale_lag(group, self.state.policy_version)
-            if lag > self.config.max_staleness and self.config.stale_groups == "drop":
-                dropped += 1
+            cursor = group.cursor
+            if not self.dataset.owns(group.trajectories[0].task_id):
+                continue  # another run's group on a shared rollout server: passed over, not consumed
+            taken += 1
+            if too_stale(group, self.state.policy_version, self.config):
+                dropped.append(group.trajectories[0].task_id)
                 # A dropped group is replaced by another submission, so the step still fills.
                 self._top_up(existing, taken)
                 continue
             check_faithful(group)
-            lag_max = max(lag_max, lag)
+            lag_max = max(lag_max, stale_lag(group, self.state.policy_version))
             groups.append(group)
         rewards_per_group = [np.array([t.reward for t in g.trajectories], dtype=np.float64) for g in groups]
         advantages = [
@@ -360,7 +368,7 @@ class TrainingRun:
             "trainable_tokens": sum(r.trainable_tokens for r in results),
             "groups": len(batch.groups),
             "groups_degenerate": batch.degenerate_groups,
-            "groups_stale_dropped": batch.stale_dropped,
+            "groups_stale_dropped": len(batch.stale_dropped),
             "traces_truncated_skipped": batch.truncated_skipped,
             "staleness_max": batch.max_staleness,
             "trajectories": batch.trajectories,
@@ -369,6 +377,10 @@ class TrainingRun:
             "seconds_weight_sync": sync.seconds,
             "weight_sync_gbps": sync.bytes_sent / sync.seconds / 1e9 if sync.seconds > 0 else 0.0,
             "elapsed_s": elapsed,
+            # Which groups the step took (trained on, then dropped), so a resumed run can be checked
+            # to neither repeat nor skip one.
+            "task_ids": [g.trajectories[0].task_id for g in batch.groups],
+            "task_ids_dropped": batch.stale_dropped,
         }
         with self.status_lock:
             self.last_metrics = row

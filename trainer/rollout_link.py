@@ -59,6 +59,11 @@ class Dataset:
     def task_id(self, n: int) -> str:
         return f"{self.prefix}-{n:06d}"
 
+    def owns(self, task_id: str) -> bool:
+        """Whether a task id is one this dataset's run submitted (a rollout server may hold others)."""
+        head, _, number = task_id.rpartition("-")
+        return head == self.prefix and number.isdigit()
+
     def task(self, n: int) -> rollout_pb2.Task:
         """The n-th task the run submits (0-based)."""
         epoch, index = divmod(n, len(self.tasks))

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
 
 from polar.config import TrainerConfig
 from polar.grpc_server import bind, new_server, set_serving, until_stop_signal
+from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer.backends.base import Backend, BackendError
+from trainer.batches import TraceTooLongError
 from trainer.checkpoints import CheckpointError
-from trainer.loop import TrainingRun
+from trainer.loop import TrainingError, TrainingRun
+from trainer.rollout_link import DatasetError, RolloutError
+from trainer.weight_sync import WeightSyncError
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
 STOP_GRACE_SECONDS = 2.0
@@ -109,33 +113,31 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         )
 
 
-async def serve_trainer(
-    config: TrainerConfig,
-    run_dir: Path,
-    rollout_address: str,
-    inference_addresses: Sequence[str],
-    on_ready: Callable[[int], None] | None = None,
-) -> None:
-    """Load the model, serve TrainerService, train to the end or until SIGINT/SIGTERM."""
-    run = await asyncio.to_thread(
-        TrainingRun, config, run_dir, rollout_address, inference_addresses, create_backend, sys.stdout
-    )
+async def serve_trainer(config: TrainerConfig, ready: Ready, rollout_address: str, inference: Sequence[str]) -> None:
+    """`polar serve trainer`: load the model (or the run's latest checkpoint), serve TrainerService,
+    train until the configured steps are done or SIGINT/SIGTERM arrives."""
+    try:
+        run = await asyncio.to_thread(
+            TrainingRun, config, Path(config.run_dir), rollout_address, list(inference), create_backend, sys.stdout
+        )
+    except (BackendError, CheckpointError, DatasetError) as exc:
+        raise ServiceError(str(exc)) from None
     server, health = new_server(SERVICE_NAME)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(run), server)
-    port = bind(server, f"{config.host}:{config.port}", "the trainer")
+    port = bind(server, join_host_port(config.host, config.port), "the trainer")
     await set_serving(health, SERVICE_NAME)
     await server.start()
     try:
-        if on_ready is not None:
-            on_ready(port)
+        ready(port, f"trainer: {run.backend.name} backend on {run.backend.model_description['model_type']} "
+                    f"({config.model}), run folder {config.run_dir}; TrainerService on {join_host_port(config.host, port)}")  # fmt: skip
         training = asyncio.ensure_future(asyncio.to_thread(run.run))
         stopping = asyncio.ensure_future(until_stop_signal())
         await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)
         run.stop.set()
         stopping.cancel()
-        await training  # raises what the loop raised
+        try:
+            await training
+        except (TrainingError, RolloutError, WeightSyncError, TraceTooLongError) as exc:
+            raise ServiceError(f"training stopped: {exc}") from None
     finally:
         await server.stop(STOP_GRACE_SECONDS)
-
-
-__all__ = ["CheckpointError", "TrainerServicer", "create_backend", "serve_trainer"]

@@ -45,7 +45,6 @@ the context says `prompt is too long`, which Claude Code looks for to compact it
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
@@ -63,6 +62,7 @@ from gateway.dialects.base import (
     Usage,
     sse,
 )
+from gateway.dialects.validation import INT32_MAX, Checks, Wording
 from gateway.parsers import (
     ParsedOutput,
     ParseEvent,
@@ -75,7 +75,6 @@ from gateway.parsers import (
 from polar.v1 import common_pb2
 
 COUNT_TOKENS_SUFFIX = "/messages/count_tokens"
-INT32_MAX = 2**31 - 1  # max_tokens and top_k travel as int32 to the inference server
 # Blocks that exist in the Messages API but belong to one role only: misplaced, they are a plain 400,
 # whereas any other unknown type is content this text-only gateway does not serve.
 _ROLE_BLOCKS = {
@@ -86,70 +85,33 @@ _MISPLACED_BLOCKS = {"tool_use", "tool_result", "thinking", "redacted_thinking"}
 
 
 # ---------------------------------------------------------------------------------------------------
-# Validation helpers: each raises GatewayError naming the field in Anthropic's dotted path notation.
+# Validation: the shared checks, worded as Anthropic's errors; the path is put before the message by
+# _error_body, so a message here is only what is wrong (`expected a string`).
 # ---------------------------------------------------------------------------------------------------
 
 
-def _invalid(param: str | None, message: str) -> GatewayError:
-    return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param)
+class _Wording(Wording):
+    def wrong_type(self, path: str, expected: str, value: Any) -> str:
+        article = "an" if expected[0] in "aeiou" else "a"
+        return f"expected {article} {expected}"
+
+    def missing(self, path: str, expected: str) -> str:
+        return "field required"
+
+    def bad_value(self, path: str, reason: str) -> str:
+        return reason
+
+    def duplicate_tool(self, path: str, name: str) -> str:
+        return f"tool names must be unique; {name!r} is repeated"
 
 
-def _string(value: Any, param: str, *, nonempty: bool = False) -> str:
-    if not isinstance(value, str):
-        raise _invalid(param, "expected a string")
-    if nonempty and not value:
-        raise _invalid(param, "must not be empty")
-    return value
-
-
-def _object(value: Any, param: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _invalid(param, "expected an object")
-    return value
-
-
-def _array(value: Any, param: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _invalid(param, "expected an array")
-    return value
-
-
-def _boolean(value: Any, param: str) -> bool:
-    if not isinstance(value, bool):
-        raise _invalid(param, "expected a boolean")
-    return value
-
-
-def _integer(value: Any, param: str, low: int, high: int) -> int:
-    # JSON has one number type; 5.0 is the integer 5, but a bool is not a number.
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _invalid(param, "expected an integer")
-    if not low <= value <= high:
-        raise _invalid(param, f"must be between {low} and {high}")
-    return value
-
-
-def _number(value: Any, param: str, low: float, high: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _invalid(param, "expected a number")
-    # Compared without converting: NaN and infinities (Python's json reads them) fail the range, and an
-    # integer too large for a float does not overflow.
-    if not low <= value <= high:
-        raise _invalid(param, f"must be between {low:g} and {high:g}")
-    return float(value)
-
-
-def _optional(body: dict[str, Any], key: str, check: Callable[[Any, str], Any]) -> Any:
-    """`check(body[key], key)`, or None when the field is absent or null."""
-    value = body.get(key)
-    return None if value is None else check(value, key)
+_check = Checks(_Wording())
+_invalid = _check.invalid
 
 
 def _block_type(block: Any, param: str) -> tuple[dict[str, Any], str]:
-    block = _object(block, param)
-    return block, _string(block.get("type"), f"{param}.type", nonempty=True)
+    block = _check.object(block, param)
+    return block, _check.string(block.get("type"), f"{param}.type", nonempty=True)
 
 
 def _unsupported(kind: str, param: str) -> GatewayError:
@@ -166,11 +128,11 @@ def _text(value: Any, param: str) -> str:
     if isinstance(value, str):
         return value
     parts = []
-    for j, block in enumerate(_array(value, param)):
+    for j, block in enumerate(_check.array(value, param)):
         block, kind = _block_type(block, f"{param}.{j}")
         if kind != "text":
             raise _unsupported(kind, f"{param}.{j}.type")
-        parts.append(_string(block.get("text"), f"{param}.{j}.text"))
+        parts.append(_check.string(block.get("text"), f"{param}.{j}.text"))
     return "\n".join(parts)
 
 
@@ -181,14 +143,12 @@ def _text(value: Any, param: str) -> str:
 
 def _conversation(body: dict[str, Any], tools: tuple[ToolSpec, ...], choice: ToolChoice) -> Conversation:
     system = [_text(body["system"], "system")] if body.get("system") is not None else []
-    if "messages" not in body:
-        raise _invalid("messages", "field required")
     turns: list[Message] = []
     tool_names: dict[str, str] = {}  # tool_use id → name, so a tool turn can say which function answered
-    for i, raw in enumerate(_array(body["messages"], "messages")):
+    for i, raw in enumerate(_check.array(body.get("messages"), "messages")):
         param = f"messages.{i}"
-        raw = _object(raw, param)
-        role = _string(raw.get("role"), f"{param}.role")
+        raw = _check.object(raw, param)
+        role = _check.string(raw.get("role"), f"{param}.role")
         if "content" not in raw:
             raise _invalid(f"{param}.content", "field required")
         content = raw["content"]
@@ -220,7 +180,7 @@ def _user_turns(content: Any, param: str, tool_names: dict[str, str]) -> list[Me
             turns.append(Message("user", "\n".join(texts)))
             texts.clear()
 
-    blocks = _array(content, param)
+    blocks = _check.array(content, param)
     if not blocks:
         # Anthropic refuses a user message without blocks; taken as an empty prompt turn here, it
         # would put a turn the real API never accepts into the recorded trajectory.
@@ -229,12 +189,12 @@ def _user_turns(content: Any, param: str, tool_names: dict[str, str]) -> list[Me
         block, kind = _block_type(block, f"{param}.{j}")
         _check_role(kind, "user", f"{param}.{j}.type")
         if kind == "text":
-            texts.append(_string(block.get("text"), f"{param}.{j}.text"))
+            texts.append(_check.string(block.get("text"), f"{param}.{j}.text"))
             continue
         flush()
-        call_id = _string(block.get("tool_use_id"), f"{param}.{j}.tool_use_id", nonempty=True)
+        call_id = _check.string(block.get("tool_use_id"), f"{param}.{j}.tool_use_id", nonempty=True)
         result = "" if block.get("content") is None else _text(block["content"], f"{param}.{j}.content")
-        _optional(block, "is_error", lambda value, key: _boolean(value, f"{param}.{j}.{key}"))
+        _check.field(block, "is_error", "boolean", f"{param}.{j}.is_error")
         turns.append(Message("tool", result, tool_call_id=call_id, name=tool_names.get(call_id, "")))
     flush()
     return turns
@@ -246,19 +206,19 @@ def _assistant_turn(content: Any, param: str) -> Message:
     text: list[str] = []
     reasoning: list[str] = []
     calls: list[ToolCall] = []
-    for j, block in enumerate(_array(content, param)):
+    for j, block in enumerate(_check.array(content, param)):
         block, kind = _block_type(block, f"{param}.{j}")
         _check_role(kind, "assistant", f"{param}.{j}.type")
         if kind == "text":
-            text.append(_string(block.get("text"), f"{param}.{j}.text"))
+            text.append(_check.string(block.get("text"), f"{param}.{j}.text"))
         elif kind == "thinking":
-            reasoning.append(_string(block.get("thinking"), f"{param}.{j}.thinking"))
+            reasoning.append(_check.string(block.get("thinking"), f"{param}.{j}.thinking"))
         elif kind == "redacted_thinking":
-            _string(block.get("data"), f"{param}.{j}.data")
+            _check.string(block.get("data"), f"{param}.{j}.data")
         else:
-            call_id = _string(block.get("id"), f"{param}.{j}.id", nonempty=True)
-            name = _string(block.get("name"), f"{param}.{j}.name", nonempty=True)
-            arguments = _object(block.get("input"), f"{param}.{j}.input")
+            call_id = _check.string(block.get("id"), f"{param}.{j}.id", nonempty=True)
+            name = _check.string(block.get("name"), f"{param}.{j}.name", nonempty=True)
+            arguments = _check.object(block.get("input"), f"{param}.{j}.input")
             calls.append(ToolCall(call_id, name, arguments))
     return Message("assistant", "".join(text), "".join(reasoning), tuple(calls))
 
@@ -273,29 +233,28 @@ def _check_role(kind: str, role: str, param: str) -> None:
 
 def _tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
     specs: list[ToolSpec] = []
-    for i, raw in enumerate(_optional(body, "tools", _array) or ()):
+    paths: list[str] = []  # where each spec's name is, in the raw list that skipped tools are part of
+    for i, raw in enumerate(_check.field(body, "tools", "array") or ()):
         param = f"tools.{i}"
-        raw = _object(raw, param)
+        raw = _check.object(raw, param)
         if raw.get("type") not in (None, "custom"):
-            _string(raw["type"], f"{param}.type")
+            _check.string(raw["type"], f"{param}.type")
             continue  # an Anthropic-defined tool: see the module docstring
-        name = _string(raw.get("name"), f"{param}.name", nonempty=True)
-        if any(spec.name == name for spec in specs):
-            raise _invalid(f"{param}.name", f"tool names must be unique; {name!r} is repeated")
-        description = _string(raw.get("description", ""), f"{param}.description")
-        if "input_schema" not in raw:
-            raise _invalid(f"{param}.input_schema", "field required")
-        schema = _object(raw["input_schema"], f"{param}.input_schema")
+        name = _check.string(raw.get("name"), f"{param}.name", nonempty=True)
+        description = _check.string(raw.get("description", ""), f"{param}.description")
+        schema = _check.object(raw.get("input_schema"), f"{param}.input_schema")
         specs.append(ToolSpec(name, description, schema))
+        paths.append(f"{param}.name")
+    _check.unique_tool_names(specs, paths)
     return tuple(specs)
 
 
 def _tool_choice(body: dict[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
-    raw = _optional(body, "tool_choice", _object)
+    raw = _check.field(body, "tool_choice", "object")
     if raw is None:
         return ToolChoice.auto()
-    kind = _string(raw.get("type"), "tool_choice.type")
-    _optional(raw, "disable_parallel_tool_use", lambda value, key: _boolean(value, f"tool_choice.{key}"))
+    kind = _check.string(raw.get("type"), "tool_choice.type")
+    _check.field(raw, "disable_parallel_tool_use", "boolean", "tool_choice.disable_parallel_tool_use")
     if kind == "auto":
         return ToolChoice.auto()
     if kind == "none":
@@ -306,7 +265,7 @@ def _tool_choice(body: dict[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoic
         raise _invalid("tool_choice", f"tool_choice {kind!r} needs at least one custom tool in 'tools'")
     if kind == "any":
         return ToolChoice.required()
-    name = _string(raw.get("name"), "tool_choice.name", nonempty=True)
+    name = _check.string(raw.get("name"), "tool_choice.name", nonempty=True)
     if all(spec.name != name for spec in tools):
         raise _invalid("tool_choice.name", f"no custom tool named {name!r} in 'tools'")
     return ToolChoice.function(name)
@@ -315,29 +274,27 @@ def _tool_choice(body: dict[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoic
 def _sampling(body: dict[str, Any], *, counting: bool) -> Sampling:
     if counting:
         max_tokens = None  # count_tokens takes no max_tokens; nothing is generated
-    elif body.get("max_tokens") is None:
-        raise _invalid("max_tokens", "field required")
     else:
-        max_tokens = _integer(body["max_tokens"], "max_tokens", 1, INT32_MAX)
-    stops = _optional(body, "stop_sequences", _array) or ()
+        max_tokens = _check.integer(body.get("max_tokens"), "max_tokens", 1, INT32_MAX)
+    stops = _check.field(body, "stop_sequences", "array") or ()
     return Sampling(
         max_tokens=max_tokens,
-        temperature=_optional(body, "temperature", lambda value, key: _number(value, key, 0, 1)),
-        top_p=_optional(body, "top_p", lambda value, key: _number(value, key, 0, 1)),
-        top_k=_optional(body, "top_k", lambda value, key: _integer(value, key, 0, INT32_MAX)),
+        temperature=_check.number(body.get("temperature"), "temperature", 0, 1, optional=True),
+        top_p=_check.number(body.get("top_p"), "top_p", 0, 1, optional=True),
+        top_k=_check.integer(body.get("top_k"), "top_k", 0, INT32_MAX, optional=True),
         # An empty stop sequence would end every output before its first token.
-        stop=tuple(_string(stop, f"stop_sequences.{i}", nonempty=True) for i, stop in enumerate(stops)),
+        stop=tuple(_check.string(stop, f"stop_sequences.{i}", nonempty=True) for i, stop in enumerate(stops)),
     )
 
 
 def _parse(body: Any, *, counting: bool) -> DialectRequest:
     if not isinstance(body, dict):
         raise _invalid(None, "the request body must be a JSON object")
-    model = _string(body.get("model"), "model", nonempty=True)
+    model = _check.string(body.get("model"), "model", nonempty=True)
     tools = _tools(body)
     choice = _tool_choice(body, tools)
     conversation = _conversation(body, tools, choice)
-    stream = False if counting else bool(_optional(body, "stream", _boolean))
+    stream = False if counting else bool(_check.field(body, "stream", "boolean"))
     return DialectRequest(
         model=model,
         conversation=conversation,
@@ -416,7 +373,7 @@ def _event(data: dict[str, Any]) -> bytes:
     return sse(data, data["type"])
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     """One content block open at a time; a change of kind (or a new tool call) closes it."""
 
     def __init__(self, request: DialectRequest, call: CallInfo) -> None:
@@ -532,7 +489,7 @@ class AnthropicDialect(Dialect):
         return body
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(request, call)
+        return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return _error_body(error)

@@ -16,7 +16,9 @@ recording, and calls these hooks in this order:
 
 Every dialect module (openai_chat, openai_responses, anthropic, gemini) has the same skeleton and the
 same private names: `_conversation`, `_sampling`, `_tools`, `_tool_choice`, `_finish`, `_usage`,
-`_Stream`. Records here are frozen; dialect-specific data the response must echo travels opaque in
+`_StreamRenderer` (its StreamRenderer; the core's `_StreamWriter` sends what it renders). Each reads
+its request through the JSON checks of `gateway.dialects.validation`, worded as that API words its
+errors. Records here are frozen; dialect-specific data the response must echo travels opaque in
 `DialectRequest.echo`.
 """
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -70,6 +69,7 @@ from gateway.dialects.base import (
     Usage,
     sse,
 )
+from gateway.dialects.validation import INT32_MAX, INT32_MIN, Checks, Wording, json_type
 from gateway.parsers import (
     ParsedOutput,
     ParseEvent,
@@ -108,16 +108,14 @@ _ERROR_STATUS: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.OVERLOADED: (503, "UNAVAILABLE"),
     ErrorKind.INTERNAL: (500, "INTERNAL"),
 }
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 # The API's wording, so that clients matching on it (Gemini CLI does, to compress its history) react.
 _CONTEXT_MESSAGE = "The input token count exceeds the maximum number of tokens allowed"
-
-
 
 
 # ---------------------------------------------------------------------------------------------------
 # JSON field access and checks: each raises GatewayError naming the field as a JSON path
 # ---------------------------------------------------------------------------------------------------
+
 
 @functools.cache
 def _snake(name: str) -> str:
@@ -136,74 +134,59 @@ def _get(obj: Mapping[str, Any], name: str) -> Any:
     return obj.get(_snake(name)) if value is None else value
 
 
-def _invalid(param: str | None, message: str) -> GatewayError:
-    return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param)
+class _Wording(Wording):
+    """The API's own phrasing: `Invalid value at 'generationConfig.topK': expected an integer, got a string.`"""
+
+    def wrong_type(self, path: str, expected: str, value: Any) -> str:
+        got = json_type(value)
+        got = "number" if got == "integer" else got
+        return f"Invalid value at '{path}': expected {_TYPE_NAMES[expected]}, got {_TYPE_NAMES[got]}."
+
+    def missing(self, path: str, expected: str) -> str:
+        return self.wrong_type(path, expected, None)
+
+    def bad_value(self, path: str, reason: str) -> str:
+        return f"Invalid value at '{path}': {reason}."
+
+    def duplicate_tool(self, path: str, name: str) -> str:
+        return f"Duplicate function declaration found: {name}"
+
+
+_TYPE_NAMES = {
+    "null": "null",
+    "boolean": "a boolean",
+    "integer": "an integer",
+    "number": "a number",
+    "string": "a string",
+    "array": "a list",
+    "object": "an object",
+}
+_check = Checks(_Wording())
+_invalid = _check.invalid
+
+
+# Absent fields read as the proto's defaults: "", {}, [], false.
 
 
 def _object(value: Any, path: str, *, required: bool = False) -> dict[str, Any]:
-    if value is None and not required:
-        return {}
-    if not isinstance(value, dict):
-        raise _invalid(path, f"Invalid value at '{path}': expected an object, got {_json_type(value)}.")
-    return value
+    return _check.object(value, path, optional=not required) or {}
 
 
 def _array(value: Any, path: str) -> list[Any]:
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise _invalid(path, f"Invalid value at '{path}': expected a list, got {_json_type(value)}.")
-    return value
+    return _check.array(value, path, optional=True) or []
 
 
 def _string(value: Any, path: str, *, required: bool = False) -> str:
-    """A string field; "" when absent, unless required."""
-    if value is None and not required:
-        return ""
-    if not isinstance(value, str):
-        raise _invalid(path, f"Invalid value at '{path}': expected a string, got {_json_type(value)}.")
-    return value
+    return _check.string(value, path, optional=not required) or ""
 
 
 def _boolean(value: Any, path: str) -> bool:
-    if value is not None and not isinstance(value, bool):
-        raise _invalid(path, f"Invalid value at '{path}': expected a boolean, got {_json_type(value)}.")
-    return bool(value)
+    return bool(_check.boolean(value, path, optional=True))
 
 
-def _number(value: Any, path: str, low: float, high: float) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise _invalid(path, f"Invalid value at '{path}': expected a number, got {_json_type(value)}.")
-    if not low <= value <= high:
-        raise _invalid(path, f"{path} must be between {low:g} and {high:g}, got {value:g}.")
-    return float(value)
-
-
-def _integer(value: Any, path: str, *, minimum: int = _INT32_MIN) -> int | None:
+def _integer(value: Any, path: str, *, minimum: int = INT32_MIN) -> int | None:
     """An int32 field (every integer this dialect reads is one); None when absent."""
-    if value is None:
-        return None
-    # Proto JSON takes 5.0 for an int32; a fraction is not one.
-    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not integral:
-        raise _invalid(path, f"Invalid value at '{path}': expected an integer, got {_json_type(value)}.")
-    if not minimum <= value <= _INT32_MAX:
-        raise _invalid(path, f"{path} must be between {minimum} and {_INT32_MAX}, got {value:g}.")
-    return int(value)
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "a list" if isinstance(value, list) else "an object"
+    return _check.integer(value, path, minimum, INT32_MAX, optional=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -382,11 +365,7 @@ def _tools(value: Any) -> tuple[ToolSpec, ...]:
                 )
             for position, declaration in enumerate(_array(declarations, f"{path}.functionDeclarations")):
                 specs.append(_declaration(declaration, f"{path}.functionDeclarations[{position}]"))
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.name in seen:
-            raise _invalid("tools", f"Duplicate function declaration found: {spec.name}")
-        seen.add(spec.name)
+    _check.unique_tool_names(specs, ["tools"] * len(specs))
     return tuple(specs)
 
 
@@ -465,8 +444,8 @@ def _sampling(generation: dict[str, Any]) -> Sampling:
             raise _invalid(f"{path}.stopSequences[{index}]", "A stop sequence must not be empty.")
     return Sampling(
         max_tokens=_integer(_get(generation, "maxOutputTokens"), f"{path}.maxOutputTokens", minimum=1),
-        temperature=_number(_get(generation, "temperature"), f"{path}.temperature", 0.0, 2.0),
-        top_p=_number(_get(generation, "topP"), f"{path}.topP", 0.0, 1.0),
+        temperature=_check.number(_get(generation, "temperature"), f"{path}.temperature", 0, 2, optional=True),
+        top_p=_check.number(_get(generation, "topP"), f"{path}.topP", 0, 1, optional=True),
         top_k=_integer(_get(generation, "topK"), f"{path}.topK", minimum=1),
         stop=tuple(stop),
         seed=_integer(_get(generation, "seed"), f"{path}.seed"),
@@ -545,7 +524,7 @@ def _error_body(error: GatewayError) -> tuple[int, dict[str, Any]]:
     return code, {"error": body}
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     """Chunks as SSE events (`alt=sse`) or as the elements of one JSON array (the REST default)."""
 
     def __init__(self, request: DialectRequest, call: CallInfo) -> None:
@@ -651,7 +630,7 @@ class GeminiDialect(Dialect):
         return _chunk(request, result.call, parts or [{"text": ""}], _finish(result.finish), _usage(result.usage))
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(request, call)
+        return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return _error_body(error)

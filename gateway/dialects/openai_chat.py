@@ -32,7 +32,7 @@ sends `{"error": …}` and `[DONE]`.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
@@ -50,6 +50,7 @@ from gateway.dialects.base import (
     Usage,
     sse,
 )
+from gateway.dialects.validation import INT32_MAX, INT64_MAX, INT64_MIN, Checks, Wording, json_type
 from gateway.parsers import (
     ParseEvent,
     ReasoningDelta,
@@ -61,74 +62,45 @@ from gateway.parsers import (
 from polar.v1 import common_pb2
 
 # ---------------------------------------------------------------------------------------------------
-# Shared with openai_responses: JSON type checks and the OpenAI error shape
+# Shared with openai_responses: the JSON checks in OpenAI's words, and the OpenAI error shape
 # ---------------------------------------------------------------------------------------------------
 
-_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
-    "string": lambda value: isinstance(value, str),
-    "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
-    "number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
-    "boolean": lambda value: isinstance(value, bool),
-    "object": lambda value: isinstance(value, dict),
-    "array": lambda value: isinstance(value, list),
-}
+
+class _Wording(Wording):
+    """OpenAI's phrasing: `Invalid type for 'messages[0].content': expected string, got integer.`"""
+
+    def wrong_type(self, path: str, expected: str, value: Any) -> str:
+        return f"Invalid type for '{path}': expected {expected}, got {json_type(value)}."
+
+    def missing(self, path: str, expected: str) -> str:
+        return f"Missing required parameter: '{path}'."
+
+    def bad_value(self, path: str, reason: str) -> str:
+        return f"Invalid value for '{path}': {reason}."
+
+    def duplicate_tool(self, path: str, name: str) -> str:
+        return f"Duplicate function name '{name}' in 'tools'."
+
+
+CHECKS = Checks(_Wording())
+invalid = CHECKS.invalid
+field = CHECKS.field
 
 # Unsupported media parts of both OpenAI dialects.
 MEDIA_PARTS = frozenset({"image_url", "input_audio", "file", "input_image", "input_file"})
 
-# OpenAI's seed is an int64; the engine's is a uint64, so a negative seed wraps around.
-_INT64 = 2**63
-_INT32_MAX = 2**31 - 1
-
-
-def json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    return next(name for name, check in _JSON_TYPES.items() if check(value))
-
-
-def invalid(message: str, param: str | None) -> GatewayError:
-    return GatewayError(ErrorKind.INVALID_REQUEST, message, param=param)
-
-
-def field(obj: Mapping[str, Any], key: str, kind: str, param: str, *, required: bool = False) -> Any:
-    """`obj[key]` checked against a JSON type; None when absent or null, unless required."""
-    value = obj.get(key)
-    if value is None:
-        if required:
-            raise invalid(f"Missing required parameter: '{param}'.", param)
-        return None
-    if not _JSON_TYPES[kind](value):
-        raise invalid(f"Invalid type for '{param}': expected {kind}, got {json_type(value)}.", param)
-    return value
-
-
-def check_fields(obj: Mapping[str, Any], kinds: Mapping[str, str], prefix: str = "") -> None:
-    """Type-check fields that are accepted but not used, so a wrong type still gets its 400."""
-    for key, kind in kinds.items():
-        field(obj, key, kind, prefix + key)
-
 
 def as_object(value: Any, param: str | None) -> dict[str, Any]:
+    """An object at `param`; the request body itself when `param` is None."""
+    if param is not None:
+        return CHECKS.object(value, param)
     if not isinstance(value, dict):
-        if param is None:
-            raise invalid(f"The request body must be a JSON object, not {json_type(value)}.", None)
-        raise invalid(f"Invalid type for '{param}': expected object, got {json_type(value)}.", param)
+        raise invalid(None, f"The request body must be a JSON object, not {json_type(value)}.")
     return value
 
 
-def number_in(obj: Mapping[str, Any], key: str, low: float, high: float) -> float | None:
-    value = field(obj, key, "number", key)
-    if value is not None and not low <= value <= high:
-        raise invalid(f"Invalid value for '{key}': {value} is not between {low} and {high}.", key)
-    return value
-
-
-def positive_int(obj: Mapping[str, Any], key: str) -> int | None:
-    value = field(obj, key, "integer", key)
-    if value is not None and value < 1:
-        raise invalid(f"Invalid value for '{key}': {value} must be at least 1.", key)
-    return value
+def unique_tool_names(tools: list[ToolSpec]) -> None:
+    CHECKS.unique_tool_names(tools, [f"tools[{index}]" for index in range(len(tools))])
 
 
 def parse_arguments(text: str, param: str) -> dict[str, Any]:
@@ -138,9 +110,9 @@ def parse_arguments(text: str, param: str) -> dict[str, Any]:
     try:
         arguments = json.loads(text)
     except ValueError:
-        raise invalid(f"Invalid '{param}': not valid JSON.", param) from None
+        raise invalid(param, f"Invalid '{param}': not valid JSON.") from None
     if not isinstance(arguments, dict):
-        raise invalid(f"Invalid '{param}': must be a JSON object.", param)
+        raise invalid(param, f"Invalid '{param}': must be a JSON object.")
     return arguments
 
 
@@ -150,7 +122,7 @@ def text_of(content: Any, param: str, text_types: tuple[str, ...]) -> str:
         return content
     if not isinstance(content, list):
         raise invalid(
-            f"Invalid type for '{param}': expected string or array, got {json_type(content)}.", param
+            param, f"Invalid type for '{param}': expected string or array, got {json_type(content)}."
         )
     texts = []
     for index, raw in enumerate(content):
@@ -166,7 +138,7 @@ def text_of(content: Any, param: str, text_types: tuple[str, ...]) -> str:
         if kind not in text_types:
             expected = ", ".join(f"'{name}'" for name in text_types)
             raise invalid(
-                f"Invalid value '{kind}' for '{part_param}.type': expected {expected}.", f"{part_param}.type"
+                f"{part_param}.type", f"Invalid value '{kind}' for '{part_param}.type': expected {expected}."
             )
         key = "refusal" if kind == "refusal" else "text"
         texts.append(field(part, key, "string", f"{part_param}.{key}", required=True))
@@ -178,19 +150,11 @@ def function_parameters(spec: Mapping[str, Any], param: str) -> dict[str, Any]:
     return parameters if parameters is not None else {"type": "object", "properties": {}}
 
 
-def check_tool_names(tools: list[ToolSpec], param: str) -> None:
-    seen: set[str] = set()
-    for index, tool in enumerate(tools):
-        if tool.name in seen:
-            raise invalid(f"Duplicate function name '{tool.name}' in '{param}'.", f"{param}[{index}]")
-        seen.add(tool.name)
-
-
 def named_tool_choice(name: str, tools: tuple[ToolSpec, ...], param: str) -> ToolChoice:
     if not name:
-        raise invalid(f"Invalid value for '{param}': the function name is empty.", param)
+        raise invalid(param, f"Invalid value for '{param}': the function name is empty.")
     if all(tool.name != name for tool in tools):
-        raise invalid(f"Invalid value for '{param}': no function named '{name}' in 'tools'.", param)
+        raise invalid(param, f"Invalid value for '{param}': no function named '{name}' in 'tools'.")
     return ToolChoice.function(name)
 
 
@@ -267,7 +231,7 @@ def _tool_calls(raw: list[Any], param: str) -> tuple[ToolCall, ...]:
         kind = field(call, "type", "string", f"{call_param}.type")
         if kind not in (None, "function"):
             raise invalid(
-                f"Invalid value '{kind}' for '{call_param}.type': expected 'function'.", f"{call_param}.type"
+                f"{call_param}.type", f"Invalid value '{kind}' for '{call_param}.type': expected 'function'."
             )
         call_id = field(call, "id", "string", f"{call_param}.id", required=True)
         function = field(call, "function", "object", f"{call_param}.function", required=True)
@@ -283,13 +247,13 @@ def _message(raw: Any, param: str, names: dict[str, str]) -> Message:
     if role not in _ROLES:
         expected = ", ".join(f"'{name}'" for name in _ROLES)
         raise invalid(
-            f"Invalid value '{role}' for '{param}.role': expected one of {expected}.", f"{param}.role"
+            f"{param}.role", f"Invalid value '{role}' for '{param}.role': expected one of {expected}."
         )
     content_param = f"{param}.content"
     if role in _SYSTEM_ROLES or role == "user":
         content = message.get("content")
         if content is None:
-            raise invalid(f"Missing required parameter: '{content_param}'.", content_param)
+            raise invalid(content_param, f"Missing required parameter: '{content_param}'.")
         return Message("user" if role == "user" else "system", text_of(content, content_param, ("text",)))
     if role == "tool":
         call_id = field(message, "tool_call_id", "string", f"{param}.tool_call_id", required=True)
@@ -309,7 +273,7 @@ def _message(raw: Any, param: str, names: dict[str, str]) -> Message:
 def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
     raw = field(body, "messages", "array", "messages", required=True)
     if not raw:
-        raise invalid("'messages' must contain at least one message.", "messages")
+        raise invalid("messages", "'messages' must contain at least one message.")
     messages: list[Message] = []
     for index, item in enumerate(raw):
         messages.append(_message(item, f"messages[{index}]", tool_names_by_call(messages)))
@@ -324,17 +288,17 @@ def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
         tool = as_object(item, param)
         kind = field(tool, "type", "string", f"{param}.type", required=True)
         if kind != "function":
-            raise invalid(f"Invalid value '{kind}' for '{param}.type': only 'function' tools are supported.",
-                          f"{param}.type")
+            raise invalid(f"{param}.type",
+                          f"Invalid value '{kind}' for '{param}.type': only 'function' tools are supported.")
         function = field(tool, "function", "object", f"{param}.function", required=True)
         name = field(function, "name", "string", f"{param}.function.name", required=True)
         if not name:
-            raise invalid(f"Invalid value for '{param}.function.name': empty.", f"{param}.function.name")
+            raise invalid(f"{param}.function.name", f"Invalid value for '{param}.function.name': empty.")
         description = field(function, "description", "string", f"{param}.function.description") or ""
-        check_fields(function, {"strict": "boolean"}, f"{param}.function.")
+        CHECKS.fields(function, {"strict": "boolean"}, f"{param}.function.")
         parameters = function_parameters(function, f"{param}.function.parameters")
         tools.append(ToolSpec(name, description, parameters))
-    check_tool_names(tools, "tools")
+    unique_tool_names(tools)
     return tuple(tools)
 
 
@@ -356,10 +320,10 @@ def string_tool_choice(raw: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
         return ToolChoice.none()
     if raw == "required":
         if not tools:
-            raise invalid("'tool_choice' is 'required' but no function 'tools' were given.", "tool_choice")
+            raise invalid("tool_choice", "'tool_choice' is 'required' but no function 'tools' were given.")
         return ToolChoice.required()
     raise invalid(
-        "Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or a named function.", "tool_choice"
+        "tool_choice", "Invalid value for 'tool_choice': expected 'none', 'auto', 'required' or a named function."
     )
 
 
@@ -367,7 +331,9 @@ def forced_function_type(raw: Mapping[str, Any]) -> None:
     """An object `tool_choice` names a function: only functions can be forced."""
     kind = field(raw, "type", "string", "tool_choice.type", required=True)
     if kind != "function":
-        raise invalid(f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced.", "tool_choice.type")
+        raise invalid(
+            "tool_choice.type", f"Invalid value '{kind}' for 'tool_choice.type': only 'function' can be forced."
+        )
 
 
 def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
@@ -376,25 +342,24 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
     if stops is None:
         return ()
     if not isinstance(stops, list) or not all(isinstance(stop, str) for stop in stops):
-        raise invalid("Invalid type for 'stop': expected a string or an array of strings.", "stop")
+        raise invalid("stop", "Invalid type for 'stop': expected a string or an array of strings.")
     if any(not stop for stop in stops):
-        raise invalid("Invalid value for 'stop': stop strings must not be empty.", "stop")
+        raise invalid("stop", "Invalid value for 'stop': stop strings must not be empty.")
     return tuple(stops)
 
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
-    max_tokens = positive_int(body, "max_tokens")
-    max_completion_tokens = positive_int(body, "max_completion_tokens")
-    seed = field(body, "seed", "integer", "seed")
-    if seed is not None and not -_INT64 <= seed < _INT64:
-        raise invalid("Invalid value for 'seed': must fit a 64-bit signed integer.", "seed")
-    top_k = field(body, "top_k", "integer", "top_k")
-    if top_k is not None and not -1 <= top_k <= _INT32_MAX:
-        raise invalid("Invalid value for 'top_k': must be -1 (off), 0 (off) or a positive count.", "top_k")
+    max_tokens = CHECKS.integer(body.get("max_tokens"), "max_tokens", 1, optional=True)
+    max_completion_tokens = CHECKS.integer(
+        body.get("max_completion_tokens"), "max_completion_tokens", 1, optional=True
+    )
+    # OpenAI's seed is an int64; the engine's is a uint64, so a negative seed wraps around.
+    seed = CHECKS.integer(body.get("seed"), "seed", INT64_MIN, INT64_MAX, optional=True)
+    top_k = CHECKS.integer(body.get("top_k"), "top_k", -1, INT32_MAX, optional=True)  # -1 and 0: off
     return Sampling(
         max_tokens=max_completion_tokens if max_completion_tokens is not None else max_tokens,
-        temperature=number_in(body, "temperature", 0, 2),
-        top_p=number_in(body, "top_p", 0, 1),
+        temperature=CHECKS.number(body.get("temperature"), "temperature", 0, 2, optional=True),
+        top_p=CHECKS.number(body.get("top_p"), "top_p", 0, 1, optional=True),
         top_k=top_k if top_k is not None and top_k > 0 else None,
         stop=_stop(body),
         seed=None if seed is None else seed % 2**64,
@@ -404,28 +369,28 @@ def _sampling(body: Mapping[str, Any]) -> Sampling:
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     n = field(body, "n", "integer", "n")
     if n is not None and n != 1:
-        raise invalid("Invalid value for 'n': only one choice per request is supported.", "n")
+        raise invalid("n", "Invalid value for 'n': only one choice per request is supported.")
     if field(body, "logprobs", "boolean", "logprobs"):
-        raise invalid("'logprobs' is not supported by this gateway.", "logprobs")
+        raise invalid("logprobs", "'logprobs' is not supported by this gateway.")
     response_format = field(body, "response_format", "object", "response_format")
     if response_format is not None:
         kind = field(response_format, "type", "string", "response_format.type", required=True)
         if kind != "text":
             raise invalid(
+                "response_format.type",
                 f"'response_format' of type '{kind}' is not supported: the gateway does not constrain "
                 "decoding.",
-                "response_format.type",
             )
     if body.get("functions") is not None or body.get("function_call") is not None:
         param = "functions" if body.get("functions") is not None else "function_call"
-        raise invalid(f"'{param}' is deprecated and not supported: use 'tools' and 'tool_choice'.", param)
+        raise invalid(param, f"'{param}' is deprecated and not supported: use 'tools' and 'tool_choice'.")
 
 
 def _parse(body: Any) -> DialectRequest:
     body = as_object(body, None)
     model = field(body, "model", "string", "model", required=True)
     _refuse_unsupported(body)
-    check_fields(body, _IGNORED_FIELDS)
+    CHECKS.fields(body, _IGNORED_FIELDS)
     messages = _conversation(body)
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
@@ -505,7 +470,7 @@ def _render(request: DialectRequest, result: DialectResult) -> dict[str, Any]:
 _DONE = b"data: [DONE]\n\n"
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     """`chat.completion.chunk` events; every chunk carries `usage: null` when usage was asked for, as
     OpenAI's do, and the usage itself comes in a last chunk with no choices."""
 
@@ -567,7 +532,7 @@ class OpenAIChatDialect(Dialect):
         return _render(request, result)
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(request, call)
+        return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return error_response(error)

@@ -67,9 +67,8 @@ from gateway.dialects.base import (
     sse,
 )
 from gateway.dialects.openai_chat import (
+    CHECKS,
     as_object,
-    check_fields,
-    check_tool_names,
     error_code,
     error_object,
     error_response,
@@ -77,14 +76,13 @@ from gateway.dialects.openai_chat import (
     forced_function_type,
     function_parameters,
     invalid,
-    json_type,
     named_tool_choice,
-    number_in,
     parse_arguments,
-    positive_int,
     string_tool_choice,
     text_of,
+    unique_tool_names,
 )
+from gateway.dialects.validation import json_type
 from gateway.parsers import (
     ParseEvent,
     ReasoningDelta,
@@ -141,12 +139,12 @@ def _required_text(
 ) -> str:
     value = item.get(key)
     if value is None:
-        raise invalid(f"Missing required parameter: '{param}.{key}'.", f"{param}.{key}")
+        raise invalid(f"{param}.{key}", f"Missing required parameter: '{param}.{key}'.")
     return text_of(value, f"{param}.{key}", text_types)
 
 
 def _reasoning(item: Mapping[str, Any], param: str) -> str:
-    check_fields(item, {"summary": "array", "encrypted_content": "string"}, f"{param}.")
+    CHECKS.fields(item, {"summary": "array", "encrypted_content": "string"}, f"{param}.")
     content = field(item, "content", "array", f"{param}.content") or []
     return text_of(content, f"{param}.content", ("reasoning_text",))
 
@@ -176,11 +174,11 @@ def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
         messages.append(Message("system", instructions))
     raw = body.get("input")
     if raw is None:
-        raise invalid("Missing required parameter: 'input'.", "input")
+        raise invalid("input", "Missing required parameter: 'input'.")
     if isinstance(raw, str):
         return (*messages, Message("user", raw))
     if not isinstance(raw, list):
-        raise invalid(f"Invalid type for 'input': expected string or array, got {json_type(raw)}.", "input")
+        raise invalid("input", f"Invalid type for 'input': expected string or array, got {json_type(raw)}.")
     turn = _AssistantTurn()
     names: dict[str, str] = {}  # function name of each call id, for the tool turns answering them
 
@@ -204,9 +202,9 @@ def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
                 add(Message(_INPUT_ROLES[role], _required_text(item, "content", param, ("input_text",))))
             else:
                 raise invalid(
+                    f"{param}.role",
                     f"Invalid value '{role}' for '{param}.role': expected 'user', 'system', 'developer' or "
                     "'assistant'.",
-                    f"{param}.role",
                 )
         elif kind == "reasoning":
             turn.reasoning.append(_reasoning(item, param))
@@ -224,25 +222,25 @@ def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
             add(Message("tool", output, tool_call_id=call_id, name=names.get(call_id, "")))
         elif kind == "item_reference":
             raise invalid(
-                "Item references need stored responses; this gateway is stateless.", f"{param}.type"
+                f"{param}.type", "Item references need stored responses; this gateway is stateless."
             )
         else:
             raise invalid(
+                f"{param}.type",
                 f"Input items of type '{kind}' are not supported: use message, function_call, "
                 "function_call_output and reasoning items.",
-                f"{param}.type",
             )
     if (reply := turn.message()) is not None:
         messages.append(reply)
     if not messages:
-        raise invalid("'input' must contain at least one item.", "input")
+        raise invalid("input", "'input' must contain at least one item.")
     return tuple(messages)
 
 
 def _tool_name(tool: Mapping[str, Any], param: str) -> str:
     name = field(tool, "name", "string", f"{param}.name", required=True)
     if not name:
-        raise invalid(f"Invalid value for '{param}.name': empty.", f"{param}.name")
+        raise invalid(f"{param}.name", f"Invalid value for '{param}.name': empty.")
     return name
 
 
@@ -250,13 +248,13 @@ def _function_tool(tool: Mapping[str, Any], param: str, namespace: str = "") -> 
     kind = field(tool, "type", "string", f"{param}.type", required=True)
     if kind != "function":
         raise invalid(
+            f"{param}.type",
             f"Tools of type '{kind}' are not supported: only 'function' tools reach the model "
             "(server-hosted tools are ignored).",
-            f"{param}.type",
         )
     name = _tool_name(tool, param)
     description = field(tool, "description", "string", f"{param}.description") or ""
-    check_fields(tool, {"strict": "boolean"}, f"{param}.")
+    CHECKS.fields(tool, {"strict": "boolean"}, f"{param}.")
     qualified = f"{namespace}{_NAMESPACE_SEPARATOR}{name}" if namespace else name
     return ToolSpec(qualified, description, function_parameters(tool, f"{param}.parameters"))
 
@@ -284,7 +282,7 @@ def _tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], list[dict[str
             members.append({**_echo_tool(tools[-1]), "name": member["name"]})
         description = field(tool, "description", "string", f"{param}.description") or ""
         echoed.append({"type": "namespace", "name": namespace, "description": description, "tools": members})
-    check_tool_names(tools, "tools")
+    unique_tool_names(tools)
     return tuple(tools), echoed
 
 
@@ -310,9 +308,9 @@ def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolCh
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
     return Sampling(
-        max_tokens=positive_int(body, "max_output_tokens"),
-        temperature=number_in(body, "temperature", 0, 2),
-        top_p=number_in(body, "top_p", 0, 1),
+        max_tokens=CHECKS.integer(body.get("max_output_tokens"), "max_output_tokens", 1, optional=True),
+        temperature=CHECKS.number(body.get("temperature"), "temperature", 0, 2, optional=True),
+        top_p=CHECKS.number(body.get("top_p"), "top_p", 0, 1, optional=True),
     )
 
 
@@ -320,19 +318,19 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for key in _STATEFUL_FIELDS:
         if body.get(key) is not None:
             raise invalid(
-                f"'{key}' needs server-side state; this gateway is stateless: send the whole input.", key
+                key, f"'{key}' needs server-side state; this gateway is stateless: send the whole input."
             )
     if field(body, "background", "boolean", "background"):
-        raise invalid("Background responses are not supported: this gateway stores nothing.", "background")
+        raise invalid("background", "Background responses are not supported: this gateway stores nothing.")
     text = field(body, "text", "object", "text") or {}
-    check_fields(text, {"verbosity": "string"}, "text.")
+    CHECKS.fields(text, {"verbosity": "string"}, "text.")
     text_format = field(text, "format", "object", "text.format")
     if text_format is not None:
         kind = field(text_format, "type", "string", "text.format.type", required=True)
         if kind != "text":
             raise invalid(
-                f"'text.format' of type '{kind}' is not supported: the gateway does not constrain decoding.",
                 "text.format.type",
+                f"'text.format' of type '{kind}' is not supported: the gateway does not constrain decoding.",
             )
 
 
@@ -340,7 +338,7 @@ def _metadata(body: Mapping[str, Any]) -> dict[str, str] | None:
     metadata = field(body, "metadata", "object", "metadata")
     for key, value in (metadata or {}).items():
         if not isinstance(value, str):
-            raise invalid(f"Invalid type for 'metadata.{key}': expected string.", f"metadata.{key}")
+            raise invalid(f"metadata.{key}", f"Invalid type for 'metadata.{key}': expected string.")
     return metadata
 
 
@@ -358,7 +356,7 @@ def _parse(body: Any) -> DialectRequest:
     body = as_object(body, None)
     model = field(body, "model", "string", "model", required=True)
     _refuse_unsupported(body)
-    check_fields(body, _IGNORED_FIELDS)
+    CHECKS.fields(body, _IGNORED_FIELDS)
     messages = _conversation(body)
     tools, echoed_tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
@@ -506,7 +504,7 @@ _FAILED_CODES = {
 }
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     """The Responses event sequence for one call; one output item is open at a time."""
 
     def __init__(self, request: DialectRequest, call: CallInfo) -> None:
@@ -676,7 +674,7 @@ class OpenAIResponsesDialect(Dialect):
         return _render(request, result)
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(request, call)
+        return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return error_response(error)

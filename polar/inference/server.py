@@ -7,7 +7,8 @@ those become gRPC status codes here, and only here:
     InvalidRequest     -> INVALID_ARGUMENT        UnknownModel -> NOT_FOUND
     WeightUpdateError  -> INVALID_ARGUMENT        engine failure during Generate -> INTERNAL
 
-`start_server` also serves gRPC health checking and server reflection (so grpcurl can list and call
+`serve_inference` is `polar serve inference`: the engine an `InferenceConfig` names, served until
+SIGINT or SIGTERM. `start_server` also serves gRPC health checking and server reflection (so grpcurl can list and call
 the service without the protos).
 """
 
@@ -23,7 +24,9 @@ import grpc
 from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightUpdateError
 from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
 from polar.inference.weights import WeightsAssembler
-from polar.grpc_server import bind, new_server, set_serving, until_stop_signal
+from polar.config import InferenceConfig
+from polar.grpc_server import bind, new_server, serve_until_stopped, set_serving, status_codes
+from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
@@ -78,6 +81,18 @@ class AdmissionGate:
             return admitted
 
 
+class EngineFailed(RuntimeError):
+    """The engine failed during a generation (INTERNAL); the message says how."""
+
+
+@status_codes(
+    {
+        UnknownModel: grpc.StatusCode.NOT_FOUND,
+        InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+        WeightUpdateError: grpc.StatusCode.INVALID_ARGUMENT,
+        EngineFailed: grpc.StatusCode.INTERNAL,
+    }
+)
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     """Serves one engine; see InferenceService in inference.proto for each rpc's contract."""
 
@@ -87,12 +102,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
     # Server-streaming.
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
-        try:
-            generation = validate_generate(request, self._engine.description)
-        except UnknownModel as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        generation = validate_generate(request, self._engine.description)
         async with self._gate.admitted():
             stream = self._engine.generate(generation)
             try:
@@ -101,7 +111,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 # A client that went away cancels this task; closing the stream frees its slot now.
                 await _close(stream)
         if error is not None:
-            await context.abort(grpc.StatusCode.INTERNAL, error)
+            raise EngineFailed(error)
         await context.write(
             inference_pb2.GenerateResponse(
                 policy_version=policy_version,
@@ -134,13 +144,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             except WeightUpdateError as exc:
                 problem = exc
         if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(problem))
+            raise problem
         started = time.perf_counter()
-        try:
-            # The stream is complete, so the update must land whole even if the client now leaves.
-            version = await asyncio.shield(self._engine.update_weights(tensors))
-        except WeightUpdateError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # The stream is complete, so the update must land whole even if the client now leaves.
+        version = await asyncio.shield(self._engine.update_weights(tensors))
         return inference_pb2.UpdateWeightsResponse(
             policy_version=version,
             tensors_updated=len(tensors),
@@ -229,10 +236,38 @@ async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[gr
 async def serve(engine: Engine, address: str, on_ready: Callable[[int], None] | None = None) -> None:
     """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine."""
     server, port = await start_server(engine, address)
-    try:
-        if on_ready is not None:
-            on_ready(port)
-        await until_stop_signal()
-    finally:
+
+    async def stop() -> None:
         await server.stop(STOP_GRACE_SECONDS)
         await engine.stop()
+
+    await serve_until_stopped(port, stop, on_ready)
+
+
+async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
+    """`polar serve inference`: the engine config names, served on its host and port until
+    SIGINT/SIGTERM."""
+    from polar.inference.engines import EngineOptions, create_engine
+
+    options = EngineOptions(
+        model=config.model,
+        device=config.device,
+        dtype=config.dtype,
+        max_batch_size=config.max_batch_size,
+        script=config.script,
+        policy_version=config.policy_version,
+    )
+
+    def on_ready(port: int) -> None:
+        d = engine.description
+        where = f", {d.device}" if d.device else ""
+        ready(port, f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}")
+
+    try:
+        engine = create_engine(config.engine, options)
+        await serve(engine, join_host_port(config.host, config.port), on_ready)
+    except ModuleNotFoundError as exc:
+        # Engines import their framework lazily (vLLM only when started); vLLM lives in its own
+        # environment because its pins would constrain the main one.
+        hint = "; scripts/setup_vllm.sh builds .venv-vllm, whose bin/polar has it" if config.engine == "vllm" else ""
+        raise ServiceError(f"the {config.engine} engine needs the {exc.name!r} package, not installed here{hint}") from exc

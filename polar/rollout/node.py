@@ -27,21 +27,22 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
-from gateway.server import RunningGateway, start_gateway
+from gateway.sampling import SamplingPolicy
+from gateway.server import RunningGateway, describe, start_gateway
 from gateway.sessions import Session
 from polar.config import GatewayConfig, NodeConfig
-from polar.grpc_server import until_stop_signal
+from polar.grpc_server import serve_until_stopped
 from polar.rollout.evaluators import evaluate
 from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
 from polar.rollout.pools import Pool, ReadyBuffer, StageClock
 from polar.rollout.process import ProcessResult, ProcessStartError
 from polar.rollout.runtimes import Runtime, RuntimeFailure, RuntimeProvider, available_providers, spec_key
+from polar.service import Ready
 from polar.trajectory import build, session_trajectory, verify, views_from_protos
 from polar.trajectory.records import TrajectoryError
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -314,7 +315,12 @@ class Node:
                 # A session of the same id left from an earlier attempt on this node.
                 store.close(run.session_id)
                 store.forget(run.session_id)
-            session = store.open(session_id=run.session_id, task_id=task.task_id, metadata=dict(task.metadata))
+            session = store.open(
+                session_id=run.session_id,
+                task_id=task.task_id,
+                metadata=dict(task.metadata),
+                sampling=SamplingPolicy.from_proto(task.sampling),
+            )
             run.gateway_session = session
             try:
                 launch = prepare_launch(
@@ -483,38 +489,31 @@ async def start_node(
     node: NodeConfig,
     gateway: GatewayConfig,
     *,
-    inference_address: str,
-    rollout_address: str,
-    base_url: str = "",
     http_socket: socket.socket | None = None,
     register_timeout_s: float = 60.0,
 ) -> RunningNode:
-    """The gateway started, the node registered with the rollout server and heartbeating.
+    """The gateway started, the node registered with the rollout server at `node.rollout_address`
+    and heartbeating.
 
-    `base_url` is what harnesses use (Envoy's harness listener); "" means the gateway's own HTTP
-    address. Ports 0 in `gateway` pick free ones. `http_socket` is served instead of binding the
-    gateway's HTTP port (see gateway.server.start_gateway).
+    Ports 0 in `gateway` pick free ones; its base_url is what harnesses use (Envoy's harness
+    listener), "" meaning the gateway's own HTTP address. `http_socket` is served instead of binding
+    the gateway's HTTP port (see gateway.server.start_gateway).
     """
+    if not node.rollout_address:
+        raise ValueError("a node needs the rollout server's address (NodeConfig.rollout_address)")
     own_root = None if node.work_root else Path(tempfile.mkdtemp(prefix="polar-node-"))
     work_root = Path(node.work_root) if node.work_root else own_root
-    running_gateway = await start_gateway(
-        inference_address,
-        host=gateway.host,
-        http_port=gateway.port,
-        http_socket=http_socket,
-        grpc_port=gateway.grpc_port,
-        chat_format=gateway.chat_format,
-        parser=gateway.parser,
-        history=gateway.history,
-        tokenizer_path=gateway.tokenizer,
-        base_url=base_url,
-        generate_timeout_s=gateway.generate_timeout_s,
-    )
+    try:
+        running_gateway = await start_gateway(gateway, http_socket=http_socket)
+    except BaseException:
+        if own_root is not None:
+            shutil.rmtree(own_root, ignore_errors=True)
+        raise
     pools: Node | None = None
     try:
         # The docker check may wait seconds for an engine: off the event loop, which serves the gateway.
         providers = await asyncio.to_thread(available_providers, work_root)
-        pools = Node(node, running_gateway, providers, rollout_address)
+        pools = Node(node, running_gateway, providers, node.rollout_address)
         pools.start()
         await pools.wait_registered(register_timeout_s)
     except BaseException:
@@ -528,27 +527,14 @@ async def start_node(
 
 
 async def serve_node(
-    node: NodeConfig,
-    gateway: GatewayConfig,
-    *,
-    inference_address: str,
-    rollout_address: str,
-    base_url: str = "",
-    http_socket: socket.socket | None = None,
-    on_ready: Callable[[RunningNode], None] | None = None,
+    node: NodeConfig, gateway: GatewayConfig, ready: Ready, http_socket: socket.socket | None = None
 ) -> None:
-    """Serve until cancelled or SIGINT/SIGTERM, then stop."""
-    running = await start_node(
-        node,
-        gateway,
-        inference_address=inference_address,
-        rollout_address=rollout_address,
-        base_url=base_url,
-        http_socket=http_socket,
-    )
-    try:
-        if on_ready is not None:
-            on_ready(running)
-        await until_stop_signal()
-    finally:
-        await running.stop()
+    """`polar serve node`: serve until cancelled or SIGINT/SIGTERM, then stop."""
+
+    def on_ready(running: RunningNode) -> None:
+        pools = ", ".join(f"{p.name} {p.capacity}" for p in running.node.pool_status())
+        line = f"node {running.node.node_id}: {describe(running.gateway)}; rollout {node.rollout_address}; pools {pools}"
+        ready(running.gateway.grpc_port, line)
+
+    running = await start_node(node, gateway, http_socket=http_socket)
+    await serve_until_stopped(running, running.stop, on_ready)

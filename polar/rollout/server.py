@@ -3,6 +3,7 @@
 The servicer is thin: tasks are checked by `tasks`, state lives in the store (one durable
 transaction per change), and typed errors become status codes here, and only here:
 
+    (the table is the `status_codes` decorator of RolloutServicer; rpcs only raise)
     a task's problems (tasks.validate_task), a bad heartbeat, report or cursor -> INVALID_ARGUMENT
     TaskExists -> ALREADY_EXISTS      UnknownTask, UnknownSession -> NOT_FOUND
     NotAssigned -> FAILED_PRECONDITION     the server stopping (open result streams) -> UNAVAILABLE
@@ -16,8 +17,9 @@ older one that still waits, which then assigns nothing. A node silent for the no
 DONE and FAILED. Cancels of held sessions are repeated in each response while the node still lists
 the session before POSTRUN, so a lost response cannot lose a cancel.
 
-`start_rollout_server` also serves gRPC health checking (overall and `polar.v1.RolloutService`) and
-server reflection, like the other Polar services.
+`start_rollout_server` serves a `RolloutConfig` (`serve_rollout`: `polar serve rollout`), with gRPC
+health checking (overall and `polar.v1.RolloutService`) and server reflection, like the other Polar
+services.
 """
 
 from __future__ import annotations
@@ -28,13 +30,14 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
 from polar import codec
+from polar.config import RolloutConfig
+from polar.grpc_server import InvalidArgument, Unavailable, bind, new_server, serve_until_stopped, set_serving, status_codes
 from polar.rollout.store import (
     HELD_STATES,
     POSTRUN,
@@ -43,12 +46,13 @@ from polar.rollout.store import (
     ReleasedGroup,
     Requeued,
     RolloutStore,
+    StoreError,
     TaskExists,
     UnknownSession,
     UnknownTask,
 )
 from polar.rollout.tasks import normalize_task, validate_task
-from polar.grpc_server import bind, new_server, set_serving, until_stop_signal
+from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("polar.rollout.server")
@@ -82,6 +86,15 @@ class _Wakeup:
         return self._event
 
 
+@status_codes(
+    {
+        InvalidCursor: grpc.StatusCode.INVALID_ARGUMENT,
+        TaskExists: grpc.StatusCode.ALREADY_EXISTS,
+        UnknownTask: grpc.StatusCode.NOT_FOUND,
+        UnknownSession: grpc.StatusCode.NOT_FOUND,
+        NotAssigned: grpc.StatusCode.FAILED_PRECONDITION,
+    }
+)
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """See RolloutService in rollout.proto for each rpc's contract."""
 
@@ -139,11 +152,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
                 problems.append(f"tasks[{index}].task_id: {task.task_id!r} repeats tasks[{first_index[task.task_id]}]")
             first_index.setdefault(task.task_id, index)
         if problems:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
-        try:
-            self._store.add_tasks(tasks, time.time())
-        except TaskExists as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            raise InvalidArgument(_listed(problems))
+        self._store.add_tasks(tasks, time.time())
         self._wake_polls()
         return rollout_pb2.SubmitTasksResponse(task_ids=[task.task_id for task in tasks])
 
@@ -152,22 +162,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self, request: rollout_pb2.WatchResultsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[rollout_pb2.WatchResultsResponse]:
         if request.max_groups_per_batch < 0:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"max_groups_per_batch: must be >= 0, got {request.max_groups_per_batch}",
-            )
-        try:
-            cursor = self._store.parse_cursor(request.cursor)
-        except InvalidCursor as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise InvalidArgument(f"max_groups_per_batch: must be >= 0, got {request.max_groups_per_batch}")
+        cursor = self._store.parse_cursor(request.cursor)
         max_groups = request.max_groups_per_batch or DEFAULT_GROUPS_PER_BATCH
         # An export ends with what was released when it asked, however long sending that takes.
         end = self._store.last_release() if request.until_caught_up else None
         while True:
             if self._stopping:
-                await context.abort(
-                    grpc.StatusCode.UNAVAILABLE, "the rollout server is stopping; resume from the last cursor"
-                )
+                raise Unavailable("the rollout server is stopping; resume from the last cursor")
             released = self._releases.current()
             groups = self._store.released_groups(cursor, max_groups=max_groups, max_bytes=BATCH_BYTES, up_to=end)
             if groups:
@@ -182,10 +184,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def GetTaskStatus(
         self, request: rollout_pb2.GetTaskStatusRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GetTaskStatusResponse:
-        try:
-            statuses = self._store.task_statuses(list(request.task_ids))
-        except UnknownTask as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        statuses = self._store.task_statuses(list(request.task_ids))
         return rollout_pb2.GetTaskStatusResponse(tasks=statuses)
 
     # Unary.
@@ -215,20 +214,14 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def GetSessionStatus(
         self, request: rollout_pb2.GetSessionStatusRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.GetSessionStatusResponse:
-        try:
-            status = self._store.session_status(request.session_id, time.time())
-        except UnknownSession as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        status = self._store.session_status(request.session_id, time.time())
         return rollout_pb2.GetSessionStatusResponse(status=status)
 
     # Unary.
     async def Cancel(
         self, request: rollout_pb2.CancelRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.CancelResponse:
-        try:
-            record = self._store.cancel(list(request.task_ids), list(request.session_ids), time.time())
-        except (UnknownTask, UnknownSession) as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        record = self._store.cancel(list(request.task_ids), list(request.session_ids), time.time())
         for node_id, session_ids in record.held.items():
             self._new_cancels.setdefault(node_id, set()).update(session_ids)
             if (poll := self._polls.get(node_id)) is not None:
@@ -245,7 +238,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if not request.runtimes:
             problems.append("runtimes: a node must offer at least one runtime kind")
         if problems:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
+            raise InvalidArgument(_listed(problems))
         node_id = f"node-{uuid.uuid4().hex[:12]}"
         self._store.add_node(node_id, request, time.time())
         self._heard[node_id] = time.monotonic()
@@ -268,7 +261,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             return rollout_pb2.HeartbeatResponse(reregister=True, cancel=listed)
         problems = _pool_problems(request.pools) + _progress_problems(request.sessions)
         if problems:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
+            raise InvalidArgument(_listed(problems))
         poll = asyncio.Event()
         if (older := self._polls.get(node_id)) is not None:
             older.set()  # it sees it was replaced and ends, assigning nothing
@@ -311,28 +304,21 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if trajectory.session_id not in ("", request.session_id):
             problems.append(f"trajectory.session_id: {trajectory.session_id!r} is not the reported session")
         if problems:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _listed(problems))
-        try:
-            target = self._store.report_target(request.node_id, request.session_id)
-            if target is None:
-                return rollout_pb2.ReportSessionResponse()  # DONE already: a repeated report
-            if trajectory.attempt not in (0, target.attempt):
-                raise NotAssigned(
-                    f"session {request.session_id!r} is on attempt {target.attempt}, not {trajectory.attempt}"
-                )
-            trajectory.trajectory_id = trajectory.session_id = request.session_id
-            trajectory.task_id = trajectory.group_id = target.task.task_id
-            trajectory.attempt = target.attempt
-            trajectory.stage_timings.queued_seconds = target.queued_seconds
-            trajectory.metadata.update(target.task.metadata)
-            compressed = await asyncio.to_thread(_compressed, trajectory)
-            released = self._store.record_report(
-                request.node_id, request.session_id, target.attempt, trajectory, compressed, time.time()
-            )
-        except UnknownSession as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-        except NotAssigned as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            raise InvalidArgument(_listed(problems))
+        target = self._store.report_target(request.node_id, request.session_id)
+        if target is None:
+            return rollout_pb2.ReportSessionResponse()  # DONE already: a repeated report
+        if trajectory.attempt not in (0, target.attempt):
+            raise NotAssigned(f"session {request.session_id!r} is on attempt {target.attempt}, not {trajectory.attempt}")
+        trajectory.trajectory_id = trajectory.session_id = request.session_id
+        trajectory.task_id = trajectory.group_id = target.task.task_id
+        trajectory.attempt = target.attempt
+        trajectory.stage_timings.queued_seconds = target.queued_seconds
+        trajectory.metadata.update(target.task.metadata)
+        compressed = await asyncio.to_thread(_compressed, trajectory)
+        released = self._store.record_report(
+            request.node_id, request.session_id, target.attempt, trajectory, compressed, time.time()
+        )
         if released:
             self._releases.wake()
         return rollout_pb2.ReportSessionResponse()
@@ -448,7 +434,7 @@ class RunningRollout:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return join_host_port(self.host, self.port)
 
     async def stop(self, grace: float = 1.0) -> None:
         await self.servicer.stop()
@@ -456,54 +442,37 @@ class RunningRollout:
         self.store.close()
 
 
-async def start_rollout_server(
-    store_path: str | Path,
-    address: str = "127.0.0.1:0",
-    *,
-    heartbeat_interval_s: float = 1.0,
-    node_timeout_s: float = 10.0,
-    max_attempts: int = 3,
-) -> RunningRollout:
-    """Open (or create) the store and serve the RolloutService on `address` ("host:port"; port 0
-    picks a free one)."""
-    store = RolloutStore(store_path)
+async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
+    """Open (or create) the store and serve the RolloutService on config's host and port (0 picks a
+    free one)."""
+    store = RolloutStore(config.store)
     try:
         servicer = RolloutServicer(
-            store, heartbeat_interval_s=heartbeat_interval_s, node_timeout_s=node_timeout_s, max_attempts=max_attempts
+            store,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            node_timeout_s=config.node_timeout_s,
+            max_attempts=config.max_attempts,
         )
         server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=MAX_MESSAGE_BYTES)
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
-        port = bind(server, address, "the rollout server")
+        port = bind(server, join_host_port(config.host, config.port), "the rollout server")
         await set_serving(health_servicer, SERVICE_NAME)
         await server.start()
         servicer.start()
     except BaseException:
         store.close()
         raise
-    host = address.rsplit(":", 1)[0]
-    return RunningRollout(server, servicer, store, host, port)
+    return RunningRollout(server, servicer, store, config.host, port)
 
 
-async def serve_rollout(
-    store_path: str | Path,
-    address: str,
-    *,
-    heartbeat_interval_s: float = 1.0,
-    node_timeout_s: float = 10.0,
-    max_attempts: int = 3,
-    on_ready: Callable[[RunningRollout], None] | None = None,
-) -> None:
-    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully."""
-    running = await start_rollout_server(
-        store_path,
-        address,
-        heartbeat_interval_s=heartbeat_interval_s,
-        node_timeout_s=node_timeout_s,
-        max_attempts=max_attempts,
-    )
+async def serve_rollout(config: RolloutConfig, ready: Ready) -> None:
+    """`polar serve rollout`: serve until cancelled or SIGINT/SIGTERM, then stop gracefully."""
     try:
-        if on_ready is not None:
-            on_ready(running)
-        await until_stop_signal()
-    finally:
-        await running.stop(STOP_GRACE_SECONDS)
+        running = await start_rollout_server(config)
+    except StoreError as exc:
+        raise ServiceError(str(exc)) from None
+    await serve_until_stopped(
+        running,
+        lambda: running.stop(STOP_GRACE_SECONDS),
+        lambda r: ready(r.port, f"rollout: RolloutService on {join_host_port(config.host, r.port)}; store {config.store}"),
+    )

@@ -16,6 +16,7 @@ import uuid
 
 from google.protobuf import json_format
 
+from gateway.sampling import policy_problems
 from polar.trajectory import BUILDERS
 from polar.v1 import rollout_pb2
 
@@ -79,6 +80,7 @@ def validate_task(task: rollout_pb2.Task) -> list[str]:
     if task.builder not in BUILDERS:
         problems.append(f"builder: unknown builder {task.builder!r} (known: {', '.join(sorted(BUILDERS))})")
     problems += _timeout_problems("timeout_seconds", task.timeout_seconds)
+    problems += policy_problems(task.sampling, "sampling")
     return problems
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import tempfile
 from collections.abc import AsyncIterator, Mapping
@@ -24,13 +25,13 @@ from typing import Any
 import grpc
 
 from polar.codec import read_trajectory_batch
-from polar.config import EnvoyConfig, GatewayConfig, NodeConfig
+from polar.config import EnvoyConfig, GatewayConfig, NodeConfig, RolloutConfig
 from polar.envoy import running_async
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
 from polar.rollout.node import RunningNode, start_node
 from polar.rollout.server import MAX_MESSAGE_BYTES, RunningRollout, start_rollout_server
-from polar.stack import join_host_port, listening_socket
+from polar.service import join_host_port, listening_socket
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
 HOST = "127.0.0.1"
@@ -62,11 +63,10 @@ class RolloutHandle:
         gateway's address (Envoy forwards to one gateway)."""
         first = not self.nodes
         node = await start_node(
-            config,
-            GatewayConfig(port=0, grpc_port=0),
-            inference_address=self.inference_address,
-            rollout_address=self.address,
-            base_url=self.base_url if first else "",
+            dataclasses.replace(config, rollout_address=self.address),
+            GatewayConfig(
+                port=0, grpc_port=0, inference_address=self.inference_address, base_url=self.base_url if first else ""
+            ),
             http_socket=self.http_socket if first else None,
         )
         self.nodes.append(node)
@@ -93,9 +93,6 @@ class RolloutHandle:
             finally:
                 call.cancel()
         return groups
-
-    async def list_nodes(self) -> list[rollout_pb2.NodeInfo]:
-        return list((await self.stub.ListNodes(rollout_pb2.ListNodesRequest(), timeout=10)).nodes)
 
     async def session_status(self, session_id: str) -> rollout_pb2.SessionStatus:
         response = await self.stub.GetSessionStatus(rollout_pb2.GetSessionStatusRequest(session_id=session_id), timeout=10)
@@ -153,11 +150,14 @@ async def running_rollout(
             running_async(TEST_ENVOY, [join_host_port(HOST, port)], join_host_port(HOST, http_socket.getsockname()[1]))
         )
         rollout = await start_rollout_server(
-            store_path,
-            f"{HOST}:0",
-            heartbeat_interval_s=heartbeat_interval_s,
-            node_timeout_s=node_timeout_s,
-            max_attempts=max_attempts,
+            RolloutConfig(
+                host=HOST,
+                port=0,
+                store=str(store_path),
+                heartbeat_interval_s=heartbeat_interval_s,
+                node_timeout_s=node_timeout_s,
+                max_attempts=max_attempts,
+            )
         )
         stack.push_async_callback(rollout.stop)
         channel = grpc.aio.insecure_channel(

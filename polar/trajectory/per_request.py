@@ -1,7 +1,8 @@
 """The ``per_request`` builder: one trace per call, ``prompt ‖ sample``.
 
 The baseline prefix merging is measured against. Every call that sampled something becomes one trace:
-its prompt with loss mask 0, its sampled tokens with mask 1 and their logprobs. Calls that sampled
+its prompt with loss mask 0, its sampled tokens with mask 1 and their logprobs (the SAMPLED segment
+carries the call's sampling; the trace is truncated when the call was). Calls that sampled
 nothing have nothing to train on and produce no trace. The first trace has no fork reason, every other
 one has "per_request": each of them repeats the history the previous call already held.
 """
@@ -34,7 +35,7 @@ def call_trace(call: CallView, trace_id: str, fork_reason: str) -> BuiltTrace:
     loss_mask[prompt_len:] = 1
     logprobs = np.zeros(total, dtype=np.float32)  # (T,)
     logprobs[prompt_len:] = call.logprobs
-    segments = [Segment(SegmentKind.SAMPLED, prompt_len, total, call.call_id)]
+    segments = [Segment(SegmentKind.SAMPLED, prompt_len, total, call.call_id, call.sampling)]
     if prompt_len:
         segments.insert(0, Segment(SegmentKind.PROMPT, 0, prompt_len, call.call_id))
     return BuiltTrace(
@@ -45,6 +46,7 @@ def call_trace(call: CallView, trace_id: str, fork_reason: str) -> BuiltTrace:
         segments=tuple(segments),
         policy_versions=(call.policy_version,),
         fork_reason=fork_reason,
+        truncated=call.truncated,
     )
 
 

@@ -8,7 +8,9 @@ tip, equal length included); when several tips match, the longest wins (then the
 recently). Joining sets the tip to ``prompt ‖ sample``, so the chain's trace is
 ``p1 ‖ a1 ‖ u2 ‖ a2 ‖ …``: every sampled span ``a_i`` has loss mask 1 and its logprobs, every
 prompt or interstitial span (``p1``, ``u_i``: tool results, user turns, template tokens) has mask 0.
-Each call contributes a PROMPT segment for its new prompt tokens and a SAMPLED segment for its sample.
+Each call contributes a PROMPT segment for its new prompt tokens and a SAMPLED segment for its sample;
+a SAMPLED segment carries its call's sampling, and a trace is truncated when any call whose sample it
+holds was (cut by the task's token limits or the context window).
 
 End of turn: a response that stopped on the end-of-turn token holds it as its last sampled token, and
 the next prompt continues after it; a response cut at max tokens does not hold it, and the gateway's
@@ -164,6 +166,7 @@ def _chain_trace(chain: _Chain, reason: str) -> tuple[BuiltTrace, list[_Member]]
     segments: list[Segment] = []
     versions: list[int] = []
     split_off: list[_Member] = []
+    truncated = False
     for member in chain.members:
         call = member.call
         prompt_end = len(call.prompt_ids)
@@ -173,11 +176,14 @@ def _chain_trace(chain: _Chain, reason: str) -> tuple[BuiltTrace, list[_Member]]
             split_off.append(member)
             continue
         sampled_end = prompt_end + len(call.sampled_ids)
-        segments.append(Segment(SegmentKind.SAMPLED, prompt_end, sampled_end, call.call_id))
+        segments.append(Segment(SegmentKind.SAMPLED, prompt_end, sampled_end, call.call_id, call.sampling))
         loss_mask[prompt_end:sampled_end] = 1
         logprobs[prompt_end:sampled_end] = call.logprobs
         versions.append(call.policy_version)
-    trace = BuiltTrace("", token_ids, loss_mask, logprobs, tuple(segments), tuple(versions), reason)
+        truncated = truncated or call.truncated
+    trace = BuiltTrace(
+        "", token_ids, loss_mask, logprobs, tuple(segments), tuple(versions), reason, truncated=truncated
+    )
     return trace, split_off
 
 

@@ -1,7 +1,8 @@
 """Frozen records mirroring the protobuf messages the builders read and write.
 
-``CallView`` is what a builder needs of a ``CallRecord``: token ids, logprobs, how the call ended and
-when it arrived. Dialect, model name and the raw request/response bodies stay in the record; the
+``CallView`` is what a builder needs of a ``CallRecord``: token ids, logprobs, how the call ended (and
+whether a limit the harness did not ask for truncated it), the sampling the engine used and when it
+arrived. Dialect, model name and the raw request/response bodies stay in the record; the
 builders never look at them. Token ids are read-only ``int32`` arrays and logprobs ``float32``
 arrays, so the builders compare and copy whole spans with numpy instead of looping over tokens.
 
@@ -57,6 +58,53 @@ def _frozen_array(values, dtype) -> np.ndarray:
 _INTERRUPTED = (common_pb2.FINISH_REASON_ABORTED, common_pb2.FINISH_REASON_ERROR)
 
 
+@dataclass(frozen=True)
+class SamplingParams:
+    """What the engine was asked to sample with (mirrors ``polar.v1.SamplingParams``)."""
+
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 0.0  # 0 or 1: no nucleus truncation
+    top_k: int = 0  # 0: no top-k truncation
+    max_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # The message's floats are float32: holding them so makes a round trip through it exact.
+        object.__setattr__(self, "temperature", float(np.float32(self.temperature)))
+        object.__setattr__(self, "top_p", float(np.float32(self.top_p)))
+        object.__setattr__(self, "stop_token_ids", tuple(int(token) for token in self.stop_token_ids))
+
+    @classmethod
+    def from_proto(cls, params: common_pb2.SamplingParams) -> SamplingParams:
+        return cls(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            max_tokens=params.max_tokens,
+            stop_token_ids=tuple(params.stop_token_ids),
+            seed=params.seed if params.HasField("seed") else None,
+            ignore_eos=params.ignore_eos,
+        )
+
+    def to_proto(self) -> common_pb2.SamplingParams:
+        return common_pb2.SamplingParams(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            max_tokens=self.max_tokens,
+            stop_token_ids=self.stop_token_ids,
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def _sampling_of(message: common_pb2.CallRecord | common_pb2.TraceSegment) -> SamplingParams | None:
+    """The ``sampling`` field of a CallRecord or TraceSegment; None when it is unset."""
+    return SamplingParams.from_proto(message.sampling) if message.HasField("sampling") else None
+
+
 @dataclass(frozen=True, eq=False)
 class CallView:
     """One model call as the builders see it (mirrors ``polar.v1.CallRecord``)."""
@@ -72,6 +120,8 @@ class CallView:
     received_unix_ns: int = 0
     extends_call_id: str = ""
     error: str = ""
+    sampling: SamplingParams | None = None  # None: not recorded
+    truncated: bool = False  # cut by a limit the harness did not ask for (task's cap or budget, context)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", _frozen_array(self.prompt_ids, np.int32))
@@ -106,6 +156,8 @@ class CallView:
             received_unix_ns=record.timings.received_unix_ns,
             extends_call_id=record.extends_call_id,
             error=record.error,
+            sampling=_sampling_of(record),
+            truncated=record.truncated,
         )
 
     def to_proto(self, session_id: str = "") -> common_pb2.CallRecord:
@@ -123,6 +175,8 @@ class CallView:
             extends_call_id=self.extends_call_id,
             error=self.error,
             timings=common_pb2.CallTimings(received_unix_ns=self.received_unix_ns),
+            sampling=self.sampling.to_proto() if self.sampling is not None else None,
+            truncated=self.truncated,
         )
 
 
@@ -145,15 +199,20 @@ class Segment:
     start: int
     end: int
     call_id: str
+    sampling: SamplingParams | None = None  # SAMPLED: the call's sampling (None when not recorded)
 
     def to_proto(self) -> common_pb2.TraceSegment:
         return common_pb2.TraceSegment(
-            kind=int(self.kind), start=self.start, end=self.end, call_id=self.call_id
+            kind=int(self.kind),
+            start=self.start,
+            end=self.end,
+            call_id=self.call_id,
+            sampling=self.sampling.to_proto() if self.sampling is not None else None,
         )
 
     @classmethod
     def from_proto(cls, segment: common_pb2.TraceSegment) -> Segment:
-        return cls(SegmentKind(segment.kind), segment.start, segment.end, segment.call_id)
+        return cls(SegmentKind(segment.kind), segment.start, segment.end, segment.call_id, _sampling_of(segment))
 
 
 @dataclass(frozen=True, eq=False)
@@ -168,6 +227,7 @@ class BuiltTrace:
     policy_versions: tuple[int, ...]  # one per SAMPLED segment, in order
     fork_reason: str = ""
     weight: float = 0.0
+    truncated: bool = False  # a call whose sample it holds was truncated
 
     def __post_init__(self) -> None:
         for name, dtype in (("token_ids", np.int32), ("loss_mask", np.uint8), ("logprobs", np.float32)):
@@ -194,6 +254,7 @@ class BuiltTrace:
             policy_versions=self.policy_versions,
             weight=self.weight,
             fork_reason=self.fork_reason,
+            truncated=self.truncated,
         )
 
     @classmethod
@@ -207,6 +268,7 @@ class BuiltTrace:
             policy_versions=tuple(trace.policy_versions),
             fork_reason=trace.fork_reason,
             weight=trace.weight,
+            truncated=trace.truncated,
         )
 
 

@@ -10,7 +10,8 @@ the next prompt closes the turn with ``<|im_end|>`` as its first new token.
 by one plain main turn, and records which calls must start a sibling trace and why
 (``SyntheticSession.expected_forks``, following the rules in prefix_merging.py). Events:
 
-* ``turn``: a tool result and a reply;  ``truncated``: a reply cut at max tokens;
+* ``turn``: a tool result and a reply;  ``truncated``: a reply cut at the task's max tokens per call
+  (recorded as truncated);
 * ``sub_agent``: a conversation with its own system prompt runs 1–3 turns, then the main one resumes;
 * ``compaction``: the main history is replaced by the system prompt and a short summary;
 * ``edit``: one token of older main history is rewritten, then the conversation goes on;
@@ -30,7 +31,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from polar.trajectory.records import CallView
+from polar.trajectory.records import CallView, SamplingParams
 from polar.v1 import common_pb2
 
 IM_START, IM_END, NEWLINE = 1, 2, 3
@@ -111,6 +112,8 @@ class _Harness:
         return np.concatenate((conv.tokens, np.array(closing, dtype=np.int32), new, _HEADER))
 
     def record(self, prompt: np.ndarray, sampled: np.ndarray, finish: int, aborted: bool = False) -> CallView:
+        # Calls alternate between two temperatures, so a trace holds spans sampled differently.
+        sampling = SamplingParams(temperature=(1.0, 0.6)[len(self.calls) % 2], max_tokens=self.shape.max_tokens)
         call = CallView(
             call_id=f"c{len(self.calls) + 1:04d}",
             prompt_ids=prompt,
@@ -119,6 +122,8 @@ class _Harness:
             finish_reason=finish,
             aborted=aborted,
             received_unix_ns=1_700_000_000_000_000_000 + len(self.calls) * 1_000_000,
+            sampling=sampling,
+            truncated=finish == common_pb2.FINISH_REASON_LENGTH,
         )
         self.calls.append(call)
         return call

@@ -8,8 +8,9 @@
   segment has mask 0 and its tokens are that call's prompt at the same positions; a SAMPLED segment has
   mask 1, starts right where the call's prompt ends, everything before it is exactly the call's prompt
   (the context the engine was given), its tokens are exactly the call's sampled ids in order and its
-  logprobs exactly the recorded ones; ``policy_versions`` has one entry per SAMPLED segment, equal to
-  the call's policy version;
+  logprobs exactly the recorded ones, and its sampling is the call's; ``policy_versions`` has one
+  entry per SAMPLED segment, equal to the call's policy version; the trace is marked truncated exactly
+  when a call whose sample it holds was truncated;
 
 and, across traces, that every call's sampled tokens appear in exactly one SAMPLED segment, and that
 the trace weights are non-negative and sum to 1 whenever there is something to train on.
@@ -113,7 +114,7 @@ class _Checker:
                 tid, -1, "",
                 f"{sampled_segments} sampled segments but {len(trace.policy_versions)} policy versions",
             )
-        expected_start, sampled_seen = 0, 0
+        expected_start, sampled_seen, truncated = 0, 0, False
         for segment in trace.segments:
             if segment.start != expected_start or not segment.start < segment.end <= n:
                 self.problem(
@@ -130,11 +131,23 @@ class _Checker:
             if segment.kind == SegmentKind.SAMPLED:
                 version = trace.policy_versions[sampled_seen] if sampled_seen < len(trace.policy_versions) else None
                 sampled_seen += 1
+                truncated = truncated or call.truncated
                 self.check_sampled(trace, segment.start, segment.end, call, version)
+                if segment.sampling != call.sampling:
+                    self.problem(
+                        tid, segment.start, segment.call_id,
+                        f"segment sampling {segment.sampling} is not the call's {call.sampling}",
+                    )
             else:
                 self.check_prompt(trace, segment.start, segment.end, call)
         if expected_start != n:
             self.problem(tid, expected_start, "", f"segments end at {expected_start}, the trace has {n} tokens")
+        if trace.truncated != truncated:
+            self.problem(
+                tid, -1, "",
+                f"marked {'' if trace.truncated else 'not '}truncated, but "
+                f"{'a' if truncated else 'no'} call whose sample it holds was truncated",
+            )
 
     def check_prompt(self, trace: BuiltTrace, start: int, end: int, call: CallView) -> None:
         tid = trace.trace_id

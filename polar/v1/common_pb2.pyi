@@ -66,6 +66,18 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class SamplingPolicy(_message.Message):
+    __slots__ = ("temperature", "top_p", "max_tokens_per_call", "max_tokens_per_session")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    max_tokens_per_call: int
+    max_tokens_per_session: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens_per_call: _Optional[int] = ..., max_tokens_per_session: _Optional[int] = ...) -> None: ...
+
 class CallTimings(_message.Message):
     __slots__ = ("received_unix_ns", "render_seconds", "time_to_first_token_seconds", "total_seconds", "queue_seconds")
     RECEIVED_UNIX_NS_FIELD_NUMBER: _ClassVar[int]
@@ -89,7 +101,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class CallRecord(_message.Message):
-    __slots__ = ("call_id", "session_id", "dialect", "model", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "finish_reason", "policy_version", "last_policy_version", "extends_call_id", "forced_token_count", "aborted", "error", "request_body", "response_body", "timings", "usage", "stream")
+    __slots__ = ("call_id", "session_id", "dialect", "model", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "finish_reason", "policy_version", "last_policy_version", "extends_call_id", "forced_token_count", "aborted", "error", "request_body", "response_body", "timings", "usage", "stream", "sampling", "truncated")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DIALECT_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +121,8 @@ class CallRecord(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     session_id: str
     dialect: Dialect
@@ -128,10 +142,12 @@ class CallRecord(_message.Message):
     timings: CallTimings
     usage: Usage
     stream: bool
-    def __init__(self, call_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dialect: _Optional[_Union[Dialect, str]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., extends_call_id: _Optional[str] = ..., forced_token_count: _Optional[int] = ..., aborted: _Optional[bool] = ..., error: _Optional[str] = ..., request_body: _Optional[bytes] = ..., response_body: _Optional[bytes] = ..., timings: _Optional[_Union[CallTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stream: _Optional[bool] = ...) -> None: ...
+    sampling: SamplingParams
+    truncated: bool
+    def __init__(self, call_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dialect: _Optional[_Union[Dialect, str]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., extends_call_id: _Optional[str] = ..., forced_token_count: _Optional[int] = ..., aborted: _Optional[bool] = ..., error: _Optional[str] = ..., request_body: _Optional[bytes] = ..., response_body: _Optional[bytes] = ..., timings: _Optional[_Union[CallTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stream: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class TraceSegment(_message.Message):
-    __slots__ = ("kind", "start", "end", "call_id")
+    __slots__ = ("kind", "start", "end", "call_id", "sampling")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[TraceSegment.Kind]
@@ -144,14 +160,16 @@ class TraceSegment(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     kind: TraceSegment.Kind
     start: int
     end: int
     call_id: str
-    def __init__(self, kind: _Optional[_Union[TraceSegment.Kind, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., call_id: _Optional[str] = ...) -> None: ...
+    sampling: SamplingParams
+    def __init__(self, kind: _Optional[_Union[TraceSegment.Kind, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., call_id: _Optional[str] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Trace(_message.Message):
-    __slots__ = ("trace_id", "token_ids", "loss_mask", "behaviour_logprobs", "segments", "policy_versions", "weight", "fork_reason")
+    __slots__ = ("trace_id", "token_ids", "loss_mask", "behaviour_logprobs", "segments", "policy_versions", "weight", "fork_reason", "truncated")
     TRACE_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +178,7 @@ class Trace(_message.Message):
     POLICY_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     FORK_REASON_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     trace_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     loss_mask: _containers.RepeatedScalarFieldContainer[int]
@@ -168,7 +187,8 @@ class Trace(_message.Message):
     policy_versions: _containers.RepeatedScalarFieldContainer[int]
     weight: float
     fork_reason: str
-    def __init__(self, trace_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., segments: _Optional[_Iterable[_Union[TraceSegment, _Mapping]]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., weight: _Optional[float] = ..., fork_reason: _Optional[str] = ...) -> None: ...
+    truncated: bool
+    def __init__(self, trace_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., loss_mask: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., segments: _Optional[_Iterable[_Union[TraceSegment, _Mapping]]] = ..., policy_versions: _Optional[_Iterable[int]] = ..., weight: _Optional[float] = ..., fork_reason: _Optional[str] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class MergeStats(_message.Message):
     __slots__ = ("calls", "chains", "tokens_before", "tokens_after", "forks")

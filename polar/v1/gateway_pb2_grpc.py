@@ -73,7 +73,8 @@ class GatewayServiceServicer:
 
     def OpenSession(self, request, context):
         """Unary. Opens a session and returns its key. Every model call made with the key is recorded into
-        the session until it is closed.
+        the session until it is closed. INVALID_ARGUMENT for an unknown history policy or a sampling
+        policy out of range.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

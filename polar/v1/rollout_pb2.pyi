@@ -67,7 +67,7 @@ class EvaluatorSpec(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., command: _Optional[str] = ..., callable: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "instruction", "group_size", "harness", "runtime", "evaluator", "builder", "timeout_seconds", "priority", "metadata")
+    __slots__ = ("task_id", "instruction", "group_size", "harness", "runtime", "evaluator", "builder", "timeout_seconds", "priority", "metadata", "sampling")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class Task(_message.Message):
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     instruction: str
     group_size: int
@@ -95,7 +96,8 @@ class Task(_message.Message):
     timeout_seconds: float
     priority: int
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, task_id: _Optional[str] = ..., instruction: _Optional[str] = ..., group_size: _Optional[int] = ..., harness: _Optional[_Union[HarnessSpec, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeSpec, _Mapping]] = ..., evaluator: _Optional[_Union[EvaluatorSpec, _Mapping]] = ..., builder: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    sampling: _common_pb2.SamplingPolicy
+    def __init__(self, task_id: _Optional[str] = ..., instruction: _Optional[str] = ..., group_size: _Optional[int] = ..., harness: _Optional[_Union[HarnessSpec, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeSpec, _Mapping]] = ..., evaluator: _Optional[_Union[EvaluatorSpec, _Mapping]] = ..., builder: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ...) -> None: ...
 
 class SubmitTasksRequest(_message.Message):
     __slots__ = ("tasks",)

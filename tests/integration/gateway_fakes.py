@@ -82,7 +82,7 @@ class FakeDialect(Dialect):
         }
 
     def stream_renderer(self, request: DialectRequest, call: CallInfo) -> StreamRenderer:
-        return _Stream(self, request)
+        return _StreamRenderer(self, request)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         return STATUS[error.kind], {"error": {"kind": error.kind.value, "message": error.message}}
@@ -92,7 +92,7 @@ class HookOrderError(AssertionError):
     """The core called a renderer hook out of the contract's order (start, events, finish or error)."""
 
 
-class _Stream(StreamRenderer):
+class _StreamRenderer(StreamRenderer):
     def __init__(self, dialect: FakeDialect, request: DialectRequest) -> None:
         self._dialect = dialect
         self._request = request

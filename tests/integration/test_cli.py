@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polar_cli import STARTUP_SECONDS, alive, assert_one_line_error, run, spawned, wait_dead
 
 import polar
-from polar.stack import listening_socket
+from polar.service import listening_socket
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.slow

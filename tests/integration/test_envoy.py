@@ -31,10 +31,10 @@ from google.genai import errors, types
 from gateway.server import start_gateway
 from gateway.testing import running_gateway
 from polar import envoy
-from polar.config import EnvoyConfig
+from polar.config import EnvoyConfig, GatewayConfig
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
-from polar.stack import listening_socket
+from polar.service import listening_socket
 from polar_cli import spawned
 from polar.stack import running as running_service
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
@@ -539,7 +539,8 @@ async def test_the_gateway_behind_envoy_streams_to_the_sdk_and_keeps_sessions_on
             envoy_in_front([a, b], gateway_http=f"127.0.0.1:{gateway_port}", access_log=str(log)) as proxy,
         ):
             await wait_for_health(proxy, {a: "healthy", b: "healthy"})
-            gateway = await start_gateway(f"127.0.0.1:{proxy.inference_port}", http_socket=gateway_http)
+            config = GatewayConfig(port=0, grpc_port=0, inference_address=f"127.0.0.1:{proxy.inference_port}")
+            gateway = await start_gateway(config, http_socket=gateway_http)
             try:
                 replies = {}
                 for i in range(8):

@@ -9,6 +9,7 @@ overloaded) is checked through the real dialect modules.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import contextlib
 import json
@@ -24,6 +25,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from gateway.conversation import Conversation, Message, ToolChoice
 from gateway.dialects import get_dialect
 from gateway.dialects.base import ErrorKind, GatewayError
+from gateway.sampling import SamplingPolicy
 from gateway.testing import running_gateway
 from polar.config import GatewayConfig, InferenceConfig
 from polar.stack import gateway_spec
@@ -35,6 +37,7 @@ from gateway_fakes import FakeDialect, read_sse
 pytestmark = pytest.mark.anyio
 
 SLOW_TOKENS = 60
+RAMBLE_TOKENS = 40
 CALL_A = '<tool_call>\n{"name": "lookup", "arguments": {"q": "a"}}\n</tool_call>'
 CALL_B = '<tool_call>\n{"name": "lookup", "arguments": {"q": "b"}}\n</tool_call>'
 HI = [{"role": "user", "content": "hi"}]
@@ -51,6 +54,7 @@ FAKE_SCRIPT = {
         {"prompt_regex": "TURN2", "text": "<think>one more</think>\n" + CALL_B},
         {"prompt_regex": "TURN1", "text": CALL_A},
         {"prompt_regex": "CONCURRENT", "text": "ok", "delay_seconds": 0.01},
+        {"prompt_regex": "RAMBLE", "token_ids": [905] * RAMBLE_TOKENS},  # never stops by itself
     ],
     "outputs": [{"text": "Fine."}],
 }
@@ -349,6 +353,83 @@ async def test_count_tokens_renders_without_generating(real, http):
     assert real.records(key) == []
 
 
+# ------------------------------------------------------------------------ the task's sampling
+
+
+async def test_a_task_s_policy_caps_a_harness_that_asks_no_max_tokens_and_the_record_says_truncated(gw, http):
+    key = gw.open_session(sampling=SamplingPolicy(temperature=0.7, top_p=0.9, max_tokens_per_call=8))
+    body = {"model": "m", "messages": [_user("RAMBLE")]}  # no max_tokens; FakeDialect asks temperature 0
+    status, reply = await _chat(http, gw, key, **body)
+    assert status == 200 and reply["finish"] == "length" and reply["usage"]["completion_tokens"] == 8
+    # A max_tokens the harness asked for below the cap is its own: the call is cut but not truncated.
+    status, reply = await _chat(http, gw, key, messages=[_user("RAMBLE again")], max_tokens=5)
+    assert status == 200 and reply["finish"] == "length" and reply["usage"]["completion_tokens"] == 5
+
+    capped, asked = gw.records(key)
+    assert json.loads(capped.request_body) == body  # the request as the harness sent it
+    assert len(capped.sampled_token_ids) == 8 and capped.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert capped.truncated and not asked.truncated
+    assert (capped.sampling.max_tokens, asked.sampling.max_tokens) == (8, 5)
+    for record in (capped, asked):
+        assert record.sampling.temperature == pytest.approx(0.7) and record.sampling.top_p == pytest.approx(0.9)
+
+
+async def test_without_a_policy_calls_sample_as_the_harness_asks(gw, http):
+    key = gw.open_session()
+    status, reply = await _chat(http, gw, key, messages=[_user("RAMBLE")])
+    assert status == 200 and reply["finish"] == "stop" and reply["usage"]["completion_tokens"] == RAMBLE_TOKENS
+    [record] = gw.records(key)
+    assert record.sampling.temperature == 0.0 and record.sampling.top_p == 0.0  # FakeDialect's own
+    assert record.sampling.max_tokens == 32768 - len(record.prompt_token_ids)  # what the context leaves
+    assert not record.truncated and record.finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+async def test_the_session_budget_cuts_the_last_call_and_refuses_the_next_without_generating(gw, http):
+    key = gw.open_session(sampling=SamplingPolicy(max_tokens_per_call=8, max_tokens_per_session=12))
+    replies = [await _chat(http, gw, key, messages=[_user(f"RAMBLE {i}")]) for i in range(3)]
+    assert [(status, reply.get("usage", {}).get("completion_tokens")) for status, reply in replies[:2]] == [
+        (200, 8), (200, 4),
+    ]  # fmt: skip
+    status, refusal = replies[2]
+    assert status == 400 and refusal["error"]["kind"] == "invalid_request"
+    assert "token budget is used up" in refusal["error"]["message"]
+    records = gw.records(key)
+    assert [(len(r.sampled_token_ids), r.sampling.max_tokens, r.truncated) for r in records] == [
+        (8, 8, True), (4, 4, True),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("dialect, path, body", [route for route in ROUTES if "count_tokens" not in route[1]])
+async def test_a_used_up_budget_is_refused_in_the_dialects_shape(real, http, dialect, path, body):
+    key = real.open_session(sampling=SamplingPolicy(max_tokens_per_session=1))
+    async with http.post(real.base_url + path, json=body, headers={"x-api-key": key}) as response:
+        assert response.status == 200
+        await response.read()
+    status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.INVALID_REQUEST, ""))
+    async with http.post(real.base_url + path, json=body, headers={"x-api-key": key}) as response:
+        assert response.status == status == 400
+        refusal = await response.json()
+    assert _without_messages(refusal) == _without_messages(expected)
+    assert "token budget is used up" in json.dumps(refusal)
+    [record] = real.records(key)
+    assert len(record.sampled_token_ids) == 1 and record.truncated
+
+
+async def test_open_session_takes_a_sampling_policy_and_refuses_one_out_of_range(gw, http):
+    policy = common_pb2.SamplingPolicy(temperature=0.0, max_tokens_per_call=8)
+    async with grpc.aio.insecure_channel(gw.grpc_address) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        opened = (await stub.OpenSession(gateway_pb2.OpenSessionRequest(task_id="t2", sampling=policy))).session
+        assert opened.sampling == policy and opened.sampling.HasField("temperature")
+        assert (await _chat(http, gw, opened.key, messages=[_user("RAMBLE")]))[1]["usage"]["completion_tokens"] == 8
+        got = await stub.GetSession(gateway_pb2.GetSessionRequest(key=opened.session_id))
+        assert got.session.sampling == policy and got.calls[0].truncated
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await stub.OpenSession(gateway_pb2.OpenSessionRequest(sampling=common_pb2.SamplingPolicy(top_p=0.0)))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert error.value.details().startswith("sampling.top_p: must be in (0, 1]")
+
+
 # ---------------------------------------------------------------------------- GatewayService
 
 
@@ -499,13 +580,14 @@ async def test_polar_session_open_show_close(gw, http):
 
 async def test_a_gateway_that_cannot_start_closes_the_socket_it_was_handed():
     from gateway.server import GatewayStartError, start_gateway
-    from polar.stack import listening_socket
+    from polar.service import listening_socket
 
+    nowhere = GatewayConfig(port=0, grpc_port=0, inference_address="127.0.0.1:1")
     unserved = listening_socket("127.0.0.1")
     with pytest.raises(GatewayStartError, match="no inference service answered on 127.0.0.1:1"):
-        await start_gateway("127.0.0.1:1", http_socket=unserved, startup_timeout_s=0.5)
+        await start_gateway(nowhere, http_socket=unserved, startup_timeout_s=0.5)
     assert unserved.fileno() == -1
     misnamed = listening_socket("127.0.0.1")
     with pytest.raises(LookupError, match="no-such-parser"):
-        await start_gateway("127.0.0.1:1", http_socket=misnamed, parser="no-such-parser")
+        await start_gateway(dataclasses.replace(nowhere, parser="no-such-parser"), http_socket=misnamed)
     assert misnamed.fileno() == -1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import os
 import signal
 import sys
@@ -79,6 +80,40 @@ async def test_the_task_builder_is_used() -> None:
     assert trajectory.builder == "per_request"
     assert len(trajectory.traces) == 2
     assert_faithful(trajectory)
+
+
+async def test_a_task_s_sampling_policy_reaches_every_recorded_call_and_trace() -> None:
+    followed = common_pb2.SamplingPolicy(temperature=0.25, top_p=0.5, max_tokens_per_call=64)
+    cut = common_pb2.SamplingPolicy(temperature=0.0, max_tokens_per_call=4)  # shorter than any reply
+    async with running_rollout(SCRIPT) as rollout:
+        ids = await rollout.submit(
+            command_task(harness(), evaluator=FOUND_HELLO, sampling=followed),
+            command_task(harness(), builder="per_request", sampling=cut),
+        )
+        groups = {group[0].task_id: group for group in await rollout.groups(2)}
+    [full], [truncated] = groups[ids[0]], groups[ids[1]]
+
+    assert full.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED and full.reward == 1.0, full.error
+    assert len(full.calls) == 2
+    for call in full.calls:
+        # The example agent asks for 128 tokens at its own temperature; the task's policy decides.
+        assert json.loads(call.request_body)["max_tokens"] == 128
+        assert call.sampling.max_tokens == 64 and not call.truncated
+        assert call.sampling.temperature == pytest.approx(0.25) and call.sampling.top_p == pytest.approx(0.5)
+    [trace] = full.traces
+    assert not trace.truncated
+    assert [s.sampling for s in trace.segments if s.kind == common_pb2.TraceSegment.KIND_SAMPLED] == [
+        call.sampling for call in full.calls
+    ]
+    assert_faithful(full)
+
+    assert truncated.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED, truncated.error
+    assert truncated.calls and truncated.traces
+    for call in truncated.calls:
+        assert len(call.sampled_token_ids) == call.sampling.max_tokens == 4 and call.sampling.temperature == 0.0
+        assert call.truncated and call.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert all(trace.truncated for trace in truncated.traces)
+    assert_faithful(truncated)
 
 
 async def test_a_prewarmed_session_skips_init() -> None:
@@ -215,6 +250,7 @@ async def test_session_status_follows_the_stages() -> None:
 async def test_a_restarted_rollout_server_loses_nothing(tmp_path: Path) -> None:
     """The server stops while a session runs and a finished group is stored; started again on the same
     store and port, it still has the finished group, and the node's running session reports into it."""
+    from polar.config import RolloutConfig
     from polar.rollout.server import start_rollout_server
 
     async with running_rollout(SCRIPT, store_path=tmp_path / "rollout.db") as rollout:
@@ -222,11 +258,11 @@ async def test_a_restarted_rollout_server_loses_nothing(tmp_path: Path) -> None:
         [[finished]] = await rollout.groups(1)
         [second] = await rollout.submit(_slow_task())
         await rollout.wait_for_state(f"{second}.0", rollout_pb2.SESSION_STATE_RUNNING)
-        address = rollout.rollout.address
+        host, port = rollout.rollout.host, rollout.rollout.port
         await rollout.rollout.stop()
         await asyncio.sleep(0.5)
         rollout.rollout = await start_rollout_server(
-            rollout.store_path, address, heartbeat_interval_s=0.5, node_timeout_s=5.0
+            RolloutConfig(host=host, port=port, store=str(rollout.store_path), heartbeat_interval_s=0.5, node_timeout_s=5.0)
         )
         groups = await rollout.groups(2)
     assert [group[0].task_id for group in groups] == [first, second]

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from polar import codec
+from polar.config import RolloutConfig
 from polar.rollout.server import MAX_MESSAGE_BYTES, RunningRollout, serve_rollout, start_rollout_server
 from polar.rollout.store import StoreError
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
@@ -37,6 +38,11 @@ COMPLETED, CANCELLED, FAILED = (
 )
 # Quick heartbeats; a node timeout long enough that no test's node dies of a slow (loaded) machine.
 # Tests of dead nodes set a short one.
+def _config(store, **options) -> RolloutConfig:
+    """A rollout server on a free port of 127.0.0.1, its store at `store`."""
+    return RolloutConfig(host="127.0.0.1", port=0, store=str(store), **options)
+
+
 FAST = {"heartbeat_interval_s": 0.2, "node_timeout_s": 5.0, "max_attempts": 2}
 SHORT_NODE_TIMEOUT_S = 0.8
 
@@ -51,7 +57,7 @@ async def start(tmp_path) -> Callable[..., Awaitable[tuple[RunningRollout, Stub]
     channels: list[grpc.aio.Channel] = []
 
     async def start_server(store=None, **options) -> tuple[RunningRollout, Stub]:
-        server = await start_rollout_server(store or tmp_path / "rollout.db", **{**FAST, **options})
+        server = await start_rollout_server(_config(store or tmp_path / "rollout.db", **{**FAST, **options}))
         servers.append(server)
         channel = grpc.aio.insecure_channel(
             server.address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
@@ -170,29 +176,29 @@ async def test_health_and_reflection(start):
 async def test_a_second_server_on_the_same_store_is_refused(start, tmp_path):
     await start()
     with pytest.raises(StoreError, match="in use by another rollout server"):
-        await start_rollout_server(tmp_path / "rollout.db")
+        await start_rollout_server(_config(tmp_path / "rollout.db"))
 
 
 async def test_options_that_cannot_work_are_refused(tmp_path):
     with pytest.raises(ValueError, match="node_timeout_s .* must exceed heartbeat_interval_s"):
-        await start_rollout_server(tmp_path / "a.db", heartbeat_interval_s=2.0, node_timeout_s=1.0)
+        await start_rollout_server(_config(tmp_path / "a.db", heartbeat_interval_s=2.0, node_timeout_s=1.0))
     with pytest.raises(ValueError, match="max_attempts must be >= 1"):
-        await start_rollout_server(tmp_path / "a.db", max_attempts=0)
+        await start_rollout_server(_config(tmp_path / "a.db", max_attempts=0))
     # The store of a refused start is closed again: the next server opens it.
-    server = await start_rollout_server(tmp_path / "a.db")
+    server = await start_rollout_server(_config(tmp_path / "a.db"))
     await server.stop()
 
 
 async def test_serve_rollout_runs_until_sigterm(tmp_path):
-    ready: asyncio.Future[RunningRollout] = asyncio.get_running_loop().create_future()
-    serving = asyncio.create_task(serve_rollout(tmp_path / "r.db", "127.0.0.1:0", on_ready=ready.set_result))
-    running = await asyncio.wait_for(ready, 10)
-    async with grpc.aio.insecure_channel(running.address) as channel:
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    serving = asyncio.create_task(serve_rollout(_config(tmp_path / "r.db"), ready=lambda port, line: ready.set_result(port)))
+    port = await asyncio.wait_for(ready, 10)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         answer = await Stub(channel).GetTaskStatus(rollout_pb2.GetTaskStatusRequest())
         assert list(answer.tasks) == []
     os.kill(os.getpid(), signal.SIGTERM)  # serve_rollout's handler takes it, not the default one
     await asyncio.wait_for(serving, 10)
-    await (await start_rollout_server(tmp_path / "r.db")).stop()  # the store was closed
+    await (await start_rollout_server(_config(tmp_path / "r.db"))).stop()  # the store was closed
 
 
 # --- SubmitTasks --------------------------------------------------------------------------------------

@@ -87,7 +87,8 @@ def test_pack_keeps_every_trainable_token_once_on_the_position_that_predicts_it(
     batches = pack(sequences, max_tokens)
     kept = [s for s in sequences if s.trainable_tokens]
     assert laid_out_targets(batches) == expected_targets(kept)
-    assert Counter(cut for b in batches for cut in row_sequences(b)) == Counter(tuple(s.token_ids.tolist()) for s in kept)
+    laid_out = Counter(cut for b in batches for cut in row_sequences(b))
+    assert laid_out == Counter(tuple(s.token_ids.tolist()) for s in kept)
     for batch in batches:
         assert batch.input_ids.shape[0] == 1
         assert batch.tokens == batch.padded_tokens <= max_tokens
@@ -198,3 +199,18 @@ def test_packed_sequences_get_the_logprobs_they_get_alone(tiny_llama, attention)
                                 packed.targets[:, piece])
         torch.testing.assert_close(together[piece][:-1], alone[:-1], rtol=0, atol=1e-5)
         start += length
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_padded_rows_get_the_logprobs_sequences_get_alone(tiny_llama, attention):
+    tiny_llama.set_attn_implementation(attention)
+    sequences = [make_sequence(f"t/{i}", length, seed=i) for i, length in enumerate([13, 7, 21, 5])]
+    (padded,) = pad(sequences, max_tokens=4 * 21)
+    with torch.no_grad():
+        logits = tiny_llama(input_ids=padded.input_ids, position_ids=padded.position_ids,
+                            attention_mask=padded.attention_mask, use_cache=False).logits  # [R, L, V]
+    rows = logits.float().log_softmax(-1).gather(-1, padded.targets[..., None]).squeeze(-1)  # [R, L]
+    for row, (length,) in enumerate(padded.sequence_lengths):
+        piece = (slice(row, row + 1), slice(0, length))
+        alone = target_logprobs(tiny_llama, padded.input_ids[piece], padded.position_ids[piece], padded.targets[piece])
+        torch.testing.assert_close(rows[row, : length - 1], alone[:-1], rtol=0, atol=1e-5)

@@ -1,5 +1,6 @@
 """polar/grpc_server.py: a taken port is a clear OSError, not grpcio's RuntimeError; services run on
-uvloop with grpc.aio working on it."""
+uvloop with grpc.aio working on it; a servicer's exceptions become status codes by its table; a
+served service stops on cancellation."""
 
 from __future__ import annotations
 
@@ -9,7 +10,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from polar.grpc_server import bind, new_server, run_service, set_serving
+from polar.grpc_server import (
+    InvalidArgument,
+    Unavailable,
+    bind,
+    new_server,
+    run_service,
+    serve_until_stopped,
+    set_serving,
+    status_codes,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -47,3 +57,77 @@ def test_a_service_runs_on_uvloop_and_serves_grpc_on_it() -> None:
     run_service(main())
     assert isinstance(seen["loop"], uvloop.Loop)
     assert seen["status"] == health_pb2.HealthCheckResponse.SERVING
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Context:
+    """What status_codes needs of a grpc.aio.ServicerContext: abort, which raises."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Aborted(code, details)
+
+
+class _Missing(LookupError):
+    pass
+
+
+class _MissingHere(_Missing):
+    pass
+
+
+@status_codes({_Missing: grpc.StatusCode.NOT_FOUND})
+class _Servicer:
+    async def Unary(self, request, context):
+        raise request
+
+    async def Stream(self, request, context):
+        yield 1
+        raise request
+
+    async def helper(self, request, context):  # not an rpc: left as it is
+        raise request
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (_Missing("no such thing"), grpc.StatusCode.NOT_FOUND),
+        (_MissingHere("no such thing"), grpc.StatusCode.NOT_FOUND),  # a subclass takes its base's code
+        (InvalidArgument("no such thing"), grpc.StatusCode.INVALID_ARGUMENT),  # every table has these
+        (Unavailable("no such thing"), grpc.StatusCode.UNAVAILABLE),
+    ],
+)
+async def test_a_servicer_s_exceptions_become_its_status_codes(error, code) -> None:
+    with pytest.raises(_Aborted) as unary:
+        await _Servicer().Unary(error, _Context())
+    assert unary.value.args == (code, "no such thing")
+    stream = _Servicer().Stream(error, _Context())
+    assert await anext(stream) == 1
+    with pytest.raises(_Aborted) as streamed:
+        await anext(stream)
+    assert streamed.value.args == (code, "no such thing")
+
+
+async def test_other_exceptions_and_helpers_are_left_alone() -> None:
+    with pytest.raises(KeyError):
+        await _Servicer().Unary(KeyError("a bug"), _Context())
+    with pytest.raises(_Missing):
+        await _Servicer().helper(_Missing("not an rpc"), _Context())
+
+
+async def test_serve_until_stopped_stops_when_cancelled() -> None:
+    events = []
+
+    async def stop() -> None:
+        events.append("stopped")
+
+    task = asyncio.create_task(serve_until_stopped("running", stop, lambda running: events.append(f"ready: {running}")))
+    await asyncio.sleep(0.05)
+    assert events == ["ready: running"]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert events == ["ready: running", "stopped"]

@@ -104,6 +104,28 @@ def test_token_logprobs_equal_the_engines_with_their_gradients(truncating, chunk
     upstream = torch.randn(rows, generator=generator)
     (expected_grad,) = torch.autograd.grad(expected, logits, upstream)
     (actual_grad,) = torch.autograd.grad(actual, logits, upstream)
+    # fp32 rounding of the logsumexp (~1e-6 at these logits) shows in 1 - p of near-certain targets.
+    torch.testing.assert_close(actual_grad, expected_grad, rtol=0, atol=1e-5)
+    with torch.no_grad():
+        untracked = token_logprobs(logits, targets, temperature, top_k, top_p, chunk_rows=chunk_rows)
+    assert torch.equal(untracked, actual.detach())
+
+
+def test_tied_logits_at_the_truncation_boundary_are_kept_together():
+    generator = torch.Generator().manual_seed(5)
+    rows = 12
+    logits = torch.randint(0, 4, (rows, 16), generator=generator).float().requires_grad_()  # many ties
+    temperature = torch.full((rows,), 0.9)
+    top_k = torch.tensor([1, 2, 3, 5, 0, 0] * 2)
+    top_p = torch.tensor([1.0] * 4 + [0.3, 0.6] + [0.5] * 6)
+    engine = batched_processed_logprobs(logits, temperature, top_k, top_p)
+    targets = engine.detach().argmax(-1)
+    expected = engine.gather(-1, targets[:, None]).squeeze(-1)
+    actual = token_logprobs(logits, targets, temperature, top_k, top_p, chunk_rows=5)
+    torch.testing.assert_close(actual, expected, rtol=0, atol=1e-6)
+    upstream = torch.randn(rows, generator=generator)
+    (expected_grad,) = torch.autograd.grad(expected, logits, upstream)
+    (actual_grad,) = torch.autograd.grad(actual, logits, upstream)
     torch.testing.assert_close(actual_grad, expected_grad, rtol=0, atol=1e-6)
 
 
@@ -224,7 +246,8 @@ def test_micro_batch_gradients_add_up_to_the_full_batch_gradient():
 
     def loss_of(index):
         logprobs = token_logprobs(logits[index], targets[index], temperature[index], top_k[index], top_p[index])
-        return policy_loss(logprobs, old[index], behaviour[index], advantages[index], weights[index], config, ref[index])[0]
+        inputs = (logprobs, old[index], behaviour[index], advantages[index], weights[index])
+        return policy_loss(*inputs, config, ref[index])[0]
 
     full = loss_of(torch.arange(rows))
     (full_grad,) = torch.autograd.grad(full, logits)
@@ -249,6 +272,11 @@ def test_token_weights_by_hand():
     assert trace_token_weights(traces) == pytest.approx([1 / 90, 2 / 90, 2 / 90, 0.0])
     # Session level: a's mean weighs 1, b's mean weighs 2: coefficients W / N_session / 3.
     assert trace_token_weights(traces, "session") == pytest.approx([1 / 10 / 3, 2 / 40 / 3, 2 / 40 / 3, 0.0])
+    # Trace weights summing to W instead of 1 read the same.
+    scaled = [TraceWeighting(t.session_id, t.trace_weight * t.session_weight, t.session_weight, t.trainable_tokens)
+              for t in traces]
+    for aggregation in ("token", "session"):
+        assert trace_token_weights(scaled, aggregation) == pytest.approx(trace_token_weights(traces, aggregation))
 
 
 @pytest.mark.parametrize(
@@ -287,10 +315,31 @@ def test_splitting_a_session_into_traces_leaves_the_step_loss_unchanged(sessions
     whole, whole_losses, split, split_losses = [], [], [], []
     for index, (pieces, session_weight) in enumerate(sessions):
         losses = [rng.normal(size=n) for n in pieces]  # the same tokens, whichever trace holds them
-        whole.append(TraceWeighting(f"s{index}", float(token_share_weights([sum(pieces)])[0]), session_weight, sum(pieces)))
+        whole_share = float(token_share_weights([sum(pieces)])[0])  # 1, or 0 with nothing to train
+        whole.append(TraceWeighting(f"s{index}", whole_share, session_weight, sum(pieces)))
         whole_losses.append(np.concatenate(losses))
         shares = token_share_weights(pieces)
         split += [TraceWeighting(f"s{index}", float(w), session_weight, n) for w, n in zip(shares, pieces)]
         split_losses += losses
     expected = step_loss(whole, whole_losses, aggregation)
     assert step_loss(split, split_losses, aggregation) == pytest.approx(expected, abs=1e-9)
+
+
+def test_tokens_outside_the_policys_support_contribute_nothing_and_no_nan():
+    # A token sampled under top-p that the current policy can no longer sample has logprob -inf.
+    logprobs = torch.tensor([-1.0, float("-inf"), -2.0], requires_grad=True)
+    old = torch.tensor([-1.0, float("-inf"), -2.0])
+    behaviour = torch.tensor([-1.1, -3.0, -2.0])
+    weights = torch.tensor([0.25, 0.5, 0.25])
+    loss, stats = policy_loss(logprobs, old, behaviour, torch.tensor([1.0, 1.0, -1.0]), weights, LossConfig())
+    loss.backward()
+    assert math.isfinite(float(loss))
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad[1] == 0
+    merged = merge_stats([stats])
+    assert merged["outside_support"] == 1 and merged["tokens"] == 2
+    # The same loss as if the token had no weight at all.
+    reference, _ = policy_loss(
+        logprobs.detach().nan_to_num(neginf=0.0), old.nan_to_num(neginf=0.0), behaviour,
+        torch.tensor([1.0, 1.0, -1.0]), torch.tensor([0.25, 0.0, 0.25]), LossConfig(),
+    )  # fmt: skip
+    assert float(loss) == pytest.approx(float(reference))

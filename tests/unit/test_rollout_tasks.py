@@ -91,12 +91,36 @@ def test_a_good_task_has_no_problems():
         ({"timeoutSeconds": -0.5}, "timeout_seconds: must be a finite number of seconds >= 0, got -0.5"),
         ({"timeoutSeconds": "NaN"}, "timeout_seconds: must be a finite number of seconds >= 0, got nan"),
         ({"timeoutSeconds": "Infinity"}, "timeout_seconds: must be a finite number of seconds >= 0, got inf"),
+        ({"sampling": {"temperature": -1}}, "sampling.temperature: must be a finite number >= 0, got -1.0"),
+        ({"sampling": {"temperature": "NaN"}}, "sampling.temperature: must be a finite number >= 0, got nan"),
+        ({"sampling": {"temperature": "Infinity"}}, "sampling.temperature: must be a finite number >= 0, got inf"),
+        ({"sampling": {"topP": 0}}, "sampling.top_p: must be in (0, 1], got 0.0"),
+        ({"sampling": {"topP": 1.5}}, "sampling.top_p: must be in (0, 1], got 1.5"),
+        ({"sampling": {"maxTokensPerCall": -1}}, "sampling.max_tokens_per_call: must be >= 0 (0: no cap), got -1"),
+        (
+            {"sampling": {"maxTokensPerSession": "-5"}},
+            "sampling.max_tokens_per_session: must be >= 0 (0: no budget), got -5",
+        ),
     ],
 )
 def test_each_bad_field_is_named(fields, problem):
     problems = problems_of(**fields)
     assert len(problems) == 1, problems
     assert problems[0].startswith(problem), problems
+
+
+def test_a_task_s_sampling_policy_is_valid_at_its_bounds_and_read_from_a_task_file():
+    assert problems_of(sampling={}) == []
+    assert problems_of(sampling={"temperature": 0, "topP": 1, "maxTokensPerCall": 0, "maxTokensPerSession": "0"}) == []
+    sampling = {"temperature": 0.6, "topP": 0.95, "maxTokensPerCall": 4096, "maxTokensPerSession": "65536"}
+    assert problems_of(sampling=sampling) == []
+    line = json.dumps({"instruction": "x", "groupSize": 2, "harness": {"preset": "codex"}, "sampling": sampling})
+    [task] = parse_task_lines(line, "tasks.jsonl")
+    assert task.sampling.max_tokens_per_call == 4096 and task.sampling.max_tokens_per_session == 65536
+    assert task.sampling.HasField("temperature") and task.sampling.temperature == pytest.approx(0.6)
+    bad = json.dumps({"instruction": "x", "groupSize": 2, "harness": {"preset": "codex"}, "sampling": {"topP": 2}})
+    with pytest.raises(TaskFileError, match=r"tasks.jsonl:1: sampling.top_p: must be in \(0, 1\], got 2.0"):
+        parse_task_lines(bad, "tasks.jsonl")
 
 
 def test_every_problem_of_a_task_is_listed():

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from gateway.sampling import NO_POLICY, SamplingPolicy
 from gateway.sessions import Draining, SessionClosed, SessionExists, SessionStore, UnknownSession
 from polar.v1 import common_pb2, gateway_pb2
 
@@ -120,3 +121,16 @@ async def test_closed_sessions_are_forgotten_after_the_retention_but_open_and_bu
     _finish(store, busy, "c0001")  # its last call recorded: now it goes too
     assert store.forget_closed(3600, now_ns=now) == 1
     assert still_open.closed is False and store.find("open") is still_open
+
+
+async def test_a_session_keeps_its_sampling_policy_and_counts_what_its_calls_sampled():
+    store = SessionStore()
+    policy = SamplingPolicy(temperature=0.5, max_tokens_per_call=64, max_tokens_per_session=1000)
+    session = store.open(task_id="t", sampling=policy)
+    assert session.sampling == policy and store.open().sampling == NO_POLICY
+    assert session.to_proto().sampling == policy.to_proto()
+    session.count_sampled(30)
+    session.count_sampled(12)
+    assert session.sampled_tokens == 42
+    with pytest.raises(ValueError, match=r"sampling.top_p: .*; sampling.max_tokens_per_call"):
+        store.open(sampling=SamplingPolicy(top_p=2.0, max_tokens_per_call=-1))

@@ -72,15 +72,15 @@ def test_every_rollout_and_node_setting_reaches_its_command_line():
 
     served = _parse(rollout.argv)
     assert (served.host, served.port, served.store) == ("0.0.0.0", 0, "runs/a.db")
-    assert (served.heartbeat_interval, served.node_timeout, served.max_attempts) == (0.25, 7.5, 5)
+    assert (served.heartbeat_interval_s, served.node_timeout_s, served.max_attempts) == (0.25, 7.5, 5)
 
     node_args = _parse(node.argv)
-    assert node_args.rollout == "10.0.0.2:50070"
+    assert node_args.rollout_address == "10.0.0.2:50070"
     assert (node_args.init_workers, node_args.ready_slots, node_args.running_slots, node_args.postrun_workers) == (3, 0, 9, 2)
     assert node_args.prewarm is False
     assert (node_args.work_root, node_args.harness_path, node_args.harness_output_limit) == ("/srv/sessions", "/opt/clis/bin", 999)
     assert (node_args.port, node_args.grpc_port, node_args.history, node_args.tokenizer) == (8001, 0, "template", "tiny")
-    assert node_args.generate_timeout == 3600.0
+    assert node_args.generate_timeout_s == 3600.0
     assert "reports to 10.0.0.2:50070" in node.detail
 
 

@@ -16,7 +16,7 @@ from polar.config import TrainerConfig
 from polar.v1 import common_pb2
 from trainer.checkpoints import CheckpointError, TrainerState, check_compatible, latest_checkpoint, save_checkpoint
 from trainer.evaluation import pass_at_k
-from trainer.loop import group_sequences, stale_lag, trace_sequence
+from trainer.loop import group_sequences, stale_lag, too_stale, trace_sequence
 from trainer.metrics import STEP_KEYS, MetricsLog, read_metrics
 from trainer.rollout_link import Dataset, DatasetError, Group
 
@@ -94,6 +94,16 @@ def test_stale_lag_is_the_oldest_sampled_token() -> None:
     )
     assert stale_lag(group, 5) == 3
     assert stale_lag(Group("c", [trajectory("s", 0.0, (0, 0), [])]), 9) == 0
+
+
+def test_the_staleness_bound_drops_or_keeps_old_groups() -> None:
+    fresh = Group("c1", [trajectory("s0", 1.0, (4, 5), [trace("a", [0, 1], 1.0)])])
+    old = Group("c2", [trajectory("s1", 1.0, (2, 5), [trace("a", [0, 1], 1.0)])])
+    drop = TrainerConfig(max_staleness=1, stale_groups="drop")
+    assert not too_stale(fresh, 5, drop) and too_stale(old, 5, drop)
+    assert not too_stale(old, 3, drop)  # lag 1 at version 3
+    assert not too_stale(old, 5, TrainerConfig(max_staleness=1, stale_groups="keep"))
+    assert not too_stale(old, 5, TrainerConfig(max_staleness=3))
 
 
 def test_trace_sequence_carries_each_tokens_sampling() -> None:

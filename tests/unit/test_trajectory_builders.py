@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -12,9 +14,10 @@ from polar.trajectory import (
     MergeStats,
     UnknownBuilderError,
     build,
+    verify,
     verify_or_raise,
 )
-from polar.trajectory.records import BuiltTrace, views_from_protos
+from polar.trajectory.records import BuiltTrace, SamplingParams, SegmentKind, views_from_protos
 from polar.v1 import common_pb2
 
 STOP, LENGTH, ABORTED = (
@@ -176,3 +179,80 @@ def test_records_round_trip_through_protobuf():
     verify_or_raise(back, traces)
     assert MergeStats.from_proto(result.stats.to_proto()) == result.stats
     assert traces[0].weight == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------------- sampling and truncation
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=512)
+WARM = SamplingParams(temperature=0.8, top_p=0.95, top_k=20, max_tokens=4096, stop_token_ids=(END,), seed=7)
+
+
+def sampled_call(call_id, prompt, sampled, sampling, truncated=False, finish=STOP, aborted=False):
+    logprobs = [-0.1 * (i + 1) for i in range(len(sampled))]
+    return CallView(call_id, prompt, sampled, logprobs, finish, aborted, sampling=sampling, truncated=truncated)
+
+
+def _sampled_segments(trace):
+    return [(s.call_id, s.sampling) for s in trace.segments if s.kind == SegmentKind.SAMPLED]
+
+
+def test_sampled_segments_carry_their_call_s_sampling_and_prompts_carry_none():
+    first = sampled_call("c1", [5, 6], [7, END], WARM)
+    second = sampled_call("c2", [5, 6, 7, END, 8], [9, END], GREEDY)
+    for builder, expected in (("prefix_merging", [[("c1", WARM), ("c2", GREEDY)]]),
+                              ("per_request", [[("c1", WARM)], [("c2", GREEDY)]])):  # fmt: skip
+        result = build(builder, [first, second])
+        verify_or_raise([first, second], result.traces)
+        assert [_sampled_segments(trace) for trace in result.traces] == expected
+        assert all(s.sampling is None for t in result.traces for s in t.segments if s.kind == SegmentKind.PROMPT)
+        assert not any(trace.truncated for trace in result.traces)
+
+
+def test_a_trace_holding_a_truncated_call_is_marked_truncated_in_both_builders():
+    cut = sampled_call("c1", [5, 6], [7, 8, 9], WARM, truncated=True, finish=LENGTH)
+    after = sampled_call("c2", [5, 6, 7, 8, 9, END, 4], [10, END], WARM)
+    elsewhere = sampled_call("c3", [1, 2], [3, END], WARM)  # a sibling chain without truncation
+    calls = [cut, after, elsewhere]
+    merged_traces = merged(calls).traces
+    assert [t.truncated for t in merged_traces] == [True, False]
+    per_request = build("per_request", calls).traces
+    verify_or_raise(calls, per_request)
+    assert [t.truncated for t in per_request] == [True, False, False]
+
+
+def test_an_aborted_call_split_off_leaves_its_chain_unmarked():
+    first = sampled_call("c1", [5, 6], [7, END], WARM)
+    dropped = sampled_call("c2", [5, 6, 7, END, 8], [30, 31], WARM, finish=ABORTED, aborted=True)
+    cut = sampled_call("c3", [5, 6, 7, END, 8], [40, 41], GREEDY, truncated=True, finish=LENGTH)
+    main, sibling = merged([first, dropped, cut]).traces
+    assert (main.truncated, sibling.truncated) == (True, False)
+    assert _sampled_segments(sibling) == [("c2", WARM)]
+
+
+def test_the_verifier_catches_a_wrong_segment_sampling_or_truncation_mark():
+    calls = [sampled_call("c1", [5, 6], [7, END], WARM, truncated=True, finish=LENGTH)]
+    (trace,) = build("per_request", calls).traces
+    unmarked = dataclasses.replace(trace, truncated=False)
+    resampled = dataclasses.replace(
+        trace, segments=tuple(dataclasses.replace(s, sampling=GREEDY) if s.sampling else s for s in trace.segments)
+    )
+    assert "truncated" in verify(calls, [unmarked]).render()
+    assert "segment sampling" in verify(calls, [resampled]).render()
+
+
+def test_sampling_and_truncation_round_trip_through_protobuf():
+    calls = [
+        sampled_call("c1", [5, 6], [7, 8], WARM, truncated=True, finish=LENGTH),
+        sampled_call("c2", [5, 6, 7, 8, END, 3], [9, END], GREEDY),
+        call("c3", [1], [2]),  # recorded before calls carried their sampling
+    ]
+    back = views_from_protos([c.to_proto("s1") for c in calls])
+    assert [(c.sampling, c.truncated) for c in back] == [(WARM, True), (GREEDY, False), (None, False)]
+    assert not back[2].to_proto().HasField("sampling")
+    for builder in BUILDERS:
+        result = build(builder, calls)
+        traces = [BuiltTrace.from_proto(t) for t in result.to_proto_traces()]
+        verify_or_raise(back, traces)
+        assert [(t.truncated, t.segments) for t in traces] == [(t.truncated, t.segments) for t in result.traces]
+        protos = result.to_proto_traces()
+        assert protos[0].truncated and protos[0].segments[1].sampling == WARM.to_proto()  # c1's sample

@@ -121,3 +121,16 @@ def test_trace_weights_are_shares_of_trainable_tokens(session):
         assert abs(sum(t.weight for t in traces) - 1.0) < 1e-9
         for trace in traces:
             assert trace.weight == trace.trainable_tokens / total
+
+
+@SETTINGS
+@given(sessions)
+def test_segments_carry_their_call_s_sampling_and_truncation_reaches_exactly_the_traces_holding_it(session):
+    calls = {call.call_id: call for call in session.calls}
+    for builder in ("per_request", "prefix_merging"):
+        for trace in build(builder, session.calls).traces:
+            sampled = [calls[s.call_id] for s in trace.segments if s.kind == 2]
+            assert [s.sampling for s in trace.segments if s.kind == 2] == [c.sampling for c in sampled]
+            assert trace.truncated == any(c.truncated for c in sampled)
+    truncated_calls = sum(c.truncated for c in session.calls if len(c.sampled_ids))
+    assert sum(t.truncated for t in build("per_request", session.calls).traces) == truncated_calls

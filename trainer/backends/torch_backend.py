@@ -14,6 +14,7 @@ dtype, as torch does); logprobs and the loss are always computed in fp32.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -176,12 +177,16 @@ class TorchBackend(Backend):
         if should_stop():
             self.optimizer.zero_grad(set_to_none=True)
             raise UpdateAborted
-        self.optimizer.step()
+        # A non-finite gradient would turn every weight it touches into NaN, on the inference servers
+        # too once synced: the update is skipped instead, and reported.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return UpdateResult(
             loss=total_loss,
             grad_norm=grad_norm,
-            stats=merge_stats(all_stats) if all_stats else {},
+            stats={**(merge_stats(all_stats) if all_stats else {}), "updates_skipped": float(skipped)},
             tokens=tokens,
             trainable_tokens=trainable,
             seconds=time.perf_counter() - started,

@@ -101,6 +101,23 @@ class WeightUpdateError(ValueError):
     """A weight update that names unknown parameters or has the wrong shapes; nothing was applied."""
 
 
+def check_weight_update(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ParameterSpec]) -> None:
+    """Raise WeightUpdateError unless the update is not empty and each tensor names one of `specs`, with
+    its shape, in a floating-point dtype (cast to the engine's dtype when applied). Engines call it
+    before changing anything, so a refused update leaves the weights as they were."""
+    if not tensors:
+        raise WeightUpdateError("a weight update needs at least one tensor")
+    for name, tensor in tensors.items():
+        shape = tuple(tensor.shape)
+        spec = specs.get(name)
+        if spec is None:
+            raise WeightUpdateError(f"unknown parameter {name!r} (tensor of shape {shape})")
+        if shape != spec.shape:
+            raise WeightUpdateError(f"parameter {name!r} has shape {spec.shape}, the update has shape {shape}")
+        if not tensor.dtype.is_floating_point:
+            raise WeightUpdateError(f"parameter {name!r}: update dtype {tensor.dtype} is not floating point")
+
+
 class Engine(abc.ABC):
     """A model that samples. Implementations: torch, vllm, scripted."""
 
@@ -146,4 +163,7 @@ class EngineOptions:
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
     max_batch_size: int = 64  # most sequences decoded in one step
     script: str = ""  # scripted engine: path of its JSON script
+    # Version the loaded weights are served as: a trainer checkpoint's, so that versions keep counting
+    # across a resumed run instead of starting again at 0.
+    policy_version: int = 0
     extra: dict[str, str] = field(default_factory=dict)  # engine-specific settings

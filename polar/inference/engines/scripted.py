@@ -98,12 +98,14 @@ class ScriptedEngine(Engine):
         except (OSError, json.JSONDecodeError) as exc:
             raise ScriptError(f"cannot read the script {str(path)!r}: {exc}") from exc
         self._configure(script, options.max_batch_size)
+        self._policy_version = options.policy_version
 
     @classmethod
     def from_script(cls, script: Mapping[str, Any], max_batch_size: int = 64) -> ScriptedEngine:
         """Build from an in-memory script (the JSON file's content)."""
         engine = cls.__new__(cls)
         engine._configure(script, max_batch_size)
+        engine._policy_version = 0
         return engine
 
     def _configure(self, script: Mapping[str, Any], max_batch_size: int) -> None:
@@ -180,7 +182,7 @@ class ScriptedEngine(Engine):
 
     @property
     def policy_version(self) -> int:
-        return 0
+        return self._policy_version
 
     async def start(self) -> None:
         self._stopped = False

@@ -39,7 +39,7 @@ from polar.inference.engines.base import (
     ParameterSpec,
     SamplingConfig,
     TokenChunk,
-    WeightUpdateError,
+    check_weight_update,
 )
 from polar.inference.engines.llama import DecoderRunner
 from polar.inference.sampling import new_generator, sample_next_tokens, to_device
@@ -221,7 +221,7 @@ class TorchEngine(Engine):
         self._parameters = dict(self.model.named_parameters())  # tied weights appear once
         self.description = self._describe(options.model, folder, tokenizer, generation_eos)
 
-        self._version = 0
+        self._version = options.policy_version
         self._wake = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
         self._updates: list[_Update] = []
@@ -312,7 +312,7 @@ class TorchEngine(Engine):
         return {name: ParameterSpec(tuple(p.shape), p.dtype) for name, p in self._parameters.items()}
 
     async def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        self._validate_update(tensors)
+        check_weight_update(tensors, self.parameter_specs())
         prepared = await asyncio.to_thread(self._prepare_update, tensors)
         update = _Update(prepared, asyncio.get_running_loop().create_future())
         self._ensure_worker()
@@ -320,21 +320,6 @@ class TorchEngine(Engine):
             self._updates.append(update)
             self._wake.notify()
         return await update.future
-
-    def _validate_update(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        if not tensors:
-            raise WeightUpdateError("a weight update needs at least one tensor")
-        for name, tensor in tensors.items():
-            shape = tuple(tensor.shape)
-            parameter = self._parameters.get(name)
-            if parameter is None:
-                raise WeightUpdateError(f"unknown parameter {name!r} (tensor of shape {shape})")
-            if shape != tuple(parameter.shape):
-                raise WeightUpdateError(
-                    f"parameter {name!r} has shape {tuple(parameter.shape)}, the update has shape {shape}"
-                )
-            if not tensor.dtype.is_floating_point:
-                raise WeightUpdateError(f"parameter {name!r}: update dtype {tensor.dtype} is not floating point")
 
     def _prepare_update(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Cast and move off the worker, so the worker only copies between two steps."""

@@ -65,7 +65,7 @@ from polar.inference.engines.base import (
     ModelDescription,
     ParameterSpec,
     TokenChunk,
-    WeightUpdateError,
+    check_weight_update,
 )
 
 # Tokens that end a text or a chat turn, counted as end-of-sequence when the vocabulary has them
@@ -109,7 +109,7 @@ class VLLMEngine(Engine):
         self._folder = models.resolve_model(options.model)
         self._specs = self._read_specs()
         self.description = self._describe(dtype_name)
-        self._version = 0
+        self._version = options.policy_version
         self._llm = None
         self._ids = itertools.count()
         self._pumps: set[asyncio.Task] = set()
@@ -312,7 +312,7 @@ class VLLMEngine(Engine):
         return dict(self._specs)
 
     async def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        self._validate_update(tensors)
+        check_weight_update(tensors, self.parameter_specs())
         await self.start()
         async with self._update_lock:
             merged = await asyncio.to_thread(self._merge, tensors)
@@ -329,19 +329,6 @@ class VLLMEngine(Engine):
                 await llm.resume_generation()
                 path.unlink(missing_ok=True)
         return self._version
-
-    def _validate_update(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        if not tensors:
-            raise WeightUpdateError("a weight update needs at least one tensor")
-        for name, tensor in tensors.items():
-            shape = tuple(tensor.shape)
-            spec = self._specs.get(name)
-            if spec is None:
-                raise WeightUpdateError(f"unknown parameter {name!r} (tensor of shape {shape})")
-            if shape != spec.shape:
-                raise WeightUpdateError(f"parameter {name!r} has shape {spec.shape}, the update has shape {shape}")
-            if not tensor.dtype.is_floating_point:
-                raise WeightUpdateError(f"parameter {name!r}: update dtype {tensor.dtype} is not floating point")
 
     def _merge(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self._weights is None:

@@ -1,0 +1,72 @@
+"""Every service Polar runs, one `Service` row each (see polar.service): its name, its config
+sections (polar/config.py), its health-checked gRPC service and the function that serves it.
+
+`polar serve NAME` (polar.cli) and `polar up`'s command lines (polar.stack) both come from these rows;
+a new service is a config dataclass plus one row here (and, to start it in `polar up`, one line in
+`polar.stack.plan`).
+"""
+
+from __future__ import annotations
+
+from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, TrainerConfig
+from polar.service import Flag, Service, join_host_port
+from polar.v1 import gateway_pb2, inference_pb2, rollout_pb2, trainer_pb2
+
+INFERENCE_SERVICE = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
+GATEWAY_SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+ROLLOUT_SERVICE = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
+TRAINER_SERVICE = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
+
+# Addresses of other services keep their short flags.
+_INFERENCE = Flag(
+    "--inference", "inference_address", "gRPC address of the inference service (or Envoy's inference listener)",
+    {"required": True, "metavar": "HOST:PORT"},
+)  # fmt: skip
+_ROLLOUT = Flag(
+    "--rollout", "rollout_address", "the rollout server to work for (default: %(default)s)",
+    {"default": join_host_port(RolloutConfig().host, RolloutConfig().port), "metavar": "HOST:PORT"},
+)  # fmt: skip
+
+INFERENCE = Service(
+    "inference", "serve a model over gRPC (InferenceService)",
+    (InferenceConfig,), INFERENCE_SERVICE, "polar.inference.server:serve_inference",
+)  # fmt: skip
+ENVOY = Service(
+    "envoy", "run Envoy in front of the gateway and the inference servers",
+    (EnvoyConfig,), INFERENCE_SERVICE, "polar.envoy:serve",
+    flags=(
+        Flag(
+            "--inference", "inference", "an inference server; repeat for several (calls of one session stay on one server)",
+            {"action": "append", "required": True, "metavar": "HOST:PORT"},
+        ),
+        Flag("--gateway", "gateway", "the gateway's HTTP address", {"required": True, "metavar": "HOST:PORT"}),
+    ),
+)  # fmt: skip
+GATEWAY = Service(
+    "gateway", "serve the API dialects over HTTP and GatewayService over gRPC",
+    (GatewayConfig,), GATEWAY_SERVICE, "gateway.server:serve_gateway",
+    flags=(_INFERENCE,), takes_http_socket=True,
+)  # fmt: skip
+ROLLOUT = Service(
+    "rollout", "serve the RolloutService: tasks, dispatch to nodes, results",
+    (RolloutConfig,), ROLLOUT_SERVICE, "polar.rollout.server:serve_rollout",
+)  # fmt: skip
+NODE = Service(
+    "node", "run a gateway node: the gateway plus the pools that run sessions",
+    (NodeConfig, GatewayConfig), GATEWAY_SERVICE, "polar.rollout.node:serve_node",
+    flags=(_INFERENCE, _ROLLOUT), takes_http_socket=True,
+)  # fmt: skip
+
+TRAINER = Service(
+    "trainer", "train the policy with GRPO on the rollout server's groups (TrainerService)",
+    (TrainerConfig,), TRAINER_SERVICE, "trainer.service:serve_trainer",
+    flags=(
+        _ROLLOUT,
+        Flag(
+            "--inference", "inference", "an inference server to keep in sync; repeat for every one (not Envoy: each gets the weights)",
+            {"action": "append", "required": True, "metavar": "HOST:PORT"},
+        ),
+    ),
+)  # fmt: skip
+
+SERVICES: tuple[Service, ...] = (INFERENCE, ENVOY, GATEWAY, ROLLOUT, NODE, TRAINER)

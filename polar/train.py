@@ -1,0 +1,145 @@
+"""`polar train` and `polar eval`: the stack on the embedded defaults (or a TOML file) with a job on top.
+
+    polar train CONFIG [--run-dir DIR]      the stack plus the trainer (`polar serve trainer`) as a job:
+                                            the stack stops, with success, once the trainer is done
+    polar eval CONFIG [--checkpoint DIR]    the stack serving a checkpoint (or the base model), the
+                                            held-out tasks run through it, a table and a JSON file
+
+A run folder holds everything a run needs to carry on after a stop: its rollout store (tasks
+submitted, results released), checkpoints, metrics.jsonl, TensorBoard events and reward.png. Run
+again with the same folder, `polar train` serves the latest checkpoint's weights as that checkpoint's
+policy version and the trainer resumes from its step and results cursor. What can be checked before
+a service starts is checked first: the config, the dataset's every line, the model, the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from polar.config import StackConfig, TrainerConfig
+from polar.inference.models import resolve_model
+from polar.service import ServiceSpec
+from polar.services import TRAINER
+from polar.stack import run_stack
+
+# Long enough to finish the micro-batch in progress and write a checkpoint of a small model on a CPU.
+TRAINER_STOP_TIMEOUT_S = 300.0
+ROLLOUT_STORE = "rollout.db"
+ENVOY_ACCESS_LOG = "envoy-access.log"
+
+
+def train_plan(config: StackConfig, run_dir: Path) -> tuple[StackConfig, ServiceSpec]:
+    """The stack a run folder's `polar train` starts, and its trainer job.
+
+    The inference server serves the trainer's model, or the run's latest checkpoint as its policy
+    version; the rollout store and Envoy's access log (when it would go to stdout, between the
+    progress lines) live in the run folder."""
+    from trainer.checkpoints import check_compatible, latest_checkpoint
+
+    trainer = dataclasses.replace(config.trainer, run_dir=str(run_dir))
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        check_compatible(checkpoint, trainer.model, {})
+    inference = dataclasses.replace(
+        config.inference,
+        model=str(checkpoint.model_folder) if checkpoint else trainer.model,
+        policy_version=checkpoint.state.policy_version if checkpoint else 0,
+    )
+    envoy = config.envoy
+    if envoy.access_log == "-":
+        envoy = dataclasses.replace(envoy, access_log=str(run_dir / ENVOY_ACCESS_LOG))
+    stack = dataclasses.replace(
+        config,
+        inference=inference,
+        rollout=dataclasses.replace(config.rollout, store=str(run_dir / ROLLOUT_STORE)),
+        envoy=envoy,
+        trainer=trainer,
+    )
+    detail = f"{trainer.backend} backend, {trainer.steps or 'unbounded'} steps of {trainer.groups_per_step} groups; run {run_dir}"
+    spec = TRAINER.spec(trainer, detail=detail, rollout_address="{rollout}", inference=["{inference}"])
+    return stack, dataclasses.replace(spec, finishes=True, stop_timeout_s=TRAINER_STOP_TIMEOUT_S)
+
+
+def check_before_start(trainer: TrainerConfig, *, dataset: str) -> None:
+    """What a run needs that can be checked before any service starts; raises with a clear message."""
+    from trainer.rollout_link import Dataset
+
+    Dataset(dataset, seed=trainer.seed, prefix=trainer.task_prefix)
+    resolve_model(trainer.model)
+
+
+def train(config: StackConfig, run_dir: Path) -> int:
+    """`polar train`: the stack and the trainer until the trainer is done (0) or Ctrl-C (130)."""
+    check_before_start(config.trainer, dataset=config.trainer.dataset)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack, trainer = train_plan(config, run_dir)
+    run_stack(stack, jobs=[trainer])
+    print(f"polar train: run folder {run_dir} (metrics.jsonl, reward.png, checkpoints/, tensorboard/)", flush=True)
+    from trainer.checkpoints import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    steps = config.trainer.steps
+    # The stack also ends without error on Ctrl-C: then the run is not done, and says so like any
+    # interrupted command. Run again, it resumes.
+    return 0 if steps and checkpoint is not None and checkpoint.state.step >= steps else 130
+
+
+def evaluate(config: StackConfig, checkpoint: Path | None, out: Path) -> int:
+    """`polar eval`: the held-out tasks through the stack serving `checkpoint` (a checkpoint folder or
+    a Hugging Face folder; None: the [trainer] model); the table, and the report as JSON at `out`."""
+    from trainer.checkpoints import STATE_FILE, Checkpoint, TrainerState
+    from trainer.evaluation import EvaluationStopped, write_report
+    from trainer.evaluation import evaluate as run_evaluation
+
+    trainer = config.trainer
+    check_before_start(trainer, dataset=trainer.heldout)
+    model = trainer.model
+    if checkpoint is not None:
+        if (checkpoint / STATE_FILE).is_file():
+            model = str(Checkpoint(checkpoint, TrainerState()).model_folder)
+        else:
+            model = str(resolve_model(str(checkpoint)))
+    done = threading.Event()
+    ending = threading.Lock()  # the stop signal is sent only while the stack still supervises
+    outcome: dict[str, object] = {}
+
+    def run(addresses: dict[str, str]) -> None:
+        try:
+            report = run_evaluation(trainer, addresses["rollout"], model, done, sys.stdout)
+            write_report(report, out)
+            outcome["report"] = report
+        except EvaluationStopped:
+            pass
+        except Exception as exc:  # noqa: BLE001 - reported by the main thread, in one line
+            outcome["error"] = exc
+        finally:
+            with ending:
+                if not done.is_set():
+                    os.kill(os.getpid(), signal.SIGTERM)  # ends the supervision: the stack stops
+
+    with tempfile.TemporaryDirectory(prefix="polar-eval-") as scratch:
+        stack = dataclasses.replace(
+            config,
+            inference=dataclasses.replace(config.inference, model=model),
+            rollout=dataclasses.replace(config.rollout, store=str(Path(scratch) / ROLLOUT_STORE)),
+            envoy=config.envoy if config.envoy.access_log != "-" else dataclasses.replace(config.envoy, access_log=os.devnull),
+        )
+        try:
+            run_stack(stack, on_ready=lambda addresses: threading.Thread(target=run, args=(addresses,), daemon=True).start())
+        finally:
+            with ending:
+                done.set()
+    if "error" in outcome:
+        error = outcome["error"]
+        raise error if isinstance(error, (OSError, ValueError, LookupError)) else RuntimeError(str(error))
+    if "report" not in outcome:
+        return 130
+    print(outcome["report"].table())
+    print(f"polar eval: report in {out}")
+    return 0

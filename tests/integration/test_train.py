@@ -1,0 +1,184 @@
+"""`polar train` as a user runs it, on the tiny model through the whole real stack: the rollout
+server, the torch inference server, Envoy, a gateway node running the example harness as a separate
+process over HTTP, and the trainer; then the same run folder stopped with Ctrl-C and run again.
+
+The task: write anything; the reward is the share of ASCII lowercase letters in the reply
+(tests/fixtures/train_tiny/score.py). The tiny model is random, so its replies are word pieces of
+every kind; sampled with a narrow nucleus (top_p 0.002: about a hundred candidate tokens), GRPO can
+shift the policy toward the candidates that are lowercase words within a few steps.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.integration.polar_cli import POLAR, Lines
+from trainer.metrics import STEP_KEYS, read_metrics
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT = REPO / "examples" / "train" / "agent.py"
+SCORE = REPO / "tests" / "fixtures" / "train_tiny" / "score.py"
+STEPS = 10
+# Mean reward of the last two steps over the first two; the runs seen gained 0.05 to 0.10.
+MARGIN = 0.04
+
+
+def write_run(tmp_path: Path, steps: int) -> Path:
+    tasks = tmp_path / "tasks.jsonl"
+    lines = [
+        {
+            "taskId": f"words{i}",
+            "instruction": f"Write some words ({i}).",
+            "groupSize": 8,
+            "harness": {"preset": "command", "command": [sys.executable, str(AGENT)]},
+            "runtime": {"kind": "local"},
+            "evaluator": {"kind": "command", "command": f"{sys.executable} {SCORE}"},
+            "sampling": {"temperature": 1.0, "topP": 0.002, "maxTokensPerCall": 12},
+            "timeoutSeconds": 120,
+        }
+        for i in range(4)
+    ]
+    tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = tmp_path / "train.toml"
+    config.write_text(
+        f"""
+[rollout]
+port = 0
+[inference]
+port = 0
+max_batch_size = 16
+[envoy]
+harness_port = 0
+inference_port = 0
+admin_port = 0
+[gateway]
+port = 0
+grpc_port = 0
+[node]
+init_workers = 2
+ready_slots = 4
+running_slots = 8
+postrun_workers = 2
+[trainer]
+port = 0
+model = "tiny"
+device = "cpu"
+dataset = "{tasks}"
+steps = {steps}
+groups_per_step = 2
+groups_ahead = 2
+lr = 2e-2
+seed = 0
+checkpoint_every = 2
+"""
+    )
+    return config
+
+
+def start_train(config: Path, run_dir: Path) -> tuple[subprocess.Popen, Lines]:
+    process = subprocess.Popen(
+        [*POLAR, "train", str(config), "--run-dir", str(run_dir)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    return process, Lines(process.stdout)
+
+
+def processes_of(run_dir: Path) -> list[int]:
+    """Processes whose command line names the run folder (the trainer, the rollout server)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(run_dir).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_polar_train_raises_the_reward_of_the_tiny_model(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    process, lines = start_train(write_run(tmp_path, STEPS), run_dir)
+    try:
+        lines.wait_for(r"train: .*step 1/10", timeout=300)
+        lines.wait_for(r"train: done: 10 steps", timeout=600)
+        assert process.wait(timeout=120) == 0
+    finally:
+        process.kill()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert all(set(STEP_KEYS) <= set(row) for row in rows)
+    # Every step pushed its weights as the next policy version, and no group lagged more than allowed.
+    assert [row["policy_version"] for row in rows] == list(range(1, STEPS + 1))
+    assert all(row["staleness_max"] <= 1 for row in rows)
+    first = (rows[0]["reward_mean"] + rows[1]["reward_mean"]) / 2
+    last = (rows[-1]["reward_mean"] + rows[-2]["reward_mean"]) / 2
+    assert last >= first + MARGIN, [round(row["reward_mean"], 3) for row in rows]
+    assert (run_dir / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:06d}"
+    assert processes_of(run_dir) == []
+
+
+def test_an_interrupted_run_resumes_without_retraining_or_skipping_a_group(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = write_run(tmp_path, steps=5)
+    process, lines = start_train(config, run_dir)
+    try:
+        lines.wait_for(r"train: .*step 2/5", timeout=300)
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        assert process.wait(timeout=300) == 130
+    finally:
+        process.kill()
+    assert any("stopped after step" in line for line in lines.rest())
+    assert processes_of(run_dir) == []
+    trained = read_metrics(run_dir / "metrics.jsonl")
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    # The checkpoint holds the last completed step, whichever it was when Ctrl-C arrived.
+    assert latest == f"step-{len(trained):06d}" and len(trained) >= 2
+
+    process, lines = start_train(config, run_dir)
+    try:
+        lines.wait_for(rf"train: resuming after step {len(trained)}", timeout=300)
+        lines.wait_for(r"train: done: 5 steps", timeout=600)
+        assert process.wait(timeout=120) == 0
+    finally:
+        process.kill()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
+    assert rows[: len(trained)] == trained  # the steps before the stop were not trained again
+    taken = [task for row in rows for task in row["task_ids"] + row["task_ids_dropped"]]
+    # Every group the run submitted was taken once, in order: none repeated, none skipped.
+    assert sorted(taken) == taken == [f"train-{n:06d}" for n in range(len(taken))]
+    assert [row["policy_version"] for row in rows] == [1, 2, 3, 4, 5]
+
+
+def test_a_bad_config_fails_before_anything_starts(tmp_path: Path) -> None:
+    config = write_run(tmp_path, steps=1)
+    cases = {
+        "[trainer]\nlearning_rate = 1\n": "unknown key 'trainer.learning_rate'",
+        f'[trainer]\ndataset = "{tmp_path / "nope.jsonl"}"\n': "cannot read dataset",
+        f'[trainer]\nmodel = "no-such-model"\ndataset = "{tmp_path / "tasks.jsonl"}"\n': "model 'no-such-model' is not one of",
+    }
+    bad_lines = tmp_path / "bad.jsonl"
+    bad_lines.write_text('{"instruction": "x", "groupSize": 1, "harness": {"preset": "command", "command": ["true"]}}\n{"groupSize": 0}\n')
+    cases[f'[trainer]\ndataset = "{bad_lines}"\n'] = "bad.jsonl:2: "
+    for text, message in cases.items():
+        broken = tmp_path / "broken.toml"
+        broken.write_text(text)
+        started = time.monotonic()
+        result = subprocess.run([*POLAR, "train", str(broken), "--run-dir", str(tmp_path / "r")],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.startswith("polar: error: ") and message in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr and time.monotonic() - started < 60
+    assert config.exists() and not (tmp_path / "r" / "rollout.db").exists()

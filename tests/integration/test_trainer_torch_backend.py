@@ -1,0 +1,153 @@
+"""The torch backend on the tiny model against the real inference server: it scores tokens exactly as
+the engine sampled them, learns in the direction of the advantage, saves what it loads, and its new
+weights reach the server as the next policy version."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from polar.inference.engines import EngineOptions, create_engine
+from polar.inference.server import start_server
+from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
+from trainer.batches import TrainSequence, pack
+from trainer.grpo import LossConfig
+from trainer.weight_sync import InferencePool
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+PROMPT = [1, 504, 3570, 28, 9174, 30, 2, 198, 1, 520, 9531, 198]
+
+
+@pytest.fixture(scope="module")
+async def server():
+    engine = create_engine("torch", EngineOptions(model="tiny", device="cpu", max_batch_size=4))
+    grpc_server, port = await start_server(engine)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    yield engine, inference_pb2_grpc.InferenceServiceStub(channel), f"127.0.0.1:{port}"
+    await channel.close()
+    await grpc_server.stop(None)
+    await engine.stop()
+
+
+async def sample(stub, **sampling) -> tuple[list[int], list[float], int]:
+    request = inference_pb2.GenerateRequest(
+        prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=12, ignore_eos=True, **sampling)
+    )
+    messages = [m async for m in stub.Generate(request)]
+    tokens = [t for m in messages for t in m.token_ids]
+    return tokens, [x for m in messages for x in m.logprobs], messages[-1].policy_version
+
+
+def sequence(tokens: list[int], logprobs: list[float], *, temperature: float, top_p: float, top_k: int,
+             advantage: float = 1.0, name: str = "s/t") -> TrainSequence:  # fmt: skip
+    ids = PROMPT + tokens
+    mask = np.array([0] * len(PROMPT) + [1] * len(tokens), dtype=bool)
+    full = lambda value, dtype: np.where(mask, value, 1.0 if dtype is np.float32 else 0).astype(dtype)  # noqa: E731
+    return TrainSequence(
+        name=name,
+        token_ids=np.array(ids, dtype=np.int64),
+        loss_mask=mask,
+        behaviour_logprobs=np.array([0.0] * len(PROMPT) + logprobs, dtype=np.float32),
+        advantage=advantage,
+        token_weight=1.0 / len(tokens),
+        temperature=full(temperature, np.float32),
+        top_p=full(top_p, np.float32),
+        top_k=full(top_k, np.int32),
+    )
+
+
+def backend(**options) -> TorchBackend:
+    return TorchBackend(TorchBackendOptions(model="tiny", device="cpu", **options))
+
+
+def target_logprobs(batch_logprobs: torch.Tensor, batch) -> np.ndarray:
+    return batch_logprobs[batch.loss_mask].numpy()
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_p=1.0, top_k=0), dict(temperature=0.7, top_p=0.9, top_k=50)])
+async def test_the_backend_scores_sampled_tokens_as_the_engine_drew_them(server, sampling) -> None:
+    _, stub, _ = server
+    tokens, logprobs, _ = await sample(stub, seed=7, **sampling)
+    [batch] = pack([sequence(tokens, logprobs, **sampling)], max_tokens=256)
+    [scored] = backend().logprobs([batch])
+    np.testing.assert_allclose(target_logprobs(scored, batch), logprobs, atol=2e-4)
+
+
+async def test_packed_traces_score_as_they_do_alone(server) -> None:
+    _, stub, _ = server
+    first = await sample(stub, seed=1, temperature=1.0)
+    second = await sample(stub, seed=2, temperature=1.0)
+    model = backend()
+    sequences = [sequence(*first[:2], temperature=1.0, top_p=1.0, top_k=0, name="a/0"),
+                 sequence(*second[:2], temperature=1.0, top_p=1.0, top_k=0, name="b/0")]  # fmt: skip
+    [packed] = pack(sequences, max_tokens=256)
+    assert packed.input_ids.shape[0] == 1 and packed.tokens == 2 * len(PROMPT) + 24
+    [together] = model.logprobs([packed])
+    np.testing.assert_allclose(target_logprobs(together, packed), first[1] + second[1], atol=2e-4)
+
+
+async def test_an_update_moves_the_sampled_tokens_with_the_advantage(server) -> None:
+    _, stub, _ = server
+    tokens, logprobs, _ = await sample(stub, seed=3, temperature=1.0)
+    for advantage in (1.0, -1.0):
+        model = backend(lr=1e-2, grad_clip=0.0)
+        [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0, advantage=advantage)], 256)
+        before = target_logprobs(model.logprobs([batch])[0], batch).sum()
+        result = model.update([batch], LossConfig())
+        after = target_logprobs(model.logprobs([batch])[0], batch).sum()
+        assert result.trainable_tokens == len(tokens) and result.grad_norm > 0
+        assert (after - before) * advantage > 0.1
+        # One update, ratio 1: the loss is -mean(advantage * importance weight), the weight capped.
+        assert result.stats["clip_fraction"] == 0.0
+
+
+async def test_a_saved_model_loads_back_exactly(tmp_path: Path, server) -> None:
+    _, stub, _ = server
+    tokens, logprobs, _ = await sample(stub, seed=4, temperature=1.0)
+    model = backend(lr=1e-3)
+    [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
+    model.update([batch], LossConfig())
+    model.save(tmp_path / "tiny", tmp_path / "optimizer.pt")
+    loaded = TorchBackend(TorchBackendOptions(model=str(tmp_path / "tiny"), device="cpu", lr=1e-3))
+    loaded.load_optimizer(tmp_path / "optimizer.pt")
+    saved = dict(model.hf_weights())
+    for name, tensor in loaded.hf_weights():
+        assert torch.equal(tensor, saved[name]), name
+    # The optimizer carries on identically: the next update gives the same weights.
+    model.update([batch], LossConfig())
+    loaded.update([batch], LossConfig())
+    after = dict(model.hf_weights())
+    for name, tensor in loaded.hf_weights():
+        assert torch.equal(tensor, after[name]), name
+
+
+async def test_pushed_weights_are_the_next_policy_version_and_change_outputs(server) -> None:
+    engine, stub, address = server
+    names = {name: tuple(t.shape) for name, t in backend().hf_weights()}
+    assert names == {name: spec.shape for name, spec in engine.parameter_specs().items()}
+    greedy_before, _, version_before = await sample(stub, temperature=0.0)
+    model = backend(lr=5e-2, grad_clip=0.0)
+    tokens, logprobs, _ = await sample(stub, seed=5, temperature=1.0)
+    [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
+    model.update([batch], LossConfig())
+    pool = InferencePool([address])
+    try:
+        result = await asyncio.to_thread(pool.push, model.hf_weights, "step 1")
+    finally:
+        pool.close()
+    assert result.policy_version == version_before + 1
+    assert result.bytes_sent == sum(t.numel() * t.element_size() for _, t in model.hf_weights())
+    greedy_after, _, version_after = await sample(stub, temperature=0.0)
+    assert version_after == result.policy_version
+    assert greedy_after != greedy_before
+    # The server now scores exactly as the trainer does.
+    tokens, logprobs, _ = await sample(stub, seed=6, temperature=1.0)
+    [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
+    np.testing.assert_allclose(target_logprobs(model.logprobs([batch])[0], batch), logprobs, atol=2e-4)
