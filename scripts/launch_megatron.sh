@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Starts the trainer with the megatron backend under torchrun: one rank per GPU, tensor parallel
-# over all of them. Rank 0 (on the node with NODE_RANK=0) is the trainer the rest of Polar talks to;
-# every other rank follows it. Run it once on each node, with the same arguments:
+# over all of them. Rank 0 (on the node with NODE_RANK=0) is `polar serve trainer`, the trainer the
+# rest of Polar talks to; every other rank follows it. Run it once on each node, with the same
+# arguments, which are those of `polar serve trainer` (--backend is set to megatron):
 #
-#   scripts/launch_megatron.sh --config polar.toml --run-dir runs/r1 --rollout HOST:PORT --inference HOST:PORT
+#   scripts/launch_megatron.sh --model /models/Qwen3-4B --run-dir runs/r1 --dataset tasks.jsonl \
+#       --rollout HOST:PORT --inference HOST:PORT
 #
 # Environment (the usual torchrun variables), with single-node defaults:
 #   NNODES=1  NODE_RANK=0  GPUS_PER_NODE=<GPUs visible>  MASTER_ADDR=127.0.0.1  MASTER_PORT=29500

@@ -43,7 +43,7 @@ from trainer.backends.megatron.convert import (
 )
 from trainer.backends.megatron.logprobs import check_untruncated, vocab_parallel_logprobs
 from trainer.backends.megatron.model import ModelShape, UnsupportedModel, build_model, selected_logits
-from trainer.backends.megatron.runtime import init_parallel, tp_group
+from trainer.backends.megatron.runtime import MegatronUnavailable, init_parallel, tp_group
 from trainer.batches import MicroBatch
 from trainer.grpo import LossConfig, merge_stats, policy_loss
 
@@ -125,7 +125,7 @@ class MegatronBackend(Backend):
             torch.set_num_threads(options.cpu_threads)
         try:
             self.parallel = init_parallel(options.tp_size)
-        except ValueError as exc:
+        except (ValueError, MegatronUnavailable) as exc:
             raise BackendError(str(exc)) from None
         torch.manual_seed(options.seed)
         self.options = options
