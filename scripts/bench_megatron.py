@@ -271,7 +271,7 @@ def main() -> int:
             from transformers import AutoConfig
 
             hf = AutoConfig.from_pretrained(folder)
-            config = {key: getattr(hf, key) for key in QWEN3_4B}
+            config = {key: getattr(hf, key, None) for key in QWEN3_4B}
         else:
             folder = scratch / "model"
             started = time.perf_counter()
