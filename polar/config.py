@@ -164,7 +164,9 @@ class TrainerConfig:
     host: str = "127.0.0.1"  # address of the TrainerService; "0.0.0.0" for every interface
     port: Port = 50080  # gRPC port of the TrainerService (status, policy version, checkpoints); 0 picks a free one
     run_dir: str = "runs/train"  # the run's folder: checkpoints, metrics.jsonl, TensorBoard events, reward.png
-    backend: Literal["torch"] = "torch"  # "torch": one process, CPU or one GPU, any Hugging Face causal LM
+    # "torch": one process, CPU or one GPU, any Hugging Face causal LM; "megatron": Megatron-Core, tensor
+    # parallel over every GPU of a torchrun job (scripts/launch_megatron.sh), Llama / Qwen2 / Qwen3
+    backend: Literal["torch", "megatron"] = "torch"
     model: str = "tiny"  # starting weights: "tiny", "smollm2-135m" or a Hugging Face folder
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda

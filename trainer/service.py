@@ -33,8 +33,13 @@ STOP_GRACE_SECONDS = 2.0
 
 def create_backend(config: TrainerConfig, model: str) -> Backend:
     """The configured backend, holding `model` (the starting weights or a checkpoint's folder)."""
+    if config.backend == "megatron":
+        # Rank 0 of a torchrun job (trainer.backends.megatron.launch); the other ranks follow it.
+        from trainer.backends.megatron import MegatronBackend, options_from_config
+
+        return MegatronBackend(options_from_config(config, model))
     if config.backend != "torch":
-        raise BackendError(f"unknown trainer backend {config.backend!r} (known: torch)")
+        raise BackendError(f"unknown trainer backend {config.backend!r} (known: torch, megatron)")
     from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
     return TorchBackend(

@@ -12,7 +12,7 @@ version, which becomes the trainer's policy version.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -38,8 +38,13 @@ class SyncResult:
 
 
 def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str) -> Iterator[inference_pb2.UpdateWeightsRequest]:
-    """An UpdateWeights stream: the header, then each tensor's bytes in chunks of CHUNK_BYTES."""
-    tensors = list(named_tensors)
+    """An UpdateWeights stream: the header, then each tensor's bytes in chunks of CHUNK_BYTES.
+
+    The header counts the tensors, so an iterable that cannot say its length is listed first; a sized
+    one (the megatron backend's, which gathers each layer from its ranks as it goes) is streamed as
+    it comes, never held whole.
+    """
+    tensors = named_tensors if isinstance(named_tensors, Sized) else list(named_tensors)
     yield inference_pb2.UpdateWeightsRequest(header=inference_pb2.WeightsHeader(tensor_count=len(tensors), note=note))
     for name, tensor in tensors:
         wire = WIRE_DTYPES.get(tensor.dtype)

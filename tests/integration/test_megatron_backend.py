@@ -1,0 +1,110 @@
+"""The megatron backend against the torch backend on the same tiny models and tokens (CPU, gloo, fp32).
+
+At TP=1 (in this process) and TP=2 (two spawned processes: rank 0 leads, rank 1 follows) the
+logprobs, the GRPO loss, the gradient norm and the weights after one optimizer step match the torch
+backend's; the saved folder loads in transformers. Skipped when megatron-core is not installed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'polar[megatron]')")
+
+from megatron_fixtures import (  # noqa: E402
+    LOSS,
+    LR,
+    assert_matches,
+    micro_batches,
+    run_tensor_parallel,
+    save_tiny_model,
+    torch_backend_run,
+)
+
+from trainer.backends.base import BackendError  # noqa: E402
+from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions, TruncatedSamplingError  # noqa: E402
+from trainer.grpo import LossConfig  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+@pytest.mark.parametrize("model_type,tied", [("qwen3", False), ("qwen2", True), ("llama", False)])
+def test_tp1_matches_the_torch_backend(tmp_path, model_type, tied):
+    folder = save_tiny_model(tmp_path / "model", model_type, tied)
+    reference = torch_backend_run(folder)
+    backend = MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32", lr=LR))
+    assert backend.model_description["vocab_size"] == 300
+    batches = micro_batches()
+    logprobs = backend.logprobs(batches)
+    result = backend.update(batches, LOSS)
+    assert_matches(reference, logprobs, result, {name: t.clone() for name, t in backend.hf_weights()})
+
+
+def test_saved_folder_loads_in_transformers_and_optimizer_state_restores(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(tmp_path / "model", "qwen3", False)
+    backend = MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32", lr=LR))
+    backend.update(micro_batches(), LOSS)
+    backend.save(tmp_path / "saved", tmp_path / "optimizer.pt")
+    loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").named_parameters())
+    for name, tensor in backend.hf_weights():
+        assert torch.equal(loaded[name], tensor), name
+    reloaded = MegatronBackend(MegatronBackendOptions(model=str(tmp_path / "saved"), dtype="float32", lr=LR))
+    reloaded.load_optimizer(tmp_path / "optimizer.pt")
+    assert reloaded.optimizer.state_dict()["state"][0]["step"] == 1
+
+
+def test_truncated_sampling_is_refused_before_any_work(tmp_path):
+    folder = save_tiny_model(tmp_path / "model", "llama", False)
+    backend = MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32"))
+    batch = micro_batches()[0]
+    batch.top_k[batch.loss_mask] = 40
+    with pytest.raises(TruncatedSamplingError, match="top_k"):
+        backend.logprobs([batch])
+    with pytest.raises(BackendError, match="reference"):
+        backend.update([batch], LossConfig(kl_coef=0.1))
+
+
+@pytest.mark.parametrize("model_type,tied", [("qwen3", False), ("qwen2", True)])
+def test_tp2_on_gloo_matches_the_torch_backend(tmp_path, model_type, tied):
+    from transformers import AutoModelForCausalLM
+
+    folder = save_tiny_model(tmp_path / "model", model_type, tied)
+    reference = torch_backend_run(folder)
+    ours = run_tensor_parallel(2, folder, tmp_path, "float32")
+    assert_matches(reference, ours["logprobs"], ours["result"], ours["weights"])
+    loaded = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "saved").named_parameters())
+    for name, tensor in ours["weights"].items():
+        assert torch.equal(loaded[name], tensor), name
+    assert len(torch.load(tmp_path / "optimizer.pt", weights_only=True)["ranks"]) == 2
+
+
+def test_trainer_config_selects_the_megatron_backend(tmp_path):
+    from polar.config import TrainerConfig
+    from trainer.service import create_backend
+
+    folder = save_tiny_model(tmp_path / "model", "llama", True)
+    backend = create_backend(TrainerConfig(backend="megatron", model=str(folder), dtype="float32"), str(folder))
+    assert isinstance(backend, MegatronBackend) and backend.name == "megatron"
+    assert backend.model_description["model_type"] == "llama"
+
+
+def test_recomputation_is_refused_on_the_cpu(tmp_path):
+    folder = save_tiny_model(tmp_path / "model", "llama", False)
+    with pytest.raises(BackendError, match="needs CUDA"):
+        MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32", recompute="full"))
+
+
+def test_weight_sync_streams_the_gathered_weights_with_their_count_up_front(tmp_path):
+    from trainer.weight_sync import tensor_messages
+
+    folder = save_tiny_model(tmp_path / "model", "qwen2", True)
+    backend = MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32"))
+    weights = backend.hf_weights()
+    messages = tensor_messages(weights, "step 1")
+    header = next(messages)
+    names = {message.chunk.name for message in messages}
+    assert header.header.tensor_count == len(weights) == len(names) == len(dict(backend.hf_weights()))

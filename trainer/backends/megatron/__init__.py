@@ -1,0 +1,36 @@
+"""The megatron trainer backend: Megatron-Core, tensor parallel, started with torchrun.
+
+    runtime.py    process groups, devices, running Megatron on a CPU (gloo)
+    model.py      the GPT model from a Hugging Face config; Polar's layer spec (SDPA attention); packing
+    convert.py    Hugging Face <-> Megatron weights, tensor-parallel sharding (pure functions)
+    logprobs.py   vocabulary-parallel per-token logprobs (the full vocabulary is never gathered)
+    backend.py    MegatronBackend: the Backend contract; rank 0 leads, the other ranks follow
+    launch.py     the torchrun entry point: rank 0 serves the trainer, the other ranks follow
+
+Importing this package does not import megatron-core; building a backend does (MegatronUnavailable
+when it is not installed).
+"""
+
+from trainer.backends.megatron.backend import (
+    MegatronBackend,
+    MegatronBackendOptions,
+    options_from_config,
+    release_followers,
+)
+from trainer.backends.megatron.convert import hf_to_megatron, megatron_to_hf
+from trainer.backends.megatron.logprobs import TruncatedSamplingError
+from trainer.backends.megatron.model import ModelShape, UnsupportedModel
+from trainer.backends.megatron.runtime import MegatronUnavailable
+
+__all__ = [
+    "MegatronBackend",
+    "MegatronBackendOptions",
+    "MegatronUnavailable",
+    "ModelShape",
+    "TruncatedSamplingError",
+    "UnsupportedModel",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "options_from_config",
+    "release_followers",
+]

@@ -1,0 +1,499 @@
+"""The megatron backend: a Megatron-Core GPT model, tensor parallel over the ranks of a torchrun job.
+
+Every rank holds its shard of the weights and of the optimizer state. Rank 0 is the one the training
+loop talks to; each of its public calls is first announced to the other ranks (a broadcast of the
+call and its arguments, micro-batches included), which run the same call in lockstep from
+`follow()` so that every collective of the forward, backward and weight gathering has all its
+ranks. Rank 0 checks what could fail on bad input before announcing, so followers never see a call
+that fails half-way on rank 0 alone.
+
+Data parallelism is not implemented: the tensor-parallel size is the number of ranks, and the
+optimizer is a plain torch AdamW over the local shards (exact: AdamW is elementwise, so sharded
+AdamW is whole-model AdamW). Megatron's DistributedOptimizer would shard the optimizer state over
+data-parallel ranks, which this layout does not have. As in the torch backend, parameters and AdamW
+state are in the model's dtype (bf16 on a GPU) and logprobs and the loss are computed in fp32.
+
+The gradient norm counts a replicated parameter (the norms) once and sums sharded ones over ranks;
+QK-norm weights are shared by all heads but each rank only sees its own heads, so their gradients are
+summed over ranks before anything reads them (Megatron's finalize_model_grads does the same).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import groupby
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from trainer.backends.base import Backend, BackendError, UpdateAborted, UpdateResult
+from trainer.backends.megatron.convert import (
+    hf_names,
+    hf_to_megatron,
+    layer_of,
+    megatron_names,
+    megatron_to_hf,
+    replicated,
+)
+from trainer.backends.megatron.logprobs import check_untruncated, vocab_parallel_logprobs
+from trainer.backends.megatron.model import ModelShape, UnsupportedModel, build_model, selected_logits
+from trainer.backends.megatron.runtime import MegatronUnavailable, init_parallel, tp_group
+from trainer.batches import MicroBatch
+from trainer.grpo import LossConfig, merge_stats, policy_loss
+
+if TYPE_CHECKING:
+    from polar.config import TrainerConfig
+
+SHARD_BYTES = 2 * 1024**3  # safetensors files a saved model is split into
+
+
+@dataclass(frozen=True)
+class MegatronBackendOptions:
+    """How to build the megatron backend (the [trainer] settings it reads)."""
+
+    model: str  # "tiny", "smollm2-135m" or a Hugging Face folder (the same path on every node)
+    tp_size: int = 0  # tensor-parallel ranks; 0 = every rank of the job
+    dtype: str = "auto"  # "auto": bf16 on a GPU, fp32 on a CPU
+    lr: float = 1e-5
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    recompute: str = "none"  # "none", "selective" (core attention) or "full" (whole layers); CUDA only
+    fused_swiglu: bool = False  # SwiGLU through torch.compile (CUDA only; needs Triton and a C compiler)
+    reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
+    seed: int = 0
+    cpu_threads: int = 0  # 0 = torch's default
+
+
+def options_from_config(config: TrainerConfig, model: str) -> MegatronBackendOptions:
+    """The backend's options from the [trainer] section: the same on every rank. The tensor-parallel
+    size is the job's rank count; gradient_checkpointing recomputes whole layers."""
+    return MegatronBackendOptions(
+        model=model,
+        dtype=config.dtype,
+        lr=config.lr,
+        adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2,
+        weight_decay=config.weight_decay,
+        grad_clip=config.grad_clip,
+        recompute="full" if config.gradient_checkpointing else "none",
+        reference_model=config.kl_coef > 0,
+        seed=config.seed,
+        cpu_threads=config.cpu_threads,
+    )
+
+
+def release_followers() -> None:
+    """On rank 0: end the other ranks' `follow()` loops (the run is over, or failed before any call)."""
+    if dist.is_initialized() and dist.get_rank() == 0 and dist.get_world_size() > 1:
+        dist.broadcast_object_list([("close", ())], src=0)
+
+
+class HFWeights:
+    """What `hf_weights` returns: the model's HF tensors, iterated once (each layer gathered from the
+    ranks as the iteration reaches it), and sized, so weight sync can send the tensor count before any
+    tensor exists."""
+
+    def __init__(self, backend: MegatronBackend) -> None:
+        self._backend = backend
+
+    def __len__(self) -> int:
+        return len(hf_names(self._backend.shape))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._backend._announce("hf_weights")
+        yield from self._backend._hf_weights()
+
+
+class MegatronBackend(Backend):
+    name = "megatron"
+
+    def __init__(self, options: MegatronBackendOptions) -> None:
+        """Load `options.model` onto every rank (each rank of the job constructs one)."""
+        from transformers import AutoConfig, AutoTokenizer
+
+        from polar.inference.models import ModelNotFoundError, resolve_model
+
+        if options.cpu_threads > 0:
+            torch.set_num_threads(options.cpu_threads)
+        try:
+            self.parallel = init_parallel(options.tp_size)
+        except (ValueError, MegatronUnavailable) as exc:
+            raise BackendError(str(exc)) from None
+        torch.manual_seed(options.seed)
+        self.options = options
+        self.device = self.parallel.device
+        dtypes = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
+                  "float32": torch.float32, "bfloat16": torch.bfloat16}
+        if options.dtype not in dtypes:
+            raise BackendError(f"dtype must be one of {', '.join(dtypes)}, got {options.dtype!r}")
+        self.dtype = dtypes[options.dtype]
+        if options.recompute != "none" and self.device.type != "cuda":
+            raise BackendError("recomputation needs CUDA: Megatron's checkpointing saves and restores CUDA's RNG state")
+        if options.fused_swiglu and self.device.type != "cuda":
+            raise BackendError("fused_swiglu needs CUDA")
+        # Rank 0's choice (a checkpoint of the run, say) is every rank's.
+        choice = [options.model]
+        if self.parallel.world_size > 1:
+            dist.broadcast_object_list(choice, src=0)
+        try:
+            self.folder = resolve_model(choice[0])
+        except ModelNotFoundError as exc:
+            raise BackendError(str(exc)) from None
+        self.hf_config = AutoConfig.from_pretrained(self.folder)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.folder) if self.parallel.is_leader else None
+        try:
+            self.shape = ModelShape.from_hf_config(self.hf_config)
+            self.model = self._build()
+        except UnsupportedModel as exc:
+            raise BackendError(f"cannot build {options.model!r} with Megatron: {exc}") from None
+        self.parameters = dict(self.model.named_parameters())
+        self._load_hf_folder(self.folder)
+        self.model.train()
+        self.reference = None
+        if options.reference_model:
+            self.reference = self._build()
+            self.reference.load_state_dict(self.model.state_dict())
+            self.reference.eval().requires_grad_(False)
+        cuda = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            self.parameters.values(),
+            lr=options.lr,
+            betas=(options.adam_beta1, options.adam_beta2),
+            weight_decay=options.weight_decay,
+            # One kernel for the whole step on a GPU; the CPU has no fused AdamW.
+            fused=cuda or None,
+            foreach=None if cuda else True,
+        )
+        padded = self.shape.padded_vocab_size(self.parallel.tp_size)
+        self.vocab_start = self.parallel.tp_rank * padded // self.parallel.tp_size
+
+    def _build(self):
+        options = self.options
+        return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, options.recompute,
+                           options.fused_swiglu)
+
+    @property
+    def model_description(self) -> dict[str, object]:
+        return {
+            "model_type": self.shape.model_type,
+            "vocab_size": self.shape.vocab_size,
+            "hidden_size": self.shape.hidden_size,
+            "num_hidden_layers": self.shape.num_layers,
+        }
+
+    # -- loading --------------------------------------------------------------------------------------
+
+    def _load_hf_folder(self, folder: Path) -> None:
+        """Every rank reads the tensors of its shard from the safetensors files, a layer at a time."""
+        from safetensors import safe_open
+
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            where = {name: folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+        elif (folder / "model.safetensors").is_file():
+            with safe_open(folder / "model.safetensors", framework="pt") as handle:
+                where = dict.fromkeys(handle.keys(), folder / "model.safetensors")
+        else:
+            raise BackendError(f"{folder} has no safetensors weights (model.safetensors or its index)")
+        loaded = set()
+        names = sorted(where, key=lambda name: (layer_of(name) is not None, layer_of(name) or 0))
+        for _, group in groupby(names, key=layer_of):
+            tensors = {}
+            for name in group:
+                with safe_open(where[name], framework="pt") as handle:
+                    tensors[name] = handle.get_tensor(name)
+            try:
+                converted = hf_to_megatron(tensors, self.shape, self.parallel.tp_rank, self.parallel.tp_size)
+            except KeyError as exc:
+                raise BackendError(f"{folder}: {exc.args[0]}") from None
+            with torch.no_grad():
+                for name, value in converted.items():
+                    parameter = self.parameters[name]
+                    if parameter.shape != value.shape:
+                        raise BackendError(f"{folder}: {name} is {tuple(value.shape)} on this rank, the model "
+                                           f"expects {tuple(parameter.shape)}")
+                    parameter.copy_(value)
+            loaded.update(converted)
+        missing = set(self.parameters) - loaded
+        if missing:
+            raise BackendError(f"{folder} lacks the weights of {', '.join(sorted(missing)[:3])} ({len(missing)} in all)")
+
+    # -- the leader's announcements and the followers' loop -------------------------------------------
+
+    def _announce(self, command: str, *args) -> None:
+        if self.parallel.world_size > 1:
+            dist.broadcast_object_list([(command, args)], src=0)
+
+    def _agree(self, flag: bool) -> bool:
+        """Rank 0's flag, on every rank."""
+        if self.parallel.world_size == 1:
+            return flag
+        value = torch.tensor([flag], dtype=torch.int32, device=self.device)
+        dist.broadcast(value, src=0)
+        return bool(value.item())
+
+    def follow(self) -> None:
+        """On every rank but 0: run what rank 0 announces until it calls `close`."""
+        if self.parallel.is_leader:
+            raise RuntimeError("rank 0 leads; only the other ranks follow")
+
+        def send_weights() -> None:
+            for _ in self._hf_weights():  # the gathers happen as rank 0 iterates; nothing comes here
+                pass
+
+        handlers = {
+            "logprobs": self._logprobs,
+            "update": self._update,
+            "hf_weights": send_weights,
+            "save": lambda: self._save(None, None),
+            "load_optimizer": lambda: self._load_optimizer(None),
+        }
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            command, args = box[0]
+            if command == "close":
+                return
+            try:
+                handlers[command](*args)
+            except UpdateAborted:
+                pass
+
+    def close(self) -> None:
+        """Release the followers (rank 0, once the run is over)."""
+        release_followers()
+
+    # -- scoring and learning ---------------------------------------------------------------------
+
+    def _check(self, batches: Sequence[MicroBatch]) -> None:
+        for batch in batches:
+            mask = batch.loss_mask
+            check_untruncated(self.shape.vocab_size, batch.temperature[mask], batch.top_k[mask], batch.top_p[mask])
+
+    def _target_logprobs(self, model, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logprobs [K] of the trainable targets, their flat indices [K] into [R * L])."""
+        batch = batch.to(self.device)
+        keep = batch.loss_mask.reshape(-1).nonzero().squeeze(-1)  # [K]
+        logits = selected_logits(model, batch.input_ids, batch.sequence_lengths, keep)  # [K, V/tp]
+        values = vocab_parallel_logprobs(
+            logits,
+            batch.targets.reshape(-1)[keep],
+            batch.temperature.reshape(-1)[keep],
+            vocab_start=self.vocab_start,
+            vocab_size=self.shape.vocab_size,
+            group=tp_group() if self.parallel.tp_size > 1 else None,
+        )
+        return values, keep
+
+    def logprobs(self, batches: Sequence[MicroBatch], *, reference: bool = False) -> list[torch.Tensor]:
+        if reference and self.reference is None:
+            raise BackendError("no reference model was kept (kl_coef is 0)")
+        self._check(batches)
+        self._announce("logprobs", batches, reference)
+        return self._logprobs(batches, reference)
+
+    def _logprobs(self, batches: Sequence[MicroBatch], reference: bool = False) -> list[torch.Tensor]:
+        model = self.reference if reference else self.model
+        results = []
+        with torch.no_grad():
+            for batch in batches:
+                values, flat = self._target_logprobs(model, batch)
+                out = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
+                out[flat] = values
+                results.append(out.view(batch.input_ids.shape).cpu())
+        return results
+
+    def update(
+        self,
+        batches: Sequence[MicroBatch],
+        loss_config: LossConfig,
+        *,
+        old_logprobs: Sequence[torch.Tensor] | None = None,
+        should_stop: Callable[[], bool] = lambda: False,
+    ) -> UpdateResult:
+        if loss_config.kl_coef > 0 and self.reference is None:
+            raise BackendError("kl_coef > 0 needs the reference model (reference_model = true)")
+        self._check(batches)
+        self._announce("update", batches, loss_config, old_logprobs)
+        return self._update(batches, loss_config, old_logprobs, should_stop)
+
+    def _update(self, batches, loss_config, old_logprobs, should_stop=lambda: False) -> UpdateResult:
+        started = time.perf_counter()
+        references = self._logprobs(batches, reference=True) if loss_config.kl_coef > 0 else None
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, all_stats, tokens, trainable = 0.0, [], 0, 0
+        for index, batch in enumerate(batches):
+            if self._agree(self.parallel.is_leader and should_stop()):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise UpdateAborted
+            values, flat = self._target_logprobs(self.model, batch)
+            device_batch = batch.to(self.device)
+
+            def gather(tensor: torch.Tensor) -> torch.Tensor:
+                return tensor.to(self.device).reshape(-1)[flat].float()
+
+            old = values.detach() if old_logprobs is None else gather(old_logprobs[index])
+            loss, stats = policy_loss(
+                values,
+                old,
+                gather(device_batch.behaviour_logprobs),
+                gather(device_batch.advantages),
+                gather(device_batch.token_weights),
+                loss_config,
+                ref_logprobs=None if references is None else gather(references[index]),
+            )
+            loss.backward()
+            total_loss += float(loss.detach())
+            all_stats.append(stats)
+            tokens += batch.tokens
+            trainable += batch.trainable_tokens
+        grad_norm = self._finish_gradients()
+        if self._agree(self.parallel.is_leader and should_stop()):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise UpdateAborted
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return UpdateResult(
+            loss=total_loss,
+            grad_norm=grad_norm,
+            stats=merge_stats(all_stats) if all_stats else {},
+            tokens=tokens,
+            trainable_tokens=trainable,
+            seconds=time.perf_counter() - started,
+        )
+
+    def _finish_gradients(self) -> float:
+        """Sum the QK-norm gradients over ranks, then clip by the whole model's gradient norm."""
+        with_grad = {name: p for name, p in self.parameters.items() if p.grad is not None}
+        tp = self.parallel.tp_size > 1
+        if tp:
+            for name, parameter in with_grad.items():
+                if "q_layernorm" in name or "k_layernorm" in name:
+                    dist.all_reduce(parameter.grad, group=tp_group())
+
+        def square_sum(grads: list[torch.Tensor]) -> torch.Tensor:
+            """Sum of squares of the gradients' entries, accumulated in fp32."""
+            if not grads:
+                return torch.zeros((), dtype=torch.float32, device=self.device)
+            return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+
+        sharded = square_sum([p.grad for name, p in with_grad.items() if not replicated(name)])
+        duplicated = square_sum([p.grad for name, p in with_grad.items() if replicated(name)])
+        if tp:
+            dist.all_reduce(sharded, group=tp_group())
+        total = float((sharded + duplicated).sqrt())
+        clip = self.options.grad_clip
+        if clip > 0 and total > clip and math.isfinite(total):
+            torch._foreach_mul_([p.grad for p in with_grad.values()], clip / (total + 1e-6))
+        return total
+
+    # -- weights ----------------------------------------------------------------------------------
+
+    def hf_weights(self) -> HFWeights:
+        return HFWeights(self)
+
+    def _hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole HF tensors on rank 0, a layer at a time: each layer's shards are gathered from the
+        ranks, converted, yielded, and dropped before the next layer is gathered."""
+        tp_size = self.parallel.tp_size
+        for _, names in groupby(megatron_names(self.shape), key=layer_of):
+            local = {name: self.parameters[name].detach() for name in names}
+            if tp_size == 1:
+                shards = [local]
+            else:
+                shards = [{} for _ in range(tp_size)]
+                for name, tensor in local.items():
+                    tensor = tensor.contiguous()
+                    parts = [torch.empty_like(tensor) for _ in range(tp_size)] if self.parallel.is_leader else None
+                    dist.gather(tensor, parts, dst=0, group=tp_group())
+                    if parts is not None:
+                        for shard, part in zip(shards, parts):
+                            shard[name] = part
+            if self.parallel.is_leader:
+                yield from megatron_to_hf(shards, self.shape).items()
+
+    def save(self, model_folder: Path, optimizer_file: Path) -> None:
+        self._announce("save")
+        self._save(model_folder, optimizer_file)
+
+    def _save(self, model_folder: Path | None, optimizer_file: Path | None) -> None:
+        from safetensors.torch import save_file
+
+        leader = self.parallel.is_leader
+        if leader:
+            model_folder.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        pending: dict[str, torch.Tensor] = {}  # the next file's tensors, on the CPU: at most SHARD_BYTES
+
+        def write_pending() -> None:
+            file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
+            save_file(pending, model_folder / file, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(pending, file))
+            pending.clear()
+
+        total = 0
+        for name, tensor in self._hf_weights():  # yields on rank 0 only
+            if pending and sum(t.nbytes for t in pending.values()) + tensor.nbytes > SHARD_BYTES:
+                write_pending()
+            pending[name] = tensor.to("cpu", copy=True).contiguous()
+            total += tensor.nbytes
+        if leader:
+            if pending:
+                write_pending()
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (model_folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            self.hf_config.save_pretrained(model_folder)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(model_folder)
+        states = [None] * self.parallel.world_size if leader else None
+        state = _on_cpu(self.optimizer.state_dict())  # pickled between ranks: no device tensors
+        if self.parallel.world_size > 1:
+            dist.gather_object(state, states, dst=0)
+        else:
+            states = [state]
+        if leader:
+            torch.save({"tp_size": self.parallel.tp_size, "ranks": states}, optimizer_file)
+
+    def load_optimizer(self, optimizer_file: Path) -> None:
+        try:
+            saved = torch.load(optimizer_file, map_location="cpu", weights_only=True)
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise BackendError(f"cannot restore the optimizer state {optimizer_file}: {exc}") from None
+        if not isinstance(saved, dict) or saved.get("tp_size") != self.parallel.tp_size:
+            raise BackendError(
+                f"{optimizer_file} holds the optimizer state of a megatron backend with "
+                f"{saved.get('tp_size') if isinstance(saved, dict) else 'no'} tensor-parallel ranks; "
+                f"this one has {self.parallel.tp_size}"
+            )
+        self._announce("load_optimizer")
+        self._load_optimizer(saved["ranks"])
+
+    def _load_optimizer(self, states: list | None) -> None:
+        mine = [None]
+        if self.parallel.world_size > 1:
+            dist.scatter_object_list(mine, states, src=0)
+        else:
+            mine = states
+        try:
+            self.optimizer.load_state_dict(mine[0])
+        except (ValueError, RuntimeError) as exc:
+            raise BackendError(f"cannot restore the optimizer state: {exc}") from None
+
+
+def _on_cpu(value):
+    """A nested state dict with every tensor moved to the CPU."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {key: _on_cpu(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_on_cpu(item) for item in value]
+    return value

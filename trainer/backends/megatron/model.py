@@ -1,0 +1,299 @@
+"""A Megatron-Core GPT model shaped like a Hugging Face Llama / Qwen2 / Qwen3 checkpoint.
+
+Polar's layer spec is Megatron's local spec (ColumnParallel / RowParallel linears, torch RMSNorm,
+SwiGLU as a gated fc1, optional QK-norm) with two modules changed. Core attention is `SDPAttention`,
+which calls torch's scaled_dot_product_attention (flash / memory-efficient kernels on a GPU, GQA
+without repeating the keys); Megatron's own `DotProductAttention` materialises the [s, s] scores and
+refuses packed sequences. The MLP computes SwiGLU with a hand-written backward that keeps less for
+it. TransformerEngine is not used, so the model runs wherever torch does.
+
+Packed rows use Megatron's "thd" layout: every sequence of every row becomes one stretch of a single
+token stream, described by cu_seqlens. RoPE restarts at 0 for each stretch (Megatron's thd rotary
+path), and `SDPAttention` runs one causal attention per stretch. That is exact per-sequence
+attention with the flash kernel's memory use; the alternative, one call with a block-diagonal
+[T, T] mask, costs T^2 memory and rules the flash kernel out. A row's padding tail (padded layouts)
+is one more stretch whose outputs are never read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer.backends.megatron.runtime import import_megatron
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+VOCAB_MULTIPLE = 128  # each rank's vocabulary slice is padded to a multiple of this (tensor-core shapes)
+
+
+class UnsupportedModel(ValueError):
+    """The Hugging Face config describes something this backend cannot build; the message says what."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the Megatron model and the weight conversion need to know of a Hugging Face config."""
+
+    model_type: str
+    vocab_size: int  # the checkpoint's vocabulary (rows of embed_tokens)
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    qk_norm: bool  # Qwen3: RMSNorm over each head's queries and keys
+    qkv_bias: bool  # Qwen2: biases on q, k and v (not on o)
+    tied_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> ModelShape:
+        """From a transformers config object; UnsupportedModel for what the model cannot represent."""
+        model_type = config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModel(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default")
+        if rope_type != "default":
+            raise UnsupportedModel(f"RoPE scaling ({rope_type}) is not supported")
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise UnsupportedModel(f"activation {config.hidden_act!r} is not supported (only silu)")
+        if getattr(config, "mlp_bias", False):
+            raise UnsupportedModel("MLP biases are not supported")
+        if model_type != "qwen2" and getattr(config, "attention_bias", False):
+            raise UnsupportedModel("attention biases on q/k/v/o are not supported (Qwen2's q/k/v biases are)")
+        if getattr(config, "use_sliding_window", False):
+            raise UnsupportedModel("sliding-window attention is not supported")
+        heads = config.num_attention_heads
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            ffn_hidden_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(theta),
+            max_position_embeddings=config.max_position_embeddings,
+            qk_norm=model_type == "qwen3",
+            qkv_bias=model_type == "qwen2",
+            tied_embeddings=bool(config.tie_word_embeddings),
+        )
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        """Rows of Megatron's (padded) embedding and output layer: every rank gets an equal slice."""
+        multiple = VOCAB_MULTIPLE * tp_size
+        return math.ceil(self.vocab_size / multiple) * multiple
+
+    def check_tensor_parallel(self, tp_size: int) -> None:
+        for what, count in (("attention heads", self.num_heads), ("key/value heads", self.num_kv_heads),
+                            ("MLP width", self.ffn_hidden_size)):
+            if count % tp_size:
+                raise UnsupportedModel(f"{count} {what} cannot be split over {tp_size} tensor-parallel ranks")
+
+
+def transformer_config(shape: ModelShape, tp_size: int, dtype: torch.dtype, recompute: str = "none",
+                       fused_swiglu: bool = False):
+    """Megatron's TransformerConfig for the shape. `recompute`: "none", "selective" (core attention
+    recomputed in backward) or "full" (every layer's activations recomputed). `fused_swiglu`:
+    Megatron's SwiGLU through torch.compile (one kernel each way, only fc1's output kept for
+    backward); it needs a working Triton toolchain."""
+    import_megatron()
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    recompute_options = {
+        "none": {},
+        "selective": {"recompute_granularity": "selective"},
+        "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    }
+    if recompute not in recompute_options:
+        raise ValueError(f"recompute must be one of {', '.join(recompute_options)}, got {recompute!r}")
+    return TransformerConfig(
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads,
+        num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=shape.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp_size,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # Weights come from a checkpoint (or the caller's initialisation), built on the CPU first.
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        bias_activation_fusion=fused_swiglu,
+        # The other fused kernels come from Apex / TransformerEngine, which Polar does not require.
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **recompute_options[recompute],
+    )
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of fc1's output [..., 2F] = [gate | up], keeping only that output for backward.
+
+    Autograd through `F.silu(gate) * up` would also keep silu(gate): [tokens, F] more per layer,
+    about a sixth of a layer's activations in a Qwen3-4B shape.
+    """
+
+    @staticmethod
+    def forward(ctx, fc1_out):
+        gate, up = fc1_out.chunk(2, dim=-1)
+        ctx.save_for_backward(fc1_out)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (fc1_out,) = ctx.saved_tensors
+        gate, up = fc1_out.chunk(2, dim=-1)
+        sigmoid = torch.sigmoid(gate)
+        silu = gate * sigmoid
+        # d silu(g) / dg = sigmoid(g) * (1 + g * (1 - sigmoid(g)))
+        grad_gate = grad * up * sigmoid * (1 + gate * (1 - sigmoid))
+        return torch.cat([grad_gate, grad * silu], dim=-1)
+
+
+def _mlp_class():
+    import_megatron()
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    from megatron.core.transformer.mlp import MLP
+
+    class SwiGLUMLP(MLP):
+        """Megatron's MLP (same parameters and names) with SwiGLU computed by `_SwiGLU`, or by
+        Megatron's torch.compile'd kernels when the config asks for activation fusion."""
+
+        def forward(self, hidden_states, per_token_scale=None, **kwargs):
+            if per_token_scale is not None:
+                raise ValueError("per-token scales (MoE experts) are not supported")
+            fc1_out, _ = self.linear_fc1(hidden_states)  # [s, b, 2F/tp]
+            if self.config.bias_activation_fusion:
+                activated = bias_swiglu_impl(fc1_out, None)
+            else:
+                activated = _SwiGLU.apply(fc1_out)
+            return self.linear_fc2(activated)
+
+    return SwiGLUMLP
+
+
+def _sdpa_attention_class():
+    import_megatron()
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SDPAttention(DotProductAttention):
+        """Core attention through torch's scaled_dot_product_attention (causal, GQA), packed or not.
+
+        Inherits the per-partition head counts and the softmax scale from DotProductAttention.
+        """
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if attention_bias is not None:
+                raise ValueError("attention bias is not supported by SDPAttention")
+            if packed_seq_params is None:
+                # [s, b, heads, d] -> [b, heads, s, d]
+                q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+                out = self._attend(q, k, v)  # [b, np, s, d]
+                return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, np*d]
+            # thd: [t, heads, d]; one causal attention per packed sequence.
+            bounds = packed_seq_params.cu_seqlens_q.tolist()  # a CPU tensor: no device sync
+            parts = []
+            for start, end in zip(bounds[:-1], bounds[1:]):
+                q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, n, d]
+                parts.append(self._attend(q, k, v).squeeze(0).transpose(0, 1))  # [n, np, d]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [t, np, d]
+            return out.reshape(out.shape[0], -1)
+
+        def _attend(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
+                                                  enable_gqa=q.shape[1] != k.shape[1])
+
+    return SDPAttention
+
+
+def layer_spec(shape: ModelShape):
+    """Polar's transformer-layer spec: Megatron's local spec with SDPA core attention."""
+    import_megatron()
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    spec.submodules.mlp.module = _mlp_class()
+    return spec
+
+
+def build_model(shape: ModelShape, tp_size: int, dtype: torch.dtype, device: torch.device, recompute: str = "none",
+                fused_swiglu: bool = False):
+    """An uninitialised GPTModel for this rank's shard (parameters allocated, values arbitrary)."""
+    import_megatron()
+    from megatron.core.models.gpt import GPTModel
+
+    shape.check_tensor_parallel(tp_size)
+    model = GPTModel(
+        config=transformer_config(shape, tp_size, dtype, recompute, fused_swiglu),
+        transformer_layer_spec=layer_spec(shape),
+        vocab_size=shape.padded_vocab_size(tp_size),
+        max_sequence_length=shape.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=shape.rope_theta,
+        share_embeddings_and_output_weights=shape.tied_embeddings,
+    )
+    return model.to(device)
+
+
+def packed_seq_params(sequence_lengths: list[list[int]], row_length: int):
+    """Megatron's PackedSeqParams for rows laid end to end: each sequence, then each row's padding.
+
+    cu_seqlens stay on the CPU: the thd RoPE and SDPAttention read them as Python ints.
+    """
+    import_megatron()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = []
+    for row in sequence_lengths:
+        lengths.extend(row)
+        if sum(row) < row_length:
+            lengths.append(row_length - sum(row))
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    longest = max(lengths)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def selected_logits(model, input_ids: torch.Tensor, sequence_lengths: list[list[int]], keep: torch.Tensor) -> torch.Tensor:
+    """This rank's vocabulary slice of the logits at flat positions `keep` [K] -> [K, V / tp].
+
+    input_ids [R, L] on the model's device. The output layer runs only on the kept positions: prompts
+    are most of a trace, and the output layer is the widest matrix.
+    """
+    rows, length = input_ids.shape
+    params = packed_seq_params(sequence_lengths, length)
+    tokens = input_ids.reshape(1, rows * length)  # [1, T]
+    hidden = model.embedding(input_ids=tokens, position_ids=None)  # [T, 1, H]
+    rotary = model.rotary_pos_emb(params.max_seqlen_q, packed_seq=True)
+    hidden = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=params)
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    logits, _ = model.output_layer(hidden[keep], weight=weight)  # [K, 1, V/tp]
+    return logits.squeeze(1)
+
+
