@@ -76,9 +76,13 @@ class Checkpoint:
         return self.path / OPTIMIZER_FILE
 
 
-def save_checkpoint(run_dir: Path, backend: Backend, state: TrainerState, model_name: str, keep: int = 2) -> Checkpoint:
-    """Write a checkpoint of the backend and state under run_dir/checkpoints and mark it latest."""
-    root = run_dir / "checkpoints"
+def checkpoints_folder(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def save_checkpoint(root: Path, backend: Backend, state: TrainerState, model_name: str, keep: int = 2) -> Checkpoint:
+    """Write a checkpoint of the backend and state as root/step-N (root: a run's checkpoints_folder,
+    or any folder SaveCheckpoint names) and mark it latest there."""
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{state.step:06d}"
     target = root / name
@@ -99,7 +103,7 @@ def save_checkpoint(run_dir: Path, backend: Backend, state: TrainerState, model_
 
 def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     """The newest complete checkpoint of the run, or None when it has none."""
-    root = run_dir / "checkpoints"
+    root = checkpoints_folder(run_dir)
     try:
         name = (root / LATEST).read_text().strip()
     except FileNotFoundError:

@@ -38,7 +38,7 @@ from polar.v1 import common_pb2
 from trainer import grpo
 from trainer.backends.base import Backend, UpdateAborted
 from trainer.batches import TrainSequence, pack
-from trainer.checkpoints import TrainerState, check_compatible, latest_checkpoint, save_checkpoint
+from trainer.checkpoints import TrainerState, check_compatible, checkpoints_folder, latest_checkpoint, save_checkpoint
 from trainer.metrics import PLOT_FILE, MetricsLog, Progress, plot_rewards
 from trainer.rollout_link import Dataset, Group, GroupStream, RolloutLink
 from trainer.weight_sync import InferencePool
@@ -388,11 +388,13 @@ class TrainingRun:
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
-    def save_checkpoint(self, run_dir: Path | None = None):
-        """A checkpoint of the last completed step (waits for a step in progress to finish)."""
+    def save_checkpoint(self, folder: Path | None = None):
+        """A checkpoint of the last completed step as folder/step-N (default: the run's checkpoints
+        folder); waits for a step in progress to finish."""
         with self.model_lock:
             state = replace(self.state, elapsed_s=self.state.elapsed_s + (time.monotonic() - self.started))
-            return save_checkpoint(run_dir or self.run_dir, self.backend, state, self.model_name, self.config.keep_checkpoints)
+            root = folder or checkpoints_folder(self.run_dir)
+            return save_checkpoint(root, self.backend, state, self.model_name, self.config.keep_checkpoints)
 
 
 def _mean_stats(results) -> dict[str, float]:

@@ -19,14 +19,16 @@ update, so accumulating their gradients gives the exact gradient of the whole up
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterator, Sequence
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from trainer.batches import MicroBatch
-from trainer.grpo import LossConfig
+from trainer.grpo import LossConfig, merge_stats, policy_loss
 
 
 class BackendError(RuntimeError):
@@ -83,10 +85,88 @@ class Backend(abc.ABC):
         it answers True the gradients are dropped and UpdateAborted is raised.
         """
 
+    # -- the update every backend runs, over its hooks -----------------------------------------------
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+
+    def _target_logprobs(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(differentiable logprobs [K] of the batch's trainable targets, their flat indices [K] into
+        the batch's [R * L] positions)."""
+        raise NotImplementedError
+
+    def _reference_logprobs(self, batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
+        """The frozen reference policy's logprobs, as `logprobs(reference=True)` gives them."""
+        return self.logprobs(batches, reference=True)
+
+    def _stop_agreed(self, stop: bool) -> bool:
+        """Whether to stop now, the same answer in every process of the backend."""
+        return stop
+
+    def _clip_gradients(self) -> float:
+        """Clip the accumulated gradients to the configured norm; the norm before clipping."""
+        raise NotImplementedError
+
+    def _run_update(
+        self,
+        batches: Sequence[MicroBatch],
+        loss_config: LossConfig,
+        old_logprobs: Sequence[torch.Tensor] | None,
+        should_stop: Callable[[], bool],
+    ) -> UpdateResult:
+        """Accumulate the GRPO loss's gradients over the micro-batches, clip, step (see `update`)."""
+        started = time.perf_counter()
+        references = self._reference_logprobs(batches) if loss_config.kl_coef > 0 else None
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, all_stats, tokens, trainable = 0.0, [], 0, 0
+        for index, batch in enumerate(batches):
+            if self._stop_agreed(should_stop()):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise UpdateAborted
+            values, flat = self._target_logprobs(self.model, batch)
+
+            def at_targets(tensor: torch.Tensor) -> torch.Tensor:
+                return tensor.to(self.device).reshape(-1)[flat].float()  # [R, L] -> [K]
+
+            loss, stats = policy_loss(
+                values,
+                values.detach() if old_logprobs is None else at_targets(old_logprobs[index]),
+                at_targets(batch.behaviour_logprobs),
+                at_targets(batch.advantages),
+                at_targets(batch.token_weights),
+                loss_config,
+                ref_logprobs=None if references is None else at_targets(references[index]),
+            )
+            loss.backward()
+            total_loss += float(loss.detach())
+            all_stats.append(stats)
+            tokens += batch.tokens
+            trainable += batch.trainable_tokens
+        grad_norm = self._clip_gradients()
+        if self._stop_agreed(should_stop()):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise UpdateAborted
+        # A non-finite gradient would turn every weight it touches into NaN, on the inference servers
+        # too once synced: the update is skipped instead, and reported.
+        skipped = not math.isfinite(grad_norm)
+        if not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return UpdateResult(
+            loss=total_loss,
+            grad_norm=grad_norm,
+            stats={**(merge_stats(all_stats) if all_stats else {}), "updates_skipped": float(skipped)},
+            tokens=tokens,
+            trainable_tokens=trainable,
+            seconds=time.perf_counter() - started,
+        )
+
     @abc.abstractmethod
-    def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def hf_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """Every parameter under its Hugging Face state-dict name, one tensor at a time (tied weights
-        once), detached; for weight sync and checkpoints."""
+        once), detached; for weight sync and checkpoints. Iterated once; a sized iterable where the
+        backend knows the count up front."""
 
     @abc.abstractmethod
     def save(self, model_folder: Path, optimizer_file: Path) -> None:

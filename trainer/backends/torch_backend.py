@@ -14,17 +14,15 @@ dtype, as torch does); logprobs and the loss are always computed in fp32.
 from __future__ import annotations
 
 import copy
-import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from trainer.backends.base import Backend, BackendError, UpdateAborted, UpdateResult
+from trainer.backends.base import Backend, BackendError, UpdateResult
 from trainer.batches import MicroBatch
-from trainer.grpo import LossConfig, merge_stats, policy_loss, token_logprobs
+from trainer.grpo import LossConfig, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -143,54 +141,11 @@ class TorchBackend(Backend):
         old_logprobs: Sequence[torch.Tensor] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> UpdateResult:
-        started = time.perf_counter()
-        references = self.logprobs(batches, reference=True) if loss_config.kl_coef > 0 else None
-        self.optimizer.zero_grad(set_to_none=True)
-        total_loss, all_stats, tokens, trainable = 0.0, [], 0, 0
-        for index, batch in enumerate(batches):
-            if should_stop():
-                self.optimizer.zero_grad(set_to_none=True)
-                raise UpdateAborted
-            values, flat = self._target_logprobs(self.model, batch)
-            device_batch = batch.to(self.device)
+        return self._run_update(batches, loss_config, old_logprobs, should_stop)
 
-            def gather(tensor: torch.Tensor) -> torch.Tensor:
-                return tensor.to(self.device).reshape(-1)[flat].float()
-
-            old = values.detach() if old_logprobs is None else gather(old_logprobs[index])
-            loss, stats = policy_loss(
-                values,
-                old,
-                gather(device_batch.behaviour_logprobs),
-                gather(device_batch.advantages),
-                gather(device_batch.token_weights),
-                loss_config,
-                ref_logprobs=None if references is None else gather(references[index]),
-            )
-            loss.backward()
-            total_loss += float(loss.detach())
-            all_stats.append(stats)
-            tokens += batch.tokens
-            trainable += batch.trainable_tokens
+    def _clip_gradients(self) -> float:
         clip = self.options.grad_clip if self.options.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
-        if should_stop():
-            self.optimizer.zero_grad(set_to_none=True)
-            raise UpdateAborted
-        # A non-finite gradient would turn every weight it touches into NaN, on the inference servers
-        # too once synced: the update is skipped instead, and reported.
-        skipped = not math.isfinite(grad_norm)
-        if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return UpdateResult(
-            loss=total_loss,
-            grad_norm=grad_norm,
-            stats={**(merge_stats(all_stats) if all_stats else {}), "updates_skipped": float(skipped)},
-            tokens=tokens,
-            trainable_tokens=trainable,
-            seconds=time.perf_counter() - started,
-        )
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
 
     # -- weights ----------------------------------------------------------------------------------
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import groupby
@@ -45,7 +44,7 @@ from trainer.backends.megatron.logprobs import check_untruncated, vocab_parallel
 from trainer.backends.megatron.model import ModelShape, UnsupportedModel, build_model, selected_logits
 from trainer.backends.megatron.runtime import MegatronUnavailable, init_parallel, tp_group
 from trainer.batches import MicroBatch
-from trainer.grpo import LossConfig, merge_stats, policy_loss
+from trainer.grpo import LossConfig
 
 if TYPE_CHECKING:
     from polar.config import TrainerConfig
@@ -326,51 +325,15 @@ class MegatronBackend(Backend):
         return self._update(batches, loss_config, old_logprobs, should_stop)
 
     def _update(self, batches, loss_config, old_logprobs, should_stop=lambda: False) -> UpdateResult:
-        started = time.perf_counter()
-        references = self._logprobs(batches, reference=True) if loss_config.kl_coef > 0 else None
-        self.optimizer.zero_grad(set_to_none=True)
-        total_loss, all_stats, tokens, trainable = 0.0, [], 0, 0
-        for index, batch in enumerate(batches):
-            if self._agree(self.parallel.is_leader and should_stop()):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise UpdateAborted
-            values, flat = self._target_logprobs(self.model, batch)
-            device_batch = batch.to(self.device)
+        return self._run_update(batches, loss_config, old_logprobs, should_stop)
 
-            def gather(tensor: torch.Tensor) -> torch.Tensor:
-                return tensor.to(self.device).reshape(-1)[flat].float()
+    def _reference_logprobs(self, batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
+        return self._logprobs(batches, reference=True)  # every rank is already in this call
 
-            old = values.detach() if old_logprobs is None else gather(old_logprobs[index])
-            loss, stats = policy_loss(
-                values,
-                old,
-                gather(device_batch.behaviour_logprobs),
-                gather(device_batch.advantages),
-                gather(device_batch.token_weights),
-                loss_config,
-                ref_logprobs=None if references is None else gather(references[index]),
-            )
-            loss.backward()
-            total_loss += float(loss.detach())
-            all_stats.append(stats)
-            tokens += batch.tokens
-            trainable += batch.trainable_tokens
-        grad_norm = self._finish_gradients()
-        if self._agree(self.parallel.is_leader and should_stop()):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise UpdateAborted
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return UpdateResult(
-            loss=total_loss,
-            grad_norm=grad_norm,
-            stats=merge_stats(all_stats) if all_stats else {},
-            tokens=tokens,
-            trainable_tokens=trainable,
-            seconds=time.perf_counter() - started,
-        )
+    def _stop_agreed(self, stop: bool) -> bool:
+        return self._agree(self.parallel.is_leader and stop)
 
-    def _finish_gradients(self) -> float:
+    def _clip_gradients(self) -> float:
         """Sum the QK-norm gradients over ranks, then clip by the whole model's gradient norm."""
         with_grad = {name: p for name, p in self.parameters.items() if p.grad is not None}
         tp = self.parallel.tp_size > 1
