@@ -82,6 +82,21 @@ def example_traces(model: str, tasks_file: Path, tasks: int, seed: int) -> list[
     return [TrainSequence(**{**s.__dict__, "token_weight": 1.0 / total}) for s in sequences]
 
 
+def random_weights(model: str) -> str:
+    """A folder with the model's config and tokenizer and freshly initialised weights."""
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from polar.inference.models import resolve_model
+
+    folder = resolve_model(model)
+    out = Path(tempfile.mkdtemp(prefix="bench-trainer-")) / Path(folder).name
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+    return str(out)
+
+
 def time_layout(backend, batches, repeats: int) -> float:
     """Best seconds of one optimizer update over these micro-batches."""
     best = float("inf")
@@ -198,20 +213,25 @@ def main() -> None:
     parser.add_argument("--tasks", type=Path, default=EXAMPLE_TASKS, help="task file the traces are shaped after")
     parser.add_argument("--run-dir", type=Path, help="a finished `polar train` run to read stage shares from")
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS, help="the card's dense bf16 peak")
+    parser.add_argument(
+        "--random-init", action="store_true",
+        help="the model's architecture and tokenizer with random weights (speed does not depend on them)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path("bench-results/trainer.json"))
     args = parser.parse_args()
 
     from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
     torch.manual_seed(0)
-    backend = TorchBackend(TorchBackendOptions(model=args.model, device=args.device, lr=1e-6))
+    model = random_weights(args.model) if args.random_init else args.model
+    backend = TorchBackend(TorchBackendOptions(model=model, device=args.device, lr=1e-6))
     repeats = 1 if args.quick else 3
     results: dict = {"model": args.model, "device": str(backend.device), "machine": platform.machine(),
                      "threads": torch.get_num_threads()}  # fmt: skip
-    sequences = example_traces(args.model, args.tasks, tasks=2 if args.quick else 8, seed=0)
+    sequences = example_traces(model, args.tasks, tasks=2 if args.quick else 8, seed=0)
     results["layouts"] = bench_layouts(backend, sequences, budget=4096, repeats=repeats)
     if backend.device.type == "cpu":
-        results["weight_sync"] = bench_weight_sync(backend, args.model, repeats=2 if args.quick else 3)
+        results["weight_sync"] = bench_weight_sync(backend, model, repeats=2 if args.quick else 3)
     if args.run_dir:
         results["run"] = stage_shares(args.run_dir)
     if backend.device.type == "cuda":
