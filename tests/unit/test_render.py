@@ -298,6 +298,17 @@ def test_an_extending_call_encodes_only_the_new_messages(smollm2_tokenizer):
     assert len(encoded) < 60
 
 
+def test_a_render_encodes_each_message_s_text_once_and_nothing_else(smollm2_tokenizer):
+    encoder = CountingEncoder(smollm2_tokenizer)
+    chat_format = HermesFormat(encoder)
+    encoder.encoded.clear()
+    conversation = Conversation((Message("system", "Be brief."), Message("user", "Hi.")))
+    rendered = render_request(chat_format, conversation)
+    # No separator or generation prompt (encoded once, with the format); "" is the unforced tool-call opening.
+    assert [text for text in encoder.encoded if text] == ["system\nBe brief.", "user\nHi."]
+    assert list(rendered.token_ids) == smollm2_tokenizer.encode(chat_format.render_text(conversation), add_special_tokens=False)
+
+
 def test_an_unknown_history_policy_is_refused(hermes):
     with pytest.raises(ValueError, match="faithful"):
         render_request(hermes, Conversation((Message("user", "hi"),)), [], history="verbatim")
