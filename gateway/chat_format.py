@@ -22,6 +22,16 @@ Message text is encoded as plain text: a special-token string inside content (a 
 `<|im_end|>`) stays text and can never end a turn early. Ids and names of tool calls and results are
 not rendered.
 
+Text is tokenized once per gateway, not once per call or session. The encoder cuts text into lines
+(before each line break that a non-space character follows) and keeps the ids of every line it encoded
+in a bounded cache shared by all sessions: a harness's 20k-token system prompt and tools block are
+encoded by its first session, and later sessions whose system prompt differs in a line (a working
+directory, a date) encode that line only. Cutting there is exact for GPT-2-style byte-level BPE (SmolLM2's):
+its pre-tokenizer makes such a line break a word of its own, so no merge crosses the cut. The encoder
+checks the cut on probe texts when it is made and encodes whole texts for a tokenizer that fails
+(Qwen2's pre-tokenizer, for one, joins `}` and the line break after it). The turn separator and the
+generation prompt are encoded once, when the format is made.
+
 The format's rule for past reasoning (`template_history`, used by the `template` history policy) is
 Qwen3's: reasoning of assistant turns before the last user turn is dropped.
 """
@@ -29,6 +39,8 @@ Qwen3's: reasoning of assistant turns before the last user turn is dropped.
 from __future__ import annotations
 
 import json
+import re
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -54,23 +66,91 @@ class UnknownChatFormatError(LookupError):
     """No chat format is registered under that name."""
 
 
+# Where text is cut for encoding and caching: before a line break that a non-space character follows
+# (the pattern takes the line break, which the cut puts back: a lookahead alone scans far slower).
+LINE_BREAK = re.compile(r"\n(?=\S)")
+# Text pairs that must encode to the same ids apart as together for the encoder to cut text.
+LINE_BREAK_PROBES = (
+    ("a", "\nb"), ("a ", "\n{\"b\": 1}"), ("}", "\n{"), ("a\n", "\n# Tools"), ("1", "\n2"), ("é", "\nü"),
+    ("a", "\n<|im_end|>"), ("\t", "\n's"),
+)
+# About 36 bytes a token in the cache: 1M tokens hold some fifty harness-sized system prompts and tools.
+DEFAULT_CACHE_TOKENS = 1_000_000
+
+
+class EncodingCache:
+    """Ids of texts already encoded, bounded by the tokens held; the least recently used go first."""
+
+    def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def get(self, text: str) -> tuple[int, ...] | None:
+        ids = self._ids.get(text)
+        if ids is not None:
+            self._ids.move_to_end(text)
+        return ids
+
+    def put(self, text: str, ids: tuple[int, ...]) -> None:
+        # An entry also costs a token's worth for its key and node, so empty ones are bounded too.
+        if text in self._ids or len(ids) + 1 > self.max_tokens:
+            return
+        self._ids[text] = ids
+        self.tokens += len(ids) + 1
+        while self.tokens > self.max_tokens:
+            _, evicted = self._ids.popitem(last=False)
+            self.tokens -= len(evicted) + 1
+
+
 class TextEncoder:
     """Encodes text as plain text: special-token strings inside it become ordinary tokens.
 
     Owns a private copy of the tokenizer's backend with special-token matching switched off, because
     Hugging Face's `split_special_tokens` flips that switch on the shared backend for every call.
+    Lines already encoded come from its cache (see the module docstring).
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, cache: EncodingCache | None = None) -> None:
         from tokenizers import Tokenizer
 
         backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
         backend.encode_special_tokens = True
         self._backend = backend
         self._tokenizer = tokenizer
+        self.cache = cache if cache is not None else EncodingCache()
+        self.cuts_lines = backend.normalizer is None and all(
+            self._encode_uncached(a + b) == self._encode_uncached(a) + self._encode_uncached(b)
+            for a, b in LINE_BREAK_PROBES
+        )
 
     def encode(self, text: str) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=False).ids if text else []
+        if not text:
+            return []
+        pieces = self._cut(text) if self.cuts_lines else [text]
+        found = [self.cache.get(piece) for piece in pieces]
+        missing = list(dict.fromkeys(piece for piece, ids in zip(pieces, found) if ids is None))
+        if missing:
+            # One call for every line not seen before: the backend's per-call cost is paid once.
+            encoded = dict(zip(missing, (e.ids for e in self._backend.encode_batch(missing, add_special_tokens=False))))
+            for piece, ids in encoded.items():
+                self.cache.put(piece, tuple(ids))
+            found = [ids if ids is not None else encoded[piece] for piece, ids in zip(pieces, found)]
+        result: list[int] = []
+        for ids in found:
+            result.extend(ids)
+        return result
+
+    @staticmethod
+    def _cut(text: str) -> list[str]:
+        first, *lines = LINE_BREAK.split(text)
+        return ([first] if first else []) + ["\n" + line for line in lines]
+
+    def _encode_uncached(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
 
     def special_id(self, token: str) -> int:
         token_id = self._tokenizer.convert_tokens_to_ids(token)
@@ -86,7 +166,17 @@ class Special:
     text: str
 
 
-Piece = str | Special
+@dataclass(frozen=True)
+class Constant:
+    """Text every conversation repeats (the turn separator, the generation prompt): encoded once."""
+
+    text: str
+
+
+SEPARATOR = Constant("\n")
+GENERATION_PROMPT = (Special(IM_START), Constant("assistant\n"))
+
+Piece = str | Special | Constant
 
 
 class ChatFormat(Protocol):
@@ -154,15 +244,20 @@ class HermesFormat:
         self._encoder = encoder
         # A system turn opens every conversation that has none, the way the family's template does.
         self._default_system = default_system
-        self._special_ids = {token: encoder.special_id(token) for token in (IM_START, IM_END)}
-        self._end_of_turn_id = self._special_ids[IM_END]
-        self._turn_separator = encoder.encode("\n")
-        self._generation_prompt = self._encode((Special(IM_START), "assistant\n"))
+        # Ids of the pieces that are not message text, computed once.
+        self._fixed_ids: dict[Piece, list[int]] = {
+            Special(token): [encoder.special_id(token)] for token in (IM_START, IM_END)
+        }
+        for constant in (SEPARATOR, *(p for p in GENERATION_PROMPT if isinstance(p, Constant))):
+            self._fixed_ids[constant] = encoder.encode(constant.text)
+        self._end_of_turn_id = encoder.special_id(IM_END)
+        self._turn_separator = self._fixed_ids[SEPARATOR]
+        self._generation_prompt = self._encode(GENERATION_PROMPT)
 
     # -- pieces: a turn as text and special tokens -----------------------------------------------
 
     def _turn(self, role: str, body: str) -> tuple[Piece, ...]:
-        return (Special(IM_START), f"{role}\n{body}", Special(IM_END), "\n")
+        return (Special(IM_START), f"{role}\n{body}", Special(IM_END), SEPARATOR)
 
     def _system_turn(self, content: str, tools: Sequence[ToolSpec]) -> tuple[Piece, ...]:
         if not tools:
@@ -187,16 +282,13 @@ class HermesFormat:
         for index, message in enumerate(conversation.messages):
             pieces.extend(self._message_pieces(message, conversation.tools, index == 0))
         if add_generation_prompt:
-            pieces.extend((Special(IM_START), "assistant\n"))
+            pieces.extend(GENERATION_PROMPT)
         return pieces
 
     def _encode(self, pieces: Sequence[Piece]) -> list[int]:
         ids: list[int] = []
         for piece in pieces:
-            if isinstance(piece, Special):
-                ids.append(self._special_ids[piece.text])
-            else:
-                ids.extend(self._encoder.encode(piece))
+            ids.extend(self._encoder.encode(piece) if isinstance(piece, str) else self._fixed_ids[piece])
         return ids
 
     # -- ChatFormat ------------------------------------------------------------------------------
@@ -219,7 +311,7 @@ class HermesFormat:
 
     def render_text(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
         pieces = self._conversation_pieces(conversation, add_generation_prompt)
-        return "".join(piece.text if isinstance(piece, Special) else piece for piece in pieces)
+        return "".join(piece if isinstance(piece, str) else piece.text for piece in pieces)
 
     def generation_prompt(self) -> list[int]:
         return list(self._generation_prompt)

@@ -10,8 +10,9 @@ Envoy's harness listener and every key variable holding the session key). The mo
 with a Hermes `<tool_call>` for the harness's own shell tool, then (once a
 `<tool_response>` is in the prompt) with a final message, so the session has at least two calls that
 extend one another. The session's records are built into prefix_merging traces, verified, and written
-to tests/fixtures/sessions/<harness>.json.zst. Request and response bodies are dropped from the file
-(the checks use token ids, logprobs and finish reasons only) to keep it small.
+to tests/fixtures/sessions/<harness>.json.zst. Request bodies stay (scripts/bench_gateway.py replays them
+as load); response bodies are dropped from the file (the checks use token ids, logprobs and finish
+reasons only) to keep it small.
 
 Only 127.0.0.1 is contacted: every base URL names the gateway, no real key exists, telemetry and update
 checks are off, and the environment is built from scratch (no inherited proxy settings).
@@ -59,7 +60,7 @@ def script_for(preset: Preset) -> dict:
     }
 
 
-async def record(name: str, timeout: float, out_dir: Path, keep_bodies: bool, search_path: str) -> common_pb2.Trajectory:
+async def record(name: str, timeout: float, out_dir: Path, keep_responses: bool, search_path: str) -> common_pb2.Trajectory:
     preset = PRESETS[name]
     async with running_gateway(script_for(preset)) as gw:
         key = gw.open_session(task_id=f"record-{name}")
@@ -87,9 +88,8 @@ async def record(name: str, timeout: float, out_dir: Path, keep_bodies: bool, se
         records = gw.records(key)
     if not tool_ran:
         raise SystemExit(f"{name}: the shell tool call did not run (no hello.txt in the workspace); nothing written")
-    if not keep_bodies:
+    if not keep_responses:
         for r in records:
-            r.ClearField("request_body")
             r.ClearField("response_body")
     if len(records) < 2:
         # A fixture is only worth keeping if the tool loop ran: one call per turn, at least two turns.
@@ -120,12 +120,12 @@ def main() -> None:
     parser.add_argument("harnesses", nargs="+", choices=RECORDED)
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds a harness may run")
     parser.add_argument("--out", type=Path, default=FIXTURES, help="folder for the session files")
-    parser.add_argument("--keep-bodies", action="store_true", help="keep request/response bodies (large)")
+    parser.add_argument("--keep-responses", action="store_true", help="keep response bodies too (large)")
     parser.add_argument("--bin", type=Path, default=HARNESS_BIN, help="folder holding the CLIs (searched before PATH)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.harnesses:
-        asyncio.run(record(name, args.timeout, args.out, args.keep_bodies, str(args.bin)))
+        asyncio.run(record(name, args.timeout, args.out, args.keep_responses, str(args.bin)))
 
 
 if __name__ == "__main__":

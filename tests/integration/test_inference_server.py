@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoTokenizer
 
 from polar.inference.engines import EngineOptions, FinishReason, GenerationEnd, TokenChunk, create_engine
-from polar.inference.engines.scripted import ScriptedEngine
+from polar.inference.engines.scripted import ScriptedEngine, ScriptError
 from polar.inference.server import serve, start_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -330,6 +330,32 @@ async def test_text_outputs_rules_and_eos():
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     await channel.close()
     await server.stop(None)
+
+
+async def test_a_rule_may_match_the_prompt_s_last_ids_before_any_regex_rule():
+    engine = ScriptedEngine.from_script(
+        {
+            "rules": [
+                {"prompt_ends_with": [7, 8], "token_ids": [40, 41]},
+                {"prompt_regex": ".", "token_ids": [50]},
+            ],
+            "outputs": [{"token_ids": [60]}],
+            "cycle": True,
+        }
+    )
+    server, channel = await open_server(engine)
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    assert (await collect(stub, gen_request([1, 7, 8])))[0] == [40, 41]
+    assert (await collect(stub, gen_request([7, 8, 1])))[0] == [50]  # the ids must end the prompt
+    assert (await collect(stub, gen_request([8])))[0] == [50]  # a prompt shorter than the ids
+    await channel.close()
+    await server.stop(None)
+
+
+def test_a_rule_needs_exactly_one_way_to_match():
+    for rule in ({"token_ids": [1]}, {"prompt_regex": ".", "prompt_ends_with": [1], "token_ids": [1]}):
+        with pytest.raises(ScriptError, match="prompt_ends_with"):
+            ScriptedEngine.from_script({"rules": [rule], "outputs": [{"token_ids": [1]}]})
 
 
 async def test_health_is_serving_and_reflection_lists_the_service():

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from gateway.chat_format import (
     IM_END,
     IM_START,
+    EncodingCache,
+    TextEncoder,
     UnknownChatFormatError,
     assistant_body,
     forced_opening,
@@ -52,6 +54,12 @@ def chat_format(request, smollm2_tokenizer):
 @pytest.fixture(scope="module")
 def hermes(smollm2_tokenizer):
     return get_chat_format("hermes", smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def encoder(smollm2_tokenizer):
+    """One encoder for every example: later examples find earlier lines in its cache."""
+    return TextEncoder(smollm2_tokenizer)
 
 
 def without_special_strings(conversation, tokenizer) -> bool:
@@ -202,3 +210,33 @@ def test_template_history_drops_reasoning_before_the_last_user_turn_only(hermes)
 def test_unknown_chat_format_names_the_known_ones(smollm2_tokenizer):
     with pytest.raises(UnknownChatFormatError, match="hermes"):
         get_chat_format("llama3", smollm2_tokenizer)
+
+
+@PROPERTY
+@given(text=st.lists(st.one_of(texts, st.sampled_from(["\n", "\nx", "\n{", "\n\n# T", "\n "])), max_size=8).map("".join))
+def test_encoding_by_lines_through_the_cache_equals_encoding_the_whole_text(encoder, smollm2_tokenizer, text):
+    expected = smollm2_tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    assert encoder.cuts_lines
+    assert encoder.encode(text) == expected
+    assert encoder.encode(text) == expected  # every line from the cache
+
+
+def test_a_line_is_encoded_once_and_then_served_from_the_cache(smollm2_tokenizer):
+    encoder = TextEncoder(smollm2_tokenizer)
+    first = encoder.encode("You are a coding agent.\nThe workspace is /a.\nBe brief.")
+    assert len(encoder.cache) == 3
+    second = encoder.encode("You are a coding agent.\nThe workspace is /b.\nBe brief.")
+    assert len(encoder.cache) == 4  # only the line that differs was encoded
+    assert first[:5] == second[:5]
+
+
+def test_the_cache_keeps_the_most_recently_used_within_its_token_bound():
+    cache = EncodingCache(max_tokens=10)
+    cache.put("a", (1, 2, 3))
+    cache.put("b", (4, 5, 6))
+    assert cache.get("a") == (1, 2, 3)
+    cache.put("c", (7, 8, 9))  # 12 tokens with entries' own cost: "b", used least recently, goes
+    assert cache.get("b") is None and cache.get("a") == (1, 2, 3) and cache.get("c") == (7, 8, 9)
+    assert cache.tokens <= cache.max_tokens
+    cache.put("huge", tuple(range(20)))  # larger than the whole cache: not kept
+    assert cache.get("huge") is None and len(cache) == 2

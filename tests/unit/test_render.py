@@ -1,12 +1,22 @@
 """Token-faithful splicing: each call's prompt extends the previous call's prompt + sampled ids."""
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.chat_format import IM_END, HermesFormat, TextEncoder, assistant_body, forced_opening, get_chat_format
+from gateway.chat_format import (
+    IM_END,
+    EncodingCache,
+    HermesFormat,
+    TextEncoder,
+    assistant_body,
+    forced_opening,
+    get_chat_format,
+)
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.parsers import HermesParser
 from gateway.render import (
@@ -18,6 +28,8 @@ from gateway.render import (
     PriorCalls,
     render_request,
 )
+from gateway.replay import recorded_request
+from polar.trajectory.session_file import read_trajectory
 
 TOOLS = (
     ToolSpec("read_file", "Read a file.", {"type": "object", "properties": {"path": {"type": "string"}}}),
@@ -286,6 +298,17 @@ def test_an_extending_call_encodes_only_the_new_messages(smollm2_tokenizer):
     assert len(encoded) < 60
 
 
+def test_a_render_encodes_each_message_s_text_once_and_nothing_else(smollm2_tokenizer):
+    encoder = CountingEncoder(smollm2_tokenizer)
+    chat_format = HermesFormat(encoder)
+    encoder.encoded.clear()
+    conversation = Conversation((Message("system", "Be brief."), Message("user", "Hi.")))
+    rendered = render_request(chat_format, conversation)
+    # No separator or generation prompt (encoded once, with the format); "" is the unforced tool-call opening.
+    assert [text for text in encoder.encoded if text] == ["system\nBe brief.", "user\nHi."]
+    assert list(rendered.token_ids) == smollm2_tokenizer.encode(chat_format.render_text(conversation), add_special_tokens=False)
+
+
 def test_an_unknown_history_policy_is_refused(hermes):
     with pytest.raises(ValueError, match="faithful"):
         render_request(hermes, Conversation((Message("user", "hi"),)), [], history="verbatim")
@@ -306,3 +329,42 @@ def test_prior_calls_are_visited_longest_first_then_latest_first(sizes, below):
     )
     assert [call.call_id for call in index.longest_first(below)] == [calls[i].call_id for i in expected]
     assert len(index) == len(calls)
+
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "sessions"
+SESSION_FILES = sorted(FIXTURES.glob("*.json.zst"))
+
+
+@pytest.fixture(scope="module")
+def shared_format(smollm2_tokenizer):
+    """One format for every recorded session, as a gateway has: its cache fills across sessions."""
+    return HermesFormat(TextEncoder(smollm2_tokenizer))
+
+
+@pytest.mark.parametrize("path", SESSION_FILES, ids=[p.name for p in SESSION_FILES])
+def test_recorded_sessions_render_to_their_recorded_prompts_with_and_without_the_cache(
+    path, shared_format, smollm2_tokenizer
+):
+    """Each recorded call's request, rendered as the gateway renders it (extending the session's earlier
+    calls) by a format whose cache other sessions filled, gives the recorded prompt; and a fresh render of
+    each request gives the same ids from that cache, from an empty one, and from the whole text encoded in
+    one go."""
+    records = read_trajectory(path).calls
+    prior: list[PriorCall] = []
+    for record in records:
+        request = recorded_request(record)
+        conversation = request.dialect.parse_request(json.loads(request.body), request.route).conversation
+        rendered = render_request(shared_format, conversation, prior)
+        assert rendered.token_ids == tuple(record.prompt_token_ids)
+        assert rendered.extends_call_id == record.extends_call_id
+
+        fresh = shared_format.render_prompt(conversation)
+        assert shared_format.render_prompt(conversation) == fresh  # every line from the cache now
+        uncached = HermesFormat(TextEncoder(smollm2_tokenizer, EncodingCache(max_tokens=0)))
+        assert uncached.render_prompt(conversation) == fresh
+        text = shared_format.render_text(conversation)
+        assert smollm2_tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False) == fresh
+
+        sampled = tuple(record.sampled_token_ids)
+        reply = parser.parse(smollm2_tokenizer.decode(sampled, skip_special_tokens=True), call_id=record.call_id)
+        prior.append(PriorCall(record.call_id, rendered.conversation, rendered.token_ids, sampled, reply.message()))

@@ -15,8 +15,10 @@ Script format (a JSON file named by ``EngineOptions.script``, or a dict for ``Sc
       "tokens_per_chunk": 32,      # tokens per TokenChunk when there is no delay
       "cycle": false,              # start over when "outputs" runs out; otherwise that call fails
       "rules": [                   # tried first, in order; the first whose regex is found in the
-        {"prompt_regex": "weather", "text": "Sunny."}    # decoded prompt gives the output (without
-      ],                           # a tokenizer the prompt's text is its ids joined by spaces)
+        {"prompt_regex": "weather", "text": "Sunny."},   # decoded prompt gives the output (without
+                                   # a tokenizer the prompt's text is its ids joined by spaces), or
+        {"prompt_ends_with": [198, 1], "text": "Hi."}    # whose ids end the prompt (nothing decoded:
+      ],                           # for benchmarks replaying long recorded prompts)
       "outputs": [                 # otherwise the next of these, call after call
         {"text": "Hello!"},
         {"token_ids": [19556, 905], "logprobs": [-0.5, -1.25]},
@@ -78,8 +80,9 @@ class ScriptedOutput:
 
 @dataclass(frozen=True)
 class _Rule:
-    pattern: re.Pattern[str]
+    pattern: re.Pattern[str] | None  # None: the rule matches by `ends_with`
     output: ScriptedOutput
+    ends_with: tuple[int, ...] = ()
 
 
 class ScriptError(ValueError):
@@ -149,8 +152,10 @@ class ScriptedEngine(Engine):
         self.running = 0  # generations holding a slot now
 
     def _rule(self, entry: Mapping[str, Any], where: str) -> _Rule:
-        if "prompt_regex" not in entry:
-            raise ScriptError(f"{where}: a rule needs a 'prompt_regex'")
+        if ("prompt_regex" in entry) == ("prompt_ends_with" in entry):
+            raise ScriptError(f"{where}: a rule needs one of 'prompt_regex' or 'prompt_ends_with'")
+        if "prompt_ends_with" in entry:
+            return _Rule(None, self._output(entry, where), tuple(int(t) for t in entry["prompt_ends_with"]))
         try:
             pattern = re.compile(str(entry["prompt_regex"]))
         except re.error as exc:
@@ -230,11 +235,16 @@ class ScriptedEngine(Engine):
 
     def _pick(self, prompt: tuple[int, ...]) -> ScriptedOutput | str:
         """The output for this prompt, or why there is none."""
-        if self._rules:
-            text = self._tokenizer.decode(prompt) if self._tokenizer is not None else " ".join(map(str, prompt))
-            for rule in self._rules:
-                if rule.pattern.search(text):
+        text = None  # decoded once, when a regex rule is reached
+        for rule in self._rules:
+            if rule.pattern is None:
+                if prompt[len(prompt) - len(rule.ends_with):] == rule.ends_with:
                     return rule.output
+                continue
+            if text is None:
+                text = self._tokenizer.decode(prompt) if self._tokenizer is not None else " ".join(map(str, prompt))
+            if rule.pattern.search(text):
+                return rule.output
         index = next(self._next_output, None)
         if index is None:
             return f"the script has no output left: all {len(self._outputs)} outputs were used and cycle is off"
