@@ -156,6 +156,9 @@ class NodeConfig:
     work_root: str = ""  # folder for session workspaces; "" = a temporary folder removed at exit
     harness_path: str = ""  # folders searched first for harness CLIs (os.pathsep-separated), e.g. node_modules/.bin
     harness_output_limit: Positive = 16384  # bytes of harness and evaluator output kept per session
+    # folders a task's runtime.template may be copied from (os.pathsep-separated, symlinks resolved;
+    # no '..', no '~'); "" = the node's working folder
+    template_roots: str = ""
 
 
 @dataclass

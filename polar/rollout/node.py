@@ -42,6 +42,7 @@ from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
 from polar.rollout.pools import Pool, ReadyBuffer, StageClock
 from polar.rollout.process import ProcessResult, ProcessStartError
 from polar.rollout.runtimes import Runtime, RuntimeFailure, RuntimeProvider, available_providers, spec_key
+from polar.rollout.templates import parse_roots
 from polar.service import Ready
 from polar.trajectory import build, session_trajectory, verify, views_from_protos
 from polar.trajectory.records import TrajectoryError
@@ -512,7 +513,7 @@ async def start_node(
     pools: Node | None = None
     try:
         # The docker check may wait seconds for an engine: off the event loop, which serves the gateway.
-        providers = await asyncio.to_thread(available_providers, work_root)
+        providers = await asyncio.to_thread(available_providers, work_root, parse_roots(node.template_roots))
         pools = Node(node, running_gateway, providers, node.rollout_address)
         pools.start()
         await pools.wait_registered(register_timeout_s)

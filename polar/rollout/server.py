@@ -301,6 +301,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             problems.append("trajectory: required")
         elif trajectory.outcome == common_pb2.SESSION_OUTCOME_UNSPECIFIED:
             problems.append("trajectory.outcome: required (how the session ended)")
+        for field in ("reward", "weight"):
+            if not math.isfinite(value := getattr(trajectory, field)):
+                problems.append(f"trajectory.{field}: must be a finite number, got {value}")
         if trajectory.session_id not in ("", request.session_id):
             problems.append(f"trajectory.session_id: {trajectory.session_id!r} is not the reported session")
         if problems:
