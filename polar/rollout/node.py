@@ -35,6 +35,7 @@ import grpc
 from gateway.sampling import SamplingPolicy
 from gateway.server import RunningGateway, describe, start_gateway
 from gateway.sessions import Session
+from polar import credentials
 from polar.config import GatewayConfig, NodeConfig
 from polar.grpc_server import serve_until_stopped
 from polar.rollout.evaluators import evaluate
@@ -127,6 +128,7 @@ class Node:
         self.runs: dict[str, SessionRun] = {}
         self._channel = grpc.aio.insecure_channel(rollout_address)
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+        self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
         self._prewarm_wakeup = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
@@ -187,6 +189,7 @@ class Node:
                 runtimes=sorted(self.providers),
             ),
             timeout=10.0,
+            metadata=self._credential,
         )
         self.node_id = response.node_id
         self.heartbeat_interval_s = response.heartbeat_interval_seconds or self.heartbeat_interval_s
@@ -199,7 +202,9 @@ class Node:
                 if not self.node_id:
                     await self._register()
                 request, delivers = self._heartbeat_request()
-                response = await self._stub.Heartbeat(request, timeout=2 * self.heartbeat_interval_s + 5.0)
+                response = await self._stub.Heartbeat(
+                    request, timeout=2 * self.heartbeat_interval_s + 5.0, metadata=self._credential
+                )
             except grpc.aio.AioRpcError as exc:
                 log.warning("rollout server %s: %s; retrying", self.rollout_address, exc.details() or exc.code().name)
                 await asyncio.sleep(delay)
@@ -238,6 +243,7 @@ class Node:
                         node_id=self.node_id, session_id=run.session_id, trajectory=trajectory
                     ),
                     timeout=30.0,
+                    metadata=self._credential,
                 )
                 return
             except grpc.aio.AioRpcError as exc:

@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from polar import credentials
 from polar.rollout.templates import TemplateRefused, confine, is_remote
 from polar.rollout.process import OUTPUT_LIMIT, ProcessResult, ProcessStartError, exit_text, run_process
 from polar.v1 import rollout_pb2
@@ -152,7 +153,7 @@ async def fill_workspace(
         return
     # The node's own environment: its git configuration (credentials, proxies) applies; prompting
     # for a password would only wait for the timeout.
-    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
+    env = {**credentials.without(os.environ), "GIT_TERMINAL_PROMPT": "0"}
     argv = ["git", "clone", "--depth", "1", "--quiet", "--", allowed, str(workspace)]
     await checked_step(f"template {template!r}: git clone", argv, cwd=workspace.parent, env=env, timeout_s=timeout_s)
 
