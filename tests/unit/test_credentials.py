@@ -150,3 +150,20 @@ def test_a_blocking_channel_carries_its_roles_token(tmp_path: Path, monkeypatch)
         loop.call_soon_threadsafe(holder["stop"].set)
         thread.join(30)
         loop.close()
+
+
+async def test_no_command_a_node_runs_in_a_runtime_gets_the_credentials(tmp_path: Path, monkeypatch) -> None:
+    from polar.rollout.harness import HarnessContext, prepare_launch
+    from polar.rollout.runtimes import LocalProvider
+
+    monkeypatch.setenv(credentials.ENV_VAR, str(tmp_path / "credentials"))
+    runtime = await LocalProvider(tmp_path / "work").create(rollout_pb2.RuntimeSpec(kind="local"), name="s")
+    try:
+        # Prepare steps and evaluators: the node's environment, less the credentials.
+        assert credentials.ENV_VAR not in runtime.command_env({"X": "1"})
+        # The harness: its allow-list (the same for every preset: session_environment).
+        context = HarnessContext("hi", "http://127.0.0.1:1", "key", "m", runtime.home, runtime.workspace, "t.0", "t")
+        launch = prepare_launch(rollout_pb2.HarnessSpec(preset="command", command=["true"]), context)
+        assert not [name for name in launch.env if "CREDENTIAL" in name]
+    finally:
+        await runtime.close()
