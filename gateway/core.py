@@ -60,6 +60,7 @@ from gateway.read_ahead import ReadAhead
 from gateway.render import PriorCall, RenderedPrompt, render_request
 from gateway.sampling import NO_POLICY, Limit, effective_sampling
 from gateway.sessions import Session, SessionError, SessionStore
+from polar import credentials
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("polar.gateway")
@@ -141,11 +142,14 @@ class InferenceClient:
         self.address = address
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
+        # The node's credential (polar.credentials), given per call: an interceptor on an aio channel
+        # would wrap every streamed token in one more generator step.
+        self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
 
     async def model_info(self, timeout_s: float) -> inference_pb2.ModelInfo:
         """The served model, waiting up to timeout_s for the server to come up."""
         response = await self._stub.GetModelInfo(
-            inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True
+            inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True, metadata=self._credential
         )
         return response.model_info
 
@@ -153,7 +157,7 @@ class InferenceClient:
         self, request: inference_pb2.GenerateRequest, session_id: str, timeout_s: float
     ) -> grpc.aio.UnaryStreamCall:
         # No wait_for_ready: a server that is down must fail the call now (OVERLOADED), not hang it.
-        return self._stub.Generate(request, timeout=timeout_s, metadata=((SESSION_METADATA, session_id),))
+        return self._stub.Generate(request, timeout=timeout_s, metadata=((SESSION_METADATA, session_id), *self._credential))
 
     async def close(self) -> None:
         await self._channel.close()

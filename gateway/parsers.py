@@ -126,7 +126,7 @@ def parse_tool_call_body(body: str) -> tuple[str, dict[str, Any]] | None:
     """(name, arguments) of a `<tool_call>` body, or None when it is not a well-formed call."""
     try:
         value = json.loads(body, parse_constant=_reject_constant)
-    except ValueError:
+    except (ValueError, RecursionError):  # a sample nested past the parser's limit is no call either
         return None
     if not isinstance(value, dict):
         return None

@@ -17,12 +17,25 @@ import grpc
 
 from gateway.sampling import SamplingPolicy
 from gateway.sessions import HISTORY_FROM_PROTO, Draining, SessionExists, SessionStore, UnknownSession
-from polar.grpc_server import InvalidArgument, bind, new_server, set_serving, status_codes
+from polar.credentials import OPERATOR, TRAINER
+from polar.grpc_server import InvalidArgument, bind, callers, new_server, set_serving, status_codes
 from polar.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
 
 
+# Who may call what (polar.credentials): sessions and their keys are the operator's alone (the node
+# that owns this gateway reaches its sessions in-process, never over gRPC).
+@callers(
+    {
+        "OpenSession": (OPERATOR,),
+        "CloseSession": (OPERATOR,),
+        "GetSession": (OPERATOR,),
+        "WatchSession": (OPERATOR,),
+        "Drain": (OPERATOR,),
+        "GetNodeStatus": (TRAINER, OPERATOR),
+    }
+)
 @status_codes(
     {
         UnknownSession: grpc.StatusCode.NOT_FOUND,
@@ -102,7 +115,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
 async def start_grpc(servicer: GatewayServicer, address: str) -> tuple[grpc.aio.Server, int]:
     """A started gRPC server for the servicer on `address`; returns it and the bound port."""
-    server, health_servicer = new_server(SERVICE_NAME)
+    server, health_servicer = new_server(SERVICE_NAME, GatewayServicer.roles)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
     port = bind(server, address, "the gateway's gRPC server")
     await set_serving(health_servicer, SERVICE_NAME)

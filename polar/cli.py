@@ -91,9 +91,10 @@ def _gateway_rpc(address: str, method: str, request):
     """One unary GatewayService call; gRPC failures become one-line errors."""
     import grpc
 
+    from polar import credentials
     from polar.v1 import gateway_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    with credentials.channel(address, credentials.OPERATOR, credentials.for_commands()) as channel:
         try:
             return getattr(gateway_pb2_grpc.GatewayServiceStub(channel), method)(request, timeout=10)
         except grpc.RpcError as exc:

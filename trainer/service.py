@@ -17,7 +17,8 @@ from pathlib import Path
 import grpc
 
 from polar.config import TrainerConfig
-from polar.grpc_server import bind, new_server, set_serving, until_stop_signal
+from polar.credentials import OPERATOR
+from polar.grpc_server import bind, callers, new_server, set_serving, until_stop_signal
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer.backends.base import Backend, BackendError
@@ -60,6 +61,7 @@ def create_backend(config: TrainerConfig, model: str) -> Backend:
     )
 
 
+@callers({"GetStatus": (OPERATOR,), "GetPolicyVersion": (OPERATOR,), "SaveCheckpoint": (OPERATOR,)})
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     """See TrainerService in trainer.proto for each rpc's contract."""
 
@@ -122,7 +124,7 @@ async def serve_trainer(config: TrainerConfig, ready: Ready, rollout_address: st
         )
     except (BackendError, CheckpointError, DatasetError) as exc:
         raise ServiceError(str(exc)) from None
-    server, health = new_server(SERVICE_NAME)
+    server, health = new_server(SERVICE_NAME, TrainerServicer.roles)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(run), server)
     port = bind(server, join_host_port(config.host, config.port), "the trainer")
     await set_serving(health, SERVICE_NAME)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from polar import credentials
 from polar.v1 import inference_pb2, inference_pb2_grpc
 
 CHUNK_BYTES = 16 * 1024 * 1024  # the inference server accepts messages up to 64 MiB
@@ -67,7 +68,11 @@ class InferencePool:
         if not addresses:
             raise ValueError("the trainer needs at least one inference server address")
         self.addresses = list(addresses)
-        self._channels = [grpc.insecure_channel(a, options=[("grpc.max_send_message_length", -1)]) for a in addresses]
+        own = credentials.of_process()
+        self._channels = [
+            credentials.channel(a, credentials.TRAINER, own, options=[("grpc.max_send_message_length", -1)])
+            for a in addresses
+        ]
         self._stubs = [inference_pb2_grpc.InferenceServiceStub(c) for c in self._channels]
 
     def close(self) -> None:

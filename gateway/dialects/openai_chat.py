@@ -50,7 +50,16 @@ from gateway.dialects.base import (
     Usage,
     sse,
 )
-from gateway.dialects.validation import INT32_MAX, INT64_MAX, INT64_MIN, Checks, Wording, json_type
+from gateway.dialects.validation import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_JSON_DEPTH,
+    Checks,
+    Wording,
+    json_type,
+    nested_deeper_than,
+)
 from gateway.parsers import (
     ParseEvent,
     ReasoningDelta,
@@ -111,6 +120,10 @@ def parse_arguments(text: str, param: str) -> dict[str, Any]:
         arguments = json.loads(text)
     except ValueError:
         raise invalid(param, f"Invalid '{param}': not valid JSON.") from None
+    except RecursionError:  # nested past what the parser takes
+        raise invalid(param, f"Invalid '{param}': nested more than {MAX_JSON_DEPTH} levels deep.") from None
+    if nested_deeper_than(arguments, MAX_JSON_DEPTH):
+        raise invalid(param, f"Invalid '{param}': nested more than {MAX_JSON_DEPTH} levels deep.")
     if not isinstance(arguments, dict):
         raise invalid(param, f"Invalid '{param}': must be a JSON object.")
     return arguments

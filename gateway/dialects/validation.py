@@ -35,6 +35,27 @@ INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1  # max_tokens, top_k and Gemini's int
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # OpenAI's seed
 
 
+# Deepest nesting of a JSON value sent as a string (tool-call arguments) that a request may carry:
+# far beyond any tool's arguments, far below Python's recursion limit for what reads it later.
+MAX_JSON_DEPTH = 128
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and objects in `value` nest more than `limit` levels deep (no recursion)."""
+    level = [value]
+    for _ in range(limit + 1):
+        level = [
+            child
+            for item in level
+            if isinstance(item, (dict, list))
+            for child in (item.values() if isinstance(item, dict) else item)
+            if isinstance(child, (dict, list))
+        ]
+        if not level:
+            return False
+    return True
+
+
 def json_type(value: Any) -> str:
     """The JSON Schema type name of a decoded JSON value: null, boolean, integer, number, string, array
     or object (a float with an integral value is a number: it is what was sent)."""

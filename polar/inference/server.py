@@ -25,7 +25,8 @@ from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, To
 from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
 from polar.inference.weights import WeightsAssembler
 from polar.config import InferenceConfig
-from polar.grpc_server import bind, new_server, serve_until_stopped, set_serving, status_codes
+from polar.credentials import NODE, OPERATOR, TRAINER
+from polar.grpc_server import bind, callers, new_server, serve_until_stopped, set_serving, status_codes
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -85,6 +86,17 @@ class EngineFailed(RuntimeError):
     """The engine failed during a generation (INTERNAL); the message says how."""
 
 
+# Who may call what (polar.credentials): only the trainer and the operator change the weights or
+# hold generation.
+@callers(
+    {
+        "Generate": (NODE, TRAINER, OPERATOR),
+        "GetModelInfo": (NODE, TRAINER, OPERATOR),
+        "UpdateWeights": (TRAINER, OPERATOR),
+        "Pause": (TRAINER, OPERATOR),
+        "Resume": (TRAINER, OPERATOR),
+    }
+)
 @status_codes(
     {
         UnknownModel: grpc.StatusCode.NOT_FOUND,
@@ -224,7 +236,7 @@ async def _close(stream: AsyncIterator[TokenChunk | GenerationEnd]) -> None:
 
 async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
     """Start the engine and a gRPC server for it on `address`; return the server and bound port."""
-    server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=MAX_MESSAGE_BYTES)
+    server, health_servicer = new_server(SERVICE_NAME, InferenceServicer.roles, max_message_bytes=MAX_MESSAGE_BYTES)
     inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
     port = bind(server, address, "the inference server")
     await engine.start()

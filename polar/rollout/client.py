@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 
+from polar import credentials
 from polar.rollout.report import trajectory_lines
 from polar.rollout.server import MAX_MESSAGE_BYTES
 from polar.rollout.tasks import TaskFileError, parse_task_lines
@@ -22,8 +23,10 @@ class ClientError(Exception):
 
 def channel(address: str) -> grpc.Channel:
     """A channel to the rollout server that takes messages as large as the server sends (results
-    batches pass gRPC's default 4 MB)."""
-    return grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+    batches pass gRPC's default 4 MB), calling as the operator (polar.credentials.for_commands)."""
+    return credentials.channel(
+        address, credentials.OPERATOR, credentials.for_commands(), options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    )
 
 
 def call(address: str, method: str, request):

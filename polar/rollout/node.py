@@ -35,6 +35,7 @@ import grpc
 from gateway.sampling import SamplingPolicy
 from gateway.server import RunningGateway, describe, start_gateway
 from gateway.sessions import Session
+from polar import credentials
 from polar.config import GatewayConfig, NodeConfig
 from polar.grpc_server import serve_until_stopped
 from polar.rollout.evaluators import evaluate
@@ -42,6 +43,7 @@ from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
 from polar.rollout.pools import Pool, ReadyBuffer, StageClock
 from polar.rollout.process import ProcessResult, ProcessStartError
 from polar.rollout.runtimes import Runtime, RuntimeFailure, RuntimeProvider, available_providers, spec_key
+from polar.rollout.templates import parse_roots
 from polar.service import Ready
 from polar.trajectory import build, session_trajectory, verify, views_from_protos
 from polar.trajectory.records import TrajectoryError
@@ -126,6 +128,7 @@ class Node:
         self.runs: dict[str, SessionRun] = {}
         self._channel = grpc.aio.insecure_channel(rollout_address)
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+        self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
         self._prewarm_wakeup = asyncio.Event()
         self._background: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
@@ -186,6 +189,7 @@ class Node:
                 runtimes=sorted(self.providers),
             ),
             timeout=10.0,
+            metadata=self._credential,
         )
         self.node_id = response.node_id
         self.heartbeat_interval_s = response.heartbeat_interval_seconds or self.heartbeat_interval_s
@@ -198,7 +202,9 @@ class Node:
                 if not self.node_id:
                     await self._register()
                 request, delivers = self._heartbeat_request()
-                response = await self._stub.Heartbeat(request, timeout=2 * self.heartbeat_interval_s + 5.0)
+                response = await self._stub.Heartbeat(
+                    request, timeout=2 * self.heartbeat_interval_s + 5.0, metadata=self._credential
+                )
             except grpc.aio.AioRpcError as exc:
                 log.warning("rollout server %s: %s; retrying", self.rollout_address, exc.details() or exc.code().name)
                 await asyncio.sleep(delay)
@@ -237,6 +243,7 @@ class Node:
                         node_id=self.node_id, session_id=run.session_id, trajectory=trajectory
                     ),
                     timeout=30.0,
+                    metadata=self._credential,
                 )
                 return
             except grpc.aio.AioRpcError as exc:
@@ -512,7 +519,7 @@ async def start_node(
     pools: Node | None = None
     try:
         # The docker check may wait seconds for an engine: off the event loop, which serves the gateway.
-        providers = await asyncio.to_thread(available_providers, work_root)
+        providers = await asyncio.to_thread(available_providers, work_root, parse_roots(node.template_roots))
         pools = Node(node, running_gateway, providers, node.rollout_address)
         pools.start()
         await pools.wait_registered(register_timeout_s)

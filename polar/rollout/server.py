@@ -37,7 +37,17 @@ import grpc
 
 from polar import codec
 from polar.config import RolloutConfig
-from polar.grpc_server import InvalidArgument, Unavailable, bind, new_server, serve_until_stopped, set_serving, status_codes
+from polar.credentials import NODE, OPERATOR, TRAINER
+from polar.grpc_server import (
+    InvalidArgument,
+    Unavailable,
+    bind,
+    callers,
+    new_server,
+    serve_until_stopped,
+    set_serving,
+    status_codes,
+)
 from polar.rollout.store import (
     HELD_STATES,
     POSTRUN,
@@ -86,6 +96,20 @@ class _Wakeup:
         return self._event
 
 
+# Who may call what (polar.credentials): nodes only run sessions; the trainer and the operator run tasks.
+@callers(
+    {
+        "SubmitTasks": (TRAINER, OPERATOR),
+        "WatchResults": (TRAINER, OPERATOR),
+        "GetTaskStatus": (TRAINER, OPERATOR),
+        "GetSessionStatus": (TRAINER, OPERATOR),
+        "Cancel": (TRAINER, OPERATOR),
+        "ListNodes": (TRAINER, OPERATOR),
+        "RegisterNode": (NODE,),
+        "Heartbeat": (NODE,),
+        "ReportSession": (NODE,),
+    }
+)
 @status_codes(
     {
         InvalidCursor: grpc.StatusCode.INVALID_ARGUMENT,
@@ -301,6 +325,9 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             problems.append("trajectory: required")
         elif trajectory.outcome == common_pb2.SESSION_OUTCOME_UNSPECIFIED:
             problems.append("trajectory.outcome: required (how the session ended)")
+        for field in ("reward", "weight"):
+            if not math.isfinite(value := getattr(trajectory, field)):
+                problems.append(f"trajectory.{field}: must be a finite number, got {value}")
         if trajectory.session_id not in ("", request.session_id):
             problems.append(f"trajectory.session_id: {trajectory.session_id!r} is not the reported session")
         if problems:
@@ -453,7 +480,7 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
             node_timeout_s=config.node_timeout_s,
             max_attempts=config.max_attempts,
         )
-        server, health_servicer = new_server(SERVICE_NAME, max_message_bytes=MAX_MESSAGE_BYTES)
+        server, health_servicer = new_server(SERVICE_NAME, RolloutServicer.roles, max_message_bytes=MAX_MESSAGE_BYTES)
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
         port = bind(server, join_host_port(config.host, config.port), "the rollout server")
         await set_serving(health_servicer, SERVICE_NAME)

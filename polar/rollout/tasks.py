@@ -17,6 +17,7 @@ import uuid
 from google.protobuf import json_format
 
 from gateway.sampling import policy_problems
+from polar.rollout.templates import template_problem
 from polar.trajectory import BUILDERS
 from polar.v1 import rollout_pb2
 
@@ -114,6 +115,8 @@ def _runtime_problems(runtime: rollout_pb2.RuntimeSpec) -> list[str]:
         return [f"runtime.kind: unknown runtime {runtime.kind!r} (known: {', '.join(RUNTIME_KINDS)})"]
     if runtime.kind == "docker" and not runtime.image:
         return ["runtime.image: required for runtime 'docker'"]
+    if (problem := template_problem(runtime.template)) is not None:
+        return [f"runtime.template: {problem}"]
     return []
 
 

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polar_cli import STARTUP_SECONDS, alive, assert_one_line_error, run, spawned, wait_dead
 
 import polar
+from polar import credentials
 from polar.service import listening_socket
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -67,7 +68,8 @@ def stack_config(tmp_path: Path) -> Path:
 
 
 def _generate(endpoint: str) -> list[inference_pb2.GenerateResponse]:
-    with grpc.insecure_channel(endpoint) as channel:
+    # As the operator: a stack's inference server serves only its credentials (polar.credentials).
+    with credentials.channel(endpoint, credentials.OPERATOR, credentials.for_commands()) as channel:
         stub = inference_pb2_grpc.InferenceServiceStub(channel)
         request = inference_pb2.GenerateRequest(
             prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=10, temperature=0)

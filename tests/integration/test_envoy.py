@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -94,8 +93,10 @@ async def cluster_health(proxy: envoy.RunningEnvoy) -> dict[str, str]:
 
 
 def _admin_text(admin: str, path: str) -> str:
-    with urllib.request.urlopen(f"http://{admin}{path}", timeout=5) as response:
-        return response.read().decode()
+    text = envoy.admin_get(admin, path, timeout_s=5)
+    if text is None:
+        raise OSError(f"Envoy's admin interface {admin} did not answer {path} with 200")
+    return text
 
 
 async def wait_for_health(proxy: envoy.RunningEnvoy, expected: dict[str, str]) -> None:
@@ -298,12 +299,19 @@ async def test_head_and_bodies_pass_through_and_oversized_bodies_get_413(tmp_pat
                 assert response.status == 413
                 # A path of no dialect gets OpenAI's shape, which reads as the gateway's neutral one.
                 assert error_in_shape("openai", 413, await response.json())[0] == "invalid_request_error"
-        entries = await asyncio.to_thread(access_log_lines, log, 3)
+            # A Gemini client may send its key (the session's) in the query: it stays out of the log.
+            async with client.post(f"{base}/v1/echo?alt=sse&key=SECRET-KEY", data=b"{}") as response:
+                assert response.status == 200
+        entries = await asyncio.to_thread(access_log_lines, log, 4)
+        text = log.read_text()
     assert [(e["method"], e["path"], e["status"]) for e in entries] == [
         ("HEAD", "/", 200),
         ("POST", "/v1/echo", 200),
         ("POST", "/v1/echo", 413),
+        ("POST", "/v1/echo", 200),
     ]
+    assert entries[-1]["alt"] == "sse"
+    assert "SECRET-KEY" not in text
 
 
 # --- Envoy's own replies in the caller's dialect ----------------------------------------------
@@ -580,7 +588,7 @@ def test_polar_up_serves_harnesses_through_envoy(tmp_path):
     with spawned() as start:
         up, lines = start("up", "--config", str(config))
         try:
-            harness, admin = lines.wait_for(r"^  envoy .* harness base URL (http://\S+) .* admin http://(\S+)$").groups()
+            harness, admin = lines.wait_for(r"^  envoy .* harness base URL (http://\S+) .* admin (unix:/\S+)$").groups()
             node_grpc = lines.wait_for(r"^  node\s+(\S+)").group(1)
             key = subprocess.run(
                 [sys.executable, "-m", "polar", "session", "open", "--gateway", node_grpc],

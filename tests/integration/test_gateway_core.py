@@ -14,7 +14,6 @@ import logging
 import contextlib
 import json
 import sys
-import urllib.request
 
 import aiohttp
 import grpc
@@ -28,6 +27,7 @@ from gateway.dialects.base import ErrorKind, GatewayError
 from gateway.sampling import SamplingPolicy
 from gateway.testing import running_gateway
 from polar.config import GatewayConfig, InferenceConfig
+from polar.envoy import admin_get as envoy_admin_get
 from polar.stack import gateway_spec
 from polar.stack import running as running_service
 from polar.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -491,8 +491,7 @@ async def test_without_envoy_the_handle_is_the_gateway_itself(http):
 
 
 def _envoy_stats(admin: str) -> dict[str, int]:
-    with urllib.request.urlopen(f"http://{admin}/stats", timeout=5) as response:
-        lines = response.read().decode().splitlines()
+    lines = (envoy_admin_get(admin, "/stats", timeout_s=5) or "").splitlines()
     return {name: int(value) for name, _, value in (line.partition(": ") for line in lines) if value.isdigit()}
 
 

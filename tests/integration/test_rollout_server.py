@@ -615,6 +615,9 @@ async def test_reports_are_idempotent_and_only_the_holder_may_report(start):
         ),
         (node.report("t.1", session_id="t.0"), grpc.StatusCode.INVALID_ARGUMENT, "trajectory.session_id"),
         (node.report("t.1", attempt=3), grpc.StatusCode.FAILED_PRECONDITION, "is on attempt 1, not 3"),
+        (node.report("t.1", reward=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "trajectory.reward: must be a finite number, got nan"),
+        (node.report("t.1", reward=float("inf")), grpc.StatusCode.INVALID_ARGUMENT, "trajectory.reward: must be a finite number, got inf"),
+        (node.report("t.1", weight=float("-inf")), grpc.StatusCode.INVALID_ARGUMENT, "trajectory.weight: must be a finite number"),
     ]
     for call, code, detail in refused:
         error = await rpc_error(call)

@@ -152,6 +152,10 @@ BAD = [
     ({**BASE, "messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f",
                                                                                         "arguments": "[1]"}}]}]},
      ErrorKind.INVALID_REQUEST, "messages[0].tool_calls[0].function.arguments"),
+    # Nested past the parser's limit (a RecursionError inside json) and past MAX_JSON_DEPTH: a 400 either way.
+    *[({**BASE, "messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f",
+        "arguments": '{"a":' + "[" * depth + "]" * depth + "}"}}]}]},
+       ErrorKind.INVALID_REQUEST, "messages[0].tool_calls[0].function.arguments") for depth in (200, 100_000)],
     ({**BASE, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
      ErrorKind.INVALID_REQUEST, "messages[0].tool_calls[0].id"),
     ({**BASE, "messages": [{"role": "assistant", "reasoning_content": 1}]}, ErrorKind.INVALID_REQUEST,

@@ -71,7 +71,7 @@ def test_no_import_cycle():
 def test_the_shared_modules_are_leaves():
     """What every service shares imports no service, nor the supervisor or Envoy."""
     modules = _modules()
-    leaves = {"polar.service", "polar.grpc_server", "polar.config"}
+    leaves = {"polar.service", "polar.grpc_server", "polar.config", "polar.credentials"}
     for leaf in leaves:
         imported = _imports(leaf, modules[leaf], modules)
         assert imported <= leaves | {"polar"}, f"{leaf} imports {sorted(imported - leaves)}"

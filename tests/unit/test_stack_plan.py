@@ -48,13 +48,13 @@ def test_the_gateway_port_must_be_bound_before_planning():
 
 def test_a_service_s_reports_fill_later_arguments_and_its_table_line():
     [envoy] = [spec for spec in plan(StackConfig()) if spec.name == "envoy"]
-    service = Service(envoy, process=None, port=50051, reported={"base_url": "http://127.0.0.1:8123", "admin": "127.0.0.1:9901"})
+    service = Service(envoy, process=None, port=50051, reported={"base_url": "http://127.0.0.1:8123", "admin": "unix:/tmp/e/admin.sock"})
     started = {"envoy": service}
     assert _resolve("{envoy}", started) == "127.0.0.1:50051"
     assert _resolve("{envoy.base_url}", started) == "http://127.0.0.1:8123"
     assert _resolve("{rollout}", started) == "{rollout}"  # not started (yet): left as it is
     assert service.detail.startswith("harness base URL http://127.0.0.1:8123 -> gateway 127.0.0.1:8000")
-    assert service.detail.endswith("admin http://127.0.0.1:9901")
+    assert service.detail.endswith("admin unix:/tmp/e/admin.sock")
     with pytest.raises(StackError, match="did not report 'harness'"):
         _resolve("{envoy.harness}", started)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from polar.rollout.runtimes.base import Runtime, RuntimeFailure, RuntimeProvider, spec_key
@@ -23,10 +24,11 @@ __all__ = [
 ]
 
 
-def available_providers(work_root: Path) -> dict[str, RuntimeProvider]:
+def available_providers(work_root: Path, template_roots: Sequence[Path] | None = None) -> dict[str, RuntimeProvider]:
     """The runtime kinds this machine offers, by kind: "local" always, "docker" when a Docker engine
-    answers (checked once, now; this blocks for up to a few seconds)."""
-    providers: dict[str, RuntimeProvider] = {"local": LocalProvider(work_root)}
+    answers (checked once, now; this blocks for up to a few seconds). Templates come only from
+    `template_roots` (None: anywhere)."""
+    providers: dict[str, RuntimeProvider] = {"local": LocalProvider(work_root, template_roots=template_roots)}
     if docker_engine_answers():
-        providers["docker"] = DockerProvider(work_root)
+        providers["docker"] = DockerProvider(work_root, template_roots=template_roots)
     return providers

@@ -130,8 +130,15 @@ class DockerRuntime(Runtime):
 class DockerProvider(RuntimeProvider):
     kind = "docker"
 
-    def __init__(self, work_root: Path, *, step_timeout_s: float = STEP_TIMEOUT_S, docker: str = "docker") -> None:
-        super().__init__(work_root, step_timeout_s=step_timeout_s)
+    def __init__(
+        self,
+        work_root: Path,
+        *,
+        step_timeout_s: float = STEP_TIMEOUT_S,
+        docker: str = "docker",
+        template_roots: Sequence[Path] | None = None,
+    ) -> None:
+        super().__init__(work_root, step_timeout_s=step_timeout_s, template_roots=template_roots)
         self.docker = shutil.which(docker) or docker
 
     async def _start(self, spec: rollout_pb2.RuntimeSpec, root: Path) -> DockerRuntime:

@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from polar import credentials
 from polar.rollout.process import OUTPUT_LIMIT, ProcessResult, run_process
 from polar.rollout.runtimes.base import Runtime, RuntimeProvider, remove_tree
 from polar.v1 import rollout_pb2
@@ -35,7 +36,8 @@ class LocalRuntime(Runtime):
     def command_env(self, variables: Mapping[str, str]) -> dict[str, str]:
         # The node's environment (PATH, proxies, package index settings), so prepare steps and
         # evaluators find what the operator installed.
-        return {**os.environ, "HOME": str(self.home), **variables}
+        # Never the stack's credentials: an evaluator may run what the harness wrote (a conftest.py).
+        return {**credentials.without(os.environ), "HOME": str(self.home), **variables}
 
     async def close(self) -> None:
         if self._closed:

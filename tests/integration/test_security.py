@@ -1,0 +1,134 @@
+"""The harness cannot touch the control plane: attacks replayed from a harness inside a real `polar up`
+stack (rollout server, scripted inference, Envoy, a node) are refused, and the stack's legitimate
+callers still work with nothing lost.
+
+attack_harness.py runs as each session's harness: it calls every control-plane rpc a model-written
+command could reach from the machine (reward reporting, heartbeats under the node's id, another
+session's key and records, closing it, draining, pausing and updating the model, directly and via
+Envoy) and stopping Envoy through its TCP listeners, then solves its task through its own gateway key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from polar_cli import STARTUP_SECONDS, run, spawned
+
+from polar import credentials
+from polar.envoy import admin_get
+from polar.v1 import gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+DONE_IDS = [41462, 30, 2]  # "Done." and <|im_end|> in the tiny model's tokenizer
+ATTACKER = Path(__file__).with_name("attack_harness.py")
+
+
+@pytest.fixture
+def spawn():
+    with spawned() as start:
+        yield start
+
+
+@pytest.fixture
+def stack_config(tmp_path: Path) -> Path:
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps({"cycle": True, "outputs": [{"token_ids": DONE_IDS, "logprobs": [-0.5, -1.0, -1.5]}]}))
+    path = tmp_path / "stack.toml"
+    path.write_text(
+        f'[rollout]\nport = 0\nstore = "{tmp_path / "rollout.db"}"\nheartbeat_interval_s = 0.2\n'
+        f'[inference]\nengine = "scripted"\nscript = "{script}"\nport = 0\n'
+        "[gateway]\nport = 0\ngrpc_port = 0\n"
+        "[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\nworkers = 1\n"
+        "[node]\ninit_workers = 1\nready_slots = 1\nrunning_slots = 2\npostrun_workers = 1\n"
+    )
+    return path
+
+
+def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, stack_config, tmp_path):
+    up, lines = spawn("up", "--config", str(stack_config))
+    lines.wait_for(r"^polar up: 4 services running")
+    rows = {name: lines.wait_for(rf"^\s+{name}\s+(\S+)\s+(\d+)\s.*").group(0) for name in ("rollout", "inference", "envoy", "node")}
+    admin = re.search(r"admin (unix:/\S+)$", rows["envoy"]).group(1)
+    rows = {name: row.split()[1] for name, row in rows.items()}
+    nodes = run("status", "--rollout", rows["rollout"])
+    assert nodes.returncode == 0, nodes.stderr
+    node_id = nodes.stdout.splitlines()[1].split()[0]
+    assert node_id.startswith("node-")
+
+    report = tmp_path / "attacks.json"
+    env = {
+        "POLAR_ATTACK_ROLLOUT": rows["rollout"],
+        "POLAR_ATTACK_INFERENCE": rows["inference"],
+        "POLAR_ATTACK_ENVOY_INFERENCE": rows["envoy"],
+        "POLAR_ATTACK_GATEWAY": rows["node"],
+        "POLAR_ATTACK_NODE_ID": node_id,
+    }
+    task = {
+        "taskId": "attack",
+        "instruction": "Say done.",
+        "groupSize": 2,
+        "harness": {"preset": "command", "command": [sys.executable, str(ATTACKER), str(report)], "env": env},
+        "evaluator": {"kind": "command", "command": "echo 0.5"},
+    }
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(task) + "\n")
+    submitted = run("submit", str(tasks), "--rollout", rows["rollout"])
+    assert submitted.returncode == 0, submitted.stderr
+    watched = run("status", "--watch", "--interval", "0.2", "--rollout", rows["rollout"], timeout=STARTUP_SECONDS)
+    assert watched.returncode == 0, watched.stderr
+    assert watched.stdout.splitlines()[-1].startswith("total: 1 task, 1 released; 2 sessions: 2 done")
+
+    for session in ("attack.0", "attack.1"):
+        attacks = json.loads((tmp_path / f"attacks-{session}.json").read_text())
+        allowed = {name: outcome for name, outcome in attacks.items() if not outcome.startswith("refused")}
+        assert allowed == {}, f"{session}: {allowed}"
+        assert len(attacks) == 16
+        grpc_attacks = [outcome for name, outcome in attacks.items() if "Service." in name]
+        assert all(outcome.startswith("refused UNAUTHENTICATED") for outcome in grpc_attacks), attacks
+        assert all("authorization: Bearer <token>" in outcome for outcome in grpc_attacks)
+
+    # Nothing lost: both sessions completed with the evaluator's reward, not the forged one, and
+    # each kept its call (no session was closed under its harness, the model was never paused).
+    exported = run("results", "--export", str(tmp_path / "out.jsonl"), "--rollout", rows["rollout"])
+    assert exported.returncode == 0, exported.stderr
+    trajectories = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [t["sessionId"] for t in trajectories] == ["attack.0", "attack.1"]
+    for trajectory in trajectories:
+        assert trajectory["outcome"] == "SESSION_OUTCOME_COMPLETED", trajectory.get("error")
+        assert trajectory["reward"] == 0.5
+        assert len(trajectory["calls"]) == 1
+        assert "Done." in trajectory["harnessOutput"]
+
+    # The operator's credential (found by the `polar` commands in the state folder) still opens
+    # every door the harness found shut.
+    operator = credentials.for_commands()
+    assert operator is not None and operator.folder == Path(os.environ["POLAR_STATE_DIR"]) / "credentials"
+    with credentials.channel(rows["inference"], credentials.OPERATOR, operator) as channel:
+        inference = inference_pb2_grpc.InferenceServiceStub(channel)
+        inference.Pause(inference_pb2.PauseRequest(), timeout=10)
+        inference.Resume(inference_pb2.ResumeRequest(), timeout=10)
+    with credentials.channel(rows["node"], credentials.OPERATOR, operator) as channel:
+        status = gateway_pb2_grpc.GatewayServiceStub(channel).GetNodeStatus(gateway_pb2.GetNodeStatusRequest(), timeout=10)
+        assert not status.status.draining
+    # The node's credential is not the operator's: it cannot read sessions.
+    with credentials.channel(rows["node"], credentials.NODE, operator) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            gateway_pb2_grpc.GatewayServiceStub(channel).GetSession(gateway_pb2.GetSessionRequest(key="attack.0"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    # Envoy's admin interface answers on its Unix socket (mode 0600) only.
+    assert admin_get(admin, "/ready") is not None
+    assert stat.S_IMODE(os.stat(admin.removeprefix("unix:")).st_mode) == 0o600
+
+    up.send_signal(signal.SIGINT)
+    assert up.wait(timeout=30) == 0
+    assert "can read the stack's credentials" in up.stderr.read()
