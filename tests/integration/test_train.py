@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from polar import credentials
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.integration.polar_cli import POLAR, Lines
 from trainer.metrics import STEP_KEYS, read_metrics
@@ -108,8 +109,13 @@ def processes_of(run_dir: Path) -> list[int]:
 
 
 def check_trainer_service(address: str, folder: Path) -> None:
-    """TrainerService answers while the run trains: status, policy version, a checkpoint on demand."""
-    with grpc.insecure_channel(address) as channel:
+    """TrainerService answers the operator while the run trains: status, policy version, a checkpoint
+    on demand; a caller without the stack's credentials gets nothing."""
+    with grpc.insecure_channel(address) as anonymous:
+        with pytest.raises(grpc.RpcError) as refused:
+            trainer_pb2_grpc.TrainerServiceStub(anonymous).GetStatus(trainer_pb2.GetStatusRequest(), timeout=30)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with credentials.channel(address, credentials.OPERATOR, credentials.for_commands()) as channel:
         stub = trainer_pb2_grpc.TrainerServiceStub(channel)
         status = stub.GetStatus(trainer_pb2.GetStatusRequest(), timeout=30).status
         assert status.backend == "torch" and status.total_steps == STEPS and status.step >= 1
