@@ -24,6 +24,7 @@ from polar.v1 import inference_pb2, inference_pb2_grpc
 
 CHUNK_BYTES = 16 * 1024 * 1024  # the inference server accepts messages up to 64 MiB
 RPC_TIMEOUT_S = 600.0  # a pause waits for the longest generation in flight
+UPDATE_WEIGHTS = "/polar.v1.InferenceService/UpdateWeights"
 WIRE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -38,27 +39,52 @@ class SyncResult:
     seconds: float
 
 
-def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str) -> Iterator[inference_pb2.UpdateWeightsRequest]:
-    """An UpdateWeights stream: the header, then each tensor's bytes in chunks of CHUNK_BYTES.
+def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str) -> Iterator[bytes]:
+    """An UpdateWeights stream, serialized: the header, then each tensor's bytes in chunks of
+    CHUNK_BYTES, each an UpdateWeightsRequest exactly as protobuf would serialize it.
 
-    The header counts the tensors, so an iterable that cannot say its length is listed first; a sized
-    one (the megatron backend's, which gathers each layer from its ranks as it goes) is streamed as
-    it comes, never held whole.
+    The chunks are written here rather than by protobuf because protobuf copies a bytes field in and
+    out again: building the message around the tensor's memory costs one copy of the weights, which
+    is most of a sync's CPU. The header counts the tensors, so an iterable that cannot say its length
+    is listed first; a sized one (the megatron backend's, which gathers each layer from its ranks as
+    it goes) is streamed as it comes, never held whole.
     """
     tensors = named_tensors if isinstance(named_tensors, Sized) else list(named_tensors)
-    yield inference_pb2.UpdateWeightsRequest(header=inference_pb2.WeightsHeader(tensor_count=len(tensors), note=note))
+    header = inference_pb2.WeightsHeader(tensor_count=len(tensors), note=note)
+    yield inference_pb2.UpdateWeightsRequest(header=header).SerializeToString()
     for name, tensor in tensors:
         wire = WIRE_DTYPES.get(tensor.dtype)
         if wire is None:
             tensor, wire = tensor.float(), "float32"
-        data = tensor.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy()  # no copy on the CPU
+        data = memoryview(tensor.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy())  # no copy on the CPU
         shape = list(tensor.shape)
         for offset in range(0, max(len(data), 1), CHUNK_BYTES):
-            yield inference_pb2.UpdateWeightsRequest(
-                chunk=inference_pb2.TensorChunk(
-                    name=name, dtype=wire, shape=shape, offset=offset, data=data[offset : offset + CHUNK_BYTES].tobytes()
-                )
-            )
+            yield chunk_message(name, wire, shape, offset, data[offset : offset + CHUNK_BYTES])
+
+
+def chunk_message(name: str, dtype: str, shape: list[int], offset: int, data: memoryview) -> bytes:
+    """`UpdateWeightsRequest(chunk=TensorChunk(name, dtype, shape, offset, data)).SerializeToString()`,
+    with `data` copied once. Fields serialize in number order and `data` (5) is the last, so the
+    other fields' bytes, then data's tag, length and bytes, are the message protobuf would write."""
+    head = inference_pb2.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset).SerializeToString()
+    # proto3 leaves an empty bytes field out (an empty tensor's one chunk).
+    field = (_DATA_TAG, _varint(len(data)), data) if len(data) else ()
+    chunk_length = len(head) + sum(len(part) for part in field)
+    return b"".join((_CHUNK_TAG, _varint(chunk_length), head, *field))
+
+
+# Wire tags (field number << 3 | length-delimited): UpdateWeightsRequest.chunk = 2, TensorChunk.data = 5.
+_CHUNK_TAG = bytes([2 << 3 | 2])
+_DATA_TAG = bytes([5 << 3 | 2])
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
 
 
 class InferencePool:
@@ -74,6 +100,11 @@ class InferencePool:
             for a in addresses
         ]
         self._stubs = [inference_pb2_grpc.InferenceServiceStub(c) for c in self._channels]
+        # UpdateWeights over messages tensor_messages serialized already (no request serializer).
+        self._updates = [
+            channel.stream_unary(UPDATE_WEIGHTS, response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
+            for channel in self._channels
+        ]
 
     def close(self) -> None:
         for channel in self._channels:
@@ -97,9 +128,9 @@ class InferencePool:
             try:
                 list(pool.map(self._pause, self.addresses, self._stubs))
                 responses = []
-                for address, stub in zip(self.addresses, self._stubs):
+                for address, update in zip(self.addresses, self._updates):
                     try:
-                        responses.append(stub.UpdateWeights(tensor_messages(weights(), note), timeout=RPC_TIMEOUT_S))
+                        responses.append(update(tensor_messages(weights(), note), timeout=RPC_TIMEOUT_S))
                     except grpc.RpcError as exc:
                         raise WeightSyncError(
                             f"inference server {address} refused the weights: {exc.code().name}: {exc.details()}"
