@@ -6,8 +6,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polar.inference.weights import WeightsAssembler
 from polar.inference.engines.base import ParameterSpec
+from polar.inference.weights import WeightsAssembler
 from polar.v1 import inference_pb2
 from trainer import weight_sync
 from trainer.weight_sync import chunk_message, tensor_messages
