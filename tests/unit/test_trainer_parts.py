@@ -205,3 +205,20 @@ def test_checkpoints_are_complete_latest_and_pruned(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="unreadable"):
         latest_checkpoint(tmp_path)
     json.loads((tmp_path / "checkpoints" / "step-000002" / "state.json").read_text())
+
+
+def test_a_group_whose_traces_are_not_what_the_engine_sampled_stops_the_run() -> None:
+    from polar.trajectory import build, session_trajectory
+    from polar.trajectory.synthetic import SessionShape, tool_session
+    from trainer.loop import TrainingError, check_faithful
+
+    shape = SessionShape(system_tokens=20, task_tokens=(5, 10), tool_tokens=(5, 10), sample_tokens=(3, 8))
+    calls = tool_session(turns=3, seed=1, shape=shape)
+    trajectory = session_trajectory(calls, build("prefix_merging", calls), session_id="task.0")
+    trajectory.task_id = "task"
+    check_faithful(Group("c1", [trajectory]))  # as built: faithful
+    trace = trajectory.traces[0]
+    sampled = next(i for i, m in enumerate(trace.loss_mask) if m)
+    trace.token_ids[sampled] += 1  # a trainable token the engine never sampled
+    with pytest.raises(TrainingError, match=r"session task\.0 of task task: its traces are not token-faithful"):
+        check_faithful(Group("c1", [trajectory]))
