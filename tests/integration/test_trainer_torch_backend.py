@@ -151,3 +151,15 @@ async def test_pushed_weights_are_the_next_policy_version_and_change_outputs(ser
     tokens, logprobs, _ = await sample(stub, seed=6, temperature=1.0)
     [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
     np.testing.assert_allclose(target_logprobs(model.logprobs([batch])[0], batch), logprobs, atol=2e-4)
+
+
+async def test_gradient_checkpointing_changes_memory_not_results(server) -> None:
+    _, stub, _ = server
+    tokens, logprobs, _ = await sample(stub, seed=8, temperature=1.0)
+    [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
+    plain, recomputing = backend(lr=1e-3), backend(lr=1e-3, gradient_checkpointing=True)
+    first, second = plain.update([batch], LossConfig()), recomputing.update([batch], LossConfig())
+    assert first.grad_norm == pytest.approx(second.grad_norm, rel=1e-5) and first.grad_norm > 0
+    recomputed = dict(recomputing.hf_weights())
+    for name, tensor in plain.hf_weights():
+        torch.testing.assert_close(tensor, recomputed[name], rtol=1e-5, atol=1e-7, msg=name)

@@ -68,7 +68,9 @@ class TorchBackend(Backend):
         self.model.to(self.device).train()
         self.model.config.use_cache = False
         if options.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # transformers renamed it (the old name warns); older 5.x releases have only the old one.
+            enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            enable()
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.reference = None
         if options.reference_model:
