@@ -99,12 +99,13 @@ def test_recomputation_is_refused_on_the_cpu(tmp_path):
 
 
 def test_weight_sync_streams_the_gathered_weights_with_their_count_up_front(tmp_path):
+    from polar.v1 import inference_pb2
     from trainer.weight_sync import tensor_messages
 
     folder = save_tiny_model(tmp_path / "model", "qwen2", True)
     backend = MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32"))
     weights = backend.hf_weights()
-    messages = tensor_messages(weights, "step 1")
+    messages = map(inference_pb2.UpdateWeightsRequest.FromString, tensor_messages(weights, "step 1"))
     header = next(messages)
     names = {message.chunk.name for message in messages}
     assert header.header.tensor_count == len(weights) == len(names) == len(dict(backend.hf_weights()))
