@@ -98,6 +98,8 @@ def evaluate(config: StackConfig, checkpoint: Path | None, out: Path) -> int:
     from trainer.evaluation import evaluate as run_evaluation
 
     trainer = config.trainer
+    if not trainer.heldout:
+        raise ValueError("no held-out tasks: set [trainer] heldout to a task file (the `polar submit` format)")
     check_before_start(trainer, dataset=trainer.heldout)
     model = trainer.model
     if checkpoint is not None:
