@@ -96,6 +96,17 @@ class Backend(abc.ABC):
         the batch's [R * L] positions)."""
         raise NotImplementedError
 
+    def _score(self, model: torch.nn.Module, batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
+        """`logprobs` of `model` (the policy or the reference): [R, L] per micro-batch, on the CPU."""
+        results = []
+        with torch.no_grad():
+            for batch in batches:
+                values, flat = self._target_logprobs(model, batch)
+                out = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
+                out[flat] = values
+                results.append(out.view(batch.input_ids.shape).cpu())
+        return results
+
     def _reference_logprobs(self, batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
         """The frozen reference policy's logprobs, as `logprobs(reference=True)` gives them."""
         return self.logprobs(batches, reference=True)

@@ -126,14 +126,7 @@ class TorchBackend(Backend):
         model = self.reference if reference else self.model
         if model is None:
             raise BackendError("no reference model was kept (kl_coef is 0)")
-        results = []
-        with torch.no_grad():
-            for batch in batches:
-                values, flat = self._target_logprobs(model, batch)
-                out = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
-                out[flat] = values
-                results.append(out.view(batch.input_ids.shape).cpu())
-        return results
+        return self._score(model, batches)
 
     def update(
         self,

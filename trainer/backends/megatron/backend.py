@@ -300,15 +300,7 @@ class MegatronBackend(Backend):
         return self._logprobs(batches, reference)
 
     def _logprobs(self, batches: Sequence[MicroBatch], reference: bool = False) -> list[torch.Tensor]:
-        model = self.reference if reference else self.model
-        results = []
-        with torch.no_grad():
-            for batch in batches:
-                values, flat = self._target_logprobs(model, batch)
-                out = torch.zeros(batch.input_ids.numel(), dtype=torch.float32, device=self.device)
-                out[flat] = values
-                results.append(out.view(batch.input_ids.shape).cpu())
-        return results
+        return self._score(self.reference if reference else self.model, batches)
 
     def update(
         self,
