@@ -21,7 +21,7 @@ from polar.credentials import OPERATOR
 from polar.grpc_server import bind, callers, new_server, set_serving, until_stop_signal
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
-from trainer.backends.base import Backend, BackendError
+from trainer.backends.base import Backend, BackendError, shared_options
 from trainer.batches import TraceTooLongError
 from trainer.checkpoints import CheckpointError
 from trainer.loop import TrainingError, TrainingRun
@@ -47,16 +47,8 @@ def create_backend(config: TrainerConfig, model: str) -> Backend:
         TorchBackendOptions(
             model=model,
             device=config.device,
-            dtype=config.dtype,
-            lr=config.lr,
-            adam_beta1=config.adam_beta1,
-            adam_beta2=config.adam_beta2,
-            weight_decay=config.weight_decay,
-            grad_clip=config.grad_clip,
             gradient_checkpointing=config.gradient_checkpointing,
-            reference_model=config.kl_coef > 0,
-            seed=config.seed,
-            cpu_threads=config.cpu_threads,
+            **shared_options(config),
         )
     )
 

@@ -31,6 +31,21 @@ from trainer.batches import MicroBatch
 from trainer.grpo import LossConfig, merge_stats, policy_loss
 
 
+def shared_options(config) -> dict[str, object]:
+    """The [trainer] settings every backend's options take under the same names (a TrainerConfig)."""
+    return {
+        "dtype": config.dtype,
+        "lr": config.lr,
+        "adam_beta1": config.adam_beta1,
+        "adam_beta2": config.adam_beta2,
+        "weight_decay": config.weight_decay,
+        "grad_clip": config.grad_clip,
+        "reference_model": config.kl_coef > 0,  # the KL term needs the frozen starting policy
+        "seed": config.seed,
+        "cpu_threads": config.cpu_threads,
+    }
+
+
 class BackendError(RuntimeError):
     """The backend cannot start or load what it was given (a missing model, a checkpoint of another
     model); the message says which."""

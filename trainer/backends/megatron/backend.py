@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from trainer.backends.base import Backend, BackendError, UpdateAborted, UpdateResult
+from trainer.backends.base import (
+    Backend,
+    BackendError,
+    UpdateAborted,
+    UpdateResult,
+    shared_options,
+)
 from trainer.backends.megatron.convert import (
     hf_names,
     hf_to_megatron,
@@ -40,9 +46,21 @@ from trainer.backends.megatron.convert import (
     megatron_to_hf,
     replicated,
 )
-from trainer.backends.megatron.logprobs import check_untruncated, vocab_parallel_logprobs
-from trainer.backends.megatron.model import ModelShape, UnsupportedModel, build_model, selected_logits
-from trainer.backends.megatron.runtime import MegatronUnavailable, init_parallel, tp_group
+from trainer.backends.megatron.logprobs import (
+    check_untruncated,
+    vocab_parallel_logprobs,
+)
+from trainer.backends.megatron.model import (
+    ModelShape,
+    UnsupportedModel,
+    build_model,
+    selected_logits,
+)
+from trainer.backends.megatron.runtime import (
+    MegatronUnavailable,
+    init_parallel,
+    tp_group,
+)
 from trainer.batches import MicroBatch
 from trainer.grpo import LossConfig
 
@@ -75,17 +93,7 @@ def options_from_config(config: TrainerConfig, model: str) -> MegatronBackendOpt
     """The backend's options from the [trainer] section: the same on every rank. The tensor-parallel
     size is the job's rank count; gradient_checkpointing recomputes whole layers."""
     return MegatronBackendOptions(
-        model=model,
-        dtype=config.dtype,
-        lr=config.lr,
-        adam_beta1=config.adam_beta1,
-        adam_beta2=config.adam_beta2,
-        weight_decay=config.weight_decay,
-        grad_clip=config.grad_clip,
-        recompute="full" if config.gradient_checkpointing else "none",
-        reference_model=config.kl_coef > 0,
-        seed=config.seed,
-        cpu_threads=config.cpu_threads,
+        model=model, recompute="full" if config.gradient_checkpointing else "none", **shared_options(config)
     )
 
 
