@@ -226,14 +226,22 @@ def _up(args: argparse.Namespace) -> int:
 def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="TOML file: [trainer] and any stack section (see polar/config.py)")
     parser.add_argument("--run-dir", help="the run's folder; run again with it to resume (default: [trainer] run_dir)")
+    parser.add_argument("--backend", choices=("torch", "megatron"), help="the trainer backend (default: [trainer] backend)")
+    parser.add_argument("--gpus", type=int, help="trainer processes, one per GPU; > 1 needs megatron (default: [trainer] gpus)")
 
 
 def _train(args: argparse.Namespace) -> int:
+    import dataclasses
     from pathlib import Path
 
     from polar.train import train
 
     config = load_config(args.config)
+    if args.gpus is not None and args.gpus < 1:
+        raise CliError(f"--gpus must be at least 1, not {args.gpus}")
+    chosen = {name: value for name, value in (("backend", args.backend), ("gpus", args.gpus)) if value is not None}
+    if chosen:
+        config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, **chosen))
     return train(config, Path(args.run_dir or config.trainer.run_dir))
 
 

@@ -173,6 +173,8 @@ class TrainerConfig:
     # "torch": one process, CPU or one GPU, any Hugging Face causal LM; "megatron": Megatron-Core, tensor
     # parallel over every GPU of a torchrun job (scripts/launch_megatron.sh), Llama / Qwen2 / Qwen3
     backend: Literal["torch", "megatron"] = "torch"
+    # processes of the trainer on this machine, one per GPU; > 1 starts a torchrun job (megatron only)
+    gpus: Positive = 1
     model: str = "tiny"  # starting weights: "tiny", "smollm2-135m" or a Hugging Face folder
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda

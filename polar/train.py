@@ -63,13 +63,29 @@ def train_plan(config: StackConfig, run_dir: Path) -> tuple[StackConfig, Service
     )
     detail = f"{trainer.backend} backend, {trainer.steps or 'unbounded'} steps of {trainer.groups_per_step} groups; run {run_dir}"
     spec = TRAINER.spec(trainer, detail=detail, rollout_address="{rollout}", inference=["{inference}"])
+    if trainer.gpus > 1:
+        spec = dataclasses.replace(spec, argv=torchrun_argv(spec.argv, trainer.gpus))
     return stack, dataclasses.replace(spec, finishes=True, stop_timeout_s=TRAINER_STOP_TIMEOUT_S)
+
+
+def torchrun_argv(serve_argv: tuple[str, ...], processes: int) -> tuple[str, ...]:
+    """`polar serve trainer`'s command line as a one-machine torchrun job of the megatron backend:
+    its flags go to every rank (trainer.backends.megatron.launch); rank 0 serves, the others follow."""
+    python, flags = serve_argv[0], serve_argv[len((sys.executable, "-m", "polar", "serve", TRAINER.name)) :]
+    return (
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+        "-m", "trainer.backends.megatron.launch", *flags,
+    )  # fmt: skip
 
 
 def check_before_start(trainer: TrainerConfig, *, dataset: str) -> None:
     """What a run needs that can be checked before any service starts; raises with a clear message."""
     from trainer.rollout_link import Dataset
 
+    if trainer.gpus > 1 and trainer.backend != "megatron":
+        raise ValueError(
+            f"[trainer] gpus = {trainer.gpus} needs backend = \"megatron\" (the {trainer.backend} backend runs in one process)"
+        )
     Dataset(dataset, seed=trainer.seed, prefix=trainer.task_prefix)
     resolve_model(trainer.model)
 

@@ -35,7 +35,7 @@ STEPS = 10
 MARGIN = 0.04
 
 
-def write_run(tmp_path: Path, steps: int) -> Path:
+def write_run(tmp_path: Path, steps: int, top_p: float = 0.002) -> Path:
     tasks = tmp_path / "tasks.jsonl"
     lines = [
         {
@@ -45,7 +45,7 @@ def write_run(tmp_path: Path, steps: int) -> Path:
             "harness": {"preset": "command", "command": [sys.executable, str(AGENT)]},
             "runtime": {"kind": "local"},
             "evaluator": {"kind": "command", "command": f"{sys.executable} {SCORE}"},
-            "sampling": {"temperature": 1.0, "topP": 0.002, "maxTokensPerCall": 12},
+            "sampling": {"temperature": 1.0, "topP": top_p, "maxTokensPerCall": 12},
             "timeoutSeconds": 120,
         }
         for i in range(4)
@@ -87,9 +87,9 @@ checkpoint_every = 2
     return config
 
 
-def start_train(config: Path, run_dir: Path) -> tuple[subprocess.Popen, Lines]:
+def start_train(config: Path, run_dir: Path, *options: str) -> tuple[subprocess.Popen, Lines]:
     process = subprocess.Popen(
-        [*POLAR, "train", str(config), "--run-dir", str(run_dir)],
+        [*POLAR, "train", str(config), "--run-dir", str(run_dir), *options],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     return process, Lines(process.stdout)
@@ -188,12 +188,38 @@ def test_an_interrupted_run_resumes_without_retraining_or_skipping_a_group(tmp_p
     assert [row["policy_version"] for row in rows] == [1, 2, 3, 4, 5]
 
 
+def test_polar_train_runs_the_megatron_backend_as_a_torchrun_job(tmp_path: Path) -> None:
+    """`--backend megatron --gpus 2`: two ranks (tensor parallel over gloo on a CPU), rank 0 serving
+    the trainer; each step's weights reach the inference server as the next policy version, and
+    every rank is gone when the run is done."""
+    run_dir = tmp_path / "run"
+    # The megatron backend's vocabulary is split across ranks: it trains on untruncated sampling only.
+    config = write_run(tmp_path, steps=2, top_p=1.0)
+    process, lines = start_train(config, run_dir, "--backend", "megatron", "--gpus", "2")
+    try:
+        trainer = lines.wait_for(r"^  trainer +(\S+:\d+) ", timeout=300).group(1)
+        lines.wait_for(r"train: .*step 1/2", timeout=600)
+        with credentials.channel(trainer, credentials.OPERATOR, credentials.for_commands()) as channel:
+            status = trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(), timeout=30)
+        assert status.status.backend == "megatron"
+        lines.wait_for(r"train: done: 2 steps", timeout=600)
+        assert process.wait(timeout=120) == 0
+    finally:
+        process.kill()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["policy_version"] for row in rows] == [1, 2]
+    assert all(row["tokens"] > 0 for row in rows)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    assert processes_of(run_dir) == []
+
+
 def test_a_bad_config_fails_before_anything_starts(tmp_path: Path) -> None:
     config = write_run(tmp_path, steps=1)
     cases = {
         "[trainer]\nlearning_rate = 1\n": "unknown key 'trainer.learning_rate'",
         f'[trainer]\ndataset = "{tmp_path / "nope.jsonl"}"\n': "cannot read dataset",
         f'[trainer]\nmodel = "no-such-model"\ndataset = "{tmp_path / "tasks.jsonl"}"\n': "model 'no-such-model' is not one of",
+        f'[trainer]\ngpus = 2\ndataset = "{tmp_path / "tasks.jsonl"}"\n': 'gpus = 2 needs backend = "megatron"',
     }
     bad_lines = tmp_path / "bad.jsonl"
     bad_lines.write_text('{"instruction": "x", "groupSize": 1, "harness": {"preset": "command", "command": ["true"]}}\n{"groupSize": 0}\n')

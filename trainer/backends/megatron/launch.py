@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         from trainer.backends.megatron import release_followers
 
+        args.ready_fd = _inherited_through_torchrun(args.ready_fd)
+
         try:
             return TRAINER.run(args)
         finally:
@@ -43,6 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     # The model is rank 0's choice (the run's latest checkpoint, or config.model): it is broadcast.
     MegatronBackend(options_from_config(config, config.model)).follow()
     return 0
+
+
+def _inherited_through_torchrun(ready_fd: int | None) -> int | None:
+    """`polar train` hands its trainer a readiness pipe (--ready-fd), but torchrun starts each rank
+    with its standard streams only: rank 0 opens the pipe again through its parent, the torchrun
+    agent, which inherited it."""
+    if ready_fd is None or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ready_fd
+    return os.open(f"/proc/{os.getppid()}/fd/{ready_fd}", os.O_WRONLY)
 
 
 if __name__ == "__main__":
