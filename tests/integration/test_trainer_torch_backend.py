@@ -163,3 +163,24 @@ async def test_gradient_checkpointing_changes_memory_not_results(server) -> None
     recomputed = dict(recomputing.hf_weights())
     for name, tensor in plain.hf_weights():
         torch.testing.assert_close(tensor, recomputed[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+async def test_bf16_computation_keeps_fp32_weights_so_small_updates_land(server) -> None:
+    """At RL learning rates AdamW moves a weight by ~lr per step, below half of bf16's spacing for
+    most weights: in bf16 parameters the step would round away. The backend computes in bf16 and
+    keeps fp32 parameters, so the update lands on them, and sends the weights in bf16."""
+    _, stub, _ = server
+    tokens, logprobs, _ = await sample(stub, seed=5, temperature=1.0)
+    model = backend(dtype="bfloat16", lr=1e-5, grad_clip=0.0)
+    [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
+    before = {name: p.detach().clone() for name, p in model.model.named_parameters()}
+    assert all(p.dtype == torch.float32 for p in before.values())
+    model.update([batch], LossConfig())
+    moved = changed = 0
+    for name, parameter in model.model.named_parameters():
+        delta = parameter.detach() - before[name]
+        moved += int((delta != 0).sum())
+        # What a bf16 parameter would have kept of the same step.
+        changed += int((before[name].bfloat16() != parameter.detach().bfloat16()).sum())
+    assert changed < moved / 2  # most of the step is finer than bf16 can hold
+    assert all(tensor.dtype == torch.bfloat16 for _, tensor in model.hf_weights())

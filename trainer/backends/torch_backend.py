@@ -7,8 +7,12 @@ position ids, so traces in one row never attend to each other; padded ones pass 
 mask. Logits are computed only at the positions that have a trainable target (`logits_to_keep`),
 since prompts are most of a trace and the output layer is the widest matrix of a small model.
 
-fp32 on a CPU, bf16 on a GPU (parameters and activations; AdamW keeps its state in the parameters'
-dtype, as torch does); logprobs and the loss are always computed in fp32.
+Mixed precision: the parameters, their gradients and AdamW's state are always fp32; the forward and
+backward passes compute in `dtype` (bf16 on a GPU by default) under autocast. Parameters kept in bf16
+would lose the update itself: AdamW moves a weight by about the learning rate per step, and at the
+1e-5 to 1e-4 that RL fine-tuning uses that is below half of bf16's spacing for most weights, so
+most of each step rounds away. Logprobs and the loss are always computed in fp32; the weights go to
+the inference servers in the compute dtype.
 """
 
 from __future__ import annotations
@@ -61,10 +65,10 @@ class TorchBackend(Backend):
         except ModelNotFoundError as exc:
             raise BackendError(str(exc)) from None
         self.device = resolve_device(options.device)
-        self.dtype = resolve_dtype(options.dtype, self.device)
+        self.dtype = resolve_dtype(options.dtype, self.device)  # of the computation; parameters stay fp32
         self.options = options
         transformers_logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=self.dtype, attn_implementation="sdpa")
+        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32, attn_implementation="sdpa")
         self.model.to(self.device).train()
         self.model.config.use_cache = False
         if options.gradient_checkpointing:
@@ -102,14 +106,15 @@ class TorchBackend(Backend):
         # Positions with a trainable target in any row: the only ones whose logits are needed.
         keep = batch.loss_mask.any(dim=0).nonzero().squeeze(-1)  # [P]
         packed = rows == 1
-        output = model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            # Packed rows: transformers derives the per-trace causal mask from position_ids.
-            attention_mask=None if packed else batch.attention_mask,
-            logits_to_keep=keep,
-            use_cache=False,
-        )
+        with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
+            output = model(
+                input_ids=batch.input_ids,
+                position_ids=batch.position_ids,
+                # Packed rows: transformers derives the per-trace causal mask from position_ids.
+                attention_mask=None if packed else batch.attention_mask,
+                logits_to_keep=keep,
+                use_cache=False,
+            )
         logits = output.logits  # [R, P, V]
         selected = batch.loss_mask[:, keep]  # [R, P]
         flat = torch.arange(rows * length, device=self.device).view(rows, length)[:, keep][selected]  # [K]
@@ -146,7 +151,7 @@ class TorchBackend(Backend):
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, parameter in self.model.named_parameters():
-            yield name, parameter.detach()
+            yield name, parameter.detach().to(self.dtype)
 
     def save(self, model_folder: Path, optimizer_file: Path) -> None:
         self.model.save_pretrained(model_folder, safe_serialization=True)
