@@ -153,6 +153,8 @@ def node_spec(node: NodeConfig, gw: GatewayConfig, inf: InferenceConfig, base_ur
     gw = dataclasses.replace(gw, inference_address=gateway_inference_address(gw, inf), base_url=base_url or gw.base_url)
     pools = f"init {node.init_workers}, ready {node.ready_slots}, running {node.running_slots}, postrun {node.postrun_workers}"
     detail = f"{_gateway_detail(gw, inf)}, reports to {node.rollout_address.strip('{}')}; pools {pools}"
+    # The isolation the node found it can make, from its ready line.
+    detail += "; local harnesses isolated: {isolation}"
     return NODE.spec(node, gw, detail=detail)
 
 
