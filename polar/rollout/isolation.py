@@ -62,9 +62,8 @@ class Isolation:
     mode: str = "none"
     harness_url: str = ""
 
-    @property
-    def hides_credentials(self) -> bool:
-        return self.mode != "none"
+
+NO_ISOLATION = Isolation()
 
 
 def resolve(requested: str, harness_url: str, work_root: Path) -> Isolation:
@@ -97,7 +96,7 @@ def probe(mode: str, work_root: Path) -> str | None:
         argv = sandbox_argv(["true"], Isolation(mode), Path(root), network=mode == "network")
         try:
             result = subprocess.run(
-                argv, cwd=root, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S
+                argv, cwd=root, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"`unshare` did not run: {exc}"

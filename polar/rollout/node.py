@@ -40,7 +40,7 @@ from polar.config import GatewayConfig, NodeConfig
 from polar.grpc_server import serve_until_stopped
 from polar.rollout.evaluators import evaluate
 from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
-from polar.rollout.isolation import Isolation
+from polar.rollout.isolation import NO_ISOLATION, Isolation
 from polar.rollout.isolation import resolve as isolation_for
 from polar.rollout.pools import Pool, ReadyBuffer, StageClock
 from polar.rollout.process import ProcessResult, ProcessStartError
@@ -147,7 +147,7 @@ class Node:
     def isolation(self) -> Isolation:
         """How the local runtime sandboxes its commands (polar.rollout.isolation)."""
         local = self.providers.get("local")
-        return local.isolation if isinstance(local, LocalProvider) else Isolation()
+        return local.isolation if isinstance(local, LocalProvider) else NO_ISOLATION
 
     # --- lifecycle ---------------------------------------------------------------------------------
 

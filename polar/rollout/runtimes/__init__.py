@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from polar.rollout.isolation import Isolation
+from polar.rollout.isolation import NO_ISOLATION, Isolation
 from polar.rollout.runtimes.base import Runtime, RuntimeFailure, RuntimeProvider, spec_key
 from polar.rollout.runtimes.docker import DockerProvider, DockerRuntime, docker_engine_answers
 from polar.rollout.runtimes.local import LocalProvider, LocalRuntime
@@ -28,7 +28,7 @@ __all__ = [
 def available_providers(
     work_root: Path,
     template_roots: Sequence[Path] | None = None,
-    isolation: Isolation = Isolation(),
+    isolation: Isolation = NO_ISOLATION,
     harness_url: str = "",
 ) -> dict[str, RuntimeProvider]:
     """The runtime kinds this machine offers, by kind: "local" always (its commands sandboxed as

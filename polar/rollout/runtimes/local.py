@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar import credentials
-from polar.rollout.isolation import GatewayRelay, Isolation, in_namespace_url, sandbox_argv
+from polar.rollout.isolation import NO_ISOLATION, GatewayRelay, Isolation, in_namespace_url, sandbox_argv
 from polar.rollout.process import OUTPUT_LIMIT, ProcessResult, resolve_command, run_process
 from polar.rollout.runtimes.base import STEP_TIMEOUT_S, Runtime, RuntimeProvider, remove_tree
 from polar.v1 import rollout_pb2
@@ -18,7 +18,7 @@ from polar.v1 import rollout_pb2
 class LocalRuntime(Runtime):
     kind = "local"
 
-    def __init__(self, root: Path, isolation: Isolation = Isolation(), relay: GatewayRelay | None = None) -> None:
+    def __init__(self, root: Path, isolation: Isolation = NO_ISOLATION, relay: GatewayRelay | None = None) -> None:
         super().__init__(root)
         self.isolation = isolation
         self._relay = relay
@@ -70,7 +70,7 @@ class LocalProvider(RuntimeProvider):
         *,
         step_timeout_s: float = STEP_TIMEOUT_S,
         template_roots: Sequence[Path] | None = None,
-        isolation: Isolation = Isolation(),
+        isolation: Isolation = NO_ISOLATION,
     ) -> None:
         super().__init__(work_root, step_timeout_s=step_timeout_s, template_roots=template_roots)
         self.isolation = isolation
