@@ -159,6 +159,11 @@ class NodeConfig:
     # folders a task's runtime.template may be copied from (os.pathsep-separated, symlinks resolved;
     # no '..', no '~'); "" = the node's working folder
     template_roots: str = ""
+    # How the local runtime keeps harnesses and evaluators from the node (README, "The local
+    # runtime"): "namespace" hides the credentials, other sessions, the temporary folders and the node's
+    # processes; "network" also leaves only the harness URL reachable; "auto" = "namespace" where this
+    # machine allows it, else "none" (and `polar up` says that harnesses can read the credentials)
+    harness_isolation: Literal["auto", "namespace", "network", "none"] = "auto"
 
 
 @dataclass

@@ -16,8 +16,9 @@ sends its role's token (`metadata(role)`) and its server accepts any of the thre
 its role may call. The `polar` commands read $POLAR_CREDENTIALS, else the state folder's
 `credentials/`, and call as the operator. Harnesses never get the variable: their environment is
 built from an allow-list (polar.rollout.harness), and evaluators and prepare steps run without it.
-A harness of the local runtime still runs as the same user, so it could read the files themselves;
-`polar up` says so when it starts.
+A harness of the local runtime still runs as the same user; the node's `harness_isolation`
+(polar.rollout.isolation) hides the files from it in a mount namespace, and where that cannot be
+made, `polar up` says at start that harnesses can read them.
 
 A server started without credentials (no $POLAR_CREDENTIALS: `polar serve NAME` alone, the servers
 tests start in their own process) accepts every caller, and says so when it starts.

@@ -153,6 +153,8 @@ def node_spec(node: NodeConfig, gw: GatewayConfig, inf: InferenceConfig, base_ur
     gw = dataclasses.replace(gw, inference_address=gateway_inference_address(gw, inf), base_url=base_url or gw.base_url)
     pools = f"init {node.init_workers}, ready {node.ready_slots}, running {node.running_slots}, postrun {node.postrun_workers}"
     detail = f"{_gateway_detail(gw, inf)}, reports to {node.rollout_address.strip('{}')}; pools {pools}"
+    # The isolation the node found it can make, from its ready line.
+    detail += "; local harnesses isolated: {isolation}"
     return NODE.spec(node, gw, detail=detail)
 
 
@@ -212,12 +214,14 @@ def run_stack(
                     gateway_http.close()
                 _await_ready(child, ready_fd, config.startup_timeout_s)
         _print_table(children, out)
-        print(
-            f"polar up: harnesses of the local runtime run as this user and can read the stack's credentials"
-            f" in {issued.folder}; the docker runtime keeps them out of reach",
-            file=sys.stderr,
-            flush=True,
-        )
+        if any(c.reported.get("isolation") == "none" for c in children):
+            print(
+                f"polar up: harnesses of the local runtime run as this user without isolation and can read the"
+                f" stack's credentials in {issued.folder} (the node's harness_isolation is 'none', or this"
+                " machine cannot make user namespaces); the docker runtime keeps them out of reach",
+                file=sys.stderr,
+                flush=True,
+            )
         if on_ready is not None:
             on_ready({c.spec.name: c.dial_address for c in children})
         _supervise(children)

@@ -40,9 +40,18 @@ from polar.config import GatewayConfig, NodeConfig
 from polar.grpc_server import serve_until_stopped
 from polar.rollout.evaluators import evaluate
 from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
+from polar.rollout.isolation import NO_ISOLATION, Isolation
+from polar.rollout.isolation import resolve as isolation_for
 from polar.rollout.pools import Pool, ReadyBuffer, StageClock
 from polar.rollout.process import ProcessResult, ProcessStartError
-from polar.rollout.runtimes import Runtime, RuntimeFailure, RuntimeProvider, available_providers, spec_key
+from polar.rollout.runtimes import (
+    LocalProvider,
+    Runtime,
+    RuntimeFailure,
+    RuntimeProvider,
+    available_providers,
+    spec_key,
+)
 from polar.rollout.templates import parse_roots
 from polar.service import Ready
 from polar.trajectory import build, session_trajectory, verify, views_from_protos
@@ -133,6 +142,12 @@ class Node:
         self._background: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
         self._warm_names = 0
+
+    @property
+    def isolation(self) -> Isolation:
+        """How the local runtime sandboxes its commands (polar.rollout.isolation)."""
+        local = self.providers.get("local")
+        return local.isolation if isinstance(local, LocalProvider) else NO_ISOLATION
 
     # --- lifecycle ---------------------------------------------------------------------------------
 
@@ -334,7 +349,7 @@ class Node:
                     task.harness,
                     HarnessContext(
                         instruction=task.instruction,
-                        base_url=self.gateway.base_url,
+                        base_url=runtime.harness_base_url(self.gateway.base_url),
                         key=session.key,
                         model=self.gateway.gateway.model.name,
                         home=runtime.home,
@@ -518,8 +533,14 @@ async def start_node(
         raise
     pools: Node | None = None
     try:
-        # The docker check may wait seconds for an engine: off the event loop, which serves the gateway.
-        providers = await asyncio.to_thread(available_providers, work_root, parse_roots(node.template_roots))
+        # The docker check may wait seconds for an engine, the namespace probe a second: off the event
+        # loop, which serves the gateway.
+        isolation = await asyncio.to_thread(
+            isolation_for, node.harness_isolation, running_gateway.base_url, work_root
+        )
+        providers = await asyncio.to_thread(
+            available_providers, work_root, parse_roots(node.template_roots), isolation, running_gateway.base_url
+        )
         pools = Node(node, running_gateway, providers, node.rollout_address)
         pools.start()
         await pools.wait_registered(register_timeout_s)
@@ -540,8 +561,13 @@ async def serve_node(
 
     def on_ready(running: RunningNode) -> None:
         pools = ", ".join(f"{p.name} {p.capacity}" for p in running.node.pool_status())
-        line = f"node {running.node.node_id}: {describe(running.gateway)}; rollout {node.rollout_address}; pools {pools}"
-        ready(running.gateway.grpc_port, line)
+        isolation = running.node.isolation.mode
+        line = (
+            f"node {running.node.node_id}: {describe(running.gateway)}; rollout {node.rollout_address}; pools {pools};"
+            f" local harnesses isolated: {isolation}"
+        )
+        # `polar up` warns when harnesses can read the credentials (isolation "none").
+        ready(running.gateway.grpc_port, line, isolation=isolation)
 
     running = await start_node(node, gateway, http_socket=http_socket)
     await serve_until_stopped(running, running.stop, on_ready)

@@ -181,7 +181,7 @@ async def run_process(
     loop = asyncio.get_running_loop()
     path = env.get("PATH", os.defpath)
     # Resolved here, not by the exec inside `setpriv`, so a missing command is an error, not exit 127.
-    executable = _resolve(argv[0], cwd, path)
+    executable = resolve_command(argv[0], cwd, path)
     read_fd, write_fd = os.pipe()
     try:
         # subprocess.Popen, not the loop's subprocess_exec: CPython starts the child with vfork, where
@@ -305,7 +305,7 @@ def exit_text(exit_code: int) -> str:
     return f"killed by signal {name}"
 
 
-def _resolve(command: str, cwd: str | Path, path: str) -> str:
+def resolve_command(command: str, cwd: str | Path, path: str) -> str:
     """The file that `command` names (looked up on `path` when it has no slash); ProcessStartError
     when there is none or it cannot be executed."""
     if not Path(cwd).is_dir():

@@ -1,20 +1,23 @@
 """A harness that attacks the stack it runs in before doing its job, for the security tests.
 
-    python attack_harness.py REPORT.json
+    python attack_harness.py
 
 Run by a node as any harness is, it tries every door of the control plane that a model-written
-command could reach from this machine, with whatever it can find in its environment, and writes
-`{attack: "refused CODE: details" | "ALLOWED ..."}` to REPORT.json (one file per session:
-REPORT.json with the session id inserted). Then it does what the task asks through its own gateway
-URL and key, like rollout_harness.py's normal mode. The addresses come from the task's `env`
-(a real attacker would scan the loopback ports): POLAR_ATTACK_ROLLOUT, POLAR_ATTACK_INFERENCE,
-POLAR_ATTACK_ENVOY_INFERENCE, POLAR_ATTACK_GATEWAY (the node's GatewayService), POLAR_ATTACK_NODE_ID.
+command could reach from this machine, with whatever it can find in its environment and on its file
+system, and prints `ATTACKS {attack: "refused CODE: details" | "ALLOWED ..."}` as its first line of
+output (the node keeps it as the harness's output; a file elsewhere may be out of its sight). Then it
+does what the task asks through its own gateway URL and key: one streamed call, whose events it
+prints as they arrive, then rollout_harness.py's normal loop. The addresses come from the task's
+`env` (a real attacker would scan the loopback ports): POLAR_ATTACK_ROLLOUT,
+POLAR_ATTACK_INFERENCE, POLAR_ATTACK_ENVOY_INFERENCE, POLAR_ATTACK_GATEWAY (the node's
+GatewayService), POLAR_ATTACK_NODE_ID, POLAR_ATTACK_TOKEN_FOLDER (the stack's credentials folder).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -48,6 +51,19 @@ def attacks() -> dict[str, str]:
     report: dict[str, str] = {
         "credentials in the environment": "ALLOWED" if any("CREDENTIAL" in name for name in env) else "refused: none",
     }
+    for role in ("node", "operator"):
+        try:
+            token = (Path(env["POLAR_ATTACK_TOKEN_FOLDER"]) / role).read_text()
+            report[f"read the {role} credential file"] = f"ALLOWED: {len(token)} characters"
+        except OSError as exc:
+            report[f"read the {role} credential file"] = f"refused: {exc.strerror}"
+    for name in ("ROLLOUT", "INFERENCE", "GATEWAY"):
+        host, _, port = env[f"POLAR_ATTACK_{name}"].rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+            report[f"TCP connection to the {name.lower()} port"] = "ALLOWED"
+        except OSError as exc:
+            report[f"TCP connection to the {name.lower()} port"] = f"refused: {exc.strerror or exc}"
     with grpc.insecure_channel(env["POLAR_ATTACK_ROLLOUT"]) as channel:
         rollout = rollout_pb2_grpc.RolloutServiceStub(channel)
         fake = common_pb2.Trajectory(session_id=session_id, reward=1e9, outcome=common_pb2.SESSION_OUTCOME_COMPLETED)
@@ -100,10 +116,24 @@ def attacks() -> dict[str, str]:
     return report
 
 
-def main(report_path: str) -> int:
-    report = attacks()
-    path = Path(report_path)
-    path.with_name(f"{path.stem}-{os.environ['POLAR_SESSION_ID']}{path.suffix}").write_text(json.dumps(report, indent=2))
+def streamed_call() -> None:
+    """One streamed Chat Completions call; each event is printed as it arrives."""
+    body = {"model": os.environ["POLAR_MODEL"], "stream": True, "max_tokens": 16,
+            "messages": [{"role": "user", "content": os.environ["POLAR_INSTRUCTION"]}]}  # fmt: skip
+    request = urllib.request.Request(
+        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        for line in response:
+            if line.startswith(b"data: "):
+                print("STREAMED", line[len("data: ") :].decode().strip(), flush=True)
+
+
+def main() -> int:
+    print("ATTACKS", json.dumps(attacks()), flush=True)
+    streamed_call()
     messages = [{"role": "user", "content": os.environ["POLAR_INSTRUCTION"]}]
     while True:
         answer = take_reply(messages, chat(messages))
@@ -113,4 +143,4 @@ def main(report_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main())

@@ -2,10 +2,13 @@
 stack (rollout server, scripted inference, Envoy, a node) are refused, and the stack's legitimate
 callers still work with nothing lost.
 
-attack_harness.py runs as each session's harness: it calls every control-plane rpc a model-written
-command could reach from the machine (reward reporting, heartbeats under the node's id, another
-session's key and records, closing it, draining, pausing and updating the model, directly and via
-Envoy) and stopping Envoy through its TCP listeners, then solves its task through its own gateway key.
+attack_harness.py runs as each session's harness: it reads the stack's credential files, opens TCP
+connections to the control plane's ports, calls every control-plane rpc a model-written command could
+reach from the machine (reward reporting, heartbeats under the node's id, another session's key and
+records, closing it, draining, pausing and updating the model, directly and via Envoy) and stops
+Envoy through its TCP listeners, then solves its task through its own gateway key, streamed and whole.
+The stack runs under each `harness_isolation` of the local runtime; those that need user namespaces
+are skipped where this machine cannot make them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from polar_cli import STARTUP_SECONDS, run, spawned
 
 from polar import credentials
 from polar.envoy import admin_get
+from polar.rollout.isolation import probe
 from polar.v1 import gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.slow
@@ -38,8 +42,22 @@ def spawn():
         yield start
 
 
+GRPC_REFUSAL = {"none": "refused UNAUTHENTICATED", "namespace": "refused UNAUTHENTICATED", "network": "refused UNAVAILABLE"}
+CREDENTIAL_READS = {"read the node credential file", "read the operator credential file"}
+TCP_CONNECTIONS = {f"TCP connection to the {name} port" for name in ("rollout", "inference", "gateway")}
+# What each isolation leaves a harness: the files, and the ports (whose rpcs still refuse it).
+ALLOWED = {"none": CREDENTIAL_READS | TCP_CONNECTIONS, "namespace": TCP_CONNECTIONS, "network": set()}
+
+
+@pytest.fixture(params=["none", "namespace", "network"])
+def isolation(request, tmp_path: Path) -> str:
+    if request.param != "none" and (problem := probe(request.param, tmp_path / "probe")) is not None:
+        pytest.skip(f"harness_isolation = {request.param!r} cannot run here: {problem}")
+    return request.param
+
+
 @pytest.fixture
-def stack_config(tmp_path: Path) -> Path:
+def stack_config(tmp_path: Path, isolation: str) -> Path:
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"cycle": True, "outputs": [{"token_ids": DONE_IDS, "logprobs": [-0.5, -1.0, -1.5]}]}))
     path = tmp_path / "stack.toml"
@@ -49,34 +67,36 @@ def stack_config(tmp_path: Path) -> Path:
         "[gateway]\nport = 0\ngrpc_port = 0\n"
         "[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\nworkers = 1\n"
         "[node]\ninit_workers = 1\nready_slots = 1\nrunning_slots = 2\npostrun_workers = 1\n"
+        f'harness_isolation = "{isolation}"\n'
     )
     return path
 
 
-def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, stack_config, tmp_path):
+def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, stack_config, isolation, tmp_path):
     up, lines = spawn("up", "--config", str(stack_config))
     lines.wait_for(r"^polar up: 4 services running")
     rows = {name: lines.wait_for(rf"^\s+{name}\s+(\S+)\s+(\d+)\s.*").group(0) for name in ("rollout", "inference", "envoy", "node")}
     admin = re.search(r"admin (unix:/\S+)$", rows["envoy"]).group(1)
+    assert rows["node"].endswith(f"local harnesses isolated: {isolation}")
     rows = {name: row.split()[1] for name, row in rows.items()}
     nodes = run("status", "--rollout", rows["rollout"])
     assert nodes.returncode == 0, nodes.stderr
     node_id = nodes.stdout.splitlines()[1].split()[0]
     assert node_id.startswith("node-")
 
-    report = tmp_path / "attacks.json"
     env = {
         "POLAR_ATTACK_ROLLOUT": rows["rollout"],
         "POLAR_ATTACK_INFERENCE": rows["inference"],
         "POLAR_ATTACK_ENVOY_INFERENCE": rows["envoy"],
         "POLAR_ATTACK_GATEWAY": rows["node"],
         "POLAR_ATTACK_NODE_ID": node_id,
+        "POLAR_ATTACK_TOKEN_FOLDER": os.environ["POLAR_STATE_DIR"] + "/credentials",
     }
     task = {
         "taskId": "attack",
         "instruction": "Say done.",
         "groupSize": 2,
-        "harness": {"preset": "command", "command": [sys.executable, str(ATTACKER), str(report)], "env": env},
+        "harness": {"preset": "command", "command": [sys.executable, str(ATTACKER)], "env": env},
         "evaluator": {"kind": "command", "command": "echo 0.5"},
     }
     tasks = tmp_path / "tasks.jsonl"
@@ -87,17 +107,9 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.splitlines()[-1].startswith("total: 1 task, 1 released; 2 sessions: 2 done")
 
-    for session in ("attack.0", "attack.1"):
-        attacks = json.loads((tmp_path / f"attacks-{session}.json").read_text())
-        allowed = {name: outcome for name, outcome in attacks.items() if not outcome.startswith("refused")}
-        assert allowed == {}, f"{session}: {allowed}"
-        assert len(attacks) == 16
-        grpc_attacks = [outcome for name, outcome in attacks.items() if "Service." in name]
-        assert all(outcome.startswith("refused UNAUTHENTICATED") for outcome in grpc_attacks), attacks
-        assert all("authorization: Bearer <token>" in outcome for outcome in grpc_attacks)
-
     # Nothing lost: both sessions completed with the evaluator's reward, not the forged one, and
-    # each kept its call (no session was closed under its harness, the model was never paused).
+    # each kept its two calls, streamed and whole (no session was closed under its harness, the
+    # model was never paused).
     exported = run("results", "--export", str(tmp_path / "out.jsonl"), "--rollout", rows["rollout"])
     assert exported.returncode == 0, exported.stderr
     trajectories = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -105,8 +117,26 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
     for trajectory in trajectories:
         assert trajectory["outcome"] == "SESSION_OUTCOME_COMPLETED", trajectory.get("error")
         assert trajectory["reward"] == 0.5
-        assert len(trajectory["calls"]) == 1
-        assert "Done." in trajectory["harnessOutput"]
+        assert len(trajectory["calls"]) == 2
+        output = trajectory["harnessOutput"]
+        streamed = [line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("STREAMED ")]
+        assert streamed[-1] == "[DONE]" and len(streamed) >= 3, output
+        assert "Done." in "".join(json.loads(event)["choices"][0]["delta"].get("content") or "" for event in streamed[:-1] if json.loads(event)["choices"])
+        assert output.splitlines()[-1] == "Done."
+
+        [report] = [line for line in output.splitlines() if line.startswith("ATTACKS ")]
+        attacks = json.loads(report.removeprefix("ATTACKS "))
+        assert len(attacks) == 21
+        allowed = {name for name, outcome in attacks.items() if not outcome.startswith("refused")}
+        assert allowed == ALLOWED[isolation], attacks
+        if isolation != "none":
+            assert all(attacks[name] == "refused: No such file or directory" for name in CREDENTIAL_READS), attacks
+        if isolation == "network":
+            assert all(attacks[name] == "refused: Connection refused" for name in TCP_CONNECTIONS), attacks
+        grpc_attacks = [outcome for name, outcome in attacks.items() if "Service." in name]
+        assert all(outcome.startswith(GRPC_REFUSAL[isolation]) for outcome in grpc_attacks), attacks
+        if isolation != "network":
+            assert all("authorization: Bearer <token>" in outcome for outcome in grpc_attacks)
 
     # The operator's credential (found by the `polar` commands in the state folder) still opens
     # every door the harness found shut.
@@ -131,4 +161,5 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
 
     up.send_signal(signal.SIGINT)
     assert up.wait(timeout=30) == 0
-    assert "can read the stack's credentials" in up.stderr.read()
+    warned = "can read the stack's credentials" in up.stderr.read()
+    assert warned == (isolation == "none")

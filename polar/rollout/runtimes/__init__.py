@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from polar.rollout.isolation import NO_ISOLATION, Isolation
 from polar.rollout.runtimes.base import Runtime, RuntimeFailure, RuntimeProvider, spec_key
 from polar.rollout.runtimes.docker import DockerProvider, DockerRuntime, docker_engine_answers
 from polar.rollout.runtimes.local import LocalProvider, LocalRuntime
@@ -24,11 +25,19 @@ __all__ = [
 ]
 
 
-def available_providers(work_root: Path, template_roots: Sequence[Path] | None = None) -> dict[str, RuntimeProvider]:
-    """The runtime kinds this machine offers, by kind: "local" always, "docker" when a Docker engine
-    answers (checked once, now; this blocks for up to a few seconds). Templates come only from
+def available_providers(
+    work_root: Path,
+    template_roots: Sequence[Path] | None = None,
+    isolation: Isolation = NO_ISOLATION,
+    harness_url: str = "",
+) -> dict[str, RuntimeProvider]:
+    """The runtime kinds this machine offers, by kind: "local" always (its commands sandboxed as
+    `isolation` says), "docker" when a Docker engine answers (checked once, now; this blocks for up
+    to a few seconds; its containers reach only `harness_url`). Templates come only from
     `template_roots` (None: anywhere)."""
-    providers: dict[str, RuntimeProvider] = {"local": LocalProvider(work_root, template_roots=template_roots)}
+    providers: dict[str, RuntimeProvider] = {
+        "local": LocalProvider(work_root, template_roots=template_roots, isolation=isolation)
+    }
     if docker_engine_answers():
-        providers["docker"] = DockerProvider(work_root, template_roots=template_roots)
+        providers["docker"] = DockerProvider(work_root, template_roots=template_roots, harness_url=harness_url)
     return providers

@@ -58,8 +58,15 @@ class Runtime(abc.ABC):
         timeout_s: float | None,
         output_limit: int = OUTPUT_LIMIT,
         cancel: asyncio.Event | None = None,
+        preparing: bool = False,
     ) -> ProcessResult:
-        """Run argv in the workspace (see `run_process`); nothing it started is left running after."""
+        """Run argv in the workspace (see `run_process`); nothing it started is left running after.
+        `preparing`: a prepare step (the task author's, before anything model-written ran there),
+        which keeps the network that a harness or an evaluator may be denied."""
+
+    def harness_base_url(self, base_url: str) -> str:
+        """The gateway's harness URL as a harness here dials it."""
+        return base_url
 
     @abc.abstractmethod
     def command_env(self, variables: Mapping[str, str]) -> dict[str, str]:
@@ -163,7 +170,9 @@ async def run_prepare(runtime: Runtime, commands: Sequence[str], *, timeout_s: f
     for index, command in enumerate(commands):
         step = f"prepare[{index}] {command!r}"
         try:
-            result = await runtime.run(["sh", "-c", command], env=runtime.command_env({}), timeout_s=timeout_s)
+            result = await runtime.run(
+                ["sh", "-c", command], env=runtime.command_env({}), timeout_s=timeout_s, preparing=True
+            )
         except ProcessStartError as exc:
             raise RuntimeFailure(f"{step}: {exc}") from exc
         _check(step, result, timeout_s)

@@ -1,4 +1,5 @@
-"""The "local" runtime: the session folder on this machine, commands run as the node's user."""
+"""The "local" runtime: the session folder on this machine, commands run as the node's user, inside
+the sandbox that the node's `harness_isolation` asks for (polar.rollout.isolation)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar import credentials
-from polar.rollout.process import OUTPUT_LIMIT, ProcessResult, run_process
-from polar.rollout.runtimes.base import Runtime, RuntimeProvider, remove_tree
+from polar.rollout.isolation import NO_ISOLATION, GatewayRelay, Isolation, in_namespace_url, sandbox_argv
+from polar.rollout.process import OUTPUT_LIMIT, ProcessResult, resolve_command, run_process
+from polar.rollout.runtimes.base import STEP_TIMEOUT_S, Runtime, RuntimeProvider, remove_tree
 from polar.v1 import rollout_pb2
 
 
 class LocalRuntime(Runtime):
     kind = "local"
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, isolation: Isolation = NO_ISOLATION, relay: GatewayRelay | None = None) -> None:
         super().__init__(root)
+        self.isolation = isolation
+        self._relay = relay
         self._closed = False
 
     async def run(
@@ -28,10 +32,19 @@ class LocalRuntime(Runtime):
         timeout_s: float | None,
         output_limit: int = OUTPUT_LIMIT,
         cancel: asyncio.Event | None = None,
+        preparing: bool = False,
     ) -> ProcessResult:
+        if self.isolation.mode != "none":
+            network = self.isolation.mode == "network" and not preparing
+            # Resolved here, where a missing command is a clear error, not inside the sandbox.
+            argv = [resolve_command(argv[0], self.workspace, env.get("PATH", os.defpath)), *argv[1:]]
+            argv = sandbox_argv(argv, self.isolation, self.root, network=network)
         return await run_process(
             argv, cwd=self.workspace, env=env, timeout_s=timeout_s, output_limit=output_limit, cancel=cancel
         )
+
+    def harness_base_url(self, base_url: str) -> str:
+        return in_namespace_url(base_url) if self.isolation.mode == "network" else base_url
 
     def command_env(self, variables: Mapping[str, str]) -> dict[str, str]:
         # The node's environment (PATH, proxies, package index settings), so prepare steps and
@@ -43,11 +56,28 @@ class LocalRuntime(Runtime):
         if self._closed:
             return
         self._closed = True
+        if self._relay is not None:
+            await self._relay.close()
         await asyncio.to_thread(remove_tree, self.root)
 
 
 class LocalProvider(RuntimeProvider):
     kind = "local"
 
+    def __init__(
+        self,
+        work_root: Path,
+        *,
+        step_timeout_s: float = STEP_TIMEOUT_S,
+        template_roots: Sequence[Path] | None = None,
+        isolation: Isolation = NO_ISOLATION,
+    ) -> None:
+        super().__init__(work_root, step_timeout_s=step_timeout_s, template_roots=template_roots)
+        self.isolation = isolation
+
     async def _start(self, spec: rollout_pb2.RuntimeSpec, root: Path) -> LocalRuntime:
-        return LocalRuntime(root)
+        relay = None
+        if self.isolation.mode == "network":
+            relay = GatewayRelay(root, self.isolation.harness_url)
+            await relay.start()
+        return LocalRuntime(root, self.isolation, relay)
