@@ -9,6 +9,8 @@ REPORT.json with the session id inserted). Then it does what the task asks throu
 URL and key, like rollout_harness.py's normal mode. The addresses come from the task's `env`
 (a real attacker would scan the loopback ports): POLAR_ATTACK_ROLLOUT, POLAR_ATTACK_INFERENCE,
 POLAR_ATTACK_ENVOY_INFERENCE, POLAR_ATTACK_GATEWAY (the node's GatewayService), POLAR_ATTACK_NODE_ID.
+POLAR_ATTACK_NODE_TOKEN is the node credential's file, which a harness of the local runtime can read
+(it runs as the node's user): with it, the attacker heartbeats and reports under the node's id.
 """
 
 from __future__ import annotations
@@ -66,6 +68,23 @@ def attacks() -> dict[str, str]:
         report["RolloutService.ListNodes"] = attempt(lambda: rollout.ListNodes(rollout_pb2.ListNodesRequest(), timeout=10))
         report["RolloutService.Cancel"] = attempt(
             lambda: rollout.Cancel(rollout_pb2.CancelRequest(session_ids=[other]), timeout=10)
+        )
+        # The node's credential, stolen: the rpcs are a node's, but the node id is not the attacker's.
+        # Listing no session, this heartbeat would have the node's sessions taken back from it.
+        stolen = (("authorization", "Bearer " + Path(env["POLAR_ATTACK_NODE_TOKEN"]).read_text().strip()),)
+        report["stolen node token: RolloutService.Heartbeat(another node's id, no sessions)"] = attempt(
+            lambda: rollout.Heartbeat(
+                rollout_pb2.HeartbeatRequest(node_id=env["POLAR_ATTACK_NODE_ID"], node_secret="guess"),
+                timeout=10,
+                metadata=stolen,
+            )
+        )
+        report["stolen node token: RolloutService.ReportSession(reward=1e9)"] = attempt(
+            lambda: rollout.ReportSession(
+                rollout_pb2.ReportSessionRequest(node_id=env["POLAR_ATTACK_NODE_ID"], session_id=session_id, trajectory=fake),
+                timeout=10,
+                metadata=stolen,
+            )
         )
     with grpc.insecure_channel(env["POLAR_ATTACK_GATEWAY"]) as channel:
         gateway = gateway_pb2_grpc.GatewayServiceStub(channel)

@@ -5,7 +5,8 @@ callers still work with nothing lost.
 attack_harness.py runs as each session's harness: it calls every control-plane rpc a model-written
 command could reach from the machine (reward reporting, heartbeats under the node's id, another
 session's key and records, closing it, draining, pausing and updating the model, directly and via
-Envoy) and stopping Envoy through its TCP listeners, then solves its task through its own gateway key.
+Envoy; heartbeats and reports under the node's id with the node's own credential, read from its
+file) and stopping Envoy through its TCP listeners, then solves its task through its own gateway key.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
         "POLAR_ATTACK_ENVOY_INFERENCE": rows["envoy"],
         "POLAR_ATTACK_GATEWAY": rows["node"],
         "POLAR_ATTACK_NODE_ID": node_id,
+        "POLAR_ATTACK_NODE_TOKEN": str(Path(os.environ["POLAR_STATE_DIR"]) / "credentials" / credentials.NODE),
     }
     task = {
         "taskId": "attack",
@@ -91,20 +93,26 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
         attacks = json.loads((tmp_path / f"attacks-{session}.json").read_text())
         allowed = {name: outcome for name, outcome in attacks.items() if not outcome.startswith("refused")}
         assert allowed == {}, f"{session}: {allowed}"
-        assert len(attacks) == 16
-        grpc_attacks = [outcome for name, outcome in attacks.items() if "Service." in name]
+        assert len(attacks) == 18
+        grpc_attacks = [outcome for name, outcome in attacks.items() if "Service." in name and "stolen" not in name]
         assert all(outcome.startswith("refused UNAUTHENTICATED") for outcome in grpc_attacks), attacks
         assert all("authorization: Bearer <token>" in outcome for outcome in grpc_attacks)
+        # With the node's credential, the node's id is still not the attacker's: it lacks the node's secret.
+        as_node = [outcome for name, outcome in attacks.items() if name.startswith("stolen node token")]
+        assert len(as_node) == 2
+        for outcome in as_node:
+            assert outcome.startswith(f"refused PERMISSION_DENIED: node '{node_id}': the node_secret sent is not"), outcome
 
     # Nothing lost: both sessions completed with the evaluator's reward, not the forged one, and
-    # each kept its call (no session was closed under its harness, the model was never paused).
+    # each kept its call (no session was closed under its harness or taken back from its node,
+    # the model was never paused), on its first attempt.
     exported = run("results", "--export", str(tmp_path / "out.jsonl"), "--rollout", rows["rollout"])
     assert exported.returncode == 0, exported.stderr
     trajectories = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [t["sessionId"] for t in trajectories] == ["attack.0", "attack.1"]
     for trajectory in trajectories:
         assert trajectory["outcome"] == "SESSION_OUTCOME_COMPLETED", trajectory.get("error")
-        assert trajectory["reward"] == 0.5
+        assert trajectory["reward"] == 0.5 and trajectory["attempt"] == 1
         assert len(trajectory["calls"]) == 1
         assert "Done." in trajectory["harnessOutput"]
 
