@@ -182,14 +182,19 @@ class Node:
             ),
         ]
 
-    def _heartbeat_request(self) -> tuple[rollout_pb2.HeartbeatRequest, dict[str, int]]:
+    def _heartbeat_request(self, with_calls: bool = True) -> tuple[rollout_pb2.HeartbeatRequest, dict[str, int]]:
         """The request, and per session the calls it delivers once acknowledged (how many of its
-        records, in completion order, the server then has or will never get by heartbeat)."""
+        records, in completion order, the server then has or will never get by heartbeat);
+        `with_calls` False: progress only, every new call left for a later heartbeat."""
         runs = list(self.runs.values())
         sessions = [run.progress() for run in runs]
         request = rollout_pb2.HeartbeatRequest(
             node_id=self.node_id, node_secret=self._node_secret, pools=self.pool_status(), sessions=sessions
         )
+        if not with_calls:
+            for sent in request.sessions:
+                del sent.new_calls[:]
+            return request, {run.session_id: run.calls_delivered for run in runs}
         delivers = {run.session_id: run.calls_delivered + len(p.new_calls) for run, p in zip(runs, sessions)}
         if not self.max_request_bytes or request.ByteSize() <= self.max_request_bytes:
             return request, delivers
@@ -233,20 +238,26 @@ class Node:
 
     async def _heartbeat_loop(self) -> None:
         delay = RETRY_FIRST_S
+        with_calls = True
         while True:
             try:
                 if not self.node_id:
                     await self._register()
-                request, delivers = self._heartbeat_request()
+                request, delivers = self._heartbeat_request(with_calls)
                 response = await self._stub.Heartbeat(
                     request, timeout=2 * self.heartbeat_interval_s + 5.0, metadata=self._credential
                 )
             except grpc.aio.AioRpcError as exc:
                 log.warning("rollout server %s: %s; retrying", self.rollout_address, exc.details() or exc.code().name)
+                # Too large for a limit the node did not know (the server restarted with a lower
+                # one): progress alone goes through, and its response tells the limit.
+                with_calls = exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
                 continue
             delay = RETRY_FIRST_S
+            with_calls = True
+            self.max_request_bytes = response.max_request_bytes or self.max_request_bytes
             for session_id, calls in delivers.items():
                 if (run := self.runs.get(session_id)) is not None and run.gateway_session is not None:
                     run.calls_delivered = calls

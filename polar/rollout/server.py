@@ -328,13 +328,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             while True:
                 poll.clear()  # before looking: a wake-up from now on is not missed
                 if self._polls.get(node_id) is not poll or self._stopping:
-                    return rollout_pb2.HeartbeatResponse(cancel=beat.foreign)
+                    return rollout_pb2.HeartbeatResponse(cancel=beat.foreign, max_request_bytes=self._max_request_bytes)
                 start = self._store.dispatch(node_id, time.time())
                 new_cancels = self._new_cancels.pop(node_id, None)
                 remaining = deadline - time.monotonic()
                 if start or new_cancels or remaining <= 0:
                     cancel = self._store.cancels_for(node_id, exclude=in_postrun) + list(beat.foreign)
-                    return rollout_pb2.HeartbeatResponse(start=start, cancel=cancel)
+                    return rollout_pb2.HeartbeatResponse(
+                        start=start, cancel=cancel, max_request_bytes=self._max_request_bytes
+                    )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(poll.wait(), remaining)
         finally:

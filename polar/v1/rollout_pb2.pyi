@@ -289,14 +289,16 @@ class SessionAssignment(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("start", "cancel", "reregister")
+    __slots__ = ("start", "cancel", "reregister", "max_request_bytes")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     start: _containers.RepeatedCompositeFieldContainer[SessionAssignment]
     cancel: _containers.RepeatedScalarFieldContainer[str]
     reregister: bool
-    def __init__(self, start: _Optional[_Iterable[_Union[SessionAssignment, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ..., reregister: _Optional[bool] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, start: _Optional[_Iterable[_Union[SessionAssignment, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ..., reregister: _Optional[bool] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class ReportSessionRequest(_message.Message):
     __slots__ = ("node_id", "node_secret", "session_id", "trajectory")

@@ -343,7 +343,7 @@ async def test_a_heartbeat_without_work_waits_the_interval(start):
     node = await DriverNode(stub).register()
     started = time.monotonic()
     response = await node.beat()
-    assert response == rollout_pb2.HeartbeatResponse()
+    assert response == rollout_pb2.HeartbeatResponse(max_request_bytes=MAX_MESSAGE_BYTES)  # no work
     assert 0.45 <= time.monotonic() - started < 2.0
 
 
@@ -353,7 +353,7 @@ async def test_a_newer_heartbeat_ends_the_waiting_one_which_assigns_nothing(star
     abandoned = asyncio.create_task(node.beat())
     await asyncio.sleep(0.2)
     newer = asyncio.create_task(node.beat())
-    assert await asyncio.wait_for(abandoned, 1.0) == rollout_pb2.HeartbeatResponse()
+    assert await asyncio.wait_for(abandoned, 1.0) == rollout_pb2.HeartbeatResponse(max_request_bytes=MAX_MESSAGE_BYTES)
     await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t")]))
     assert [a.session_id for a in (await asyncio.wait_for(newer, 2.0)).start] == ["t.0"]
 
