@@ -81,13 +81,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetSessionResponse:
         session = self._store.find(request.key)
-        return gateway_pb2.GetSessionResponse(session=session.to_proto(), calls=session.ordered_records())
+        calls = [] if request.omit_calls else session.ordered_records()
+        return gateway_pb2.GetSessionResponse(session=session.to_proto(), calls=calls)
 
     # Server-streaming.
     async def WatchSession(
         self, request: gateway_pb2.WatchSessionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.WatchSessionResponse]:
         session = self._store.find(request.key)
+        if request.until_caught_up:
+            for record in session.ordered_records():  # taken now: calls completing later are not sent
+                yield gateway_pb2.WatchSessionResponse(call=record)
+            return
         async for record in session.watch():
             yield gateway_pb2.WatchSessionResponse(call=record)
 

@@ -87,16 +87,28 @@ def _session_show_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="the session and every call record as JSON")
 
 
-def _gateway_rpc(address: str, method: str, request):
-    """One unary GatewayService call; gRPC failures become one-line errors."""
+# A session is read one call record per message (WatchSession), never whole (GetSession), so that its
+# size is not bounded by a message limit; one record holds a harness request as Envoy let it through
+# ([envoy] max_request_bytes, 32 MiB by default), its response and their token ids.
+SESSION_RECORD_BYTES = 256 * 1024 * 1024
+SESSION_READ_TIMEOUT_S = 300.0
+
+
+def _gateway_rpc(address: str, method: str, request, *, stream: bool = False):
+    """One GatewayService call (with `stream`, a server-streaming one read to its end: the list of
+    its messages); gRPC failures become one-line errors."""
     import grpc
 
     from polar import credentials
     from polar.v1 import gateway_pb2_grpc
 
-    with credentials.channel(address, credentials.OPERATOR, credentials.for_commands()) as channel:
+    options = [("grpc.max_receive_message_length", SESSION_RECORD_BYTES)] if stream else []
+    with credentials.channel(address, credentials.OPERATOR, credentials.for_commands(), options) as channel:
+        call = getattr(gateway_pb2_grpc.GatewayServiceStub(channel), method)
         try:
-            return getattr(gateway_pb2_grpc.GatewayServiceStub(channel), method)(request, timeout=10)
+            if stream:
+                return list(call(request, timeout=SESSION_READ_TIMEOUT_S))
+            return call(request, timeout=10)
         except grpc.RpcError as exc:
             raise CliError(f"{method} on {address}: {exc.code().name}: {exc.details()}") from None
 
@@ -115,7 +127,11 @@ def _session_show(args: argparse.Namespace) -> int:
 
     from polar.v1 import common_pb2, gateway_pb2
 
-    response = _gateway_rpc(args.gateway, "GetSession", gateway_pb2.GetSessionRequest(key=args.key))
+    session = _gateway_rpc(args.gateway, "GetSession", gateway_pb2.GetSessionRequest(key=args.key, omit_calls=True)).session
+    request = gateway_pb2.WatchSessionRequest(key=args.key, until_caught_up=True)
+    calls = [message.call for message in _gateway_rpc(args.gateway, "WatchSession", request, stream=True)]
+    session.call_count = len(calls)  # calls completed between the two reads are listed too
+    response = gateway_pb2.GetSessionResponse(session=session, calls=calls)
     if args.json:
         print(json_format.MessageToJson(response, indent=2))
         return 0

@@ -140,6 +140,9 @@ class RolloutConfig:
     heartbeat_interval_s: Seconds = 1.0  # longest a node's heartbeat waits for work before it returns
     node_timeout_s: Seconds = 10.0  # a node silent this long is dead: its sessions are dispatched again
     max_attempts: Positive = 3  # dispatches of one session before it is marked failed
+    # largest request accepted, in bytes; a node reports a session whose report (its whole
+    # trajectory) is larger as failed, naming both sizes
+    max_request_bytes: Positive = 256 * 1024 * 1024
 
 
 @dataclass

@@ -40,10 +40,12 @@ def new_server(
     roles: Mapping[str, frozenset[str]] | None = None,
     *,
     max_message_bytes: int = 0,
+    max_receive_bytes: int = 0,
     credentials: creds.Credentials | None = _UNSET,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with health checking and reflection for `service_name` (a full name, e.g.
-    "polar.v1.RolloutService"); `max_message_bytes` > 0 raises both message limits to it.
+    "polar.v1.RolloutService"); `max_message_bytes` > 0 raises both message limits to it, and
+    `max_receive_bytes` > 0 then sets the receive limit alone.
 
     With `credentials` (default: the process's, $POLAR_CREDENTIALS) every call of the service must
     carry a role's token (else UNAUTHENTICATED) and that role must be among `roles[rpc]` (the
@@ -56,10 +58,9 @@ def new_server(
     # traffic instead of failing to bind.
     options = [("grpc.so_reuseport", 0)]
     if max_message_bytes:
-        options += [
-            ("grpc.max_receive_message_length", max_message_bytes),
-            ("grpc.max_send_message_length", max_message_bytes),
-        ]
+        options.append(("grpc.max_send_message_length", max_message_bytes))
+    if max_receive_bytes or max_message_bytes:
+        options.append(("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes))
     interceptors = []
     if credentials is not None:
         interceptors.append(CallerCheck(service_name, roles or {}, credentials))

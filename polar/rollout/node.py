@@ -6,7 +6,12 @@ pools share its `SessionStore`, so opening a session and reading what it recorde
 The node registers with the rollout server and then long-polls `Heartbeat`: each request reports the
 pools and every session the node holds (stage, calls, stage timings); each response may assign
 sessions or cancel some. Heartbeats are strictly sequential, so a session assigned in one response is
-listed in the next request, which is how the server tells a lost session from a new one.
+listed in the next request, which is how the server tells a lost session from a new one. Every
+heartbeat and report carries the node id and the secret RegisterNode issued with it (other nodes
+share the node credential, not the secret); registering again replaces both. Each request stays
+within the largest the server accepts (told at registration): calls that do not fit a heartbeat wait
+for the next one, and a report that does not fit becomes a failed session's, without its calls and
+traces, its error naming both sizes, so its group is still released.
 
 A session's life here (pools.py): INIT prepares its runtime, unless the READY buffer holds a
 prewarmed one of the same spec; READY waits for a harness slot; RUNNING opens its gateway session,
@@ -67,6 +72,9 @@ RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
 # Status codes of a report the server will never accept: retrying cannot help.
 REPORT_REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+# Bytes a heartbeat keeps free of calls below the server's limit: each call's field tag and length,
+# and its session's length prefix growing, cost a few bytes the calls' own sizes do not count.
+HEARTBEAT_CALL_OVERHEAD = 16
 
 DEFAULT_PREWARM = rollout_pb2.RuntimeSpec(kind="local")
 
@@ -133,6 +141,8 @@ class Node:
         prewarm = [(spec_key(DEFAULT_PREWARM), DEFAULT_PREWARM)] if config.prewarm and "local" in providers else []
         self.ready: ReadyBuffer[Runtime] = ReadyBuffer(config.ready_slots, prewarm)
         self.node_id = ""
+        self._node_secret = ""  # proves node_id; issued with it, never logged
+        self.max_request_bytes = 0  # the server's receive limit; 0 until registered (or not told)
         self.heartbeat_interval_s = 1.0
         self.runs: dict[str, SessionRun] = {}
         self._channel = grpc.aio.insecure_channel(rollout_address)
@@ -187,11 +197,41 @@ class Node:
             ),
         ]
 
-    def _heartbeat_request(self) -> tuple[rollout_pb2.HeartbeatRequest, dict[str, int]]:
-        """The request, and per session the calls it delivers once acknowledged."""
-        sessions = [run.progress() for run in self.runs.values()]
-        request = rollout_pb2.HeartbeatRequest(node_id=self.node_id, pools=self.pool_status(), sessions=sessions)
-        return request, {progress.session_id: progress.call_count for progress in sessions}
+    def _heartbeat_request(self, with_calls: bool = True) -> tuple[rollout_pb2.HeartbeatRequest, dict[str, int]]:
+        """The request, and per session the calls it delivers once acknowledged (how many of its
+        records, in completion order, the server then has or will never get by heartbeat);
+        `with_calls` False: progress only, every new call left for a later heartbeat."""
+        runs = list(self.runs.values())
+        sessions = [run.progress() for run in runs]
+        request = rollout_pb2.HeartbeatRequest(
+            node_id=self.node_id, node_secret=self._node_secret, pools=self.pool_status(), sessions=sessions
+        )
+        if not with_calls:
+            for sent in request.sessions:
+                del sent.new_calls[:]
+            return request, {run.session_id: run.calls_delivered for run in runs}
+        delivers = {run.session_id: run.calls_delivered + len(p.new_calls) for run, p in zip(runs, sessions)}
+        if not self.max_request_bytes or request.ByteSize() <= self.max_request_bytes:
+            return request, delivers
+        # Too large for the server: calls in order while they fit; the rest wait for the next
+        # heartbeat, but for a call too large for any, which is skipped (the report carries it).
+        for sent in request.sessions:
+            del sent.new_calls[:]
+        room = budget = self.max_request_bytes - request.ByteSize()
+        for run, progress, sent in zip(runs, sessions, request.sessions):
+            passed = 0
+            for call in progress.new_calls:
+                size = call.ByteSize() + HEARTBEAT_CALL_OVERHEAD
+                if size > room:  # would not fit even alone
+                    passed += 1
+                elif size <= budget:
+                    sent.new_calls.append(call)
+                    budget -= size
+                    passed += 1
+                else:
+                    break
+            delivers[run.session_id] = run.calls_delivered + passed
+        return request, delivers
 
     # --- the rollout link --------------------------------------------------------------------------
 
@@ -206,33 +246,40 @@ class Node:
             timeout=10.0,
             metadata=self._credential,
         )
-        self.node_id = response.node_id
+        self.node_id, self._node_secret = response.node_id, response.node_secret
+        self.max_request_bytes = response.max_request_bytes
         self.heartbeat_interval_s = response.heartbeat_interval_seconds or self.heartbeat_interval_s
         log.info("registered with the rollout server at %s as node %s", self.rollout_address, self.node_id)
 
     async def _heartbeat_loop(self) -> None:
         delay = RETRY_FIRST_S
+        with_calls = True
         while True:
             try:
                 if not self.node_id:
                     await self._register()
-                request, delivers = self._heartbeat_request()
+                request, delivers = self._heartbeat_request(with_calls)
                 response = await self._stub.Heartbeat(
                     request, timeout=2 * self.heartbeat_interval_s + 5.0, metadata=self._credential
                 )
             except grpc.aio.AioRpcError as exc:
                 log.warning("rollout server %s: %s; retrying", self.rollout_address, exc.details() or exc.code().name)
+                # Too large for a limit the node did not know (the server restarted with a lower
+                # one): progress alone goes through, and its response tells the limit.
+                with_calls = exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, RETRY_MAX_S)
                 continue
             delay = RETRY_FIRST_S
+            with_calls = True
+            self.max_request_bytes = response.max_request_bytes or self.max_request_bytes
             for session_id, calls in delivers.items():
                 if (run := self.runs.get(session_id)) is not None and run.gateway_session is not None:
                     run.calls_delivered = calls
             if response.reregister:
                 # The server declared this node dead and gave its sessions to others: stop them.
                 log.warning("the rollout server no longer knows node %s; registering again", self.node_id)
-                self.node_id = ""
+                self.node_id = self._node_secret = ""
                 for run in self.runs.values():
                     run.cancel.set()
                 continue
@@ -250,19 +297,32 @@ class Node:
         run.task = asyncio.create_task(self._run_session(run), name=f"session {run.session_id}")
 
     async def _report(self, run: SessionRun, trajectory: common_pb2.Trajectory) -> None:
+        """Report until the server acknowledges or refuses for good; a report too large for the
+        server is replaced, once, by a failed one that says so."""
         delay = RETRY_FIRST_S
+        cut = False
         while True:
+            # Built anew each time: the node may have registered again under a new id meanwhile.
+            request = rollout_pb2.ReportSessionRequest(
+                node_id=self.node_id, node_secret=self._node_secret, session_id=run.session_id, trajectory=trajectory
+            )
+            size = request.ByteSize()
+            if not cut and self.max_request_bytes and size > self.max_request_bytes:
+                why = f"its report is {size} bytes, over the rollout server's limit of {self.max_request_bytes} bytes"
+                log.warning("session %s: %s; reporting it as failed", run.session_id, why)
+                trajectory, cut = _too_large(trajectory, why), True
+                continue
             try:
-                await self._stub.ReportSession(
-                    rollout_pb2.ReportSessionRequest(
-                        node_id=self.node_id, session_id=run.session_id, trajectory=trajectory
-                    ),
-                    timeout=30.0,
-                    metadata=self._credential,
-                )
+                await self._stub.ReportSession(request, timeout=30.0, metadata=self._credential)
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() in REPORT_REFUSED:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not cut:
+                    # Over a limit the server did not tell (or that changed): as permanent as one it did.
+                    why = f"the rollout server refused its report of {size} bytes: {exc.details()}"
+                    log.warning("session %s: %s; reporting it as failed", run.session_id, why)
+                    trajectory, cut = _too_large(trajectory, why), True
+                    continue
+                if exc.code() in REPORT_REFUSED or exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     log.warning("the rollout server refused session %s: %s", run.session_id, exc.details())
                     return
                 await asyncio.sleep(delay)
@@ -474,6 +534,20 @@ class Node:
         task = asyncio.create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _too_large(trajectory: common_pb2.Trajectory, why: str) -> common_pb2.Trajectory:
+    """The trajectory as a failed session's, without what made its report too large (its calls,
+    traces and abandoned calls); the reward, outputs, timings and labels are kept, and the error
+    says why."""
+    failed = common_pb2.Trajectory()
+    failed.CopyFrom(trajectory)
+    failed.ClearField("calls")
+    failed.ClearField("traces")
+    failed.ClearField("abandoned_calls")
+    failed.outcome = common_pb2.SESSION_OUTCOME_FAILED
+    failed.error = "; ".join(filter(None, [trajectory.error, f"not reported whole: {why}"]))
+    return failed
 
 
 def _harness_outcome(result: ProcessResult, task: rollout_pb2.Task, calls: int) -> tuple[int, str]:

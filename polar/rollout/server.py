@@ -7,6 +7,13 @@ transaction per change), and typed errors become status codes here, and only her
     a task's problems (tasks.validate_task), a bad heartbeat, report or cursor -> INVALID_ARGUMENT
     TaskExists -> ALREADY_EXISTS      UnknownTask, UnknownSession -> NOT_FOUND
     NotAssigned -> FAILED_PRECONDITION     the server stopping (open result streams) -> UNAVAILABLE
+    WrongNodeSecret -> PERMISSION_DENIED
+
+Nodes share one credential (the node role's token), so the role alone cannot tell them apart:
+RegisterNode issues each node its id and a secret proving it (only its hash is stored, so a
+restarted server still knows its nodes), and a heartbeat or report under a node id must carry that
+node's secret, or it is refused before it changes anything. A request over the server's receive
+limit (`max_request_bytes`, told to nodes at registration) is RESOURCE_EXHAUSTED from gRPC itself.
 
 Dispatch happens inside Heartbeat, a long poll: the server records the node's progress, takes back
 sessions the node no longer lists (lost), assigns pending sessions to its free slots, and answers at
@@ -28,6 +35,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -60,6 +68,7 @@ from polar.rollout.store import (
     TaskExists,
     UnknownSession,
     UnknownTask,
+    WrongNodeSecret,
 )
 from polar.rollout.tasks import normalize_task, validate_task
 from polar.service import Ready, ServiceError, join_host_port
@@ -68,9 +77,11 @@ from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 log = logging.getLogger("polar.rollout.server")
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-# Reports carry whole trajectories (every call's token ids and bodies) and result batches several of
-# them: clients of WatchResults need a receive limit this large too.
+# Result batches carry several whole trajectories (every call's token ids and bodies): clients of
+# WatchResults need a receive limit this large too. What the server receives (a report carries one
+# trajectory) is limited by RolloutConfig.max_request_bytes.
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+NODE_SECRET_BYTES = 32
 # Serialized trajectories per WatchResults message before compression; a group is never split, so
 # one larger group still goes out alone.
 BATCH_BYTES = 64 * 1024 * 1024
@@ -117,13 +128,20 @@ class _Wakeup:
         UnknownTask: grpc.StatusCode.NOT_FOUND,
         UnknownSession: grpc.StatusCode.NOT_FOUND,
         NotAssigned: grpc.StatusCode.FAILED_PRECONDITION,
+        WrongNodeSecret: grpc.StatusCode.PERMISSION_DENIED,
     }
 )
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     """See RolloutService in rollout.proto for each rpc's contract."""
 
     def __init__(
-        self, store: RolloutStore, *, heartbeat_interval_s: float, node_timeout_s: float, max_attempts: int
+        self,
+        store: RolloutStore,
+        *,
+        heartbeat_interval_s: float,
+        node_timeout_s: float,
+        max_attempts: int,
+        max_request_bytes: int = MAX_MESSAGE_BYTES,
     ) -> None:
         if not heartbeat_interval_s > 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
@@ -138,6 +156,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._interval = heartbeat_interval_s
         self._node_timeout = node_timeout_s
         self._max_attempts = max_attempts
+        self._max_request_bytes = max_request_bytes
         self._releases = _Wakeup()  # groups released: result streams look again
         # Node id -> the event its waiting heartbeat wakes on: set when there may be work for it
         # (sessions pending, cancels) or when a newer heartbeat of the node replaces it.
@@ -264,7 +283,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if problems:
             raise InvalidArgument(_listed(problems))
         node_id = f"node-{uuid.uuid4().hex[:12]}"
-        self._store.add_node(node_id, request, time.time())
+        secret = secrets.token_hex(NODE_SECRET_BYTES)
+        self._store.add_node(node_id, request, time.time(), secret=secret)
         self._heard[node_id] = time.monotonic()
         log.info(
             "node %s registered (gateway %s, runtimes %s)",
@@ -272,7 +292,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             request.gateway_address,
             ", ".join(request.runtimes),
         )
-        return rollout_pb2.RegisterNodeResponse(node_id=node_id, heartbeat_interval_seconds=self._interval)
+        return rollout_pb2.RegisterNodeResponse(
+            node_id=node_id,
+            heartbeat_interval_seconds=self._interval,
+            node_secret=secret,
+            max_request_bytes=self._max_request_bytes,
+        )
 
     # Unary, long-polled.
     async def Heartbeat(
@@ -280,9 +305,11 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.HeartbeatResponse:
         node_id = request.node_id
         listed = [progress.session_id for progress in request.sessions]
-        if self._store.node(node_id) is None:
-            # Declared dead (or never registered): whatever it holds was given to others.
+        if not self._store.has_secret(node_id):
+            # Declared dead, never registered, or registered before nodes had secrets (a schema 2
+            # store): whatever it holds was given to others, or will be once it is declared dead.
             return rollout_pb2.HeartbeatResponse(reregister=True, cancel=listed)
+        self._store.check_node_secret(node_id, request.node_secret)
         problems = _pool_problems(request.pools) + _progress_problems(request.sessions)
         if problems:
             raise InvalidArgument(_listed(problems))
@@ -301,13 +328,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             while True:
                 poll.clear()  # before looking: a wake-up from now on is not missed
                 if self._polls.get(node_id) is not poll or self._stopping:
-                    return rollout_pb2.HeartbeatResponse(cancel=beat.foreign)
+                    return rollout_pb2.HeartbeatResponse(cancel=beat.foreign, max_request_bytes=self._max_request_bytes)
                 start = self._store.dispatch(node_id, time.time())
                 new_cancels = self._new_cancels.pop(node_id, None)
                 remaining = deadline - time.monotonic()
                 if start or new_cancels or remaining <= 0:
                     cancel = self._store.cancels_for(node_id, exclude=in_postrun) + list(beat.foreign)
-                    return rollout_pb2.HeartbeatResponse(start=start, cancel=cancel)
+                    return rollout_pb2.HeartbeatResponse(
+                        start=start, cancel=cancel, max_request_bytes=self._max_request_bytes
+                    )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(poll.wait(), remaining)
         finally:
@@ -319,6 +348,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def ReportSession(
         self, request: rollout_pb2.ReportSessionRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.ReportSessionResponse:
+        if self._store.node(request.node_id) is not None:
+            self._store.check_node_secret(request.node_id, request.node_secret)
+        # An unknown node holds no session (a dead node's were taken back): its report is refused
+        # below, or acknowledged as a repeat when the session is done.
         trajectory = request.trajectory
         problems = []
         if not request.HasField("trajectory"):
@@ -479,8 +512,14 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
             heartbeat_interval_s=config.heartbeat_interval_s,
             node_timeout_s=config.node_timeout_s,
             max_attempts=config.max_attempts,
+            max_request_bytes=config.max_request_bytes,
         )
-        server, health_servicer = new_server(SERVICE_NAME, RolloutServicer.roles, max_message_bytes=MAX_MESSAGE_BYTES)
+        server, health_servicer = new_server(
+            SERVICE_NAME,
+            RolloutServicer.roles,
+            max_message_bytes=MAX_MESSAGE_BYTES,
+            max_receive_bytes=config.max_request_bytes,
+        )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
         port = bind(server, join_host_port(config.host, config.port), "the rollout server")
         await set_serving(health_servicer, SERVICE_NAME)

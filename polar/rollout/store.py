@@ -22,12 +22,15 @@ Exceptions::
     ├── UnknownTask         no task has that id
     ├── UnknownSession      no session has that id
     ├── NotAssigned         a report from a node that does not hold the session (now)
+    ├── WrongNodeSecret     a node's call under an id whose secret it does not have
     └── InvalidCursor       a results cursor this store never gave out
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import sqlite3
 from collections.abc import Iterable, Iterator, Sequence
@@ -37,7 +40,7 @@ from pathlib import Path
 from polar import codec
 from polar.v1 import common_pb2, rollout_pb2
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 PENDING = rollout_pb2.SESSION_STATE_PENDING
 INIT = rollout_pb2.SESSION_STATE_INIT
 POSTRUN = rollout_pb2.SESSION_STATE_POSTRUN
@@ -103,9 +106,13 @@ CREATE TABLE nodes (
     base_url TEXT NOT NULL,
     runtimes TEXT NOT NULL,                   -- JSON list of runtime kinds
     pools TEXT NOT NULL,                      -- JSON {{name: [capacity, depth]}}, as last reported
-    registered_at REAL NOT NULL
+    registered_at REAL NOT NULL,
+    secret_sha256 TEXT NOT NULL DEFAULT ''    -- of the secret RegisterNode issued with the id (hex);
+                                              -- '' for a node of schema 2, which must register again
 );
 """
+# Schema 2 lacks the nodes' secrets: its nodes keep their sessions until they are declared dead.
+_MIGRATE_FROM_2 = "ALTER TABLE nodes ADD COLUMN secret_sha256 TEXT NOT NULL DEFAULT ''"
 
 
 # What a heartbeat reports of each session, in the order record_heartbeat compares them.
@@ -134,6 +141,10 @@ class UnknownSession(StoreError, LookupError):
 
 
 class NotAssigned(StoreError):
+    pass
+
+
+class WrongNodeSecret(StoreError):
     pass
 
 
@@ -207,6 +218,8 @@ class RolloutStore:
                 version = db.execute("PRAGMA user_version").fetchone()[0]
             if version == 0:
                 self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+            elif version == 2:
+                self._db.executescript(f"BEGIN IMMEDIATE; {_MIGRATE_FROM_2}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
             elif version != SCHEMA_VERSION:
                 raise StoreError(
                     f"{self.path} is a rollout store of schema version {version}; this Polar reads {SCHEMA_VERSION}"
@@ -300,11 +313,12 @@ class RolloutStore:
 
     # --- nodes -------------------------------------------------------------------------------------
 
-    def add_node(self, node_id: str, request: rollout_pb2.RegisterNodeRequest, now: float) -> None:
+    def add_node(self, node_id: str, request: rollout_pb2.RegisterNodeRequest, now: float, *, secret: str) -> None:
+        """A registered node, proven by `secret` (only its hash is stored)."""
         with self._transaction() as db:
             db.execute(
-                "INSERT INTO nodes (node_id, gateway_address, base_url, runtimes, pools, registered_at)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO nodes (node_id, gateway_address, base_url, runtimes, pools, registered_at, secret_sha256)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (
                     node_id,
                     request.gateway_address,
@@ -312,12 +326,30 @@ class RolloutStore:
                     json.dumps(sorted(set(request.runtimes))),
                     _pools_json(request.pools),
                     now,
+                    _digest(secret),
                 ),
             )
 
     def node(self, node_id: str) -> NodeRecord | None:
         row = self._db.execute("SELECT * FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
         return None if row is None else _node_record(row)
+
+    def has_secret(self, node_id: str) -> bool:
+        """Whether the node is registered with a secret (False for unknown nodes and for those of a
+        schema 2 store, registered before secrets)."""
+        row = self._db.execute("SELECT secret_sha256 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+        return row is not None and row["secret_sha256"] != ""
+
+    def check_node_secret(self, node_id: str, secret: str) -> None:
+        """Raises WrongNodeSecret unless `secret` is the one the registered node `node_id` was
+        issued (compared as hashes, in constant time)."""
+        row = self._db.execute("SELECT secret_sha256 FROM nodes WHERE node_id = ?", (node_id,)).fetchone()
+        stored = row["secret_sha256"] if row is not None else ""
+        if not (stored and hmac.compare_digest(_digest(secret), stored)):
+            raise WrongNodeSecret(
+                f"node {node_id!r}: the node_secret sent is not the one RegisterNode issued with this id;"
+                " refused, nothing changed"
+            )
 
     def nodes(self) -> list[NodeRecord]:
         return [_node_record(row) for row in self._db.execute("SELECT * FROM nodes ORDER BY registered_at")]
@@ -721,6 +753,10 @@ class RolloutStore:
 def state_name(state: int) -> str:
     """ "RUNNING" for SESSION_STATE_RUNNING, as TaskStatus.sessions_by_state keys them."""
     return rollout_pb2.SessionState.Name(state).removeprefix("SESSION_STATE_")
+
+
+def _digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def _pools_json(pools: Iterable[rollout_pb2.PoolStatus]) -> str:

@@ -135,6 +135,7 @@ async def running_rollout(
     heartbeat_interval_s: float = 0.5,
     node_timeout_s: float = 5.0,
     max_attempts: int = 3,
+    max_request_bytes: int = MAX_MESSAGE_BYTES,
 ) -> AsyncIterator[RolloutHandle]:
     """Start the rollout server (on `store_path`, else a fresh file), a scripted inference server,
     Envoy and, unless `node` is None, one node; stop them in reverse order."""
@@ -157,6 +158,7 @@ async def running_rollout(
                 heartbeat_interval_s=heartbeat_interval_s,
                 node_timeout_s=node_timeout_s,
                 max_attempts=max_attempts,
+                max_request_bytes=max_request_bytes,
             )
         )
         stack.push_async_callback(rollout.stop)

@@ -76,10 +76,12 @@ class CloseSessionRequest(_message.Message):
     def __init__(self, key: _Optional[str] = ...) -> None: ...
 
 class GetSessionRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "omit_calls")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    OMIT_CALLS_FIELD_NUMBER: _ClassVar[int]
     key: str
-    def __init__(self, key: _Optional[str] = ...) -> None: ...
+    omit_calls: bool
+    def __init__(self, key: _Optional[str] = ..., omit_calls: _Optional[bool] = ...) -> None: ...
 
 class GetSessionResponse(_message.Message):
     __slots__ = ("session", "calls")
@@ -114,10 +116,12 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
 
 class WatchSessionRequest(_message.Message):
-    __slots__ = ("key",)
+    __slots__ = ("key", "until_caught_up")
     KEY_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_CAUGHT_UP_FIELD_NUMBER: _ClassVar[int]
     key: str
-    def __init__(self, key: _Optional[str] = ...) -> None: ...
+    until_caught_up: bool
+    def __init__(self, key: _Optional[str] = ..., until_caught_up: _Optional[bool] = ...) -> None: ...
 
 class WatchSessionResponse(_message.Message):
     __slots__ = ("call",)

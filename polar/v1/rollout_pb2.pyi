@@ -241,22 +241,28 @@ class RegisterNodeRequest(_message.Message):
     def __init__(self, gateway_address: _Optional[str] = ..., base_url: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., runtimes: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterNodeResponse(_message.Message):
-    __slots__ = ("node_id", "heartbeat_interval_seconds")
+    __slots__ = ("node_id", "heartbeat_interval_seconds", "node_secret", "max_request_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     heartbeat_interval_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+    node_secret: str
+    max_request_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_secret: _Optional[str] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "pools", "sessions")
+    __slots__ = ("node_id", "node_secret", "pools", "sessions")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
+    node_secret: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionProgress]
-    def __init__(self, node_id: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionProgress, _Mapping]]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., node_secret: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionProgress, _Mapping]]] = ...) -> None: ...
 
 class SessionProgress(_message.Message):
     __slots__ = ("session_id", "state", "call_count", "stage_timings", "new_calls")
@@ -283,24 +289,28 @@ class SessionAssignment(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., task: _Optional[_Union[Task, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("start", "cancel", "reregister")
+    __slots__ = ("start", "cancel", "reregister", "max_request_bytes")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     REREGISTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
     start: _containers.RepeatedCompositeFieldContainer[SessionAssignment]
     cancel: _containers.RepeatedScalarFieldContainer[str]
     reregister: bool
-    def __init__(self, start: _Optional[_Iterable[_Union[SessionAssignment, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ..., reregister: _Optional[bool] = ...) -> None: ...
+    max_request_bytes: int
+    def __init__(self, start: _Optional[_Iterable[_Union[SessionAssignment, _Mapping]]] = ..., cancel: _Optional[_Iterable[str]] = ..., reregister: _Optional[bool] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class ReportSessionRequest(_message.Message):
-    __slots__ = ("node_id", "session_id", "trajectory")
+    __slots__ = ("node_id", "node_secret", "session_id", "trajectory")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
+    node_secret: str
     session_id: str
     trajectory: _common_pb2.Trajectory
-    def __init__(self, node_id: _Optional[str] = ..., session_id: _Optional[str] = ..., trajectory: _Optional[_Union[_common_pb2.Trajectory, _Mapping]] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., node_secret: _Optional[str] = ..., session_id: _Optional[str] = ..., trajectory: _Optional[_Union[_common_pb2.Trajectory, _Mapping]] = ...) -> None: ...
 
 class ReportSessionResponse(_message.Message):
     __slots__ = ()

@@ -127,7 +127,8 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterNode(self, request, context):
-        """Unary. A gateway node announces itself and its pools; returns its node id.
+        """Unary. A gateway node announces itself and its pools; returns the identity the server issued
+        it (a node id and the secret that proves it) and the largest request the server accepts.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -137,7 +138,8 @@ class RolloutServiceServicer:
         """Unary, long-polled. A node reports its pools and sessions; the server answers with sessions to
         start and sessions to cancel as soon as it has any, else after the heartbeat interval. A node
         whose heartbeats stop for the node timeout is considered dead and its sessions are dispatched
-        again (or marked failed after the last attempt).
+        again (or marked failed after the last attempt). PERMISSION_DENIED, changing nothing, when the
+        node secret is not the one RegisterNode issued with the node id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -146,7 +148,9 @@ class RolloutServiceServicer:
     def ReportSession(self, request, context):
         """Unary. A node reports a session's final result (trajectory or error). A repeated report of a
         finished session is acknowledged and ignored; NOT_FOUND for an unknown session;
-        FAILED_PRECONDITION when the node does not hold the session (any more).
+        FAILED_PRECONDITION when the node does not hold the session (any more); PERMISSION_DENIED,
+        changing nothing, when the node secret is not the one RegisterNode issued with the node id;
+        RESOURCE_EXHAUSTED for a request over RegisterNodeResponse.max_request_bytes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

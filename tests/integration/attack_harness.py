@@ -11,6 +11,7 @@ prints as they arrive, then rollout_harness.py's normal loop. The addresses come
 `env` (a real attacker would scan the loopback ports): POLAR_ATTACK_ROLLOUT,
 POLAR_ATTACK_INFERENCE, POLAR_ATTACK_ENVOY_INFERENCE, POLAR_ATTACK_GATEWAY (the node's
 GatewayService), POLAR_ATTACK_NODE_ID, POLAR_ATTACK_TOKEN_FOLDER (the stack's credentials folder).
+Where it can read the node's credential, it heartbeats and reports under the node's id with it.
 """
 
 from __future__ import annotations
@@ -83,6 +84,31 @@ def attacks() -> dict[str, str]:
         report["RolloutService.Cancel"] = attempt(
             lambda: rollout.Cancel(rollout_pb2.CancelRequest(session_ids=[other]), timeout=10)
         )
+        # The node's credential, stolen where it can be read: the rpcs are a node's, but the node id
+        # is not the attacker's. Listing no session, this heartbeat would have the node's sessions
+        # taken back from it.
+        try:
+            node_token = (Path(env["POLAR_ATTACK_TOKEN_FOLDER"]) / "node").read_text().strip()
+        except OSError as exc:
+            cannot = f"refused: {exc.strerror}"
+            report["stolen node token: RolloutService.Heartbeat(the node's id, no sessions)"] = cannot
+            report["stolen node token: RolloutService.ReportSession(reward=1e9)"] = cannot
+        else:
+            stolen = (("authorization", "Bearer " + node_token),)
+            report["stolen node token: RolloutService.Heartbeat(the node's id, no sessions)"] = attempt(
+                lambda: rollout.Heartbeat(
+                    rollout_pb2.HeartbeatRequest(node_id=env["POLAR_ATTACK_NODE_ID"], node_secret="guess"),
+                    timeout=10,
+                    metadata=stolen,
+                )
+            )
+            report["stolen node token: RolloutService.ReportSession(reward=1e9)"] = attempt(
+                lambda: rollout.ReportSession(
+                    rollout_pb2.ReportSessionRequest(node_id=env["POLAR_ATTACK_NODE_ID"], session_id=session_id, trajectory=fake),
+                    timeout=10,
+                    metadata=stolen,
+                )
+            )
     with grpc.insecure_channel(env["POLAR_ATTACK_GATEWAY"]) as channel:
         gateway = gateway_pb2_grpc.GatewayServiceStub(channel)
         report["GatewayService.GetSession(another session)"] = attempt(

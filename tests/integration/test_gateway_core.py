@@ -9,6 +9,7 @@ overloaded) is checked through the real dialect modules.
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import logging
 import contextlib
@@ -575,6 +576,33 @@ async def test_polar_session_open_show_close(gw, http):
     assert code == 0 and "1 calls" in out
     code, _, err = await _polar("session", "show", "nope", "--gateway", gw.grpc_address)
     assert code == 1 and err.startswith("polar: error: GetSession") and "NOT_FOUND" in err
+
+
+@pytest.mark.slow
+async def test_polar_session_show_reads_a_session_larger_than_a_grpc_message(gw, http):
+    """Five calls whose request bodies (kept whole in their records) total 5 MiB: more than one
+    response may carry under gRPC's default 4 MiB receive limit, so `show` streams the records."""
+    key = gw.open_session(task_id="big")
+    padding = "x" * (1024 * 1024)
+    for index in range(5):
+        status, _ = await _chat(http, gw, key, messages=[_user(f"LOGPROBS {index}")], padding=padding)
+        assert status == 200
+    async with grpc.aio.insecure_channel(gw.grpc_address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as whole:
+            await gateway_pb2_grpc.GatewayServiceStub(channel).GetSession(gateway_pb2.GetSessionRequest(key=key))
+    assert whole.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    code, out, err = await _polar("session", "show", key, "--json", "--gateway", gw.grpc_address)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["session"]["taskId"] == "big" and shown["session"]["callCount"] == 5
+    assert [call["callId"] for call in shown["calls"]] == ["c0001", "c0002", "c0003", "c0004", "c0005"]
+    for index, call in enumerate(shown["calls"]):
+        body = json.loads(base64.b64decode(call["requestBody"]))
+        assert body["messages"][0]["content"] == f"LOGPROBS {index}" and body["padding"] == padding
+    code, out, err = await _polar("session", "show", key, "--gateway", gw.grpc_address)
+    assert code == 0, err
+    assert out.splitlines()[0].endswith("(open), 5 calls") and len(out.splitlines()) == 6
 
 
 async def test_a_gateway_that_cannot_start_closes_the_socket_it_was_handed():

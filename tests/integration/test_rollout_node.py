@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import re
 import signal
 import sys
 from pathlib import Path
@@ -270,6 +271,90 @@ async def test_a_restarted_rollout_server_loses_nothing(tmp_path: Path) -> None:
     [after] = groups[1]
     assert after.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED, after.error
     assert after.attempt == 1 and after.reward == 1.0 and len(after.calls) == 2
+
+
+async def test_a_report_too_large_for_the_server_fails_its_session_and_the_group_is_released() -> None:
+    """A session whose calls each fit a heartbeat but whose trajectory exceeds the server's limit:
+    the node reports it failed, naming both sizes, and its group is released beside a normal one."""
+    limit = 256 * 1024
+    async with running_rollout(SCRIPT, max_request_bytes=limit) as rollout:
+        assert rollout.nodes[0].node.max_request_bytes == limit
+        big, small = await rollout.submit(
+            command_task(harness(), instruction="Write hello to out.txt. " + "hello " * 16_000, evaluator=FOUND_HELLO),
+            command_task(harness(), instruction="Write hello to out.txt.", evaluator=FOUND_HELLO),
+        )
+        groups = {group[0].task_id: group for group in await rollout.groups(2)}
+        status = await rollout.session_status(f"{big}.0")
+    [failed], [fine] = groups[big], groups[small]
+    assert failed.outcome == OUTCOME.SESSION_OUTCOME_FAILED and failed.attempt == 1 and status.attempts == 1
+    size = int(re.search(r"its report is (\d+) bytes, over the rollout server's limit of (\d+) bytes", failed.error)[1])
+    assert size > limit and f"limit of {limit} bytes" in failed.error
+    assert failed.reward == 1.0 and "Done: out.txt says hello." in failed.harness_output  # kept
+    assert list(failed.calls) == [] and list(failed.traces) == []
+    assert fine.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED and fine.reward == 1.0 and len(fine.calls) == 2
+
+
+async def test_a_server_restarted_with_a_lower_limit_gets_heartbeats_and_a_failed_report_from_its_node(
+    tmp_path: Path,
+) -> None:
+    """The server goes down while a session records a call larger than the limit it comes back with:
+    the node's heartbeat holding the call is refused, sent again without it, and the node learns the
+    new limit and stays alive; the session's report, too large, becomes a failed one naming it."""
+    from polar.config import RolloutConfig
+    from polar.rollout.server import MAX_MESSAGE_BYTES, start_rollout_server
+
+    limit = 128 * 1024
+    async with running_rollout(SCRIPT, store_path=tmp_path / "rollout.db") as rollout:
+        node = rollout.nodes[0].node
+        assert node.max_request_bytes == MAX_MESSAGE_BYTES
+        task = command_task(harness("slow"), instruction="Write hello to out.txt. " + "hello " * 16_000, evaluator=FOUND_HELLO)
+        task.harness.env["POLAR_TEST_PAUSE"] = "5"  # the server is back well before the second call
+        [task_id] = await rollout.submit(task)
+        async with asyncio.timeout(30):
+            while (run := node.runs.get(f"{task_id}.0")) is None:  # assigned: no call made yet
+                await asyncio.sleep(0.01)
+        host, port = rollout.rollout.host, rollout.rollout.port
+        await rollout.rollout.stop()
+        async with asyncio.timeout(30):
+            while run.gateway_session is None or not run.gateway_session.records:
+                await asyncio.sleep(0.02)
+        [call] = run.gateway_session.records
+        assert run.calls_delivered == 0 and call.ByteSize() > limit
+        rollout.rollout = await start_rollout_server(
+            RolloutConfig(
+                host=host, port=port, store=str(rollout.store_path), heartbeat_interval_s=0.5, max_request_bytes=limit
+            )
+        )
+        async with asyncio.timeout(10):
+            while node.max_request_bytes != limit:
+                await asyncio.sleep(0.05)
+        [[failed]] = await rollout.groups(1)
+        status = await rollout.session_status(f"{task_id}.0")
+    assert failed.outcome == OUTCOME.SESSION_OUTCOME_FAILED and failed.attempt == 1 and status.attempts == 1
+    assert re.search(rf"its report is \d+ bytes, over the rollout server's limit of {limit} bytes", failed.error), failed.error
+    assert failed.reward == 1.0 and list(failed.calls) == []
+
+
+async def test_a_node_registers_again_under_a_new_identity_and_keeps_working(tmp_path: Path) -> None:
+    """The rollout server comes back on an empty store: it no longer knows the node, which registers
+    again (a new id and secret) and runs the next task."""
+    from polar.config import RolloutConfig
+    from polar.rollout.server import start_rollout_server
+
+    async with running_rollout(SCRIPT, store_path=tmp_path / "first.db") as rollout:
+        node = rollout.nodes[0].node
+        first_id, first_secret = node.node_id, node._node_secret
+        host, port = rollout.rollout.host, rollout.rollout.port
+        await rollout.rollout.stop()
+        rollout.rollout = await start_rollout_server(
+            RolloutConfig(host=host, port=port, store=str(tmp_path / "second.db"), heartbeat_interval_s=0.5)
+        )
+        [task_id] = await rollout.submit(command_task(harness(), evaluator=FOUND_HELLO))
+        [[trajectory]] = await rollout.groups(1)
+        status = await rollout.session_status(f"{task_id}.0")
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED and trajectory.reward == 1.0, trajectory.error
+    assert status.node_id == node.node_id != first_id
+    assert node._node_secret and node._node_secret != first_secret
 
 
 def _slow_task() -> rollout_pb2.Task:

@@ -89,6 +89,8 @@ class DriverNode:
         ]
         self.runtimes = list(runtimes)
         self.node_id = ""
+        self.secret = ""
+        self.max_request_bytes = 0
         self.held: dict[str, rollout_pb2.SessionProgress] = {}
         self.assignments: dict[str, rollout_pb2.SessionAssignment] = {}
 
@@ -98,12 +100,15 @@ class DriverNode:
                 gateway_address="127.0.0.1:1", base_url="http://127.0.0.1:2", pools=self.pools, runtimes=self.runtimes
             )
         )
-        self.node_id = response.node_id
+        self.node_id, self.secret = response.node_id, response.node_secret
+        self.max_request_bytes = response.max_request_bytes
         return self
 
     async def beat(self) -> rollout_pb2.HeartbeatResponse:
         response = await self.stub.Heartbeat(
-            rollout_pb2.HeartbeatRequest(node_id=self.node_id, pools=self.pools, sessions=list(self.held.values()))
+            rollout_pb2.HeartbeatRequest(
+                node_id=self.node_id, node_secret=self.secret, pools=self.pools, sessions=list(self.held.values())
+            )
         )
         for assignment in response.start:
             self.held[assignment.session_id] = rollout_pb2.SessionProgress(session_id=assignment.session_id, state=INIT)
@@ -119,6 +124,7 @@ class DriverNode:
         await self.stub.ReportSession(
             rollout_pb2.ReportSessionRequest(
                 node_id=self.node_id,
+                node_secret=self.secret,
                 session_id=session_id,
                 trajectory=common_pb2.Trajectory(outcome=outcome, reward=reward, **fields),
             )
@@ -337,7 +343,7 @@ async def test_a_heartbeat_without_work_waits_the_interval(start):
     node = await DriverNode(stub).register()
     started = time.monotonic()
     response = await node.beat()
-    assert response == rollout_pb2.HeartbeatResponse()
+    assert response == rollout_pb2.HeartbeatResponse(max_request_bytes=MAX_MESSAGE_BYTES)  # no work
     assert 0.45 <= time.monotonic() - started < 2.0
 
 
@@ -347,7 +353,7 @@ async def test_a_newer_heartbeat_ends_the_waiting_one_which_assigns_nothing(star
     abandoned = asyncio.create_task(node.beat())
     await asyncio.sleep(0.2)
     newer = asyncio.create_task(node.beat())
-    assert await asyncio.wait_for(abandoned, 1.0) == rollout_pb2.HeartbeatResponse()
+    assert await asyncio.wait_for(abandoned, 1.0) == rollout_pb2.HeartbeatResponse(max_request_bytes=MAX_MESSAGE_BYTES)
     await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t")]))
     assert [a.session_id for a in (await asyncio.wait_for(newer, 2.0)).start] == ["t.0"]
 
@@ -379,6 +385,59 @@ async def test_heartbeat_refuses_bad_progress_and_tells_unknown_nodes_to_registe
         node_id="node-unknown", sessions=[rollout_pb2.SessionProgress(session_id="x.0")]
     )
     assert await stub.Heartbeat(stranger) == rollout_pb2.HeartbeatResponse(reregister=True, cancel=["x.0"])
+
+
+async def test_a_heartbeat_or_report_under_another_node_s_id_is_refused_and_changes_nothing(start):
+    _, stub = await start(max_attempts=1)
+    await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t", 2)]))
+    victim = await DriverNode(stub, running=2).register()
+    impostor = await DriverNode(stub).register()
+    assert victim.node_id != impostor.node_id and len(victim.secret) == 64 and victim.secret != impostor.secret
+    await victim.beat()
+    victim.advance("t.0", RUNNING, calls=1)
+    await victim.beat()
+
+    listed = await stub.ListNodes(rollout_pb2.ListNodesRequest())
+    assert victim.secret.encode() not in listed.SerializeToString()
+    for secret in (impostor.secret, "", victim.secret.upper()):
+        # Listing nothing, the victim's sessions would be "lost": taken back and, on their last
+        # attempt, failed. A report would finish one with a reward of the impostor's choosing.
+        beat = stub.Heartbeat(rollout_pb2.HeartbeatRequest(node_id=victim.node_id, node_secret=secret))
+        forged = stub.ReportSession(
+            rollout_pb2.ReportSessionRequest(
+                node_id=victim.node_id,
+                node_secret=secret,
+                session_id="t.0",
+                trajectory=common_pb2.Trajectory(outcome=COMPLETED, reward=1e9),
+            )
+        )
+        for call in (beat, forged):
+            error = await rpc_error(call)
+            assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert f"node '{victim.node_id}': the node_secret sent is not the one RegisterNode issued" in error.details()
+            assert victim.secret not in error.details() and impostor.secret not in error.details()
+    for session_id, state, calls in (("t.0", RUNNING, 1), ("t.1", INIT, 0)):
+        status = await session(stub, session_id)
+        assert (status.state, status.node_id, status.call_count, status.attempts) == (state, victim.node_id, calls, 1)
+    [info] = [node for node in (await stub.ListNodes(rollout_pb2.ListNodesRequest())).nodes if node.node_id == victim.node_id]
+    assert info.session_count == 2
+    # The victim itself carries on.
+    assert not (await victim.beat()).reregister
+    await victim.report("t.0", reward=0.5)
+    assert (await session(stub, "t.0")).reward == 0.5
+
+
+async def test_a_request_over_the_server_s_limit_is_refused_and_the_limit_is_told_at_registration(start):
+    _, stub = await start(max_request_bytes=64 * 1024)
+    await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t")]))
+    node = await DriverNode(stub).register()
+    assert node.max_request_bytes == 64 * 1024
+    await node.beat()
+    error = await rpc_error(node.report("t.0", harness_output="x" * (64 * 1024)))
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert (await session(stub, "t.0")).state == INIT
+    await node.report("t.0", harness_output="x" * 1024)
+    assert (await session(stub, "t.0")).state == DONE
 
 
 async def test_register_needs_a_runtime(start):

@@ -4,8 +4,9 @@ callers still work with nothing lost.
 
 attack_harness.py runs as each session's harness: it reads the stack's credential files, opens TCP
 connections to the control plane's ports, calls every control-plane rpc a model-written command could
-reach from the machine (reward reporting, heartbeats under the node's id, another session's key and
-records, closing it, draining, pausing and updating the model, directly and via Envoy) and stops
+reach from the machine (reward reporting, heartbeats under the node's id, also with the node's own
+credential where it can read it, another session's key and records, closing it, draining, pausing
+and updating the model, directly and via Envoy) and stops
 Envoy through its TCP listeners, then solves its task through its own gateway key, streamed and whole.
 The stack runs under each `harness_isolation` of the local runtime; those that need user namespaces
 are skipped where this machine cannot make them.
@@ -116,7 +117,7 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
     assert [t["sessionId"] for t in trajectories] == ["attack.0", "attack.1"]
     for trajectory in trajectories:
         assert trajectory["outcome"] == "SESSION_OUTCOME_COMPLETED", trajectory.get("error")
-        assert trajectory["reward"] == 0.5
+        assert trajectory["reward"] == 0.5 and trajectory["attempt"] == 1
         assert len(trajectory["calls"]) == 2
         output = trajectory["harnessOutput"]
         streamed = [line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("STREAMED ")]
@@ -126,14 +127,21 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
 
         [report] = [line for line in output.splitlines() if line.startswith("ATTACKS ")]
         attacks = json.loads(report.removeprefix("ATTACKS "))
-        assert len(attacks) == 21
+        assert len(attacks) == 23
         allowed = {name for name, outcome in attacks.items() if not outcome.startswith("refused")}
         assert allowed == ALLOWED[isolation], attacks
+        stolen = [outcome for name, outcome in attacks.items() if name.startswith("stolen node token")]
+        assert len(stolen) == 2
         if isolation != "none":
             assert all(attacks[name] == "refused: No such file or directory" for name in CREDENTIAL_READS), attacks
+            assert all(outcome == "refused: No such file or directory" for outcome in stolen), attacks
+        else:
+            # With the node's credential, the node's id is still not the attacker's: it lacks the node's secret.
+            refusal = f"refused PERMISSION_DENIED: node '{node_id}': the node_secret sent is not"
+            assert all(outcome.startswith(refusal) for outcome in stolen), attacks
         if isolation == "network":
             assert all(attacks[name] == "refused: Connection refused" for name in TCP_CONNECTIONS), attacks
-        grpc_attacks = [outcome for name, outcome in attacks.items() if "Service." in name]
+        grpc_attacks = [outcome for name, outcome in attacks.items() if "Service." in name and "stolen" not in name]
         assert all(outcome.startswith(GRPC_REFUSAL[isolation]) for outcome in grpc_attacks), attacks
         if isolation != "network":
             assert all("authorization: Bearer <token>" in outcome for outcome in grpc_attacks)

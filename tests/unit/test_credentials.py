@@ -1,7 +1,8 @@
 """polar/credentials.py and the caller check of polar/grpc_server.py: the tokens are private files
 reused across starts; a server with credentials refuses a call without a token or with a foreign one
 (UNAUTHENTICATED, saying what to send) and a role the rpc is not for (PERMISSION_DENIED), serves
-the roles it is for, and leaves health checking open; every rpc of a servicer names its callers."""
+the roles it is for, and leaves health checking open; every rpc of a servicer names its callers;
+a gateway's sessions and their keys are the operator's alone."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from polar import credentials
 from polar.config import RolloutConfig
 from polar.grpc_server import callers
 from polar.rollout.server import RolloutServicer, start_rollout_server
-from polar.v1 import rollout_pb2, rollout_pb2_grpc
+from polar.v1 import gateway_pb2, gateway_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
 pytestmark = pytest.mark.anyio
 
@@ -167,3 +168,48 @@ async def test_no_command_a_node_runs_in_a_runtime_gets_the_credentials(tmp_path
         assert not [name for name in launch.env if "CREDENTIAL" in name]
     finally:
         await runtime.close()
+
+
+async def test_a_gateway_s_sessions_and_keys_are_the_operator_s_alone(tmp_path: Path, monkeypatch) -> None:
+    from gateway.service import GatewayServicer, start_grpc
+    from gateway.sessions import SessionStore
+
+    issued = credentials.ensure(tmp_path / "credentials")
+    monkeypatch.setenv(credentials.ENV_VAR, str(issued.folder))
+    store = SessionStore()
+    session = store.open(session_id="s")
+    server, port = await start_grpc(GatewayServicer(store), "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+            calls = {
+                "OpenSession": lambda metadata: stub.OpenSession(gateway_pb2.OpenSessionRequest(), metadata=metadata),
+                "GetSession": lambda metadata: stub.GetSession(gateway_pb2.GetSessionRequest(key="s"), metadata=metadata),
+                "CloseSession": lambda metadata: stub.CloseSession(gateway_pb2.CloseSessionRequest(key="s"), metadata=metadata),
+                "Drain": lambda metadata: stub.Drain(gateway_pb2.DrainRequest(), metadata=metadata),
+            }
+
+            async def watch(metadata) -> list:
+                request = gateway_pb2.WatchSessionRequest(key="s", until_caught_up=True)
+                return [message async for message in stub.WatchSession(request, metadata=metadata)]
+
+            calls["WatchSession"] = watch
+            for caller, code in (
+                ((), grpc.StatusCode.UNAUTHENTICATED),
+                (issued.metadata(credentials.NODE), grpc.StatusCode.PERMISSION_DENIED),
+                (issued.metadata(credentials.TRAINER), grpc.StatusCode.PERMISSION_DENIED),
+            ):
+                for name, call in calls.items():
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await call(caller)
+                    assert refused.value.code() == code, name
+                    assert session.key not in refused.value.details()
+            assert not session.closed and not store.draining and store.open_sessions() == 1
+
+            status = await stub.GetNodeStatus(gateway_pb2.GetNodeStatusRequest(), metadata=issued.metadata(credentials.TRAINER))
+            assert status.status.open_sessions == 1 and session.key not in str(status)
+            operator = issued.metadata(credentials.OPERATOR)
+            assert (await calls["GetSession"](operator)).session.key == session.key
+            assert (await calls["CloseSession"](operator)).session.closed
+    finally:
+        await server.stop(0)

@@ -23,6 +23,7 @@ from polar.rollout.store import (
     TaskExists,
     UnknownSession,
     UnknownTask,
+    WrongNodeSecret,
 )
 from polar.rollout.tasks import normalize_task
 from polar.v1 import common_pb2, rollout_pb2
@@ -63,7 +64,7 @@ def add_node(store: RolloutStore, node_id: str, running: int = 1, ready: int = 0
         ],
         runtimes=runtimes,
     )
-    store.add_node(node_id, request, 0.0)
+    store.add_node(node_id, request, 0.0, secret=f"{node_id}-secret")
 
 
 def report(store: RolloutStore, node_id: str, session_id: str, reward: float = 1.0, now: float = 0.0) -> int:
@@ -128,6 +129,49 @@ def test_a_file_that_is_not_a_store_is_refused(tmp_path):
 def test_the_file_is_in_wal_mode_with_full_sync(store):
     assert store._db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert store._db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_a_node_s_secret_is_kept_hashed_and_checked_across_reopening(tmp_path):
+    path = tmp_path / "rollout.db"
+    store = RolloutStore(path)
+    add_node(store, "n")
+    add_node(store, "m")
+    store.check_node_secret("n", "n-secret")
+    store.close()
+    assert b"n-secret" not in b"".join(file.read_bytes() for file in tmp_path.iterdir())
+
+    store = RolloutStore(path)
+    store.check_node_secret("n", "n-secret")
+    for node_id, secret in (("n", "m-secret"), ("n", ""), ("x", ""), ("x", "n-secret")):
+        with pytest.raises(WrongNodeSecret, match=f"node '{node_id}': the node_secret sent is not the one"):
+            store.check_node_secret(node_id, secret)
+    assert (store.has_secret("n"), store.has_secret("x")) == (True, False)
+    store.close()
+
+
+def test_a_schema_2_store_is_migrated_and_its_nodes_must_register_again(tmp_path):
+    path = tmp_path / "rollout.db"
+    store = RolloutStore(path)
+    store.add_tasks([task("t")], now=0.0)
+    add_node(store, "old")
+    store.dispatch("old", now=0.0)
+    store.close()
+    db = sqlite3.connect(path)  # the nodes table as schema 2 had it
+    db.execute("ALTER TABLE nodes DROP COLUMN secret_sha256")
+    db.execute("PRAGMA user_version = 2")
+    db.commit()
+    db.close()
+
+    store = RolloutStore(path)
+    assert store._db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert [node.node_id for node in store.nodes()] == ["old"]
+    assert not store.has_secret("old")
+    with pytest.raises(WrongNodeSecret):
+        store.check_node_secret("old", "")
+    assert (state(store, "t.0").state, state(store, "t.0").node_id) == (INIT, "old")
+    add_node(store, "new")
+    store.check_node_secret("new", "new-secret")
+    store.close()
 
 
 # --- tasks and dispatch -------------------------------------------------------------------------------
