@@ -89,9 +89,11 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetSession(self, request, context):
-        """Unary. The session and every call recorded so far, in arrival order. NOT_FOUND for an unknown
+        """Unary. The session and every call recorded so far, in arrival order, with their bodies (those
+        the gateway spilled to disk past its per-session cap are read back). NOT_FOUND for an unknown
         session, including one forgotten: a closed session is dropped an hour after it was closed, once
-        no call of it is in flight.
+        no call of it is in flight. An open session with no call for [gateway] session_idle_timeout_s is
+        closed by the gateway (Session.expired), then forgotten the same way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,7 +101,8 @@ class GatewayServiceServicer:
 
     def WatchSession(self, request, context):
         """Server-streaming. Emits each call record of one session as soon as it is complete, starting with
-        those already recorded; ends when the session is closed and its last call is recorded.
+        those already recorded (bodies read back as for GetSession); ends when the session is closed and
+        its last call is recorded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
