@@ -77,6 +77,7 @@ DEFAULT_GENERATE_TIMEOUT_S = 900.0
 # generation is abandoned as hung: long enough for a long prompt's prefill on a CPU, or a call held
 # while a weight update pauses the server.
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
+MAX_RECONNECT_BACKOFF_MS = 2000
 
 _GRPC_ERRORS = {
     grpc.StatusCode.UNAVAILABLE: ErrorKind.OVERLOADED,
@@ -149,7 +150,12 @@ class InferenceClient:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        # A call made while the channel waits to reconnect fails at once: gRPC's default wait grows
+        # to two minutes, so an inference server back after an outage would stay unreachable (to
+        # calls and to readiness) that long. Reconnecting on loopback or a LAN costs next to nothing.
+        self._channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+        )
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         # The node's credential (polar.credentials), given per call: an interceptor on an aio channel
         # would wrap every streamed token in one more generator step.
@@ -159,7 +165,10 @@ class InferenceClient:
         """The served model, waiting up to timeout_s for the server to come up (or, without
         wait_for_ready, failing at once with UNAVAILABLE when it cannot be reached)."""
         response = await self._stub.GetModelInfo(
-            inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready, metadata=self._credential
+            inference_pb2.GetModelInfoRequest(),
+            timeout=timeout_s,
+            wait_for_ready=wait_for_ready,
+            metadata=self._credential,
         )
         return response.model_info
 

@@ -36,7 +36,7 @@ STOP_GRACE_SECONDS = 5.0
 # so a gateway that runs for weeks does not keep every call it ever served. Nodes drop theirs as soon
 # as the rollout server holds them.
 CLOSED_SESSION_RETENTION_S = 3600.0
-# How often idle sessions are expired and closed ones forgotten.
+# How often idle sessions are expired and closed ones forgotten (at most).
 SWEEP_INTERVAL_S = 60.0
 
 
@@ -141,8 +141,10 @@ async def start_gateway(
 
 
 async def _sweep_sessions(store: SessionStore, idle_timeout_s: float) -> None:
+    # A short idle timeout is kept to within a quarter of itself.
+    interval_s = min(SWEEP_INTERVAL_S, idle_timeout_s / 4)
     while True:
-        await asyncio.sleep(SWEEP_INTERVAL_S)
+        await asyncio.sleep(interval_s)
         store.expire_idle(idle_timeout_s)
         store.forget_closed(CLOSED_SESSION_RETENTION_S)
 

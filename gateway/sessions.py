@@ -269,7 +269,7 @@ class SessionStore:
         if session.expired:
             idle_s = (session.closed_unix_ns - session.last_active_unix_ns) / 1e9
             raise SessionClosed(
-                f"session {session.session_id} expired: the gateway closed it after {idle_s:.0f} s without a call"
+                f"session {session.session_id} expired: the gateway closed it after {idle_s:.1f} s without a call"
             )
         if session.closed:
             raise SessionClosed(f"session {session.session_id} is closed")
