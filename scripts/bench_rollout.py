@@ -273,6 +273,7 @@ def _measure(
             postrun_workers=8,
             prewarm=prewarm,
             work_root=str(_fresh(scratch / f"work-{name}")),
+            template_roots=str(template.parent),  # the node copies workspaces only from its template roots
         )
         gateway = GatewayConfig(port=gateway_http.getsockname()[1], grpc_port=0, inference_address=inference_address)
         spec = node_spec(node_config, gateway, InferenceConfig(), base_url=base_url)
