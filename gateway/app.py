@@ -8,22 +8,31 @@
     POST /{v1,v1beta}/models/{model}:streamGenerateContent[?alt=sse]
     POST /{v1,v1beta}/models/{model}:countTokens       gemini (prompt tokens only, no generation)
     GET  /v1/models                                    OpenAI's list shape; Anthropic's with anthropic-version
-    HEAD /, GET /                                      liveness, without a key (Claude Code probes it)
+    HEAD /                                             liveness, without a key (Claude Code probes it): 200
+    GET  /, GET /ready (and HEAD /ready)               readiness, without a key: 200 while the inference
+                                                       service answers, else 503 with a JSON body naming it
 
 The session key is read from `Authorization: Bearer`, `x-api-key`, `x-goog-api-key` or Gemini's
 `?key=`. Handlers stay thin: reading the body and choosing the dialect is all they do; errors come
 back in the route's dialect shape, and a route whose dialect is unavailable, an unknown route or a
 bug answer JSON in a neutral shape, never a traceback.
+
+Readiness asks the inference service (GetModelInfo, through Envoy in the stack, failing at once when
+it cannot be reached) at most once per READINESS_TTL_S, whatever the rate of probes: concurrent
+probes share one question, and the answer is reused until it is that old.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+import grpc
 from aiohttp import web
 
-from gateway.core import ClientGone, Gateway, Reply, json_bytes
+from gateway.core import ClientGone, Gateway, InferenceClient, Reply, json_bytes
 from gateway.dialects import DialectUnavailable, get_dialect
 from gateway.dialects.base import Dialect, ErrorKind, GatewayError, Route
 
@@ -37,8 +46,55 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 CLIENT_CLOSED_REQUEST = 499
 GEMINI_METHODS = {"generateContent": False, "streamGenerateContent": True}
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+READINESS_TTL_S = 1.0  # how long a readiness answer is reused
+READINESS_TIMEOUT_S = 2.0  # how long the inference service may take to answer a readiness question
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class InferenceReadiness:
+    """Whether the inference service answers, asked at most once per `ttl_s` (see the module docstring)."""
+
+    def __init__(
+        self,
+        inference: InferenceClient,
+        ttl_s: float = READINESS_TTL_S,
+        timeout_s: float = READINESS_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._inference = inference
+        self._ttl_s = ttl_s
+        self._timeout_s = timeout_s
+        self._clock = clock
+        self._answered_at: float | None = None
+        self._problem = ""
+        self._asking: asyncio.Future[str] | None = None
+
+    async def problem(self) -> str:
+        """Why the inference service cannot serve calls now; "" when it answers."""
+        if self._answered_at is not None and self._clock() - self._answered_at < self._ttl_s:
+            return self._problem
+        if self._asking is None:
+            self._asking = asyncio.ensure_future(self._ask())
+        # Shielded: a prober that hangs up does not cancel the question the others wait on.
+        return await asyncio.shield(self._asking)
+
+    async def _ask(self) -> str:
+        try:
+            await self._inference.model_info(self._timeout_s, wait_for_ready=False)
+            problem = ""
+        except grpc.aio.AioRpcError as exc:
+            problem = (
+                f"the inference service at {self._inference.address} does not answer: "
+                f"{exc.code().name}: {exc.details()}"
+            )
+        finally:
+            self._asking = None
+        self._answered_at, self._problem = self._clock(), problem
+        return problem
+
+
+READINESS = web.AppKey("readiness", InferenceReadiness)
 
 
 def create_app(gateway: Gateway, dialects: Mapping[str, Dialect] | None = None) -> web.Application:
@@ -46,8 +102,10 @@ def create_app(gateway: Gateway, dialects: Mapping[str, Dialect] | None = None) 
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
     app[GATEWAY] = gateway
     app[DIALECTS] = dict(dialects or {})
+    app[READINESS] = InferenceReadiness(gateway.inference)
     app.router.add_route("HEAD", "/", _root)
-    app.router.add_get("/", _root, allow_head=False)
+    app.router.add_get("/", _ready, allow_head=False)
+    app.router.add_get("/ready", _ready)
     app.router.add_post("/v1/chat/completions", _dialect_route("openai_chat"))
     app.router.add_post("/v1/responses", _dialect_route("openai_responses"))
     app.router.add_post("/v1/messages", _dialect_route("anthropic"))
@@ -213,9 +271,16 @@ def _dialect_error(request: web.Request, dialect_name: str, error: GatewayError)
 
 
 async def _root(request: web.Request) -> web.StreamResponse:
-    if request.method == "HEAD":
-        return web.Response(status=200)
-    return web.Response(body=json_bytes({"service": "polar gateway", "status": "ok"}), content_type="application/json")
+    return web.Response(status=200)
+
+
+async def _ready(request: web.Request) -> web.StreamResponse:
+    inference = request.app[GATEWAY].inference.address
+    problem = await request.app[READINESS].problem()
+    body = {"service": "polar gateway", "status": "unavailable" if problem else "ok", "inference": inference}
+    if problem:
+        body["error"] = problem
+    return web.Response(status=503 if problem else 200, body=json_bytes(body), content_type="application/json")
 
 
 @web.middleware

@@ -22,6 +22,11 @@ unexpected exception is logged here with its traceback and reaches the client as
 error. gRPC failures map as: UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED → OVERLOADED;
 INVALID_ARGUMENT → INVALID_REQUEST; NOT_FOUND → NOT_FOUND; anything else → INTERNAL.
 
+Hung engines: a generation is cancelled when the engine sends nothing for `token_timeout_s` (no
+token, no message; the wait in the server's queue and its prefill included), and in any case after
+`generate_timeout_s` in all; either way the client gets OVERLOADED saying which, and the call is
+recorded as failed with the tokens that came before.
+
 The core never builds a dialect's bodies itself; it only hands records to the dialect's hooks (see
 gateway/dialects/base.py for the contract and the order they are called in).
 """
@@ -56,7 +61,7 @@ from gateway.dialects.base import (
 )
 from gateway.output import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
-from gateway.read_ahead import ReadAhead
+from gateway.read_ahead import ReadAhead, StreamIdle
 from gateway.render import PriorCall, RenderedPrompt, render_request
 from gateway.sampling import NO_POLICY, Limit, effective_sampling
 from gateway.sessions import Session, SessionError, SessionStore
@@ -68,6 +73,11 @@ log = logging.getLogger("polar.gateway")
 SESSION_METADATA = "x-polar-session"  # Envoy hashes on it: a session's calls reach the same server
 # A whole generation, first token to last, may take this long before it is abandoned as hung.
 DEFAULT_GENERATE_TIMEOUT_S = 900.0
+# The engine may send nothing for this long (before the first token or between two) before the
+# generation is abandoned as hung: long enough for a long prompt's prefill on a CPU, or a call held
+# while a weight update pauses the server.
+DEFAULT_TOKEN_TIMEOUT_S = 120.0
+MAX_RECONNECT_BACKOFF_MS = 2000
 
 _GRPC_ERRORS = {
     grpc.StatusCode.UNAVAILABLE: ErrorKind.OVERLOADED,
@@ -140,16 +150,25 @@ class InferenceClient:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        # A call made while the channel waits to reconnect fails at once: gRPC's default wait grows
+        # to two minutes, so an inference server back after an outage would stay unreachable (to
+        # calls and to readiness) that long. Reconnecting on loopback or a LAN costs next to nothing.
+        self._channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+        )
         self._stub = inference_pb2_grpc.InferenceServiceStub(self._channel)
         # The node's credential (polar.credentials), given per call: an interceptor on an aio channel
         # would wrap every streamed token in one more generator step.
         self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
 
-    async def model_info(self, timeout_s: float) -> inference_pb2.ModelInfo:
-        """The served model, waiting up to timeout_s for the server to come up."""
+    async def model_info(self, timeout_s: float, *, wait_for_ready: bool = True) -> inference_pb2.ModelInfo:
+        """The served model, waiting up to timeout_s for the server to come up (or, without
+        wait_for_ready, failing at once with UNAVAILABLE when it cannot be reached)."""
         response = await self._stub.GetModelInfo(
-            inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True, metadata=self._credential
+            inference_pb2.GetModelInfoRequest(),
+            timeout=timeout_s,
+            wait_for_ready=wait_for_ready,
+            metadata=self._credential,
         )
         return response.model_info
 
@@ -374,6 +393,7 @@ class Gateway:
     parser: OutputParser
     tokenizer: Tokenizer  # the tokenizers backend of the model's tokenizer, for detokenisation
     generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S
+    token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S
 
     def authorize(self, key: str | None) -> Session:
         try:
@@ -482,7 +502,7 @@ class Gateway:
         call.sent = time.perf_counter()
         grpc_call = self.inference.generate(call.generate_request, call.session.session_id, self.generate_timeout_s)
         reply: Reply | None = None
-        messages = ReadAhead(grpc_call)
+        messages = ReadAhead(grpc_call, idle_timeout_s=self.token_timeout_s)
         try:
             async for batch in messages:
                 events = []
@@ -546,7 +566,19 @@ def _as_gateway_error(exc: BaseException) -> GatewayError:
     if isinstance(exc, GatewayError):
         return exc
     if isinstance(exc, grpc.aio.AioRpcError):
+        if exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return GatewayError(
+                ErrorKind.OVERLOADED,
+                "the generation took longer than the gateway allows ([gateway] generate_timeout_s) and was abandoned; "
+                "retry later",
+            )
         return grpc_error(exc)
+    if isinstance(exc, StreamIdle):
+        return GatewayError(
+            ErrorKind.OVERLOADED,
+            f"the inference server sent no token for {exc.seconds:g} s ([gateway] token_timeout_s); the generation "
+            "was abandoned as hung; retry later",
+        )
     if isinstance(exc, Exception):
         log.error("gateway: call failed", exc_info=exc)
         return internal_error()

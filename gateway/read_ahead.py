@@ -9,6 +9,14 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
+class StreamIdle(TimeoutError):
+    """The stream sent nothing for `seconds`."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"the stream sent nothing for {seconds:g} s")
+        self.seconds = seconds
+
+
 class ReadAhead(Generic[T]):
     """An async stream (a gRPC response stream) read in a task of its own, iterated as batches:
     everything that arrived since the last batch.
@@ -19,9 +27,14 @@ class ReadAhead(Generic[T]):
     write to the client instead of one per message). Nothing is held back: a batch is what has
     arrived by the time the caller asks. The stream's error, if any, is raised after the messages
     that came before it.
+
+    With `idle_timeout_s`, a stream that sends nothing for that long, while the caller waits for its
+    next batch, raises `StreamIdle` (the caller then closes it): the wait is only counted while
+    nothing has arrived, so the time the caller takes over a batch never counts against the stream.
     """
 
-    def __init__(self, stream: AsyncIterator[T]) -> None:
+    def __init__(self, stream: AsyncIterator[T], idle_timeout_s: float | None = None) -> None:
+        self._idle_timeout_s = idle_timeout_s
         self._arrived: list[T] = []
         self._ended = False
         self._error: BaseException | None = None
@@ -45,7 +58,7 @@ class ReadAhead(Generic[T]):
     async def _batches(self) -> AsyncIterator[list[T]]:
         while True:
             if not self._arrived and not self._ended:
-                await self._wakeup.wait()
+                await self._next_arrival()
             self._wakeup.clear()
             batch, self._arrived = self._arrived, []
             if batch:
@@ -54,6 +67,16 @@ class ReadAhead(Generic[T]):
                 if self._error is not None:
                     raise self._error
                 return
+
+    async def _next_arrival(self) -> None:
+        if self._idle_timeout_s is None:
+            await self._wakeup.wait()
+            return
+        try:
+            async with asyncio.timeout(self._idle_timeout_s):
+                await self._wakeup.wait()
+        except TimeoutError:
+            raise StreamIdle(self._idle_timeout_s) from None
 
     def close(self) -> None:
         """Stop reading (the caller is done with the stream)."""

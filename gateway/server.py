@@ -17,6 +17,7 @@ import grpc
 from aiohttp import web
 
 from gateway.app import create_app
+from gateway.bodies import SpillFolder
 from gateway.chat_format import get_chat_format
 from gateway.core import Gateway, InferenceClient, ModelSpec
 from gateway.dialects.base import Dialect
@@ -35,6 +36,7 @@ STOP_GRACE_SECONDS = 5.0
 # so a gateway that runs for weeks does not keep every call it ever served. Nodes drop theirs as soon
 # as the rollout server holds them.
 CLOSED_SESSION_RETENTION_S = 3600.0
+# How often idle sessions are expired and closed ones forgotten (at most).
 SWEEP_INTERVAL_S = 60.0
 
 
@@ -73,6 +75,7 @@ class RunningGateway:
         await self._grpc_server.stop(STOP_GRACE_SECONDS)
         await self._runner.cleanup()
         await self.gateway.inference.close()
+        self.store.spill.remove()
 
 
 async def start_gateway(
@@ -106,14 +109,19 @@ async def start_gateway(
                 f"no inference service answered on {inference_address} within {startup_timeout_s:g} s: {exc.details()}"
             ) from exc
         tokenizer = _load_tokenizer(config.tokenizer or info.tokenizer_path, info.name)
+        store = SessionStore(
+            config.history, max_body_bytes=config.max_session_body_bytes, spill=SpillFolder(config.body_spill_dir)
+        )
+        on_failure.callback(store.spill.remove)
         gateway = Gateway(
-            store=SessionStore(config.history),
+            store=store,
             inference=inference,
             model=ModelSpec(info.name, info.context_length),
             chat_format=get_chat_format(config.chat_format, tokenizer),
             parser=output_parser,
             tokenizer=tokenizer.backend_tokenizer,
             generate_timeout_s=config.generate_timeout_s,
+            token_timeout_s=config.token_timeout_s,
         )
         runner = web.AppRunner(create_app(gateway, dialects), access_log=None, shutdown_timeout=STOP_GRACE_SECONDS)
         await runner.setup()
@@ -128,13 +136,16 @@ async def start_gateway(
         servicer = GatewayServicer(gateway.store, base_url=base_url)
         grpc_server, bound_grpc = await start_grpc(servicer, join_host_port(host, config.grpc_port))
         on_failure.pop_all()
-    sweeper = asyncio.create_task(_forget_closed_sessions(gateway.store), name="closed-session sweeper")
+    sweeper = asyncio.create_task(_sweep_sessions(store, config.session_idle_timeout_s), name="session sweeper")
     return RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server, sweeper)
 
 
-async def _forget_closed_sessions(store: SessionStore) -> None:
+async def _sweep_sessions(store: SessionStore, idle_timeout_s: float) -> None:
+    # A short idle timeout is kept to within a quarter of itself.
+    interval_s = min(SWEEP_INTERVAL_S, idle_timeout_s / 4)
     while True:
-        await asyncio.sleep(SWEEP_INTERVAL_S)
+        await asyncio.sleep(interval_s)
+        store.expire_idle(idle_timeout_s)
         store.forget_closed(CLOSED_SESSION_RETENTION_S)
 
 

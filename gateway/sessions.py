@@ -10,6 +10,13 @@ its id, "c0001", … in arrival order, and counts it in flight), then exactly on
 A closed session refuses its key for new calls, but calls in flight still finish and are recorded.
 A session may carry its task's `SamplingPolicy` (gateway/sampling.py), which the core applies to each
 call; `sampled_tokens` counts what its calls sampled, as the tokens arrive, for the policy's budget.
+
+Bounds, so that a gateway serving for weeks holds what its sessions need and no more: a session keeps
+its calls' request and response bodies in memory up to a cap and spills the rest to a file
+(gateway/bodies.py; records leave the store whole); an open session with no call for the idle timeout
+is closed as expired (`expire_idle`, run by the gateway's sweeper), and closed sessions are forgotten
+after a retention (`forget_closed`). Time comes from the store's clock (Unix epoch nanoseconds),
+which tests replace.
 """
 
 from __future__ import annotations
@@ -17,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
+from gateway.bodies import DEFAULT_MAX_SESSION_BODY_BYTES, SessionBodies, SpillFolder
 from gateway.render import History, PriorCall, PriorCalls
 from gateway.sampling import NO_POLICY, SamplingPolicy
 from polar.v1 import common_pb2, gateway_pb2
@@ -44,7 +52,7 @@ class UnknownSession(SessionError, LookupError):
 
 
 class SessionClosed(SessionError):
-    """The session was closed: its key is refused."""
+    """The session was closed (or expired): its key is refused."""
 
 
 class SessionExists(SessionError):
@@ -70,12 +78,18 @@ class Session:
 
     session_id: str
     key: str
+    bodies: SessionBodies  # its records' request and response bodies: in memory to a cap, then a file
     history: History = "faithful"
     task_id: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict)
     sampling: SamplingPolicy = NO_POLICY
-    opened_unix_ns: int = field(default_factory=time.time_ns)
+    clock: Callable[[], int] = time.time_ns  # Unix epoch nanoseconds (the store's)
+    opened_unix_ns: int = 0  # 0: now, by the clock
     closed_unix_ns: int = 0
+    # When a call last began or finished (or the session opened): what idle expiry measures from.
+    last_active_unix_ns: int = 0
+    expired: bool = False  # closed by expire_idle, not by its owner
+    # Its records, bodies past the cap left out (`ordered_records` and `watch` put them back).
     records: list[common_pb2.CallRecord] = field(default_factory=list)
     # Calls whose reply the client received, in completion order: what later prompts extend.
     prior_calls: PriorCalls = field(default_factory=PriorCalls)
@@ -86,6 +100,10 @@ class Session:
     sampled_tokens: int = 0
     _calls_begun: int = 0
     _watchers: list[asyncio.Queue[common_pb2.CallRecord | None]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.opened_unix_ns = self.opened_unix_ns or self.clock()
+        self.last_active_unix_ns = self.last_active_unix_ns or self.opened_unix_ns
 
     @property
     def closed(self) -> bool:
@@ -99,6 +117,7 @@ class Session:
     def begin_call(self) -> str:
         self._calls_begun += 1
         self.in_flight += 1
+        self.last_active_unix_ns = self.clock()
         return call_id_for(self._calls_begun)
 
     def count_sampled(self, tokens: int) -> None:
@@ -107,6 +126,8 @@ class Session:
 
     def finish_call(self, record: common_pb2.CallRecord, prior: PriorCall | None = None) -> None:
         self.in_flight -= 1
+        self.last_active_unix_ns = self.clock()
+        self.bodies.keep(record)
         self.records.append(record)
         if prior is not None:
             self.prior_calls.add(prior)
@@ -120,12 +141,17 @@ class Session:
         return self._extendable.get(call_id)
 
     def ordered_records(self) -> list[common_pb2.CallRecord]:
-        """Records in arrival order (concurrent calls may complete out of it)."""
-        return sorted(self.records, key=lambda record: record.call_id)
+        """Whole records (bodies included) in arrival order (concurrent calls may complete out of it)."""
+        return self.with_bodies(sorted(self.records, key=lambda record: record.call_id))
 
-    def close(self) -> None:
+    def with_bodies(self, records: Iterable[common_pb2.CallRecord]) -> list[common_pb2.CallRecord]:
+        """These records of the session whole: bodies spilled to its file read back into copies."""
+        return [self.bodies.restored(record) for record in records]
+
+    def close(self, *, expired: bool = False) -> None:
         if not self.closed:
-            self.closed_unix_ns = time.time_ns()
+            self.closed_unix_ns = self.clock()
+            self.expired = expired
         self._end_watchers_if_finished()
 
     def to_proto(self) -> gateway_pb2.Session:
@@ -140,6 +166,7 @@ class Session:
             history=HISTORY_TO_PROTO[self.history],
             metadata=dict(self.metadata),
             sampling=self.sampling.to_proto(),
+            expired=self.expired,
         )
 
     async def watch(self) -> AsyncIterator[common_pb2.CallRecord]:
@@ -153,7 +180,7 @@ class Session:
             self._watchers.append(queue)
         try:
             while (record := await queue.get()) is not None:
-                yield record
+                yield self.bodies.restored(record)
         finally:
             if queue in self._watchers:
                 self._watchers.remove(queue)
@@ -168,10 +195,24 @@ class Session:
 class SessionStore:
     """Every session of this gateway, by key and by id."""
 
-    def __init__(self, default_history: History = "faithful") -> None:
+    def __init__(
+        self,
+        default_history: History = "faithful",
+        *,
+        max_body_bytes: int = DEFAULT_MAX_SESSION_BODY_BYTES,
+        spill: SpillFolder | None = None,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        """`max_body_bytes`: the request and response bodies each session keeps in memory, the rest
+        going to `spill` (a private temporary folder when None); `clock`: Unix epoch nanoseconds."""
         if default_history not in ("faithful", "template"):
             raise ValueError(f"history must be 'faithful' or 'template', not {default_history!r}")
+        if max_body_bytes < 0:
+            raise ValueError(f"max_body_bytes must be >= 0, not {max_body_bytes}")
         self.default_history: History = default_history
+        self.max_body_bytes = max_body_bytes
+        self.spill = spill if spill is not None else SpillFolder()
+        self.clock = clock
         self._by_key: dict[str, Session] = {}
         self._by_id: dict[str, Session] = {}
         self._changed = asyncio.Event()
@@ -202,10 +243,12 @@ class SessionStore:
         session = Session(
             session_id=session_id or f"s-{secrets.token_hex(8)}",
             key=key,
+            bodies=SessionBodies(self.spill, self.max_body_bytes),
             history=history,
             task_id=task_id,
             metadata=dict(metadata or {}),
             sampling=sampling,
+            clock=self.clock,
         )
         self._by_key[key] = session
         self._by_id[session.session_id] = session
@@ -223,11 +266,17 @@ class SessionStore:
         session = self._by_key.get(key) if key else None
         if session is None:
             raise UnknownSession("missing or unknown session key" if key else "no session key was given")
+        if session.expired:
+            idle_s = (session.closed_unix_ns - session.last_active_unix_ns) / 1e9
+            raise SessionClosed(
+                f"session {session.session_id} expired: the gateway closed it after {idle_s:.1f} s without a call"
+            )
         if session.closed:
             raise SessionClosed(f"session {session.session_id} is closed")
         return session
 
     def close(self, key_or_id: str) -> Session:
+        """Close a session (its owner is done with it): its key is refused from now on."""
         session = self.find(key_or_id)
         session.close()
         self._changed.set()
@@ -240,10 +289,22 @@ class SessionStore:
             raise SessionError(f"session {session.session_id} is still open")
         del self._by_key[session.key]
         del self._by_id[session.session_id]
+        session.bodies.discard()
+
+    def expire_idle(self, idle_s: float) -> int:
+        """Close, as expired, every open session with no call in flight whose last call began or
+        finished (or which opened) more than `idle_s` ago; returns how many."""
+        cutoff = self.clock() - int(idle_s * 1e9)
+        idle = [s for s in self._by_id.values() if not s.closed and not s.in_flight and s.last_active_unix_ns < cutoff]
+        for session in idle:
+            session.close(expired=True)
+        if idle:
+            self._changed.set()
+        return len(idle)
 
     def forget_closed(self, older_than_s: float, now_ns: int | None = None) -> int:
         """Forget every finished session closed more than `older_than_s` ago; returns how many."""
-        cutoff = (time.time_ns() if now_ns is None else now_ns) - int(older_than_s * 1e9)
+        cutoff = (self.clock() if now_ns is None else now_ns) - int(older_than_s * 1e9)
         stale = [s.session_id for s in self._by_id.values() if s.finished and s.closed_unix_ns < cutoff]
         for session_id in stale:
             self.forget(session_id)

@@ -18,6 +18,7 @@ inference listener. `envoy=False` leaves Envoy out, for tests of what only the g
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +78,10 @@ class GatewayHandle:
         """Take the inference server down (the gateway keeps running and must answer OVERLOADED)."""
         await self.inference_server.stop(0)
 
+    async def restart_inference(self) -> None:
+        """Serve the engine again on the inference server's address, after `stop_inference`."""
+        self.inference_server, _ = await start_server(self.engine, self.inference_address)
+
     def records(self, key: str | None = None) -> list[common_pb2.CallRecord]:
         """The session's call records (default: the session opened at start), in arrival order."""
         return self.running.store.find(key or self.key).ordered_records()
@@ -92,11 +97,13 @@ async def running_gateway(
     parser: str = "hermes",
     dialects: Mapping[str, Dialect] | None = None,
     envoy: bool = True,
+    settings: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[GatewayHandle]:
     """Start an inference server (the scripted engine for `script`, or `engine`), Envoy (unless
     `envoy` is false) and a gateway over them; stop them in reverse order.
 
-    `dialects` serve their names' routes instead of the registry's modules (a test's own dialect).
+    `dialects` serve their names' routes instead of the registry's modules (a test's own dialect);
+    `settings` are GatewayConfig fields over the test's (e.g. {"token_timeout_s": 0.5}).
     """
     if engine is None:
         engine = ScriptedEngine.from_script(script if script is not None else {"outputs": []})
@@ -105,7 +112,13 @@ async def running_gateway(
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(engine.stop)
         inference_server, port = await start_server(engine, f"{HOST}:0")
-        stack.push_async_callback(inference_server.stop, STOP_GRACE_SECONDS)
+        handle: GatewayHandle | None = None
+
+        async def stop_inference_server() -> None:
+            # The handle's, which restart_inference may have replaced.
+            await (handle.inference_server if handle is not None else inference_server).stop(STOP_GRACE_SECONDS)
+
+        stack.push_async_callback(stop_inference_server)
         address = join_host_port(HOST, port)
         gateway_inference, http_socket, base_url, proxy = address, None, "", None
         if envoy:
@@ -126,7 +139,9 @@ async def running_gateway(
             inference_address=gateway_inference,
             base_url=base_url,
         )
+        config = dataclasses.replace(config, **(settings or {}))
         running = await start_gateway(config, http_socket=http_socket, dialects=dialects)
         stack.push_async_callback(running.stop)
         key = running.store.open(task_id="test").key
-        yield GatewayHandle(running, address, inference_server, engine, key, proxy)
+        handle = GatewayHandle(running, address, inference_server, engine, key, proxy)
+        yield handle

@@ -127,6 +127,21 @@ class GatewayConfig:
     # A generation, first token to last, taking longer is abandoned as hung (the call fails and is
     # recorded as such). Raise it for slow models that write long answers.
     generate_timeout_s: Seconds = 900.0
+    # A generation whose engine sends nothing (no token, no message) for this long is abandoned as
+    # hung: the harness gets a retryable "overloaded" error in its dialect (a stream ends with the
+    # dialect's error event) and the call is recorded as failed. The wait counts from the prompt's
+    # sending, so it covers the server's queue, a weight update's pause and the prompt's prefill.
+    token_timeout_s: Seconds = 120.0
+    # Bytes of request and response bodies one session keeps in memory; the bodies of its later calls
+    # go to a file under body_spill_dir, read back for GetSession, `polar session show` and the node's
+    # reports. Token ids and logprobs always stay in memory. 0 = every body to the file.
+    max_session_body_bytes: Count = 8 * 1024 * 1024
+    # Folder in which the gateway makes its private folder of spilled bodies, removed when it stops;
+    # "" = the system's temporary folder.
+    body_spill_dir: str = ""
+    # An open session with no call for this long is closed as expired (checked every minute): its key
+    # then gets 401 saying so, and its records stay readable for an hour, like any closed session's.
+    session_idle_timeout_s: Seconds = 4 * 3600.0
 
 
 @dataclass

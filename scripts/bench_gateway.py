@@ -49,6 +49,17 @@ LiteLLM runs from its own virtual environment (.venv-litellm; create it with
 `python3 -m venv .venv-litellm && .venv-litellm/bin/pip install 'litellm[proxy]'`); without it, or if
 it fails to start, the report says why and Polar's figures stand alone. Prints a table and writes JSON
 (default bench-results/gateway.json).
+
+Credentials: by default every Polar service runs with the stack's credentials, as `polar up` runs them
+(each gRPC call carries its role's token and every server checks it; polar.credentials); `--credentials
+off` runs them open. `--credentials compare` measures what the check costs instead: two Polar stacks, one
+with credentials and one without, loaded with the same points (the compared dialect at 64 sessions,
+whole and streamed, via Envoy and, without --quick, direct; and the gRPC baseline) in rounds that
+alternate which stack goes first, so drift on a shared machine falls on both. It prints, per point, the
+median requests/s of each side and their ratio, and the gateway's CPU time per request pooled over the
+rounds (the steadier figure on a busy machine), against the 2% budget of the check.
+
+    python scripts/bench_gateway.py --quick --credentials compare
 """
 
 from __future__ import annotations
@@ -77,6 +88,7 @@ from typing import Any
 
 import grpc
 
+from polar import credentials as creds
 from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig
 from polar.envoy import render_config
 from polar.envoy import running as running_envoy
@@ -131,6 +143,7 @@ MAX_TOKENS = 64  # above the reply's length: every call ends with the end-of-tur
 DIALECTS = ("openai_chat", "openai_responses", "anthropic", "gemini")
 SESSIONS = (1, 64, 256)
 COMPARE_SESSIONS = 64  # the point of the ≥ 3× LiteLLM target
+COMPARE_DIALECT = "anthropic"  # the dialect compared with LiteLLM and, under --credentials compare, with itself
 TARGET_SPEEDUP = 3.0
 TARGET_ADDED_P50_MS = 2.0
 STARTUP_TIMEOUT_S = 120.0
@@ -144,6 +157,7 @@ STOP_TIMEOUT_S = 10.0
 LITELLM_MODEL = "bench"  # the model name clients send to LiteLLM, routed to the scripted backend
 LITELLM_DIALECTS = ("openai_chat", "anthropic")  # what its proxy translates to chat completions here
 TARGET_REPLAY_SPEEDUP = 5.0
+CREDENTIAL_BUDGET_PCT = 2.0  # what the credential check may cost in requests/s
 # A dialect's reply is complete and well formed when it holds this (non-streamed, streamed).
 FINAL_MARKERS = {
     "openai_chat": (b'"finish_reason"', b"[DONE]"),
@@ -198,6 +212,7 @@ class Target:
     payloads: tuple[Payload, ...]
     marker: bytes | tuple[bytes, ...]
     cpu_of: tuple[str, ...]  # the processes whose CPU time the point reports
+    metadata: tuple[tuple[str, str], ...] = ()  # gRPC: sent with every call (a role's credential)
 
 
 # ---------------------------------------------------------------------------------- load workers
@@ -223,6 +238,7 @@ class Job:
     start_at: float  # time.monotonic() (one clock for every process) when sessions start
     warmup_s: float
     window_s: float
+    metadata: tuple[tuple[str, str], ...] = ()  # gRPC: sent with every call
 
 
 @dataclass
@@ -305,7 +321,7 @@ async def _grpc_sessions(job: Job, result: JobResult, window_start: float, windo
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
 
     async def session(request: inference_pb2.GenerateRequest) -> None:
-        metadata = (("x-polar-session", request.session_id),)  # as the gateway sends it
+        metadata = (("x-polar-session", request.session_id), *job.metadata)  # as the gateway sends it
         while (started := time.monotonic()) < window_end:
             finish = 0
             try:
@@ -539,11 +555,12 @@ def _replay_rules(sessions: Sequence[RecordedSession]) -> list[dict]:
     return rules
 
 
-def _render_ms(gateway: str, key: str) -> tuple[float, float]:
+def _render_ms(gateway: str, key: str, issued: creds.Credentials | None) -> tuple[float, float]:
     """The median render time (ms) of the session's calls rendered fresh, and of those that extend
     an earlier call."""
     # Each record holds its request body: hundreds of harness-sized ones pass gRPC's 4 MiB default.
-    with grpc.insecure_channel(gateway, options=[("grpc.max_receive_message_length", -1)]) as channel:
+    options = [("grpc.max_receive_message_length", -1)]
+    with creds.channel(gateway, creds.OPERATOR, issued, options) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         calls = stub.GetSession(gateway_pb2.GetSessionRequest(key=key)).calls
     fresh = [c.timings.render_seconds * 1000 for c in calls if not c.extends_call_id]
@@ -584,21 +601,21 @@ def _replay_points(
     for stream in (False, True):
         for session in sessions:
             marker = REPLAY_MARKERS[session.dialect][stream]
-            [key] = _open_sessions(polar.gateway_direct, 1)
+            [key] = _open_sessions(polar.gateway_direct, 1, polar.credentials)
             first = replay_request(session.requests[0], stream, key, address)
             target = Target("polar", "direct", f"{session.harness}:first", stream, "http", address, (first,), marker, cpu_of)
             prompt = tuple(session.records[0].prompt_token_ids)
             baseline = Target(
                 "inference", "grpc", f"{session.harness}:first", True, "grpc", polar.inference,
-                (_generate_request(prompt, "baseline-0").SerializeToString(),), b"", ("inference",),
+                (_generate_request(prompt, "baseline-0").SerializeToString(),), b"", ("inference",), polar.node,
             )  # fmt: skip
             _, first_point = bench.paired(target, baseline)
-            first_render, _ = _render_ms(polar.gateway_direct, key)
-            [key] = _open_sessions(polar.gateway_direct, 1)
+            first_render, _ = _render_ms(polar.gateway_direct, key, polar.credentials)
+            [key] = _open_sessions(polar.gateway_direct, 1, polar.credentials)
             calls = tuple(replay_request(r, stream, key, address) for r in session.requests)
             target = Target("polar", "direct", f"{session.harness}:all", stream, "http", address, (calls,), marker, cpu_of)
             all_point = bench.point(target)
-            _, later_render = _render_ms(polar.gateway_direct, key)
+            _, later_render = _render_ms(polar.gateway_direct, key, polar.credentials)
             first_cpu = first_point.cpu_us_per_request.get(gateway, math.nan)
             all_cpu = all_point.cpu_us_per_request.get(gateway, math.nan)
             n = len(calls)
@@ -622,7 +639,7 @@ def _replay_points(
             points += [first_point, all_point]
         for subset in ("all", "litellm"):
             chosen = [s for s in sessions if subset == "all" or s.dialect in LITELLM_DIALECTS]
-            keys = _open_sessions(polar.gateway_direct, many)
+            keys = _open_sessions(polar.gateway_direct, many, polar.credentials)
             harnesses = [chosen[i % len(chosen)] for i in range(many)]
             payloads = tuple(
                 tuple(replay_request(r, stream, key, address) for r in s.requests) for s, key in zip(harnesses, keys)
@@ -691,7 +708,10 @@ class Bench:
         start_at = time.monotonic() + 0.05 + 0.002 * len(payloads)
         shares = [payloads[i :: len(self._workers)] for i in range(len(self._workers))]
         for (_, conn), share in zip(self._workers, shares):
-            conn.send(Job(target.kind, target.address, tuple(share), target.marker, start_at, warmup_s, window_s))
+            job = Job(
+                target.kind, target.address, tuple(share), target.marker, start_at, warmup_s, window_s, target.metadata
+            )
+            conn.send(job)
         pids = {name: self.processes[name] for name in target.cpu_of}
         pids |= {f"load{i}": process.pid for i, (process, _) in enumerate(self._workers) if shares[i]}
         time.sleep(max(0.0, start_at + warmup_s - time.monotonic()))
@@ -782,11 +802,14 @@ def main() -> int:
         paired_rounds=3 if args.quick else 6,
         paired_warmup_s=0.1 if args.quick else 0.2,
     )
+    if args.credentials == "compare":
+        return _credential_comparison(settings, args.out or str(ROOT / "bench-results" / "gateway-credentials.json"))
     load_before = os.getloadavg()[0]
     machine = _machine()
     litellm: dict = {"status": "not run", "reason": ""}
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="polar-bench-gateway-") as scratch, contextlib.ExitStack() as stack:
+        issued = creds.ensure(Path(scratch) / "credentials") if args.credentials == "on" else None
         bench = Bench(settings)
         stack.callback(bench.close)
         reply_pieces = _reply_pieces()
@@ -799,7 +822,8 @@ def main() -> int:
             if litellm_proxy.error:
                 litellm = {"status": "unavailable", "reason": litellm_proxy.error}
         recorded = _recorded_sessions() if args.replay else []
-        polar = stack.enter_context(_polar_stack(Path(scratch), _replay_rules(recorded) if recorded else ()))
+        rules = _replay_rules(recorded) if recorded else ()
+        polar = stack.enter_context(_polar_stack(Path(scratch), rules, issued))
         bench.processes |= polar.pids
         if litellm_proxy is not None and not litellm_proxy.error:
             # Ready before any measurement: its start-up would take CPU from Polar's points.
@@ -815,8 +839,7 @@ def main() -> int:
         baseline: dict[int, Point] = {}
 
         def baseline_target(n: int) -> Target:
-            payloads = tuple(_generate_request(prompt, f"baseline-{i}").SerializeToString() for i in range(n))
-            return Target("inference", "grpc", "-", True, "grpc", polar.inference, payloads, b"", ("inference",))
+            return _baseline_target(polar, prompt, n)
 
         replay_rows: list[dict] = []
         for n in () if args.replay else settings.sessions:
@@ -829,17 +852,9 @@ def main() -> int:
                 litellm = {"version": litellm_proxy.version, "startup_s": litellm_proxy.startup_s, "status": "ran"}
         for dialect in () if args.replay else DIALECTS:
             for stream in (False, True):
-                marker = FINAL_MARKERS[dialect][stream]
                 for route in settings.routes_for(dialect):
-                    address, gateway, cpu_of = (
-                        (polar.envoy_http, polar.gateway_envoy, ("envoy", "gateway_envoy", "inference"))
-                        if route == "envoy"
-                        else (polar.gateway_http, polar.gateway_direct, ("gateway_direct", "inference"))
-                    )
                     for n in settings.sessions_for(dialect):
-                        keys = _open_sessions(gateway, n)
-                        payloads = tuple(dialect_request(dialect, stream, model, key, address) for key in keys)
-                        target = Target("polar", route, dialect, stream, "http", address, payloads, marker, cpu_of)
+                        target = _dialect_target(polar, route, dialect, stream, n)
                         if n == 1:
                             # One session's added latency is the gateway's own cost: measured in
                             # rounds alternating with the baseline (its figures are in the JSON).
@@ -861,7 +876,7 @@ def main() -> int:
     if args.replay:
         _print_replay_summary(replay_rows, replay_comparison)
     print(f"load average: {load_before:.2f} before the run, {load_after:.2f} after it")
-    out = Path(args.out)
+    out = Path(args.out or ROOT / "bench-results" / "gateway.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "machine": machine,
@@ -870,6 +885,7 @@ def main() -> int:
             "load_average_1min_before": load_before,
             "load_average_1min_after": load_after,
             "reply_tokens": len(reply_pieces) + 1,
+            "credentials": args.credentials,
         },
         "shares_the_cpu": _sharing_note(settings),
         "latency_note": LATENCY_NOTE,
@@ -881,6 +897,156 @@ def main() -> int:
     out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
     print(f"\nwrote {out}")
     return 0
+
+
+SETUPS = ("open", "checked")  # the stack without credentials, and with them
+
+
+def _credential_comparison(settings: Settings, out: str) -> int:
+    """`--credentials compare`: the same points on a stack without credentials and one with them,
+    in rounds that alternate which goes first; medians of requests/s per side, CPU per request pooled."""
+    rounds = 6 if settings.quick else 8
+    routes = ("envoy",) if settings.quick else ("envoy", "direct")
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="polar-bench-gateway-") as scratch, contextlib.ExitStack() as stack:
+        issued = creds.ensure(Path(scratch) / "credentials")
+        bench = Bench(settings)
+        stack.callback(bench.close)
+        stacks = {
+            setup: stack.enter_context(_polar_stack(Path(scratch) / setup, (), issued if setup == "checked" else None))
+            for setup in SETUPS
+        }
+        for setup, polar in stacks.items():
+            bench.processes |= {f"{setup}/{name}": pid for name, pid in polar.pids.items()}
+        prompt = _probe_prompts(stacks["open"], stacks["open"].model)
+        # What each point loads, per stack: (label, the process whose CPU it is about, targets by setup).
+        baselines = {
+            setup: _baseline_target(polar, prompt, COMPARE_SESSIONS, f"{setup}/") for setup, polar in stacks.items()
+        }
+        points: list[tuple[str, str, dict[str, Target]]] = [
+            (f"inference gRPC, {COMPARE_SESSIONS} sessions", "inference", baselines)
+        ]
+        for route in routes:
+            for stream in (False, True):
+                label = f"{COMPARE_DIALECT} {'stream' if stream else 'whole'} via {route}, {COMPARE_SESSIONS} sessions"
+                targets = {
+                    setup: _dialect_target(polar, route, COMPARE_DIALECT, stream, COMPARE_SESSIONS, f"{setup}/")
+                    for setup, polar in stacks.items()
+                }
+                points.append((label, f"gateway_{route}", targets))
+        measured: dict[str, dict[str, list[Measurement]]] = {label: {s: [] for s in SETUPS} for label, _, _ in points}
+        for round_index in range(rounds):
+            order = SETUPS if round_index % 2 == 0 else SETUPS[::-1]
+            for label, _, targets in points:
+                for setup in order:
+                    measured[label][setup].append(bench.measure(targets[setup], settings.warmup_s, settings.window_s))
+            print(f"  round {round_index + 1}/{rounds} done", flush=True)
+    rows = [_credential_row(label, process, measured[label]) for label, process, _ in points]
+    check_us = _check_microseconds(issued)
+    for row in rows:
+        # The check's own time is the one certain part of its cost: as a share of the process's CPU
+        # per request, it is what wall-clock figures on a shared machine cannot resolve.
+        row["check_share_pct"] = 100 * check_us / row["checked"]["cpu_us_per_request"]
+    report = {
+        "machine": _machine(),
+        "load_average_1min_before": load_before,
+        "load_average_1min_after": os.getloadavg()[0],
+        "rounds": rounds,
+        "warmup_s": settings.warmup_s,
+        "window_s": settings.window_s,
+        "budget_pct": CREDENTIAL_BUDGET_PCT,
+        "check_us_per_call": check_us,
+        "points": rows,
+    }
+    _print_credential_table(report)
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(report), indent=2, allow_nan=False) + "\n")
+    print(f"\nwrote {path}")
+    return 0
+
+
+@dataclass(frozen=True)
+class _CallDetails:
+    """What a gRPC server interceptor is shown of a call (grpc.HandlerCallDetails)."""
+
+    method: str
+    invocation_metadata: tuple[tuple[str, str], ...]
+
+
+def _check_microseconds(issued: creds.Credentials, calls: int = 20000) -> float:
+    """The credential check's own time per Generate call, in-process: the inference server's
+    interceptor (polar.grpc_server.CallerCheck) admitting a node's call with the metadata a gateway
+    sends, its continuation answering at once."""
+    from polar.grpc_server import CallerCheck
+    from polar.inference.server import SERVICE_NAME, InferenceServicer
+
+    check = CallerCheck(SERVICE_NAME, InferenceServicer.roles, issued)
+    metadata = (("x-polar-session", "s-bench"), *issued.metadata(creds.NODE), ("user-agent", "grpc-python"))
+    details = _CallDetails(f"/{SERVICE_NAME}/Generate", metadata)
+
+    async def continuation(_):
+        return None
+
+    async def run() -> float:
+        started = time.perf_counter()
+        for _ in range(calls):
+            await check.intercept_service(continuation, details)
+        return (time.perf_counter() - started) / calls * 1e6
+
+    return asyncio.run(run())
+
+
+def _credential_row(label: str, process: str, by_setup: dict[str, list[Measurement]]) -> dict:
+    """One point's figures, open vs checked: median requests/s over the rounds, and the CPU time per
+    request of `process` pooled over them."""
+    row: dict[str, Any] = {"point": label, "process": process}
+    for setup, measurements in by_setup.items():
+        rates = [len(m.latencies_ms) / m.seconds for m in measurements]
+        requests = sum(len(m.latencies_ms) for m in measurements)
+        cpu = sum(m.cpu_s.get(f"{setup}/{process}", 0.0) for m in measurements)
+        row[setup] = {
+            "requests_per_s": statistics.median(rates),
+            "requests_per_s_rounds": rates,
+            "cpu_us_per_request": cpu / requests * 1e6 if requests else math.nan,
+            "p50_ms": _percentile([x for m in measurements for x in m.latencies_ms], 50),
+            "errors": sum(m.errors for m in measurements),
+            "first_error": next((m.first_error for m in measurements if m.first_error), ""),
+        }
+    open_, checked = row["open"], row["checked"]
+    open_rate = open_["requests_per_s"]
+    row["throughput_ratio"] = checked["requests_per_s"] / open_rate if open_rate else math.nan
+    row["throughput_cost_pct"] = 100 * (1 - row["throughput_ratio"])
+    row["cpu_cost_pct"] = 100 * (checked["cpu_us_per_request"] / open_["cpu_us_per_request"] - 1)
+    return row
+
+
+def _print_credential_table(report: dict) -> None:
+    print(
+        f"\ncredential check cost: median of {report['rounds']} alternating rounds of {report['window_s']:g} s "
+        f"({report['machine']['cpu_cores']} cores, load {report['load_average_1min_before']:.2f} before)"
+    )
+    print(
+        f"  {'point':<44} {'req/s open':>10} {'checked':>8} {'ratio':>6}   "
+        f"{'CPU µs/req open':>15} {'checked':>8} {'change':>7}"
+    )
+    for row in report["points"]:
+        open_, checked = row["open"], row["checked"]
+        print(
+            f"  {row['point']:<44} {open_['requests_per_s']:>10,.0f} {checked['requests_per_s']:>8,.0f} "
+            f"{row['throughput_ratio']:>6.3f}   {open_['cpu_us_per_request']:>15,.0f} "
+            f"{checked['cpu_us_per_request']:>8,.0f} {row['cpu_cost_pct']:>+6.1f}%"
+        )
+        for setup in SETUPS:
+            if row[setup]["errors"]:
+                print(f"    {setup}: {row[setup]['errors']} errors; first: {row[setup]['first_error']}")
+    shares = ", ".join(f"{row['check_share_pct']:.2f}%" for row in report["points"])
+    print(
+        f"ratio: requests/s with credentials over without (budget: at least {1 - report['budget_pct'] / 100:.2f}); "
+        "CPU: the named process (the gateway, or the inference server for the gRPC baseline) per request\n"
+        f"the check itself: {report['check_us_per_call']:.2f} µs per call, one call per request: {shares} of each "
+        "point's CPU per request"
+    )
 
 
 def _parse_args() -> argparse.Namespace:
@@ -896,7 +1062,14 @@ def _parse_args() -> argparse.Namespace:
         help="replay the recorded harness sessions of tests/fixtures/sessions as load instead of one conversation",
     )  # fmt: skip
     parser.add_argument(
-        "--out", default=str(ROOT / "bench-results" / "gateway.json"), help="JSON report path (default: %(default)s)"
+        "--credentials", choices=("on", "off", "compare"), default="on",
+        help="run the services with the stack's credentials (on, as `polar up`), without them (off), or measure "
+        "what the check costs: both stacks side by side in alternating rounds (compare)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out",
+        help="JSON report path (default: bench-results/gateway.json; with --credentials compare, "
+        "bench-results/gateway-credentials.json)",
     )
     return parser.parse_args()
 
@@ -910,10 +1083,33 @@ class _PolarStack:
     gateway_direct: str
     model: str
     pids: dict[str, int]
+    credentials: creds.Credentials | None  # what its services check; None: they serve every caller
+
+    @property
+    def node(self) -> tuple[tuple[str, str], ...]:
+        """The metadata of a Generate call as a gateway node makes it (none on an open stack)."""
+        return creds.metadata(creds.NODE, self.credentials)
 
 
 @contextlib.contextmanager
-def _polar_stack(scratch: Path, rules: Sequence[dict] = ()) -> Iterator[_PolarStack]:
+def _credentials_handed(issued: creds.Credentials | None) -> Iterator[None]:
+    """$POLAR_CREDENTIALS as `polar up` hands it to the services started inside (unset: they run open)."""
+    saved = os.environ.pop(creds.ENV_VAR, None)
+    if issued is not None:
+        os.environ[creds.ENV_VAR] = str(issued.folder)
+    try:
+        yield
+    finally:
+        os.environ.pop(creds.ENV_VAR, None)
+        if saved is not None:
+            os.environ[creds.ENV_VAR] = saved
+
+
+@contextlib.contextmanager
+def _polar_stack(
+    scratch: Path, rules: Sequence[dict] = (), credentials: creds.Credentials | None = None
+) -> Iterator[_PolarStack]:
+    scratch.mkdir(parents=True, exist_ok=True)
     script = scratch / "script.json"
     # Slots for every session: the engine never queues, so the bench measures the gateway.
     script.write_text(
@@ -921,6 +1117,7 @@ def _polar_stack(scratch: Path, rules: Sequence[dict] = ()) -> Iterator[_PolarSt
     )
     inference_config = InferenceConfig(engine="scripted", port=0, script=str(script), max_batch_size=max(SESSIONS) * 2)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_credentials_handed(credentials))  # every service below starts with it
         inference = stack.enter_context(running(inference_spec(inference_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
         inference_address = inference.dial_address
         envoy_gateway_http = stack.enter_context(listening_socket("127.0.0.1"))
@@ -935,7 +1132,7 @@ def _polar_stack(scratch: Path, rules: Sequence[dict] = ()) -> Iterator[_PolarSt
         direct_http = stack.enter_context(listening_socket("127.0.0.1"))
         direct_port = direct_http.getsockname()[1]
         gateway_direct = _gateway(stack, inference_config, direct_http, inference_address)
-        with grpc.insecure_channel(inference_address) as channel:
+        with creds.channel(inference_address, creds.OPERATOR, credentials) as channel:
             info = inference_pb2_grpc.InferenceServiceStub(channel).GetModelInfo(inference_pb2.GetModelInfoRequest())
         yield _PolarStack(
             inference=inference_address,
@@ -950,6 +1147,7 @@ def _polar_stack(scratch: Path, rules: Sequence[dict] = ()) -> Iterator[_PolarSt
                 "gateway_envoy": gateway_envoy.process.pid,
                 "gateway_direct": gateway_direct.process.pid,
             },
+            credentials=credentials,
         )
 
 
@@ -960,8 +1158,8 @@ def _gateway(
     return stack.enter_context(running(gateway_spec(config, inference), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, http))
 
 
-def _open_sessions(gateway: str, count: int) -> list[str]:
-    with grpc.insecure_channel(gateway) as channel:
+def _open_sessions(gateway: str, count: int, issued: creds.Credentials | None) -> list[str]:
+    with creds.channel(gateway, creds.OPERATOR, issued) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         return [stub.OpenSession(gateway_pb2.OpenSessionRequest(task_id="bench")).session.key for _ in range(count)]
 
@@ -971,12 +1169,12 @@ def _probe_prompts(polar: _PolarStack, model: str) -> tuple[int, ...]:
     checked here), from the call records of one call per dialect."""
     prompts = {}
     for dialect in DIALECTS:
-        [key] = _open_sessions(polar.gateway_direct, 1)
+        [key] = _open_sessions(polar.gateway_direct, 1, polar.credentials)
         payload = dialect_request(dialect, False, model, key, polar.gateway_http)
         status, body = _send_once(polar.gateway_http, payload)
         if status != 200:
             raise RuntimeError(f"the gateway answered {dialect}'s probe with {status}: {body[:500]!r}")
-        with grpc.insecure_channel(polar.gateway_direct) as channel:
+        with creds.channel(polar.gateway_direct, creds.OPERATOR, polar.credentials) as channel:
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             [record] = stub.GetSession(gateway_pb2.GetSessionRequest(key=key)).calls
         prompts[dialect] = tuple(record.prompt_token_ids)
@@ -1003,6 +1201,28 @@ def _generate_request(prompt: Sequence[int], session_id: str) -> inference_pb2.G
     return inference_pb2.GenerateRequest(
         request_id=session_id, prompt_token_ids=prompt, sampling=sampling, session_id=session_id
     )
+
+
+def _baseline_target(polar: _PolarStack, prompt: Sequence[int], n: int, prefix: str = "") -> Target:
+    """The inference server called directly over gRPC by `n` sessions, as a node calls it; `prefix`
+    names the stack's processes in the bench's table."""
+    payloads = tuple(_generate_request(prompt, f"baseline-{i}").SerializeToString() for i in range(n))
+    return Target(
+        "inference", "grpc", "-", True, "grpc", polar.inference, payloads, b"", (prefix + "inference",), polar.node
+    )
+
+
+def _dialect_target(polar: _PolarStack, route: str, dialect: str, stream: bool, n: int, prefix: str = "") -> Target:
+    """`n` fresh sessions of the gateway behind `route` ("envoy" or "direct"), each looping the bench's
+    request in `dialect`; `prefix` names the stack's processes in the bench's table."""
+    if route == "envoy":
+        address, gateway, cpu_of = polar.envoy_http, polar.gateway_envoy, ("envoy", "gateway_envoy", "inference")
+    else:
+        address, gateway, cpu_of = polar.gateway_http, polar.gateway_direct, ("gateway_direct", "inference")
+    keys = _open_sessions(gateway, n, polar.credentials)
+    payloads = tuple(dialect_request(dialect, stream, polar.model, key, address) for key in keys)
+    marker = FINAL_MARKERS[dialect][stream]
+    return Target("polar", route, dialect, stream, "http", address, payloads, marker, tuple(prefix + c for c in cpu_of))
 
 
 def _reply_pieces() -> list[str]:

@@ -32,7 +32,14 @@ followed until every group is released. Per point:
     python scripts/bench_rollout.py --quick     # C = 64, under a minute on 2 CPU cores
     python scripts/bench_rollout.py             # C = 64 and 256
 
-Prints a table and writes JSON (default bench-results/rollout.json).
+Credentials: by default every service runs with the stack's credentials, as `polar up` runs them (each
+gRPC call carries its role's token, every server checks it; polar.credentials); `--credentials off`
+runs them open. `--credentials compare` measures what the check costs: each point on a stack with
+credentials and on one without, in rounds that alternate which goes first (so drift on a shared
+machine falls on both; --quick: the prewarmed point only, 3 rounds), then the medians side by side
+with their ratio, against the check's 2% budget.
+
+Prints a table and writes JSON (default bench-results/rollout.json; rollout-credentials.json when comparing).
 """
 
 from __future__ import annotations
@@ -51,8 +58,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import grpc
-
+from polar import credentials as creds
 from polar.codec import read_trajectory_batch
 from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig
 from polar.envoy import render_config
@@ -69,6 +75,7 @@ GROUP_SIZE = 8
 HOST = "127.0.0.1"
 # Short, so the node's pools as the server last heard them (ListNodes) are never stale for long.
 HEARTBEAT_INTERVAL_S = 0.2
+CREDENTIAL_BUDGET_PCT = 2.0  # what the credential check may cost in sessions/s
 
 HARNESS = """\
 import http.client, json, os, sys, time, urllib.parse
@@ -90,6 +97,7 @@ time.sleep(float(os.environ["BENCH_HOLD_SECONDS"]))
 class Point:
     sessions: int
     prewarm: bool
+    credentials: bool  # the services checked every call's credential
     seconds: float  # submit → last group released
     added_seconds: float  # seconds minus the hold: what the machinery took
     sessions_per_s: float
@@ -111,44 +119,119 @@ def main() -> int:
     args = _parse_args()
     sizes = (64,) if args.quick else tuple(args.sessions)
     hold = args.hold if args.hold is not None else (2.0 if args.quick else 4.0)
+    compare = args.credentials == "compare"
+    # Compared: every point on both setups, in rounds that alternate which goes first.
+    setups = (False, True) if compare else (args.credentials == "on",)
+    rounds = 3 if compare else 1
+    prewarm_modes = (True,) if compare and args.quick else (False, True)
     load_before = os.getloadavg()[0]
     points: list[Point] = []
-    with tempfile.TemporaryDirectory(prefix="polar-bench-rollout-") as scratch_name:
+    with tempfile.TemporaryDirectory(prefix="polar-bench-rollout-") as scratch_name, contextlib.ExitStack() as stack:
         scratch = Path(scratch_name)
         harness = scratch / "harness.py"
         harness.write_text(HARNESS)
         template = _template(scratch / "template")
-        with _shared_services(scratch, max(sizes)) as (inference_address, envoy_harness, gateway_http):
-            for size in sizes:
-                for prewarm in (False, True):
-                    point = _measure(
-                        scratch, size, prewarm, hold, harness, template, inference_address, envoy_harness, gateway_http
-                    )
-                    points.append(point)
-                    _print_point(point)
+        issued = creds.ensure(scratch / "credentials")
+        shared = {
+            checked: stack.enter_context(_shared_services(scratch, max(sizes), issued if checked else None))
+            for checked in setups
+        }
+        for size in sizes:
+            for prewarm in prewarm_modes:
+                for round_index in range(rounds):
+                    for checked in setups if round_index % 2 == 0 else setups[::-1]:
+                        point = _measure(
+                            scratch, size, prewarm, hold, harness, template, *shared[checked],
+                            issued if checked else None, f"{round_index}",
+                        )  # fmt: skip
+                        points.append(point)
+                        _print_point(point)
     report = {
         "benchmark": "rollout",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_1min_before": load_before},
         "hold_seconds": hold,
         "group_size": GROUP_SIZE,
+        "credentials": args.credentials,
         "points": [asdict(point) for point in points],
     }
     _print_table(points, hold, load_before)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {args.out}")
+    if compare:
+        report["comparison"] = _comparison(points)
+        _print_comparison(report["comparison"], rounds)
+    out = args.out or ROOT / "bench-results" / ("rollout-credentials.json" if compare else "rollout.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
     return 0 if all(point.completed == point.sessions for point in points) else 1
 
 
+def _comparison(points: Sequence[Point]) -> list[dict]:
+    """Per (sessions, prewarm): the medians over the rounds without and with credentials, and their ratio."""
+    rows = []
+    figures = ("sessions_per_s", "added_seconds", "node_cpu_ms_per_session", "rollout_cpu_ms_per_session")
+    for sessions, prewarm in dict.fromkeys((p.sessions, p.prewarm) for p in points):
+        row: dict = {"sessions": sessions, "prewarm": prewarm}
+        for checked, side in ((False, "open"), (True, "checked")):
+            mine = [p for p in points if (p.sessions, p.prewarm, p.credentials) == (sessions, prewarm, checked)]
+            row[side] = {figure: statistics.median(getattr(p, figure) for p in mine) for figure in figures}
+            row[side]["sessions_per_s_rounds"] = [p.sessions_per_s for p in mine]
+        open_, checked = row["open"], row["checked"]
+        row["throughput_ratio"] = checked["sessions_per_s"] / open_["sessions_per_s"]
+        row["node_cpu_cost_pct"] = 100 * (checked["node_cpu_ms_per_session"] / open_["node_cpu_ms_per_session"] - 1)
+        row["rollout_cpu_cost_pct"] = 100 * (
+            checked["rollout_cpu_ms_per_session"] / open_["rollout_cpu_ms_per_session"] - 1
+        )
+        rows.append(row)
+    return rows
+
+
+def _print_comparison(rows: Sequence[dict], rounds: int) -> None:
+    print(f"\ncredential check cost: median of {rounds} alternating rounds (budget: a ratio of at least "
+          f"{1 - CREDENTIAL_BUDGET_PCT / 100:.2f})")  # fmt: skip
+    print(
+        f"  {'sessions':>8} {'prewarm':>8} {'sess/s open':>11} {'checked':>8} {'ratio':>6}   "
+        f"{'node CPU ms/sess open':>21} {'checked':>8} {'change':>7}   "
+        f"{'rollout CPU open':>16} {'checked':>8} {'change':>7}"
+    )
+    for row in rows:
+        open_, checked = row["open"], row["checked"]
+        print(
+            f"  {row['sessions']:>8} {'yes' if row['prewarm'] else 'no':>8} {open_['sessions_per_s']:>11.1f} "
+            f"{checked['sessions_per_s']:>8.1f} {row['throughput_ratio']:>6.3f}   "
+            f"{open_['node_cpu_ms_per_session']:>21.1f} {checked['node_cpu_ms_per_session']:>8.1f} "
+            f"{row['node_cpu_cost_pct']:>+6.1f}%   {open_['rollout_cpu_ms_per_session']:>16.1f} "
+            f"{checked['rollout_cpu_ms_per_session']:>8.1f} {row['rollout_cpu_cost_pct']:>+6.1f}%"
+        )
+
+
 @contextlib.contextmanager
-def _shared_services(scratch: Path, most_sessions: int) -> Iterator[tuple[str, str, socket.socket]]:
-    """The inference server and Envoy, shared by every point; yields (Envoy's inference listener,
-    Envoy's harness base URL, the listening socket of the gateway HTTP port Envoy forwards to)."""
+def _credentials_handed(issued: creds.Credentials | None) -> Iterator[None]:
+    """$POLAR_CREDENTIALS as `polar up` hands it to the services started inside (unset: they run open)."""
+    saved = os.environ.pop(creds.ENV_VAR, None)
+    if issued is not None:
+        os.environ[creds.ENV_VAR] = str(issued.folder)
+    try:
+        yield
+    finally:
+        os.environ.pop(creds.ENV_VAR, None)
+        if saved is not None:
+            os.environ[creds.ENV_VAR] = saved
+
+
+@contextlib.contextmanager
+def _shared_services(
+    scratch: Path, most_sessions: int, issued: creds.Credentials | None
+) -> Iterator[tuple[str, str, socket.socket]]:
+    """The inference server and Envoy, shared by every point of one setup (with `issued` credentials
+    or open); yields (Envoy's inference listener, Envoy's harness base URL, the listening socket of the
+    gateway HTTP port Envoy forwards to)."""
     script = scratch / "script.json"
     script.write_text(json.dumps({"name": "polar-scripted", "outputs": [{"text": "Done."}], "cycle": True}))
     inference_config = InferenceConfig(engine="scripted", port=0, script=str(script), max_batch_size=most_sessions * 2)
     with contextlib.ExitStack() as stack:
-        inference = stack.enter_context(running(inference_spec(inference_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
+        with _credentials_handed(issued):
+            spec = inference_spec(inference_config)
+            inference = stack.enter_context(running(spec, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
         gateway_http = stack.enter_context(listening_socket(HOST))
         gateway_port = gateway_http.getsockname()[1]
         envoy_config = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, access_log="/dev/null")
@@ -171,12 +254,17 @@ def _measure(
     inference_address: str,
     base_url: str,
     gateway_http: socket.socket,
+    issued: creds.Credentials | None,
+    round_name: str,
 ) -> Point:
-    name = f"{sessions}-{'prewarm' if prewarm else 'cold'}"
+    """One point: a fresh rollout server and node (with `issued` credentials, or open) under C sessions."""
+    name = f"{sessions}-{'prewarm' if prewarm else 'cold'}-{'checked' if issued else 'open'}-{round_name}"
     rollout_config = RolloutConfig(
         port=0, store=str(scratch / f"rollout-{name}.db"), heartbeat_interval_s=HEARTBEAT_INTERVAL_S
     )
-    with running(rollout_spec(rollout_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S) as rollout:
+    # The rollout server and the node start with the credentials (or without); the harnesses never see them.
+    rollout_service = running(rollout_spec(rollout_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S)
+    with _credentials_handed(issued), rollout_service as rollout:
         node_config = NodeConfig(
             rollout_address=rollout.dial_address,
             init_workers=16,
@@ -185,14 +273,13 @@ def _measure(
             postrun_workers=8,
             prewarm=prewarm,
             work_root=str(_fresh(scratch / f"work-{name}")),
+            template_roots=str(template.parent),  # the node copies workspaces only from its template roots
         )
         gateway = GatewayConfig(port=gateway_http.getsockname()[1], grpc_port=0, inference_address=inference_address)
         spec = node_spec(node_config, gateway, InferenceConfig(), base_url=base_url)
         with running(spec, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, http_socket=gateway_http) as node:
-            channel = grpc.insecure_channel(
-                rollout.dial_address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-            )
-            with channel:
+            options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+            with creds.channel(rollout.dial_address, creds.OPERATOR, issued, options) as channel:
                 stub = rollout_pb2_grpc.RolloutServiceStub(channel)
                 # The node prewarms the default (empty) workspace until it sees a task's spec; both
                 # modes run the warm-up session, so the node is equally warm otherwise.
@@ -211,7 +298,7 @@ def _measure(
                     children_after - children_before,
                     sum(_cpu_seconds(rollout.process.pid)) - rollout_before,
                 )
-    return _point(sessions, prewarm, seconds, hold, trajectories, cpu)
+    return _point(sessions, prewarm, issued is not None, seconds, hold, trajectories, cpu)
 
 
 def _template(folder: Path) -> Path:
@@ -293,6 +380,7 @@ def _collect(
 def _point(
     sessions: int,
     prewarm: bool,
+    credentials: bool,
     seconds: float,
     hold: float,
     trajectories: Sequence[common_pb2.Trajectory],
@@ -309,6 +397,7 @@ def _point(
     return Point(
         sessions=sessions,
         prewarm=prewarm,
+        credentials=credentials,
         seconds=seconds,
         added_seconds=seconds - hold,
         sessions_per_s=sessions / seconds,
@@ -359,7 +448,7 @@ def _fresh(path: Path) -> Path:
 
 
 def _print_point(point: Point) -> None:
-    mode = "prewarmed" if point.prewarm else "cold"
+    mode = ("prewarmed" if point.prewarm else "cold") + (", credentials" if point.credentials else ", open")
     print(
         f"  {point.sessions} sessions, {mode}: {point.completed}/{point.sessions} completed in {point.seconds:.2f} s",
         flush=True,
@@ -372,14 +461,16 @@ def _print_table(points: Sequence[Point], hold: float, load_before: float) -> No
         f"({os.cpu_count()} CPUs, load {load_before:.2f} before)"
     )
     header = (
-        f"{'sessions':>8} {'prewarm':>8} {'sess/s':>7} {'added':>6} {'→RUN p50':>9} {'p90':>7} {'max':>7} "
+        f"{'sessions':>8} {'prewarm':>8} {'creds':>5} {'sess/s':>7} {'added':>6} "
+        f"{'→RUN p50':>9} {'p90':>7} {'max':>7} "
         f"{'queued':>7} {'init':>6} {'ready':>6} {'peak RUN':>8} {'done':>5} {'node cpu':>9} {'children':>9} {'rollout':>8}"
     )
     print(header)
     print("-" * len(header))
     for p in points:
         print(
-            f"{p.sessions:>8} {'yes' if p.prewarm else 'no':>8} {p.sessions_per_s:>7.1f} {p.added_seconds:>5.2f}s "
+            f"{p.sessions:>8} {'yes' if p.prewarm else 'no':>8} {'on' if p.credentials else 'off':>5} "
+            f"{p.sessions_per_s:>7.1f} {p.added_seconds:>5.2f}s "
             f"{p.submit_to_running_p50_ms:>7.1f}ms {p.submit_to_running_p90_ms:>5.0f}ms {p.submit_to_running_max_ms:>5.0f}ms "
             f"{p.queued_p50_ms:>5.1f}ms {p.init_p50_ms:>4.1f}ms {p.ready_p50_ms:>4.1f}ms {p.peak_running:>8} "
             f"{p.completed:>5} {p.node_cpu_ms_per_session:>7.1f}ms {p.children_cpu_ms_per_session:>7.1f}ms "
@@ -399,7 +490,15 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="64 sessions only, a short hold (under a minute)")
     parser.add_argument("--sessions", type=int, nargs="+", default=[64, 256], help="concurrent sessions per point")
     parser.add_argument("--hold", type=float, help="seconds each harness holds its session (default 2 quick, 4 full)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "rollout.json", help="JSON output file")
+    parser.add_argument(
+        "--credentials", choices=("on", "off", "compare"), default="on",
+        help="run the services with the stack's credentials (on, as `polar up`), without them (off), or measure "
+        "what the check costs: each point with and without, in alternating rounds (compare)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--out", type=Path,
+        help="JSON output file (default: bench-results/rollout.json; rollout-credentials.json when comparing)",
+    )  # fmt: skip
     args = parser.parse_args()
     if any(size % GROUP_SIZE or size <= 0 for size in args.sessions):
         parser.error(f"--sessions must be positive multiples of {GROUP_SIZE}")

@@ -101,14 +101,16 @@ class SessionRun:
         self.clock.enter(stage, since)
 
     def progress(self) -> rollout_pb2.SessionProgress:
-        """Where the session stands, with the calls completed since the last delivered heartbeat."""
-        records = self.gateway_session.records if self.gateway_session is not None else []
+        """Where the session stands, with the calls completed since the last delivered heartbeat
+        (whole: bodies the gateway spilled to disk read back)."""
+        session = self.gateway_session
+        records = session.records if session is not None else []
         return rollout_pb2.SessionProgress(
             session_id=self.session_id,
             state=self.state,
             call_count=len(records),
             stage_timings=self.clock.timings(),
-            new_calls=records[self.calls_delivered :],
+            new_calls=session.with_bodies(records[self.calls_delivered :]) if session is not None else [],
         )
 
 

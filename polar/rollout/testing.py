@@ -58,15 +58,17 @@ class RolloutHandle:
     def address(self) -> str:
         return self.rollout.address
 
-    async def start_node(self, config: NodeConfig = TEST_NODE) -> RunningNode:
+    async def start_node(self, config: NodeConfig = TEST_NODE, gateway: Mapping[str, Any] | None = None) -> RunningNode:
         """One more node on this stack; the first gets Envoy's harness listener, later ones their own
-        gateway's address (Envoy forwards to one gateway)."""
+        gateway's address (Envoy forwards to one gateway). `gateway`: GatewayConfig fields over the
+        test's."""
         first = not self.nodes
+        gateway_config = GatewayConfig(
+            port=0, grpc_port=0, inference_address=self.inference_address, base_url=self.base_url if first else ""
+        )
         node = await start_node(
             dataclasses.replace(config, rollout_address=self.address),
-            GatewayConfig(
-                port=0, grpc_port=0, inference_address=self.inference_address, base_url=self.base_url if first else ""
-            ),
+            dataclasses.replace(gateway_config, **(gateway or {})),
             http_socket=self.http_socket if first else None,
         )
         self.nodes.append(node)
@@ -136,9 +138,11 @@ async def running_rollout(
     node_timeout_s: float = 5.0,
     max_attempts: int = 3,
     max_request_bytes: int = MAX_MESSAGE_BYTES,
+    gateway: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[RolloutHandle]:
     """Start the rollout server (on `store_path`, else a fresh file), a scripted inference server,
-    Envoy and, unless `node` is None, one node; stop them in reverse order."""
+    Envoy and, unless `node` is None, one node (its gateway with the GatewayConfig fields in
+    `gateway` over the test's); stop them in reverse order."""
     engine = ScriptedEngine.from_script(script if script is not None else {"outputs": []})
     async with contextlib.AsyncExitStack() as stack:
         if store_path is None:
@@ -183,5 +187,5 @@ async def running_rollout(
 
         stack.push_async_callback(stop_nodes)
         if node is not None:
-            await handle.start_node(node)
+            await handle.start_node(node, gateway)
         yield handle

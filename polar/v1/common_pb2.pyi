@@ -101,7 +101,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class CallRecord(_message.Message):
-    __slots__ = ("call_id", "session_id", "dialect", "model", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "finish_reason", "policy_version", "last_policy_version", "extends_call_id", "forced_token_count", "aborted", "error", "request_body", "response_body", "timings", "usage", "stream", "sampling", "truncated")
+    __slots__ = ("call_id", "session_id", "dialect", "model", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "finish_reason", "policy_version", "last_policy_version", "extends_call_id", "forced_token_count", "aborted", "error", "request_body", "response_body", "timings", "usage", "stream", "sampling", "truncated", "bodies_dropped")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DIALECT_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +123,7 @@ class CallRecord(_message.Message):
     STREAM_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    BODIES_DROPPED_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     session_id: str
     dialect: Dialect
@@ -144,7 +145,8 @@ class CallRecord(_message.Message):
     stream: bool
     sampling: SamplingParams
     truncated: bool
-    def __init__(self, call_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dialect: _Optional[_Union[Dialect, str]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., extends_call_id: _Optional[str] = ..., forced_token_count: _Optional[int] = ..., aborted: _Optional[bool] = ..., error: _Optional[str] = ..., request_body: _Optional[bytes] = ..., response_body: _Optional[bytes] = ..., timings: _Optional[_Union[CallTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stream: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    bodies_dropped: bool
+    def __init__(self, call_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dialect: _Optional[_Union[Dialect, str]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., extends_call_id: _Optional[str] = ..., forced_token_count: _Optional[int] = ..., aborted: _Optional[bool] = ..., error: _Optional[str] = ..., request_body: _Optional[bytes] = ..., response_body: _Optional[bytes] = ..., timings: _Optional[_Union[CallTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stream: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., truncated: _Optional[bool] = ..., bodies_dropped: _Optional[bool] = ...) -> None: ...
 
 class TraceSegment(_message.Message):
     __slots__ = ("kind", "start", "end", "call_id", "sampling")

@@ -39,7 +39,7 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., history: _Optional[_Union[HistoryPolicy, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "key", "task_id", "closed", "call_count", "opened_unix_ns", "closed_unix_ns", "history", "metadata", "sampling")
+    __slots__ = ("session_id", "key", "task_id", "closed", "call_count", "opened_unix_ns", "closed_unix_ns", "history", "metadata", "sampling", "expired")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class Session(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     key: str
     task_id: str
@@ -67,7 +68,8 @@ class Session(_message.Message):
     history: HistoryPolicy
     metadata: _containers.ScalarMap[str, str]
     sampling: _common_pb2.SamplingPolicy
-    def __init__(self, session_id: _Optional[str] = ..., key: _Optional[str] = ..., task_id: _Optional[str] = ..., closed: _Optional[bool] = ..., call_count: _Optional[int] = ..., opened_unix_ns: _Optional[int] = ..., closed_unix_ns: _Optional[int] = ..., history: _Optional[_Union[HistoryPolicy, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ...) -> None: ...
+    expired: bool
+    def __init__(self, session_id: _Optional[str] = ..., key: _Optional[str] = ..., task_id: _Optional[str] = ..., closed: _Optional[bool] = ..., call_count: _Optional[int] = ..., opened_unix_ns: _Optional[int] = ..., closed_unix_ns: _Optional[int] = ..., history: _Optional[_Union[HistoryPolicy, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ..., expired: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("key",)

@@ -90,10 +90,13 @@ class GatewayServiceServicer:
 
     def GetSession(self, request, context):
         """Unary. The session and every call recorded so far, in arrival order (or, with omit_calls, the
-        session alone). NOT_FOUND for an unknown session, including one forgotten: a closed session is
-        dropped an hour after it was closed, once no call of it is in flight. A response is one message:
-        a session whose records exceed the client's receive limit (gRPC's default is 4 MiB) fails with
-        RESOURCE_EXHAUSTED there; read its calls with WatchSession, one message per call.
+        session alone), with their bodies (those the gateway spilled to disk past its per-session cap
+        are read back). NOT_FOUND for an unknown session, including one forgotten: a closed session is
+        dropped an hour after it was closed, once no call of it is in flight. An open session with no
+        call for [gateway] session_idle_timeout_s is closed by the gateway (Session.expired), then
+        forgotten the same way. A response is one message: a session whose records exceed the client's
+        receive limit (gRPC's default is 4 MiB) fails with RESOURCE_EXHAUSTED there; read its calls with
+        WatchSession, one message per call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -101,8 +104,9 @@ class GatewayServiceServicer:
 
     def WatchSession(self, request, context):
         """Server-streaming. Emits each call record of one session as soon as it is complete, starting with
-        those already recorded (in arrival order); ends when the session is closed and its last call is
-        recorded, or, with until_caught_up, once those already recorded were sent.
+        those already recorded (in arrival order; bodies read back as for GetSession); ends when the
+        session is closed and its last call is recorded, or, with until_caught_up, once those already
+        recorded were sent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,11 +3,15 @@
 Its wire shape is deliberately small: `{"messages": [{"role", "content", "tool_calls"?}], "tools"?,
 "tool_choice"?, "stream"?, "max_tokens"?, "stop"?}` in; out, the parsed output, finish and usage;
 streams send one SSE event per parse event. Errors: `{"error": {"kind", "message"}}`.
+
+And `HangingEngine`, the scripted engine gone quiet: an inference server that stops sending.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
@@ -25,6 +29,8 @@ from gateway.dialects.base import (
     sse,
 )
 from gateway.parsers import ParseEvent
+from polar.inference.engines.base import GenerationEnd, GenerationRequest, TokenChunk
+from polar.inference.engines.scripted import ScriptedEngine
 from polar.v1 import common_pb2
 
 STATUS = {
@@ -125,3 +131,28 @@ def read_sse(text: str) -> list[Any]:
                 data = line[len("data: "):]
                 events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+class HangingEngine(ScriptedEngine):
+    """The scripted engine, hung: while `hang_after` is set, each generation sends that many chunks
+    of its scripted output (one token each with the script's delay_seconds) and then nothing at all
+    until it is cancelled, which `cancelled` counts."""
+
+    hang_after: int | None = None
+    cancelled = 0
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk | GenerationEnd]:
+        stream = super().generate(request)
+        try:
+            sent = 0
+            async for item in stream:
+                if self.hang_after is not None and sent >= self.hang_after:
+                    try:
+                        await asyncio.Event().wait()  # never set
+                    except asyncio.CancelledError:
+                        self.cancelled += 1
+                        raise
+                yield item
+                sent += 1
+        finally:
+            await stream.aclose()

@@ -83,6 +83,18 @@ async def test_the_task_builder_is_used() -> None:
     assert_faithful(trajectory)
 
 
+async def test_bodies_the_gateway_spilled_to_disk_reach_the_rollout_server_whole() -> None:
+    # A cap of 0: every call's bodies leave the gateway's memory for its spill file.
+    async with running_rollout(SCRIPT, gateway={"max_session_body_bytes": 0}) as rollout:
+        await rollout.submit(command_task(harness(), evaluator=FOUND_HELLO))
+        [[trajectory]] = await rollout.groups(1)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED and len(trajectory.calls) == 2, trajectory.error
+    for call in trajectory.calls:
+        assert json.loads(call.request_body)["max_tokens"] == 128  # the request as the harness sent it
+        assert json.loads(call.response_body)["object"] == "chat.completion" and not call.bodies_dropped
+    assert_faithful(trajectory)
+
+
 async def test_a_task_s_sampling_policy_reaches_every_recorded_call_and_trace() -> None:
     followed = common_pb2.SamplingPolicy(temperature=0.25, top_p=0.5, max_tokens_per_call=64)
     cut = common_pb2.SamplingPolicy(temperature=0.0, max_tokens_per_call=4)  # shorter than any reply

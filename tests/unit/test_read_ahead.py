@@ -1,4 +1,5 @@
-"""ReadAhead: every message once, in order, in batches of what arrived; the stream's error after them."""
+"""ReadAhead: every message once, in order, in batches of what arrived; the stream's error after them;
+a stream silent past its idle timeout raises StreamIdle."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.read_ahead import ReadAhead
+from gateway.read_ahead import ReadAhead, StreamIdle
 
 
 class StreamFailed(Exception):
@@ -118,3 +119,49 @@ def test_an_error_at_once_or_after_items_reaches_the_consumer(before):
         return seen
 
     assert asyncio.run(asyncio.wait_for(run(), 5)) == list(range(before))
+
+
+def test_a_stream_silent_past_the_idle_timeout_raises_stream_idle_after_what_came_before():
+    async def hangs_after_one():
+        yield 1
+        await asyncio.Event().wait()  # never set: an engine that stopped sending
+
+    async def run():
+        seen = []
+        read_ahead = ReadAhead(hangs_after_one(), idle_timeout_s=0.05)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(StreamIdle) as raised:
+            async for batch in read_ahead:
+                seen += batch
+        read_ahead.close()
+        return seen, raised.value, asyncio.get_running_loop().time() - started
+
+    seen, error, waited = asyncio.run(asyncio.wait_for(run(), 5))
+    assert seen == [1] and error.seconds == 0.05 and isinstance(error, TimeoutError)
+    assert 0.05 <= waited < 2
+
+
+def test_the_idle_timeout_counts_silences_not_the_whole_stream():
+    async def slow(count: int, gap_s: float):
+        for index in range(count):
+            await asyncio.sleep(gap_s)
+            yield index
+
+    async def run():
+        # 10 gaps of 20 ms: 200 ms in all, four times the timeout, but no silence reaches it.
+        return await _collect(ReadAhead(slow(10, 0.02), idle_timeout_s=0.05))
+
+    batches = asyncio.run(asyncio.wait_for(run(), 5))
+    assert [item for batch in batches for item in batch] == list(range(10))
+
+
+def test_a_slow_consumer_is_not_counted_against_the_stream():
+    async def run():
+        read_ahead = ReadAhead(_stream([1, 2]), idle_timeout_s=0.05)
+        seen = []
+        async for batch in read_ahead:
+            seen += batch
+            await asyncio.sleep(0.1)  # longer than the timeout, with the stream spent meanwhile
+        return seen
+
+    assert asyncio.run(asyncio.wait_for(run(), 5)) == [1, 2]

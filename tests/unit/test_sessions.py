@@ -1,4 +1,5 @@
-"""The session store: keys, lookup, closing, recording order, watchers and drain."""
+"""The session store: keys, lookup, closing, recording order, watchers and drain; its bounds: bodies
+past a session's cap spilled to a file and read back whole, idle sessions expired."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 import pytest
 
+from gateway.bodies import SpillFolder
 from gateway.sampling import NO_POLICY, SamplingPolicy
 from gateway.sessions import Draining, SessionClosed, SessionExists, SessionStore, UnknownSession
 from polar.v1 import common_pb2, gateway_pb2
@@ -134,3 +136,157 @@ async def test_a_session_keeps_its_sampling_policy_and_counts_what_its_calls_sam
     assert session.sampled_tokens == 42
     with pytest.raises(ValueError, match=r"sampling.top_p: .*; sampling.max_tokens_per_call"):
         store.open(sampling=SamplingPolicy(top_p=2.0, max_tokens_per_call=-1))
+
+
+# ------------------------------------------------------------------------------------- bodies
+
+
+def _call(session, request: bytes, response: bytes, tokens=(5, 6, 7)) -> common_pb2.CallRecord:
+    call_id = session.begin_call()
+    return common_pb2.CallRecord(
+        call_id=call_id,
+        session_id=session.session_id,
+        prompt_token_ids=[1, 2, 3],
+        sampled_token_ids=list(tokens),
+        sampled_logprobs=[-0.5] * len(tokens),
+        request_body=request,
+        response_body=response,
+    )
+
+
+async def test_bodies_past_the_cap_go_to_a_file_and_come_back_whole(tmp_path):
+    store = SessionStore(max_body_bytes=200, spill=SpillFolder(str(tmp_path)))
+    session = store.open()
+    bodies = [(b"q%d" % i * 40, b"r%d" % i * 20) for i in range(5)]  # 80 + 40 bytes per call
+    for index, (request, response) in enumerate(bodies):
+        store.record(session, _call(session, request, response, tokens=(10 + index, 11)))
+    # The first call fits (120 bytes); the second would pass 200: it and every later one spill.
+    kept = {record.call_id: record for record in session.records}
+    assert kept["c0001"].request_body == bodies[0][0]
+    assert [kept[c].request_body or kept[c].response_body for c in ("c0002", "c0003", "c0004", "c0005")] == [b""] * 4
+    assert session.bodies.in_memory == 120 and session.bodies.spilled == 4
+    # ... but never the token ids or logprobs.
+    assert [list(r.sampled_token_ids) for r in session.records] == [[10 + i, 11] for i in range(5)]
+    [folder] = tmp_path.iterdir()
+    assert folder.stat().st_mode & 0o777 == 0o700
+    [spill_file] = folder.iterdir()
+    assert spill_file.stat().st_size == 4 * 120
+    whole = session.ordered_records()
+    assert [(r.request_body, r.response_body) for r in whole] == bodies
+    assert not any(r.bodies_dropped for r in whole)
+    assert [list(r.sampled_token_ids) for r in whole] == [[10 + i, 11] for i in range(5)]
+    store.close(session.key)
+    store.forget(session.key)
+    assert not spill_file.exists()
+    store.spill.remove()
+    assert not folder.exists()
+
+
+async def test_a_watch_gets_spilled_records_whole():
+    store = SessionStore(max_body_bytes=0)  # every body to the file
+    session = store.open()
+    store.record(session, _call(session, b"first request", b"first response"))
+    seen = []
+
+    async def watch():
+        async for record in session.watch():
+            seen.append((record.request_body, record.response_body))
+
+    watcher = asyncio.ensure_future(watch())
+    await asyncio.sleep(0)
+    store.record(session, _call(session, b"second request", b"second response"))
+    store.close(session.key)
+    await asyncio.wait_for(watcher, 5)
+    assert seen == [(b"first request", b"first response"), (b"second request", b"second response")]
+    assert all(not r.request_body for r in session.records)
+    store.spill.remove()
+
+
+async def test_bodies_that_cannot_be_spilled_are_dropped_with_a_marker_and_the_tokens_kept(tmp_path):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    store = SessionStore(max_body_bytes=10, spill=SpillFolder(str(not_a_folder)))
+    session = store.open()
+    store.record(session, _call(session, b"small", b"ok"))  # 7 bytes: kept
+    store.record(session, _call(session, b"a request too many", b"{}"))
+    store.record(session, _call(session, b"q", b"a"))  # would fit, but the session is past its cap
+    first, second, third = session.ordered_records()
+    assert (first.request_body, first.bodies_dropped) == (b"small", False)
+    for dropped in (second, third):
+        assert (dropped.request_body, dropped.response_body, dropped.bodies_dropped) == (b"", b"", True)
+        assert list(dropped.sampled_token_ids) == [5, 6, 7] and list(dropped.sampled_logprobs) == [-0.5] * 3
+
+
+async def test_a_spill_file_gone_marks_the_bodies_dropped_when_read_back(tmp_path):
+    store = SessionStore(max_body_bytes=0, spill=SpillFolder(str(tmp_path)))
+    session = store.open()
+    store.record(session, _call(session, b"request", b"response"))
+    for path in store.spill.path.iterdir():
+        path.unlink()
+    [record] = session.ordered_records()
+    assert record.bodies_dropped and record.request_body == b"" and list(record.sampled_token_ids) == [5, 6, 7]
+
+
+# ------------------------------------------------------------------------------------- expiry
+
+
+class FakeClock:
+    """Unix epoch nanoseconds that move only when told."""
+
+    def __init__(self) -> None:
+        self.now_ns = 1_700_000_000 * 10**9
+
+    def __call__(self) -> int:
+        return self.now_ns
+
+    def advance(self, seconds: float) -> None:
+        self.now_ns += int(seconds * 1e9)
+
+
+async def test_a_session_idle_past_the_timeout_expires_and_is_forgotten_later():
+    clock = FakeClock()
+    store = SessionStore(clock=clock)
+    idle, active = store.open(session_id="idle"), store.open(session_id="active")
+    assert idle.opened_unix_ns == clock.now_ns
+    clock.advance(3000)
+    store.record(active, _call(active, b"{}", b"{}"))  # a call renews the session
+    clock.advance(601)
+    assert store.expire_idle(3600) == 1
+    assert idle.closed and idle.expired and idle.closed_unix_ns == clock.now_ns and not active.closed
+    with pytest.raises(SessionClosed, match=r"session idle expired: the gateway closed it after 3601\.0 s without"):
+        store.authorize(idle.key)
+    assert idle.to_proto().expired and idle.to_proto().closed and not active.to_proto().expired
+    # What it recorded stays readable until it is forgotten like any closed session.
+    assert store.find("idle") is idle
+    clock.advance(3599)
+    assert store.forget_closed(3600) == 0
+    clock.advance(2)
+    assert store.forget_closed(3600) == 1
+    with pytest.raises(UnknownSession):
+        store.find("idle")
+    assert store.authorize(active.key) is active  # 1 h 40 min after its call: not yet
+
+
+async def test_a_call_in_flight_keeps_its_session_from_expiring():
+    clock = FakeClock()
+    store = SessionStore(clock=clock)
+    session = store.open()
+    record = _call(session, b"{}", b"{}")  # begun: in flight
+    clock.advance(7200)
+    assert store.expire_idle(3600) == 0 and not session.closed
+    store.record(session, record)
+    clock.advance(3599)
+    assert store.expire_idle(3600) == 0
+    clock.advance(2)
+    assert store.expire_idle(3600) == 1 and session.expired
+
+
+async def test_a_session_closed_by_its_owner_is_not_expired():
+    clock = FakeClock()
+    store = SessionStore(clock=clock)
+    session = store.open()
+    store.close(session.key)
+    clock.advance(7200)
+    assert store.expire_idle(3600) == 0 and not session.expired
+    with pytest.raises(SessionClosed, match=r"is closed$"):
+        store.authorize(session.key)
