@@ -177,6 +177,9 @@ class NodeConfig:
     # folders a task's runtime.template may be copied from (os.pathsep-separated, symlinks resolved;
     # no '..', no '~'); "" = the node's working folder
     template_roots: str = ""
+    # remote git repositories a task's runtime.template may be cloned from: comma-separated URL
+    # prefixes, e.g. "https://github.com/acme/,git@github.com:acme/"; "" = none
+    template_git: str = ""
     # How the local runtime keeps harnesses and evaluators from the node (README, "The local
     # runtime"): "namespace" hides the credentials, other sessions, the temporary folders and the node's
     # processes; "network" also leaves only the harness URL reachable; "auto" = "namespace" where this

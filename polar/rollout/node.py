@@ -57,7 +57,7 @@ from polar.rollout.runtimes import (
     available_providers,
     spec_key,
 )
-from polar.rollout.templates import parse_roots
+from polar.rollout.templates import parse_sources
 from polar.service import Ready
 from polar.trajectory import build, session_trajectory, verify, views_from_protos
 from polar.trajectory.records import TrajectoryError
@@ -615,7 +615,11 @@ async def start_node(
             isolation_for, node.harness_isolation, running_gateway.base_url, work_root
         )
         providers = await asyncio.to_thread(
-            available_providers, work_root, parse_roots(node.template_roots), isolation, running_gateway.base_url
+            available_providers,
+            work_root,
+            parse_sources(node.template_roots, node.template_git),
+            isolation,
+            running_gateway.base_url,
         )
         pools = Node(node, running_gateway, providers, node.rollout_address)
         pools.start()

@@ -5,10 +5,14 @@ cloned as it is, or a folder of the node (a path relative to where the node runs
 copied or, when it is a git repository, cloned. A folder must lie inside one of the node's template
 roots (`[node] template_roots`, by default the node's working folder) once every symlink on its way
 is resolved; a path with a `..` component or starting with `~` is refused outright, as are git's
-other transports (file://, `ext::`, ...), which would reach the node's files by another name.
+other transports (file://, `ext::`, ...), which would reach the node's files by another name. A
+remote repository must start with one of the node's allowed git sources (`[node] template_git`,
+by default none): a prefix ending in '/' or ':' covers what follows it, any other covers itself and
+what follows it after a '/'; a URL with a '.' or '..' path segment, a '%' escape or a backslash is
+refused, since git and its servers may resolve those to another repository than the prefix names.
 
     template_problem(template)            what no node accepts (checked at submit), or None
-    confine(template, roots, cwd)         the template to copy or clone; TemplateRefused if not allowed
+    confine(template, sources, cwd)       the template to copy or clone; TemplateRefused if not allowed
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 REMOTE_SCHEMES = ("https", "http", "ssh", "git")
@@ -27,6 +32,15 @@ _SCP_LIKE = re.compile(r"^[A-Za-z0-9._-]+@[A-Za-z0-9.-]+:(?!//)")
 
 class TemplateRefused(ValueError):
     """A template this node does not copy from; the message says why and what allows more."""
+
+
+@dataclass(frozen=True)
+class TemplateSources:
+    """What a node fills workspaces from: folders inside `roots`, and remote git repositories under
+    one of the `git` prefixes."""
+
+    roots: tuple[Path, ...]
+    git: tuple[str, ...] = ()
 
 
 def is_remote(template: str) -> bool:
@@ -51,17 +65,21 @@ def template_problem(template: str) -> str | None:
     return None
 
 
-def confine(template: str, roots: Sequence[Path] | None, cwd: Path | None = None) -> str:
+def confine(template: str, sources: TemplateSources | None, cwd: Path | None = None) -> str:
     """The template to fill a workspace from: "" (none), a remote URL as given, or the folder's
-    resolved path, which lies inside one of `roots` (resolved themselves). `roots` None: the
+    resolved path, which lies inside one of the roots (resolved themselves). `sources` None: the
     template as given, unchecked (a provider used outside a node). Raises TemplateRefused."""
-    if not template or is_remote(template) or roots is None:
+    if not template or sources is None:
+        return template
+    if is_remote(template):
+        if (problem := _remote_problem(template, sources.git)) is not None:
+            raise TemplateRefused(f"template {template!r}: {problem}")
         return template
     if (problem := template_problem(template)) is not None:
         raise TemplateRefused(f"template {template!r}: {problem}")
     path = Path(cwd or os.getcwd()) / template
     resolved = path.resolve()
-    allowed = [Path(root).resolve() for root in roots]
+    allowed = [Path(root).resolve() for root in sources.roots]
     if not any(resolved == root or resolved.is_relative_to(root) for root in allowed):
         where = ", ".join(map(str, allowed)) or "none"
         raise TemplateRefused(
@@ -71,8 +89,27 @@ def confine(template: str, roots: Sequence[Path] | None, cwd: Path | None = None
     return str(resolved)
 
 
+def _remote_problem(url: str, allowed: Sequence[str]) -> str | None:
+    """Why the remote repository `url` is not one of `allowed` (URL prefixes), or None."""
+    if "%" in url or "\\" in url or any(ord(c) < 0x21 or ord(c) == 0x7F for c in url):
+        return "a remote template may not hold a '%' escape, a backslash, a space or a control character"
+    address = url.split("://", 1)[1] if "://" in url else url.split(":", 1)[1]
+    if any(segment in (".", "..") for segment in re.split(r"[/:]", address)):
+        return "a remote template may not hold a '.' or '..' path segment"
+    for prefix in allowed:
+        if url == prefix or url.startswith(prefix if prefix.endswith(("/", ":")) else prefix + "/"):
+            return None
+    listed = ", ".join(allowed) or "none"
+    return f"remote git repository not among the node's allowed sources ({listed}); the node option --template-git allows more"
+
+
 def parse_roots(setting: str, cwd: Path | None = None) -> list[Path]:
     """`[node] template_roots`: os.pathsep-separated folders, relative ones to `cwd`; "" = `cwd`."""
     base = Path(cwd or os.getcwd())
     parts = [part for part in setting.split(os.pathsep) if part]
     return [base / part for part in parts] if parts else [base]
+
+
+def parse_sources(roots: str, git: str, cwd: Path | None = None) -> TemplateSources:
+    """`[node] template_roots` and `[node] template_git` (comma-separated URL prefixes)."""
+    return TemplateSources(tuple(parse_roots(roots, cwd)), tuple(part.strip() for part in git.split(",") if part.strip()))

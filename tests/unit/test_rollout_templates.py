@@ -1,6 +1,7 @@
-"""polar/rollout/templates.py: a task's template is a remote git URL or a folder inside the node's
-template roots once symlinks are resolved; '..', '~', NUL and git's other transports are refused.
-Property tests draw paths over a tree with a symlink that leads out of the root."""
+"""polar/rollout/templates.py: a task's template is a remote git URL under one of the node's allowed
+git sources or a folder inside the node's template roots once symlinks are resolved; '..', '~', NUL
+and git's other transports are refused. Property tests draw paths over a tree with a symlink that
+leads out of the root, and URLs around an allowed prefix."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from hypothesis import strategies as st
 
 from polar.rollout import tasks
 from polar.rollout.runtimes import LocalProvider, RuntimeFailure, available_providers
-from polar.rollout.templates import TemplateRefused, confine, is_remote, parse_roots, template_problem
+from polar.rollout.templates import (
+    TemplateRefused,
+    TemplateSources,
+    confine,
+    is_remote,
+    parse_roots,
+    parse_sources,
+    template_problem,
+)
 from polar.v1 import rollout_pb2
 
 pytestmark = pytest.mark.anyio
@@ -40,7 +49,7 @@ def test_an_accepted_template_always_lies_in_a_root(tree, parts, absolute):
     root = tree / "root"
     template = ("/".join([str(root), *parts]) if absolute else "/".join(parts).lstrip("/")) or "."
     try:
-        allowed = confine(template, [root], cwd=root)
+        allowed = confine(template, TemplateSources((root,)), cwd=root)
     except TemplateRefused as exc:
         assert repr(template) in str(exc)
         refused = True
@@ -76,12 +85,10 @@ def _leaves_through_the_link(parts: list[str]) -> bool:
 def test_no_text_escapes_the_root(tree, template):
     root = tree / "root"
     try:
-        allowed = confine(template, [root], cwd=root)
+        allowed = confine(template, TemplateSources((root,)), cwd=root)
     except TemplateRefused:
         return
-    if is_remote(template):
-        assert allowed == template  # a remote git source: cloned, never read from this machine's disk
-        return
+    assert not is_remote(template)  # no git source is allowed here
     resolved = Path(allowed)
     assert resolved == root or resolved.is_relative_to(root)
 
@@ -106,17 +113,19 @@ def test_remote_git_and_plain_paths_pass_the_submit_check(template):
 
 def test_a_folder_outside_the_roots_names_them_and_the_option(tree):
     with pytest.raises(TemplateRefused, match=r"outside the node's template roots .*--template-roots allows more"):
-        confine(str(tree / "outside"), [tree / "root"], cwd=tree)
-    assert confine(str(tree / "outside"), [tree / "root", tree / "outside"]) == str((tree / "outside").resolve())
+        confine(str(tree / "outside"), TemplateSources((tree / "root",)), cwd=tree)
+    both = TemplateSources((tree / "root", tree / "outside"))
+    assert confine(str(tree / "outside"), both) == str((tree / "outside").resolve())
 
 
 def test_roots_default_to_the_working_folder(tmp_path):
     assert parse_roots("", cwd=tmp_path) == [tmp_path]
     assert parse_roots(os.pathsep.join(["a", "/b"]), cwd=tmp_path) == [tmp_path / "a", Path("/b")]
+    assert parse_sources("", " https://h/a/ ,, git@h:a/", cwd=tmp_path) == TemplateSources((tmp_path,), ("https://h/a/", "git@h:a/"))
 
 
 async def test_a_node_provider_refuses_a_template_outside_its_roots(tree, tmp_path):
-    provider = LocalProvider(tmp_path / "work", template_roots=[tree / "root"])
+    provider = LocalProvider(tmp_path / "work", templates=TemplateSources((tree / "root",)))
     with pytest.raises(RuntimeFailure, match="outside the node's template roots"):
         await provider.create(rollout_pb2.RuntimeSpec(kind="local", template=str(tree / "root" / "out")), name="s")
     assert list((tmp_path / "work").iterdir()) == []  # nothing left behind
@@ -125,4 +134,55 @@ async def test_a_node_provider_refuses_a_template_outside_its_roots(tree, tmp_pa
         assert (runtime.workspace / "b").is_dir()
     finally:
         await runtime.close()
-    assert available_providers(tmp_path / "w", [tree / "root"])["local"].template_roots == [tree / "root"]
+    sources = TemplateSources((tree / "root",), ("https://git.example/acme/",))
+    assert available_providers(tmp_path / "w", sources)["local"].templates == sources
+    with pytest.raises(RuntimeFailure, match="not among the node's allowed sources"):
+        await provider.create(rollout_pb2.RuntimeSpec(kind="local", template="https://git.example/acme/r.git"), name="s")
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+ALLOWED_GIT = ("https://git.example/acme/", "git@git.example:acme/", "ssh://git.example/team")
+URL_PIECES = ["acme", "acme-evil", "r.git", "..", ".", "team", "team2", "%2e%2e", "x", "@evil.example", "\\", ""]
+
+
+@given(
+    st.sampled_from(["https://git.example/", "git@git.example:", "ssh://git.example/", "https://evil.example/"]),
+    st.lists(st.sampled_from(URL_PIECES), min_size=1, max_size=4),
+)
+def test_a_remote_template_is_cloned_only_under_an_allowed_prefix(base, pieces):
+    url = base + "/".join(pieces)
+    try:
+        allowed = confine(url, TemplateSources((), ALLOWED_GIT))
+    except TemplateRefused as exc:
+        assert repr(url) in str(exc)
+        refused = True
+    else:
+        assert allowed == url
+        refused = False
+    # A model of the rule, independent of the code: the URL names a path under a listed prefix,
+    # with no segment or escape that a server or git could resolve elsewhere.
+    address = url.split("://", 1)[1] if "://" in url else url.split(":", 1)[1]
+    segments = address.replace(":", "/").split("/")
+    clean = not any(s in (".", "..") for s in segments) and "%" not in url and "\\" not in url
+    under = url.startswith(("https://git.example/acme/", "git@git.example:acme/")) or (
+        url == "ssh://git.example/team" or url.startswith("ssh://git.example/team/")
+    )
+    assert refused == (not (clean and under)), url
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://git.example/acme-evil/r.git",  # a longer name, not a folder of the prefix
+        "ssh://git.example/team2/r",
+        "https://git.example/acme/../other/r.git",
+        "https://git.example/acme/%2e%2e/other/r.git",
+        "https://git.example.evil/acme/r.git",
+        "https://git.example/acme/r.git extra",
+    ],
+)
+def test_tricks_around_an_allowed_prefix_are_refused(url):
+    with pytest.raises(TemplateRefused):
+        confine(url, TemplateSources((), ALLOWED_GIT))
+    with pytest.raises(TemplateRefused, match="--template-git allows more|may not hold"):
+        confine(url, TemplateSources((), ALLOWED_GIT))

@@ -3,13 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 from polar.rollout.isolation import NO_ISOLATION, Isolation
 from polar.rollout.runtimes.base import Runtime, RuntimeFailure, RuntimeProvider, spec_key
 from polar.rollout.runtimes.docker import DockerProvider, DockerRuntime, docker_engine_answers
 from polar.rollout.runtimes.local import LocalProvider, LocalRuntime
+from polar.rollout.templates import TemplateSources
 
 __all__ = [
     "DockerProvider",
@@ -27,17 +27,17 @@ __all__ = [
 
 def available_providers(
     work_root: Path,
-    template_roots: Sequence[Path] | None = None,
+    templates: TemplateSources | None = None,
     isolation: Isolation = NO_ISOLATION,
     harness_url: str = "",
 ) -> dict[str, RuntimeProvider]:
     """The runtime kinds this machine offers, by kind: "local" always (its commands sandboxed as
     `isolation` says), "docker" when a Docker engine answers (checked once, now; this blocks for up
     to a few seconds; its containers reach only `harness_url`). Templates come only from
-    `template_roots` (None: anywhere)."""
+    `templates` (None: anywhere)."""
     providers: dict[str, RuntimeProvider] = {
-        "local": LocalProvider(work_root, template_roots=template_roots, isolation=isolation)
+        "local": LocalProvider(work_root, templates=templates, isolation=isolation)
     }
     if docker_engine_answers():
-        providers["docker"] = DockerProvider(work_root, template_roots=template_roots, harness_url=harness_url)
+        providers["docker"] = DockerProvider(work_root, templates=templates, harness_url=harness_url)
     return providers

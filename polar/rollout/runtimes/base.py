@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar import credentials
-from polar.rollout.templates import TemplateRefused, confine, is_remote
+from polar.rollout.templates import TemplateRefused, TemplateSources, confine, is_remote
 from polar.rollout.process import OUTPUT_LIMIT, ProcessResult, ProcessStartError, exit_text, run_process
 from polar.v1 import rollout_pb2
 
@@ -84,12 +84,12 @@ class RuntimeProvider(abc.ABC):
     kind: str
 
     def __init__(
-        self, work_root: Path, *, step_timeout_s: float = STEP_TIMEOUT_S, template_roots: Sequence[Path] | None = None
+        self, work_root: Path, *, step_timeout_s: float = STEP_TIMEOUT_S, templates: TemplateSources | None = None
     ) -> None:
         self.work_root = work_root
         self.step_timeout_s = step_timeout_s
-        # Folders a template may come from (polar.rollout.templates); None: any (outside a node).
-        self.template_roots = template_roots
+        # Where a template may come from (polar.rollout.templates); None: anywhere (outside a node).
+        self.templates = templates
 
     async def create(self, spec: rollout_pb2.RuntimeSpec, *, name: str) -> Runtime:
         """A ready runtime for spec: the workspace filled from spec.template, then each spec.prepare
@@ -97,7 +97,7 @@ class RuntimeProvider(abc.ABC):
         after removing whatever was made, when a step fails."""
         root = new_session_folder(self.work_root, name)
         try:
-            await fill_workspace(spec.template, root / "work", timeout_s=self.step_timeout_s, roots=self.template_roots)
+            await fill_workspace(spec.template, root / "work", timeout_s=self.step_timeout_s, sources=self.templates)
         except BaseException:
             await asyncio.shield(asyncio.to_thread(remove_tree, root))
             raise
@@ -139,19 +139,19 @@ def new_session_folder(work_root: Path, name: str) -> Path:
 
 
 async def fill_workspace(
-    template: str, workspace: Path, *, timeout_s: float, roots: Sequence[Path] | None = None
+    template: str, workspace: Path, *, timeout_s: float, sources: TemplateSources | None = None
 ) -> None:
     """Make workspace: empty (no template), a copy of a template folder, or a clone of a git
     repository (a URL, or a local folder that is a repository: then only its committed files).
-    A folder must lie in one of `roots` (polar.rollout.templates.confine; None: anywhere)."""
+    It must be one of `sources` (polar.rollout.templates.confine; None: anywhere)."""
     if not template:
         workspace.mkdir()
         return
     try:
-        allowed = confine(template, roots)
+        allowed = confine(template, sources)
     except TemplateRefused as exc:
         raise RuntimeFailure(str(exc)) from None
-    source = Path(allowed).expanduser() if roots is None else Path(allowed)
+    source = Path(allowed).expanduser() if sources is None else Path(allowed)
     if not is_remote(allowed) and source.is_dir() and not (source / ".git").exists():
         try:
             await asyncio.to_thread(shutil.copytree, source, workspace, symlinks=True)

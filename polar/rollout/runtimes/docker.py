@@ -44,6 +44,7 @@ from polar.rollout.runtimes.base import (
     checked_step,
     remove_tree,
 )
+from polar.rollout.templates import TemplateSources
 from polar.v1 import rollout_pb2
 
 log = logging.getLogger("polar.rollout.runtimes")
@@ -156,10 +157,10 @@ class DockerProvider(RuntimeProvider):
         *,
         step_timeout_s: float = STEP_TIMEOUT_S,
         docker: str = "docker",
-        template_roots: Sequence[Path] | None = None,
+        templates: TemplateSources | None = None,
         harness_url: str = "",
     ) -> None:
-        super().__init__(work_root, step_timeout_s=step_timeout_s, template_roots=template_roots)
+        super().__init__(work_root, step_timeout_s=step_timeout_s, templates=templates)
         self.docker = shutil.which(docker) or docker
         self.harness_url = harness_url  # the gateway's, forwarded into each container ("": none)
 

@@ -12,6 +12,7 @@ from polar import credentials
 from polar.rollout.isolation import NO_ISOLATION, GatewayRelay, Isolation, in_namespace_url, sandbox_argv
 from polar.rollout.process import OUTPUT_LIMIT, ProcessResult, resolve_command, run_process
 from polar.rollout.runtimes.base import STEP_TIMEOUT_S, Runtime, RuntimeProvider, remove_tree
+from polar.rollout.templates import TemplateSources
 from polar.v1 import rollout_pb2
 
 
@@ -69,10 +70,10 @@ class LocalProvider(RuntimeProvider):
         work_root: Path,
         *,
         step_timeout_s: float = STEP_TIMEOUT_S,
-        template_roots: Sequence[Path] | None = None,
+        templates: TemplateSources | None = None,
         isolation: Isolation = NO_ISOLATION,
     ) -> None:
-        super().__init__(work_root, step_timeout_s=step_timeout_s, template_roots=template_roots)
+        super().__init__(work_root, step_timeout_s=step_timeout_s, templates=templates)
         self.isolation = isolation
 
     async def _start(self, spec: rollout_pb2.RuntimeSpec, root: Path) -> LocalRuntime:
