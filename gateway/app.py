@@ -191,12 +191,14 @@ async def _run(request: web.Request, dialect_name: str, route: Route) -> web.Str
         dialect = _dialect(request, dialect_name)
     except DialectUnavailable as exc:
         return neutral_error(404, "not_found_error", str(exc))
+    key = session_key(request)
     try:
+        gateway.authorize(key)  # a request without a valid key is refused before its body is read
         raw = await _read_body(request)
     except GatewayError as exc:
         return _reply(gateway.error_reply(dialect, exc))
     sink = _HttpSink(request)
-    reply = await gateway.call(dialect, route, raw, session_key(request), sink)
+    reply = await gateway.call(dialect, route, raw, key, sink)
     if reply is not None:
         return _reply(reply)
     if sink.response is None:
@@ -238,11 +240,13 @@ async def _counted(request: web.Request, dialect_name: str, route: Route) -> web
         dialect = _dialect(request, dialect_name)
     except DialectUnavailable as exc:
         return neutral_error(404, "not_found_error", str(exc))
+    key = session_key(request)
     try:
+        gateway.authorize(key)  # refused before the body is read, as a call is
         raw = await _read_body(request)
     except GatewayError as exc:
         return _reply(gateway.error_reply(dialect, exc))
-    return _reply(gateway.count_tokens(dialect, route, raw, session_key(request)))
+    return _reply(gateway.count_tokens(dialect, route, raw, key))
 
 
 async def _models(request: web.Request) -> web.StreamResponse:

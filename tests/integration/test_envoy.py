@@ -265,7 +265,7 @@ async def test_sse_events_pass_through_the_harness_listener_as_they_are_sent(tmp
         arrived = []
         async with aiohttp.ClientSession() as client:
             url = f"http://127.0.0.1:{proxy.harness_port}/v1/stream"
-            async with client.post(url, json={"stream": True}) as response:
+            async with client.post(url, json={"stream": True}, headers=KEY) as response:
                 assert response.status == 200
                 assert response.headers["Content-Type"] == "text/event-stream"
                 async for line in response.content:
@@ -293,9 +293,9 @@ async def test_head_and_bodies_pass_through_and_oversized_bodies_get_413(tmp_pat
         async with aiohttp.ClientSession() as client:
             async with client.head(f"{base}/") as response:
                 assert (response.status, response.headers.get("x-backend")) == (200, "gateway")
-            async with client.post(f"{base}/v1/echo", data=b"x" * 4096) as response:
+            async with client.post(f"{base}/v1/echo", data=b"x" * 4096, headers=KEY) as response:
                 assert (response.status, await response.read()) == (200, b"x" * 4096)
-            async with client.post(f"{base}/v1/echo", data=b"x" * 4097) as response:
+            async with client.post(f"{base}/v1/echo", data=b"x" * 4097, headers=KEY) as response:
                 assert response.status == 413
                 # A path of no dialect gets OpenAI's shape, which reads as the gateway's neutral one.
                 assert error_in_shape("openai", 413, await response.json())[0] == "invalid_request_error"
@@ -320,16 +320,18 @@ LIMIT = 4096  # max_request_bytes in these tests
 STALL_S = 0.5  # stream idle timeout in the test where the upstream never answers
 ENVOY_PREFIX = "Envoy in front of the Polar gateway: "
 # Each route harnesses call, and the dialect whose error shape Envoy's own replies take there.
+# Each with a key in one of the forms the SDKs send it (a keyless request never reaches the gateway).
+KEY = {"Authorization": "Bearer polar-test"}
 ROUTES = [
-    ("/v1/chat/completions", {}, "openai"),
-    ("/v1/responses", {}, "openai"),
-    ("/v1/models", {}, "openai"),
-    ("/v1/messages?beta=true", {}, "anthropic"),
-    ("/v1/messages/count_tokens", {}, "anthropic"),
-    ("/v1/models", {"anthropic-version": "2023-06-01"}, "anthropic"),  # Claude Code's model list
-    ("/v1beta/models/polar:generateContent", {}, "google"),
-    ("/v1/models/polar:streamGenerateContent?alt=sse", {}, "google"),
-    ("/no/such/route", {}, "openai"),
+    ("/v1/chat/completions", KEY, "openai"),
+    ("/v1/responses", KEY, "openai"),
+    ("/v1/models", KEY, "openai"),
+    ("/v1/messages?beta=true", {"x-api-key": "polar-test"}, "anthropic"),
+    ("/v1/messages/count_tokens", {"x-api-key": "polar-test"}, "anthropic"),
+    ("/v1/models", {"x-api-key": "polar-test", "anthropic-version": "2023-06-01"}, "anthropic"),  # Claude Code's model list
+    ("/v1beta/models/polar:generateContent", {"x-goog-api-key": "polar-test"}, "google"),
+    ("/v1/models/polar:streamGenerateContent?alt=sse&key=polar-test", {}, "google"),
+    ("/no/such/route", KEY, "openai"),
 ]
 # The error's type (Google: its status name) for each dialect and status Envoy answers with.
 ERROR_TYPES = {
@@ -436,7 +438,7 @@ async def test_the_gateways_own_errors_pass_through_envoy_unchanged():
         assert gateway.envoy is not None
         key = {"Authorization": f"Bearer {gateway.key}"}
         refused = [  # (path, headers, body) that the gateway itself answers with a 4xx
-            ("/v1/chat/completions", {}, {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
+            ("/v1/chat/completions", {"Authorization": "Bearer polar-unknown"}, {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
             ("/v1/chat/completions", key, {"model": "m"}),
             ("/v1/responses", key, {"model": "m", "input": 5}),
             ("/v1/messages?beta=true", key, {"model": "m", "max_tokens": 5, "messages": [{"role": "user"}]}),

@@ -134,6 +134,41 @@ async def test_unknown_and_closed_keys_get_401_in_the_dialects_shape(real, http,
     assert real.records(closed) == []
 
 
+async def _status_without_sending_the_body(base_url: str, path: str, key_header: str) -> bytes:
+    """The status of a POST whose headers announce a 50 MB body that never comes."""
+    host, port = base_url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{key_header}"
+            f"Content-Length: {50 * 1024 * 1024}\r\n\r\n".encode()
+        )
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), timeout=10)
+        headers_and_body = await asyncio.wait_for(reader.read(4096), timeout=10)
+        return status_line.split()[1] + b" " + headers_and_body.split(b"\r\n\r\n", 1)[-1]
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("dialect, path, body", ROUTES)
+async def test_a_keyless_request_is_refused_by_envoy_before_its_body_is_read(real, dialect, path, body):
+    """No key in any form: the 401 comes from Envoy at once, in the dialect's shape, without the body."""
+    answer = await _status_without_sending_the_body(real.base_url, path, "")
+    status, payload = answer.split(b" ", 1)
+    _, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.AUTHENTICATION, ""))
+    assert status == b"401"
+    reply = json.loads(payload)
+    assert _without_messages(reply) == _without_messages(expected)
+    assert "no API key" in json.dumps(reply)
+
+
+async def test_a_request_with_a_wrong_key_is_refused_by_the_gateway_before_its_body_is_read():
+    async with running_gateway(REAL_SCRIPT, envoy=False) as gateway:
+        answer = await _status_without_sending_the_body(gateway.base_url, "/v1/messages", "x-api-key: polar-unknown\r\n")
+    assert answer.startswith(b"401 ")
+
+
 @pytest.mark.parametrize("dialect, path, body", ROUTES)
 async def test_malformed_and_non_object_bodies_are_400_in_the_dialects_shape(real, http, dialect, path, body):
     status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.INVALID_REQUEST, ""))
@@ -167,9 +202,10 @@ async def test_models_lists_the_served_model_in_openai_or_anthropic_shape(real, 
 
 
 async def test_unknown_routes_answer_json_404(real, http):
-    async with http.post(real.base_url + "/v1beta/models/m:embedContent", json={}) as response:
+    key = {"x-api-key": "polar-unknown"}  # a keyless request is Envoy's 401
+    async with http.post(real.base_url + "/v1beta/models/m:embedContent", json={}, headers=key) as response:
         assert response.status == 404 and (await response.json())["error"]["type"] == "not_found_error"
-    async with http.get(real.base_url + "/nowhere") as response:
+    async with http.get(real.base_url + "/nowhere", headers=key) as response:
         assert response.status == 404 and "error" in await response.json()
 
 
