@@ -146,6 +146,9 @@ def transformer_config(shape: ModelShape, tp_size: int, dtype: torch.dtype, reco
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # Data-parallel gradients are summed, not averaged: the loss of each micro-batch is already
+        # weighted for the whole update (Megatron's DistributedDataParallel reads this).
+        calculate_per_token_loss=True,
         **recompute_options[recompute],
     )
 
@@ -258,6 +261,13 @@ def build_model(shape: ModelShape, tp_size: int, dtype: torch.dtype, device: tor
         rotary_base=shape.rope_theta,
         share_embeddings_and_output_weights=shape.tied_embeddings,
     )
+    # torch.nn.RMSNorm is created in the default dtype (fp32). Norm weights in the activations' dtype
+    # let torch run its fused RMSNorm kernel (fp32 arithmetic inside, as Hugging Face's RMSNorm does);
+    # with fp32 weights on bf16 inputs it falls back to an unfused fp32 path that keeps fp32 copies of
+    # its input and output for backward (about 40% of a Qwen3-4B layer's activation memory).
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm):
+            module.to(dtype)
     return model.to(device)
 
 
