@@ -97,6 +97,7 @@ class MegatronBackendOptions:
     grad_clip: float = 1.0
     recompute: str = "none"  # "none", "selective" (core attention) or "full" (whole layers); CUDA only
     fused_swiglu: bool = False  # SwiGLU through torch.compile (CUDA only; needs Triton and a C compiler)
+    fused_rope: bool = False  # RoPE through torch.compile (CUDA only; likewise)
     reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
     seed: int = 0
     cpu_threads: int = 0  # 0 = torch's default
@@ -104,10 +105,11 @@ class MegatronBackendOptions:
 
 def options_from_config(config: TrainerConfig, model: str) -> MegatronBackendOptions:
     """The backend's options from the [trainer] section: the same on every rank;
-    gradient_checkpointing recomputes whole layers."""
+    gradient_checkpointing recomputes whole layers; SwiGLU and RoPE are compiled on a GPU."""
+    cuda = torch.cuda.is_available()
     return MegatronBackendOptions(
         model=model, tp_size=config.tensor_parallel, recompute="full" if config.gradient_checkpointing else "none",
-        **shared_options(config),
+        fused_swiglu=cuda, fused_rope=cuda, **shared_options(config),
     )
 
 
@@ -158,8 +160,9 @@ class MegatronBackend(Backend):
         self.dtype = dtypes[options.dtype]
         if options.recompute != "none" and self.device.type != "cuda":
             raise BackendError("recomputation needs CUDA: Megatron's checkpointing saves and restores CUDA's RNG state")
-        if options.fused_swiglu and self.device.type != "cuda":
-            raise BackendError("fused_swiglu needs CUDA")
+        for name in ("fused_swiglu", "fused_rope"):
+            if getattr(options, name) and self.device.type != "cuda":
+                raise BackendError(f"{name} needs CUDA")
         # Rank 0's choice (a checkpoint of the run, say) is every rank's.
         choice = [options.model]
         if self.parallel.world_size > 1:
@@ -238,7 +241,7 @@ class MegatronBackend(Backend):
     def _build(self):
         options = self.options
         return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, options.recompute,
-                           options.fused_swiglu)
+                           options.fused_swiglu, options.fused_rope)
 
     @property
     def model_description(self) -> dict[str, object]:
