@@ -108,6 +108,12 @@ def test_trainer_config_selects_the_megatron_backend(tmp_path):
     assert backend.model_description["model_type"] == "llama"
 
 
+def test_tensor_parallel_size_must_divide_the_ranks(tmp_path):
+    folder = save_tiny_model(tmp_path / "model", "llama", False)
+    with pytest.raises(BackendError, match="must divide the number of ranks"):
+        MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32", tp_size=2))
+
+
 def test_recomputation_is_refused_on_the_cpu(tmp_path):
     folder = save_tiny_model(tmp_path / "model", "llama", False)
     with pytest.raises(BackendError, match="needs CUDA"):

@@ -12,8 +12,8 @@ distribution the inference engine drew each token from (`grpo.token_logprobs`), 
 update, so accumulating their gradients gives the exact gradient of the whole update.
 
     torch      one process, CPU or one GPU, any Hugging Face causal LM (torch_backend.py)
-    megatron   Megatron-Core, tensor parallel over the ranks of a torchrun job; Llama / Qwen2 / Qwen3
-               (megatron/)
+    megatron   Megatron-Core, tensor and data parallel over the ranks of a torchrun job; Llama / Qwen2 /
+               Qwen3 (megatron/)
 """
 
 from __future__ import annotations

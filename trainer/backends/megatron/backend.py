@@ -207,7 +207,10 @@ class MegatronBackend(Backend):
     def _distributed_optimizer(self):
         """The loaded model in Megatron's DistributedDataParallel, and a DistributedOptimizer over it
         (AdamW as in the torch backend: weight decay on every parameter, eps 1e-8)."""
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         options = self.options

@@ -142,9 +142,3 @@ def tp_group():
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()
-
-
-def dp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_data_parallel_group()
