@@ -196,11 +196,14 @@ class TrainerConfig:
     host: str = "127.0.0.1"  # address of the TrainerService; "0.0.0.0" for every interface
     port: Port = 50080  # gRPC port of the TrainerService (status, policy version, checkpoints); 0 picks a free one
     run_dir: str = "runs/train"  # the run's folder: checkpoints, metrics.jsonl, TensorBoard events, reward.png
-    # "torch": one process, CPU or one GPU, any Hugging Face causal LM; "megatron": Megatron-Core, tensor
-    # parallel over every GPU of a torchrun job (scripts/launch_megatron.sh), Llama / Qwen2 / Qwen3
+    # "torch": one process, CPU or one GPU, any Hugging Face causal LM; "megatron": Megatron-Core over the
+    # GPUs of a torchrun job (scripts/launch_megatron.sh), tensor and data parallel, Llama / Qwen2 / Qwen3
     backend: Literal["torch", "megatron"] = "torch"
     # processes of the trainer on this machine, one per GPU; > 1 starts a torchrun job (megatron only)
     gpus: Positive = 1
+    # megatron: GPUs per tensor-parallel group; 0 = every GPU of the job. It must divide their number;
+    # the groups are data-parallel replicas (Megatron's distributed optimizer shards AdamW over them)
+    tensor_parallel: Count = 0
     model: str = "tiny"  # starting weights: "tiny", "smollm2-135m" or a Hugging Face folder
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda

@@ -1,6 +1,7 @@
-"""Training throughput of the megatron backend (TP=1, TP=2) against the torch backend on one shape.
+"""Training throughput of the megatron backend (TP=1, TP=2, TP=1 x DP=2) against the torch backend on
+one shape.
 
-One point is one backend at one tensor-parallel size: a full GRPO step (forward, backward and the
+One point is one backend at one layout (tensor-parallel size x data-parallel replicas): a full GRPO step (forward, backward and the
 AdamW step over `--micro-batches` micro-batches, each one packed row of `--tokens` tokens made of
 sequences of `--sequence-length` tokens) on a random-initialised Qwen3-4B-shaped model (hidden 2560,
 36 layers, 32 query / 8 KV heads of 128, MLP 9728, vocabulary 151936, tied embeddings), in bf16.
@@ -14,9 +15,13 @@ trainable positions, in both backends.
                     (QK^T and AV, causal: half of the s x s scores)
                   + 2 * hidden * vocabulary per trainable position (the output layer)
 
-Peak: 989 TFLOP/s dense bf16 for an H100 SXM or H200 (--peak-tflops for other cards). Each point runs
+Peak: 989 TFLOP/s dense bf16 for an H100 SXM or H200 (--peak-tflops for other cards). With data
+parallelism the step's micro-batches are split over the replicas; MFU is per GPU. Each point runs
 in fresh processes (one per GPU; rank 0 leads, the others follow, as under torchrun), so one point's
-memory does not weigh on the next. A point that runs out of memory is reported as such.
+memory does not weigh on the next. A point that runs out of memory is reported as such. The CUDA
+allocator runs with expandable segments (less fragmentation), and with tensor parallelism
+CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue: the TP all-reduces run in issue order), as
+scripts/launch_megatron.sh sets them; a value already in the environment is kept.
 
     python scripts/bench_megatron.py --quick          # a small model, under a minute
     python scripts/bench_megatron.py                  # Qwen3-4B shape, 8k-token packed rows
@@ -68,7 +73,8 @@ QUICK = dict(
 @dataclass(frozen=True)
 class Point:
     backend: str  # "megatron" or "torch"
-    tp: int  # tensor-parallel size (GPUs used)
+    tp: int  # tensor-parallel size
+    dp: int  # data-parallel replicas (GPUs used: tp * dp)
     card: str
     tokens_per_step: int
     trainable_tokens_per_step: int
@@ -165,10 +171,13 @@ def _copy_tokenizer_stub(folder: Path) -> None:
     PreTrainedTokenizerFast(tokenizer_object=stub, unk_token="<unk>").save_pretrained(folder)
 
 
-def _run_point(rank: int, world: int, port: int, backend_name: str, args: dict, out: str) -> None:
+def _run_point(rank: int, tp: int, dp: int, port: int, backend_name: str, args: dict, out: str) -> None:
     """One rank of one point; rank 0 times the steps and writes the Point as JSON to `out`."""
+    world = tp * dp
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if tp > 1:
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # read when CUDA starts, which is later
     config, device = args["config"], args["device"]
     batches, lengths = micro_batches(config, args["tokens"], args["sequence_length"], args["micro_batches"])
     trainable = sum(b.trainable_tokens for b in batches)
@@ -180,8 +189,8 @@ def _run_point(rank: int, world: int, port: int, backend_name: str, args: dict, 
             from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
 
             backend = MegatronBackend(MegatronBackendOptions(
-                model=args["folder"], tp_size=world, dtype=args["dtype"], recompute=args["recompute"],
-                fused_swiglu=args["fused_swiglu"], lr=1e-6))
+                model=args["folder"], tp_size=tp, dtype=args["dtype"], recompute=args["recompute"],
+                fused_swiglu=args["fused_swiglu"], fused_rope=args["fused_rope"], lr=1e-6))
             if rank != 0:
                 backend.follow()
                 return
@@ -204,16 +213,16 @@ def _run_point(rank: int, world: int, port: int, backend_name: str, args: dict, 
         per_gpu = flops / step_seconds / world
         peak = _peak_tflops(card, args["peak_tflops"]) * 1e12 if device == "cuda" else 0.0
         point = Point(
-            backend=backend_name, tp=world, card=card, tokens_per_step=tokens, trainable_tokens_per_step=trainable,
+            backend=backend_name, tp=tp, dp=dp, card=card, tokens_per_step=tokens, trainable_tokens_per_step=trainable,
             step_seconds=step_seconds, tokens_per_s=tokens / step_seconds, tflops_per_gpu=per_gpu / 1e12,
             mfu=per_gpu / peak if peak else 0.0,
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
         )
     except torch.OutOfMemoryError:
-        point = _failed(backend_name, world, card, "out of memory")
+        point = _failed(backend_name, tp, dp, card, "out of memory")
     except Exception as exc:  # reported in the table; the other points still run
         traceback.print_exc()
-        point = _failed(backend_name, world, card, f"{type(exc).__name__}: {exc}")
+        point = _failed(backend_name, tp, dp, card, f"{type(exc).__name__}: {exc}")
     Path(out).write_text(json.dumps(asdict(point)))
     if point.error and world > 1:
         # The followers may wait in a collective that will never come: exiting with an error makes
@@ -223,8 +232,8 @@ def _run_point(rank: int, world: int, port: int, backend_name: str, args: dict, 
         backend.close()
 
 
-def _failed(backend: str, tp: int, card: str, error: str) -> Point:
-    return Point(backend=backend, tp=tp, card=card, tokens_per_step=0, trainable_tokens_per_step=0, step_seconds=0.0,
+def _failed(backend: str, tp: int, dp: int, card: str, error: str) -> Point:
+    return Point(backend=backend, tp=tp, dp=dp, card=card, tokens_per_step=0, trainable_tokens_per_step=0, step_seconds=0.0,
                  tokens_per_s=0.0, tflops_per_gpu=0.0, mfu=0.0, peak_memory_gib=0.0, error=error)
 
 
@@ -238,8 +247,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small model and 2k-token rows: under a minute")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes of the megatron points")
-    parser.add_argument("--backends", default="megatron,torch", help="torch runs at TP=1 only")
+    parser.add_argument("--layouts", default="1x1,2x1,1x2",
+                        help="megatron points as TPxDP: tensor-parallel size x data-parallel replicas")
+    parser.add_argument("--backends", default="megatron,torch", help="torch runs on one GPU only")
     parser.add_argument("--tokens", type=int, help="tokens per packed row (default 8192, 2048 with --quick)")
     parser.add_argument("--sequence-length", type=int, help="tokens per packed sequence (default 2048, 512 with --quick)")
     parser.add_argument("--micro-batches", type=int, default=0, help="rows per optimizer step (default 4, 2 with --quick)")
@@ -247,7 +257,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=0, help="untimed steps first (default 2, 1 with --quick)")
     parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
                         help="megatron's recomputation; full also turns on the torch backend's gradient checkpointing")
-    parser.add_argument("--fused-swiglu", action="store_true", help="megatron: SwiGLU through torch.compile (Triton)")
+    parser.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=None,
+                        help="megatron: SwiGLU through torch.compile (default: on a GPU)")
+    parser.add_argument("--fused-rope", action=argparse.BooleanOptionalAction, default=None,
+                        help="megatron: RoPE through torch.compile (default: on a GPU)")
     parser.add_argument("--model", help="a Hugging Face Qwen3 folder to use instead of a random one of the shape")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s of one GPU")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "megatron.json")
@@ -262,8 +275,15 @@ def main() -> int:
     gpus = torch.cuda.device_count() if device == "cuda" else 0
     points_wanted = []
     for name in args.backends.split(","):
-        for tp in ([int(t) for t in args.tp.split(",")] if name == "megatron" else [1]):
-            points_wanted.append((name, tp))
+        layouts = args.layouts.split(",") if name == "megatron" else ["1x1"]
+        for layout in layouts:
+            try:
+                tp, dp = (int(part) for part in layout.split("x"))
+            except ValueError:
+                parser.error(f"--layouts: {layout!r} is not TPxDP (say 2x1)")
+            points_wanted.append((name, tp, dp))
+    # Read by the CUDA allocator of the spawned ranks.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     scratch = Path(tempfile.mkdtemp(prefix="bench-megatron-"))
     try:
         if args.model:
@@ -282,20 +302,23 @@ def main() -> int:
             "config": config, "device": device, "folder": str(folder), "tokens": tokens,
             "sequence_length": sequence_length, "micro_batches": args.micro_batches or (2 if args.quick else 4),
             "steps": args.steps or (2 if args.quick else 5), "warmup": args.warmup or (1 if args.quick else 2),
-            "recompute": args.recompute, "fused_swiglu": args.fused_swiglu, "peak_tflops": args.peak_tflops,
+            "recompute": args.recompute, "peak_tflops": args.peak_tflops,
+            "fused_swiglu": device == "cuda" if args.fused_swiglu is None else args.fused_swiglu,
+            "fused_rope": device == "cuda" if args.fused_rope is None else args.fused_rope,
             "dtype": "bfloat16" if device == "cuda" else "float32",
         }
         points = []
-        for name, tp in points_wanted:
-            if device == "cuda" and tp > gpus:
-                points.append(_failed(name, tp, _card(device), f"{SKIPPED}: needs {tp} GPUs, {gpus} visible"))
+        for name, tp, dp in points_wanted:
+            if device == "cuda" and tp * dp > gpus:
+                points.append(_failed(name, tp, dp, _card(device), f"{SKIPPED}: needs {tp * dp} GPUs, {gpus} visible"))
                 continue
-            result = scratch / f"{name}-{tp}.json"
+            result = scratch / f"{name}-{tp}x{dp}.json"
             try:
-                torch.multiprocessing.spawn(_run_point, args=(tp, _free_port(), name, shared, str(result)), nprocs=tp)
+                torch.multiprocessing.spawn(_run_point, args=(tp, dp, _free_port(), name, shared, str(result)),
+                                            nprocs=tp * dp)
             except Exception as exc:  # a rank died (out of memory on a follower, say): others still run
                 if not result.exists():
-                    result.write_text(json.dumps(asdict(_failed(name, tp, _card(device), f"a rank failed: {exc}"))))
+                    result.write_text(json.dumps(asdict(_failed(name, tp, dp, _card(device), f"a rank failed: {exc}"))))
             points.append(Point(**json.loads(result.read_text())))
             print(_row(points[-1]), file=sys.stderr)
     finally:
@@ -312,17 +335,17 @@ def main() -> int:
 
 def _row(p: Point) -> str:
     if p.error:
-        return f"{p.backend:<9} {p.tp:>3}  {p.error}"
-    return (f"{p.backend:<9} {p.tp:>3} {p.step_seconds * 1e3:>10.0f} {p.tokens_per_s:>10.0f} "
+        return f"{p.backend:<9} {p.tp:>3} {p.dp:>3}  {p.error}"
+    return (f"{p.backend:<9} {p.tp:>3} {p.dp:>3} {p.step_seconds * 1e3:>10.0f} {p.tokens_per_s:>10.0f} "
             f"{p.tflops_per_gpu:>10.1f} {100 * p.mfu:>6.1f} {p.peak_memory_gib:>9.1f}")
 
 
 def _table(points: list[Point], settings: dict) -> str:
     head = (f"{settings['micro_batches']} rows x {settings['tokens']} tokens "
             f"(sequences of {settings['sequence_length']}) per step, recompute={settings['recompute']}, "
-            f"fused_swiglu={settings['fused_swiglu']}, "
+            f"fused_swiglu={settings['fused_swiglu']}, fused_rope={settings['fused_rope']}, "
             f"{points[0].card if points else ''}\n"
-            f"{'backend':<9} {'tp':>3} {'step ms':>10} {'tok/s':>10} {'TFLOP/s':>10} {'MFU %':>6} {'peak GiB':>9}")
+            f"{'backend':<9} {'tp':>3} {'dp':>3} {'step ms':>10} {'tok/s':>10} {'TFLOP/s':>10} {'MFU %':>6} {'peak GiB':>9}")
     return "\n".join([head] + [_row(p) for p in points])
 
 

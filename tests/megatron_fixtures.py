@@ -118,12 +118,12 @@ def micro_batches(max_tokens: int = 48):
     return pack(sample_sequences(), max_tokens)
 
 
-def torch_backend_run(folder: Path, device: str = "cpu", dtype: str = "float32"):
+def torch_backend_run(folder: Path, device: str = "cpu", dtype: str = "float32", max_tokens: int = 48):
     """The torch backend on the tiny model: (logprobs, the update's result, the weights after it)."""
     from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
     backend = TorchBackend(TorchBackendOptions(model=str(folder), device=device, dtype=dtype, lr=LR))
-    batches = micro_batches()
+    batches = micro_batches(max_tokens)
     logprobs = backend.logprobs(batches)
     result = backend.update(batches, LOSS)
     return logprobs, result, {name: t.cpu().clone() for name, t in backend.hf_weights()}
@@ -136,20 +136,21 @@ def _free_port() -> int:
 
 
 def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str, recompute: str,
-             fused_swiglu: bool) -> None:
-    """One rank of a TP job, as torchrun would start it: rank 0 drives the backend, the rest follow."""
+             fused_swiglu: bool, fused_rope: bool, tp_size: int, max_tokens: int) -> None:
+    """One rank of a job, as torchrun would start it: rank 0 drives the backend, the rest follow."""
     from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    backend = MegatronBackend(MegatronBackendOptions(model=folder, dtype=dtype, lr=LR, recompute=recompute,
-                                                     fused_swiglu=fused_swiglu))
+    backend = MegatronBackend(MegatronBackendOptions(model=folder, tp_size=tp_size, dtype=dtype, lr=LR,
+                                                     recompute=recompute, fused_swiglu=fused_swiglu,
+                                                     fused_rope=fused_rope))
     if rank != 0:
         backend.follow()
         return
     out = Path(out)
-    batches = micro_batches()
+    batches = micro_batches(max_tokens)
     logprobs = backend.logprobs(batches)
     result = backend.update(batches, LOSS)
     weights = {name: t.cpu().clone() for name, t in backend.hf_weights()}
@@ -160,9 +161,12 @@ def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str
 
 
 def run_tensor_parallel(world: int, folder: Path, out: Path, dtype: str, recompute: str = "none",
-                        fused_swiglu: bool = False) -> dict:
-    """Spawn a `world`-rank job on the tiny model at `folder`; rank 0's logprobs, update result and
-    weights after the update (its saved model and optimizer are in `out`)."""
-    job = (world, _free_port(), str(folder), str(out), dtype, recompute, fused_swiglu)
+                        fused_swiglu: bool = False, tp_size: int = 0, max_tokens: int = 48,
+                        fused_rope: bool = False) -> dict:
+    """Spawn a `world`-rank job on the tiny model at `folder` (`tp_size` ranks per tensor-parallel
+    group, 0 = all; the rest data parallel) over `micro_batches(max_tokens)`; rank 0's logprobs,
+    update result and weights after the update (its saved model and optimizer are in `out`)."""
+    job = (world, _free_port(), str(folder), str(out), dtype, recompute, fused_swiglu, fused_rope, tp_size,
+           max_tokens)
     torch.multiprocessing.spawn(_tp_rank, args=job, nprocs=world)
     return torch.load(out / "rank0.pt", weights_only=False)

@@ -1,11 +1,13 @@
-"""The megatron backend on CUDA: the CPU tier's checks at TP=1 (one GPU) and TP=2 (two GPUs, NCCL).
+"""The megatron backend on CUDA: the CPU tier's checks at TP=1 (one GPU), TP=2 and TP=1 x DP=2 (two
+GPUs, NCCL).
 
 Runs on the device machine only (`python -m pytest -m gpu tests/gpu/test_megatron_cuda.py`); skipped
 without CUDA, without megatron-core, and (TP=2) without two GPUs.
 
 fp32: logprobs and loss within 1e-4 of the torch backend on the same GPU, and the weights after one
 AdamW step as on the CPU (at most 10% of a step on any element, 0.1% on average).
-Recomputation ("selective", "full") and the compiled SwiGLU give the fp32 results too.
+Recomputation ("selective", "full"), the compiled SwiGLU and the compiled RoPE give the fp32 results
+too.
 bf16 (the training dtype): two bf16 implementations round differently, so each is compared with the
 fp32 truth instead: the megatron backend's largest logprob error may be at most twice the torch
 backend's plus 0.02 nats, and its loss error at most twice the torch backend's plus 1e-3. Weights
@@ -87,9 +89,22 @@ def test_tp2_nccl(tmp_path, folder, torch_fp32, torch_bf16, dtype):
         _assert_bf16_close(ours, torch_bf16, torch_fp32)
 
 
-@pytest.mark.parametrize("recompute,fused_swiglu", [("selective", False), ("full", False), ("none", True)])
-def test_recomputation_and_fusion_change_nothing(tmp_path, folder, torch_fp32, recompute, fused_swiglu):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_data_parallel_nccl(tmp_path, folder, torch_fp32, torch_bf16, dtype):
+    """Two replicas (Megatron's DistributedDataParallel and DistributedOptimizer: in bf16, fp32 main
+    weights) learn from one micro-batch each."""
+    _needs_gpus(2)
+    ours = run_tensor_parallel(2, folder, tmp_path, dtype, tp_size=1)
+    ours = (ours["logprobs"], ours["result"], ours["weights"])
+    if dtype == "float32":
+        assert_matches(torch_fp32, *ours, atol=FP32_ATOL)
+    else:
+        _assert_bf16_close(ours, torch_bf16, torch_fp32)
+
+
+@pytest.mark.parametrize("recompute,fused", [("selective", False), ("full", False), ("none", True)])
+def test_recomputation_and_fusion_change_nothing(tmp_path, folder, torch_fp32, recompute, fused):
     """Recomputed activations (Megatron's checkpointing needs CUDA's RNG state: GPU only) and the
-    compiled SwiGLU give the same logprobs, loss and step."""
-    ours = run_tensor_parallel(1, folder, tmp_path, "float32", recompute, fused_swiglu)
+    compiled SwiGLU and RoPE give the same logprobs, loss and step."""
+    ours = run_tensor_parallel(1, folder, tmp_path, "float32", recompute, fused_swiglu=fused, fused_rope=fused)
     assert_matches(torch_fp32, ours["logprobs"], ours["result"], ours["weights"], atol=FP32_ATOL)

@@ -82,6 +82,22 @@ def test_tp2_on_gloo_matches_the_torch_backend(tmp_path, model_type, tied):
     assert len(torch.load(tmp_path / "optimizer.pt", weights_only=True)["ranks"]) == 2
 
 
+@pytest.mark.parametrize("max_tokens,count", [(31, 3), (96, 1)])
+def test_data_parallel_on_gloo_matches_one_replica(tmp_path, max_tokens, count):
+    """TP=1 x DP=2 with Megatron's DistributedDataParallel and DistributedOptimizer: the summed
+    gradients, the norm, the step and the gathered logprobs are one replica's (the torch backend's).
+    3 micro-batches: one replica sits out the first round; 1: one replica learns from none."""
+    from megatron_fixtures import micro_batches as packed
+
+    assert len(packed(max_tokens)) == count
+    folder = save_tiny_model(tmp_path / "model", "qwen3", False)
+    reference = torch_backend_run(folder, max_tokens=max_tokens)
+    ours = run_tensor_parallel(2, folder, tmp_path, "float32", tp_size=1, max_tokens=max_tokens)
+    assert_matches(reference, ours["logprobs"], ours["result"], ours["weights"])
+    saved = torch.load(tmp_path / "optimizer.pt", weights_only=True)
+    assert (saved["tp_size"], saved["dp_size"], len(saved["ranks"])) == (1, 2, 2)
+
+
 def test_trainer_config_selects_the_megatron_backend(tmp_path):
     from polar.config import TrainerConfig
     from trainer.service import create_backend
@@ -90,6 +106,12 @@ def test_trainer_config_selects_the_megatron_backend(tmp_path):
     backend = create_backend(TrainerConfig(backend="megatron", model=str(folder), dtype="float32"), str(folder))
     assert isinstance(backend, MegatronBackend) and backend.name == "megatron"
     assert backend.model_description["model_type"] == "llama"
+
+
+def test_tensor_parallel_size_must_divide_the_ranks(tmp_path):
+    folder = save_tiny_model(tmp_path / "model", "llama", False)
+    with pytest.raises(BackendError, match="must divide the number of ranks"):
+        MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32", tp_size=2))
 
 
 def test_recomputation_is_refused_on_the_cpu(tmp_path):

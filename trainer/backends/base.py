@@ -12,8 +12,8 @@ distribution the inference engine drew each token from (`grpo.token_logprobs`), 
 update, so accumulating their gradients gives the exact gradient of the whole update.
 
     torch      one process, CPU or one GPU, any Hugging Face causal LM (torch_backend.py)
-    megatron   Megatron-Core, tensor parallel over the ranks of a torchrun job; Llama / Qwen2 / Qwen3
-               (megatron/)
+    megatron   Megatron-Core, tensor and data parallel over the ranks of a torchrun job; Llama / Qwen2 /
+               Qwen3 (megatron/)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from trainer.batches import MicroBatch
-from trainer.grpo import LossConfig, merge_stats, policy_loss
+from trainer.grpo import LossConfig, LossStats, merge_stats, policy_loss
 
 
 def shared_options(config) -> dict[str, object]:
@@ -134,6 +134,28 @@ class Backend(abc.ABC):
         """Clip the accumulated gradients to the configured norm; the norm before clipping."""
         raise NotImplementedError
 
+    def _learning_rounds(self, count: int) -> list[int | None]:
+        """The micro-batches (indices into the update's `count`) this process learns from, one per
+        round; None for a round it sits out. Every process of a backend runs the same number of
+        rounds, since the stop checks between rounds are collective. One process learns from all."""
+        return list(range(count))
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        """Accumulate the gradients of one micro-batch's loss; `last`: this process's last one."""
+        loss.backward()
+
+    def _combine(self, losses: dict[int, float], stats: dict[int, LossStats], tokens: int,
+                 trainable: int) -> tuple[list[float], list[LossStats], int, int]:
+        """This process's per-micro-batch losses and stats (by index) and counts, as the whole
+        update's (losses and stats in micro-batch order); what the caller gets is the leader's."""
+        return [losses[i] for i in sorted(losses)], [stats[i] for i in sorted(stats)], tokens, trainable
+
+    def _zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _step(self) -> None:
+        self.optimizer.step()
+
     def _run_update(
         self,
         batches: Sequence[MicroBatch],
@@ -144,12 +166,19 @@ class Backend(abc.ABC):
         """Accumulate the GRPO loss's gradients over the micro-batches, clip, step (see `update`)."""
         started = time.perf_counter()
         references = self._reference_logprobs(batches) if loss_config.kl_coef > 0 else None
-        self.optimizer.zero_grad(set_to_none=True)
-        total_loss, all_stats, tokens, trainable = 0.0, [], 0, 0
-        for index, batch in enumerate(batches):
+        self._zero_grad()
+        losses: dict[int, float] = {}
+        all_stats: dict[int, LossStats] = {}
+        tokens, trainable = 0, 0
+        rounds = self._learning_rounds(len(batches))
+        mine = [index for index in rounds if index is not None]
+        for index in rounds:
             if self._stop_agreed(should_stop()):
-                self.optimizer.zero_grad(set_to_none=True)
+                self._zero_grad()
                 raise UpdateAborted
+            if index is None:
+                continue
+            batch = batches[index]
             values, flat = self._target_logprobs(self.model, batch)
 
             def at_targets(tensor: torch.Tensor) -> torch.Tensor:
@@ -164,25 +193,26 @@ class Backend(abc.ABC):
                 loss_config,
                 ref_logprobs=None if references is None else at_targets(references[index]),
             )
-            loss.backward()
-            total_loss += float(loss.detach())
-            all_stats.append(stats)
+            self._backward(loss, last=index == mine[-1])
+            losses[index] = float(loss.detach())
+            all_stats[index] = stats
             tokens += batch.tokens
             trainable += batch.trainable_tokens
         grad_norm = self._clip_gradients()
         if self._stop_agreed(should_stop()):
-            self.optimizer.zero_grad(set_to_none=True)
+            self._zero_grad()
             raise UpdateAborted
         # A non-finite gradient would turn every weight it touches into NaN, on the inference servers
         # too once synced: the update is skipped instead, and reported.
         skipped = not math.isfinite(grad_norm)
         if not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self._step()
+        self._zero_grad()
+        loss_values, stats_list, tokens, trainable = self._combine(losses, all_stats, tokens, trainable)
         return UpdateResult(
-            loss=total_loss,
+            loss=sum(loss_values),
             grad_norm=grad_norm,
-            stats={**(merge_stats(all_stats) if all_stats else {}), "updates_skipped": float(skipped)},
+            stats={**(merge_stats(stats_list) if stats_list else {}), "updates_skipped": float(skipped)},
             tokens=tokens,
             trainable_tokens=trainable,
             seconds=time.perf_counter() - started,

@@ -1,7 +1,7 @@
-"""The megatron trainer backend: Megatron-Core, tensor parallel, started with torchrun.
+"""The megatron trainer backend: Megatron-Core, tensor and data parallel, started with torchrun.
 
-    runtime.py    process groups, devices, running Megatron on a CPU (gloo)
-    model.py      the GPT model from a Hugging Face config; Polar's layer spec (SDPA attention); packing
+    runtime.py    process groups (tensor x data parallel), devices, running Megatron on a CPU (gloo)
+    model.py      the GPT model from a Hugging Face config; Polar's layer spec (RoPE + SDPA attention); packing
     convert.py    Hugging Face <-> Megatron weights, tensor-parallel sharding (pure functions)
     logprobs.py   vocabulary-parallel per-token logprobs (the full vocabulary is never gathered)
     backend.py    MegatronBackend: the Backend contract; rank 0 leads, the other ranks follow

@@ -1,4 +1,5 @@
-"""The megatron backend: a Megatron-Core GPT model, tensor parallel over the ranks of a torchrun job.
+"""The megatron backend: a Megatron-Core GPT model over the ranks of a torchrun job, tensor parallel
+within groups of `tp_size` ranks and data parallel across those groups.
 
 Every rank holds its shard of the weights and of the optimizer state. Rank 0 is the one the training
 loop talks to; each of its public calls is first announced to the other ranks (a broadcast of the
@@ -7,11 +8,22 @@ call and its arguments, micro-batches included), which run the same call in lock
 ranks. Rank 0 checks what could fail on bad input before announcing, so followers never see a call
 that fails half-way on rank 0 alone.
 
-Data parallelism is not implemented: the tensor-parallel size is the number of ranks, and the
-optimizer is a plain torch AdamW over the local shards (exact: AdamW is elementwise, so sharded
-AdamW is whole-model AdamW). Megatron's DistributedOptimizer would shard the optimizer state over
-data-parallel ranks, which this layout does not have. As in the torch backend, parameters and AdamW
-state are in the model's dtype (bf16 on a GPU) and logprobs and the loss are computed in fp32.
+One replica (tp_size = number of ranks): the optimizer is a plain torch AdamW over the local shards
+(exact: AdamW is elementwise, so sharded AdamW is whole-model AdamW); as in the torch backend,
+parameters and AdamW state are in the model's dtype (bf16 on a GPU).
+
+Several replicas: each learns from its share of an update's micro-batches (dealt round-robin) and
+scores its share of `logprobs`' (gathered on rank 0). The model is wrapped in Megatron's
+DistributedDataParallel, which keeps gradients in contiguous buckets and reduce-scatters each bucket
+over the replicas as soon as the last micro-batch's backward has filled it (overlapped with the rest
+of that backward); the gradients are summed, not averaged, since the loop's token weights are
+already normalised over the whole update, so the update equals one replica's over all micro-batches.
+Megatron's DistributedOptimizer then holds fp32 main weights and AdamW state for its 1/dp slice
+only, steps that slice, and all-gathers the updated weights. A replica's last micro-batch is
+always in the last round (the rounds it sits out come first), so no replica has started its
+reduce-scatter when a stop between rounds cancels the update.
+
+Logprobs and the loss are computed in fp32.
 
 The gradient norm counts a replicated parameter (the norms) once and sums sharded ones over ranks;
 QK-norm weights are shared by all heads but each rank only sees its own heads, so their gradients are
@@ -23,7 +35,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import groupby
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,11 +70,12 @@ from trainer.backends.megatron.model import (
 )
 from trainer.backends.megatron.runtime import (
     MegatronUnavailable,
+    cuda_names_on_cpu,
     init_parallel,
     tp_group,
 )
 from trainer.batches import MicroBatch
-from trainer.grpo import LossConfig
+from trainer.grpo import LossConfig, LossStats
 
 if TYPE_CHECKING:
     from polar.config import TrainerConfig
@@ -75,7 +88,7 @@ class MegatronBackendOptions:
     """How to build the megatron backend (the [trainer] settings it reads)."""
 
     model: str  # "tiny", "smollm2-135m" or a Hugging Face folder (the same path on every node)
-    tp_size: int = 0  # tensor-parallel ranks; 0 = every rank of the job
+    tp_size: int = 0  # ranks per tensor-parallel group; 0 = every rank of the job (no data parallelism)
     dtype: str = "auto"  # "auto": bf16 on a GPU, fp32 on a CPU
     lr: float = 1e-5
     adam_beta1: float = 0.9
@@ -84,16 +97,19 @@ class MegatronBackendOptions:
     grad_clip: float = 1.0
     recompute: str = "none"  # "none", "selective" (core attention) or "full" (whole layers); CUDA only
     fused_swiglu: bool = False  # SwiGLU through torch.compile (CUDA only; needs Triton and a C compiler)
+    fused_rope: bool = False  # RoPE through torch.compile (CUDA only; likewise)
     reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
     seed: int = 0
     cpu_threads: int = 0  # 0 = torch's default
 
 
 def options_from_config(config: TrainerConfig, model: str) -> MegatronBackendOptions:
-    """The backend's options from the [trainer] section: the same on every rank. The tensor-parallel
-    size is the job's rank count; gradient_checkpointing recomputes whole layers."""
+    """The backend's options from the [trainer] section: the same on every rank;
+    gradient_checkpointing recomputes whole layers; SwiGLU and RoPE are compiled on a GPU."""
+    cuda = torch.cuda.is_available()
     return MegatronBackendOptions(
-        model=model, recompute="full" if config.gradient_checkpointing else "none", **shared_options(config)
+        model=model, tp_size=config.tensor_parallel, recompute="full" if config.gradient_checkpointing else "none",
+        fused_swiglu=cuda, fused_rope=cuda, **shared_options(config),
     )
 
 
@@ -144,8 +160,9 @@ class MegatronBackend(Backend):
         self.dtype = dtypes[options.dtype]
         if options.recompute != "none" and self.device.type != "cuda":
             raise BackendError("recomputation needs CUDA: Megatron's checkpointing saves and restores CUDA's RNG state")
-        if options.fused_swiglu and self.device.type != "cuda":
-            raise BackendError("fused_swiglu needs CUDA")
+        for name in ("fused_swiglu", "fused_rope"):
+            if getattr(options, name) and self.device.type != "cuda":
+                raise BackendError(f"{name} needs CUDA")
         # Rank 0's choice (a checkpoint of the run, say) is every rank's.
         choice = [options.model]
         if self.parallel.world_size > 1:
@@ -170,22 +187,64 @@ class MegatronBackend(Backend):
             self.reference.load_state_dict(self.model.state_dict())
             self.reference.eval().requires_grad_(False)
         cuda = self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(
-            self.parameters.values(),
-            lr=options.lr,
-            betas=(options.adam_beta1, options.adam_beta2),
-            weight_decay=options.weight_decay,
-            # One kernel for the whole step on a GPU; the CPU has no fused AdamW.
-            fused=cuda or None,
-            foreach=None if cuda else True,
-        )
+        self.replicated = None  # Megatron's DistributedDataParallel wrapper, with several replicas
+        self._reducing = False  # this update's reduce-scatter has started (this rank's last backward ran)
+        if self.parallel.dp_size > 1:
+            self.replicated, self.optimizer = self._distributed_optimizer()
+        else:
+            self.optimizer = torch.optim.AdamW(
+                self.parameters.values(),
+                lr=options.lr,
+                betas=(options.adam_beta1, options.adam_beta2),
+                weight_decay=options.weight_decay,
+                # One kernel for the whole step on a GPU; the CPU has no fused AdamW.
+                fused=cuda or None,
+                foreach=None if cuda else True,
+            )
         padded = self.shape.padded_vocab_size(self.parallel.tp_size)
         self.vocab_start = self.parallel.tp_rank * padded // self.parallel.tp_size
+
+    def _distributed_optimizer(self):
+        """The loaded model in Megatron's DistributedDataParallel, and a DistributedOptimizer over it
+        (AdamW as in the torch backend: weight decay on every parameter, eps 1e-8)."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        options = self.options
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=False,  # gradients accumulate in the model's dtype, as with one replica
+            overlap_grad_reduce=True,
+            use_distributed_optimizer=True,
+        )
+        # The wrapper copies the (loaded) weights into its contiguous buffer and keeps the same
+        # Parameter objects, so self.parameters stays valid; the optimizer's fp32 main weights are
+        # taken from the loaded values.
+        replicated = DistributedDataParallel(self.model.config, ddp_config, self.model)
+        optimizer_config = OptimizerConfig(
+            optimizer="adam",
+            lr=options.lr,
+            weight_decay=options.weight_decay,
+            adam_beta1=options.adam_beta1,
+            adam_beta2=options.adam_beta2,
+            adam_eps=1e-8,
+            bf16=self.dtype == torch.bfloat16,
+            params_dtype=self.dtype,
+            use_distributed_optimizer=True,
+            clip_grad=0.0,  # _clip_gradients clips, with the norm it reports
+        )
+        with cuda_names_on_cpu():
+            chained = get_megatron_optimizer(optimizer_config, [replicated], config_overrides={})
+        # A chain of one (dense parameters only: no experts).
+        (optimizer,) = chained.chained_optimizers
+        return replicated, optimizer
 
     def _build(self):
         options = self.options
         return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, options.recompute,
-                           options.fused_swiglu)
+                           options.fused_swiglu, options.fused_rope)
 
     @property
     def model_description(self) -> dict[str, object]:
@@ -308,7 +367,20 @@ class MegatronBackend(Backend):
         return self._logprobs(batches, reference)
 
     def _logprobs(self, batches: Sequence[MicroBatch], reference: bool = False) -> list[torch.Tensor]:
-        return self._score(self.reference if reference else self.model, batches)
+        """Every replica scores its share; rank 0 returns all of them (the others, only their own)."""
+        model = self.reference if reference else self.model
+        dp_size, dp_rank = self.parallel.dp_size, self.parallel.dp_rank
+        if dp_size == 1:
+            return self._score(model, batches)
+        mine = list(range(dp_rank, len(batches), dp_size))
+        scored = dict(zip(mine, self._score(model, [batches[i] for i in mine])))
+        everyone = [None] * self.parallel.world_size if self.parallel.is_leader else None
+        dist.gather_object(scored if self.parallel.tp_rank == 0 else {}, everyone, dst=0)
+        if everyone is None:
+            return list(scored.values())
+        for part in everyone:
+            scored.update(part)
+        return [scored[i] for i in range(len(batches))]
 
     def update(
         self,
@@ -333,7 +405,78 @@ class MegatronBackend(Backend):
     def _stop_agreed(self, stop: bool) -> bool:
         return self._agree(self.parallel.is_leader and stop)
 
+    def _learning_rounds(self, count: int) -> list[int | None]:
+        """Micro-batches dealt round-robin to the replicas; a replica with one fewer sits out the
+        first round, so that every replica's last micro-batch is in the last round."""
+        dp_size = self.parallel.dp_size
+        mine = list(range(self.parallel.dp_rank, count, dp_size))
+        return [None] * (math.ceil(count / dp_size) - len(mine)) + mine
+
+    def _backward(self, loss: torch.Tensor, last: bool) -> None:
+        if self.replicated is None or last:
+            loss.backward()  # the last one fills the buckets, which start their reduce-scatter
+            self._reducing = self.replicated is not None
+            return
+        with self.replicated.no_sync():
+            loss.backward()
+
+    def _combine(self, losses, stats, tokens, trainable):
+        """Every replica's micro-batches, gathered on rank 0 (the first rank of each replica speaks
+        for it)."""
+        if self.replicated is None:
+            return super()._combine(losses, stats, tokens, trainable)
+        part = {i: (losses[i], _stats_on_cpu(stats[i])) for i in losses} if self.parallel.tp_rank == 0 else {}
+        everyone = [None] * self.parallel.world_size if self.parallel.is_leader else None
+        dist.gather_object((part, tokens, trainable), everyone, dst=0)
+        if everyone is None:
+            return super()._combine(losses, stats, tokens, trainable)
+        merged, tokens, trainable = {}, 0, 0
+        for rank, (items, rank_tokens, rank_trainable) in enumerate(everyone):
+            merged.update(items)
+            if rank % self.parallel.tp_size == 0:
+                tokens += rank_tokens
+                trainable += rank_trainable
+        order = sorted(merged)
+        return [merged[i][0] for i in order], [merged[i][1] for i in order], tokens, trainable
+
+    def _zero_grad(self) -> None:
+        if self.replicated is not None:
+            self.replicated.zero_grad_buffer()
+        with cuda_names_on_cpu():
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _step(self) -> None:
+        if self.replicated is None:
+            self.optimizer.step()
+            return
+        with cuda_names_on_cpu():
+            self.optimizer.step_with_ready_grads()  # steps this rank's slice, then all-gathers the weights
+
     def _clip_gradients(self) -> float:
+        if self.replicated is not None:
+            return self._clip_distributed_gradients()
+        return self._clip_local_gradients()
+
+    def _clip_distributed_gradients(self) -> float:
+        """Finish the reduce-scatter (a replica with no micro-batch starts its share now, in the
+        buckets' order), sum the QK-norm gradients over each tensor-parallel group (Megatron's
+        finalize_model_grads), then clip this rank's fp32 slice by the whole model's norm."""
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        if not self._reducing:
+            self.replicated.start_grad_sync()
+        self._reducing = False
+        finalize_model_grads([self.replicated])
+        with cuda_names_on_cpu():
+            self.optimizer.prepare_grads()  # this rank's slice of the gradients, into the fp32 main grads
+            total = float(self.optimizer.get_grad_norm())
+            clip = self.options.grad_clip
+            if clip > 0 and total > clip and math.isfinite(total):
+                clip_grad_by_total_norm_fp32(self.optimizer.get_parameters(), clip, total)
+        return total
+
+    def _clip_local_gradients(self) -> float:
         """Sum the QK-norm gradients over ranks, then clip by the whole model's gradient norm."""
         with_grad = {name: p for name, p in self.parameters.items() if p.grad is not None}
         tp = self.parallel.tp_size > 1
@@ -365,8 +508,11 @@ class MegatronBackend(Backend):
 
     def _hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Whole HF tensors on rank 0, a layer at a time: each layer's shards are gathered from the
-        ranks, converted, yielded, and dropped before the next layer is gathered."""
+        ranks of its tensor-parallel group, converted, yielded, and dropped before the next layer is
+        gathered. The other replicas hold the same weights and take no part."""
         tp_size = self.parallel.tp_size
+        if self.parallel.dp_rank != 0:
+            return
         for _, names in groupby(megatron_names(self.shape), key=layer_of):
             local = {name: self.parameters[name].detach() for name in names}
             if tp_size == 1:
@@ -417,24 +563,46 @@ class MegatronBackend(Backend):
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(model_folder)
         states = [None] * self.parallel.world_size if leader else None
-        state = _on_cpu(self.optimizer.state_dict())  # pickled between ranks: no device tensors
+        state = _on_cpu(self._optimizer_state())  # pickled between ranks: no device tensors
         if self.parallel.world_size > 1:
             dist.gather_object(state, states, dst=0)
         else:
             states = [state]
         if leader:
-            torch.save({"tp_size": self.parallel.tp_size, "ranks": states}, optimizer_file)
+            torch.save({"tp_size": self.parallel.tp_size, "dp_size": self.parallel.dp_size, "ranks": states},
+                       optimizer_file)
+
+    def _optimizer_state(self) -> dict:
+        """This rank's optimizer state. With several replicas: the AdamW state of its slice and the
+        slice's fp32 main weights (a bf16 model's weights are their rounding)."""
+        if self.replicated is None:
+            return self.optimizer.state_dict()
+        main = [[tensor.detach() for tensor in group] for group in self.optimizer.shard_fp32_from_float16_groups]
+        return {"adam": self.optimizer.optimizer.state_dict(), "main": main}
+
+    def _restore_optimizer_state(self, state: dict) -> None:
+        if self.replicated is None:
+            self.optimizer.load_state_dict(state)
+            return
+        self.optimizer.optimizer.load_state_dict(state["adam"])
+        with torch.no_grad():
+            for group, saved in zip(self.optimizer.shard_fp32_from_float16_groups, state["main"], strict=True):
+                for tensor, value in zip(group, saved, strict=True):
+                    tensor.copy_(value)
 
     def load_optimizer(self, optimizer_file: Path) -> None:
         try:
             saved = torch.load(optimizer_file, map_location="cpu", weights_only=True)
         except (OSError, ValueError, RuntimeError) as exc:
             raise BackendError(f"cannot restore the optimizer state {optimizer_file}: {exc}") from None
-        if not isinstance(saved, dict) or saved.get("tp_size") != self.parallel.tp_size:
+        layout = (self.parallel.tp_size, self.parallel.dp_size)
+        saved_layout = (saved.get("tp_size"), saved.get("dp_size", 1)) if isinstance(saved, dict) else None
+        if saved_layout != layout:
+            described = (f"{saved_layout[0]} tensor-parallel ranks x {saved_layout[1]} replicas" if saved_layout
+                         else "no known layout")
             raise BackendError(
-                f"{optimizer_file} holds the optimizer state of a megatron backend with "
-                f"{saved.get('tp_size') if isinstance(saved, dict) else 'no'} tensor-parallel ranks; "
-                f"this one has {self.parallel.tp_size}"
+                f"{optimizer_file} holds the optimizer state of a megatron backend with {described}; "
+                f"this one has {layout[0]} x {layout[1]}"
             )
         self._announce("load_optimizer")
         self._load_optimizer(saved["ranks"])
@@ -446,9 +614,13 @@ class MegatronBackend(Backend):
         else:
             mine = states
         try:
-            self.optimizer.load_state_dict(mine[0])
-        except (ValueError, RuntimeError) as exc:
+            self._restore_optimizer_state(mine[0])
+        except (ValueError, RuntimeError, KeyError) as exc:
             raise BackendError(f"cannot restore the optimizer state: {exc}") from None
+
+
+def _stats_on_cpu(stats: LossStats) -> LossStats:
+    return LossStats(**{field.name: getattr(stats, field.name).cpu() for field in fields(stats)})
 
 
 def _on_cpu(value):

@@ -8,11 +8,16 @@ refuses packed sequences. The MLP computes SwiGLU with a hand-written backward t
 it. TransformerEngine is not used, so the model runs wherever torch does.
 
 Packed rows use Megatron's "thd" layout: every sequence of every row becomes one stretch of a single
-token stream, described by cu_seqlens. RoPE restarts at 0 for each stretch (Megatron's thd rotary
-path), and `SDPAttention` runs one causal attention per stretch. That is exact per-sequence
-attention with the flash kernel's memory use; the alternative, one call with a block-diagonal
-[T, T] mask, costs T^2 memory and rules the flash kernel out. A row's padding tail (padded layouts)
-is one more stretch whose outputs are never read.
+token stream, described by cu_seqlens, and `SDPAttention` runs one causal attention per stretch.
+That is exact per-sequence attention with the flash kernel's memory use; the alternative, one call
+with a block-diagonal [T, T] mask, costs T^2 memory and rules the flash kernel out. A row's padding
+tail (padded layouts) is one more stretch whose outputs are never read.
+
+RoPE restarts at 0 for each stretch. Megatron's thd rotary path splits the stream into its
+sequences and runs half a dozen kernels on each, for queries and keys, in every layer; instead the
+rotary cos / sin of every token are looked up once per forward (`RotaryPackedSeqParams`) and
+`SDPAttention` rotates the whole stream's queries and keys in one pass each (torch.compile'd on a GPU
+when `fused_rope` is set): the same arithmetic as Megatron's unfused path, in the activations' dtype.
 """
 
 from __future__ import annotations
@@ -143,9 +148,12 @@ def transformer_config(shape: ModelShape, tp_size: int, dtype: torch.dtype, reco
         # The other fused kernels come from Apex / TransformerEngine, which Polar does not require.
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=False,  # Megatron's needs TransformerEngine; SDPAttention applies RoPE itself
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # Data-parallel gradients are summed, not averaged: the loss of each micro-batch is already
+        # weighted for the whole update (Megatron's DistributedDataParallel reads this).
+        calculate_per_token_loss=True,
         **recompute_options[recompute],
     )
 
@@ -196,12 +204,46 @@ def _mlp_class():
     return SwiGLUMLP
 
 
-def _sdpa_attention_class():
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of t [T, heads, d] with per-token cos / sin [T, 1, d] (Megatron's non-interleaved layout:
+    the two halves of each head rotate against each other)."""
+    first, second = t.chunk(2, dim=-1)
+    return t * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+_compiled_rotate = None
+
+
+def _fused_rotate():
+    """`rotate` compiled into one kernel each way (dynamic: the stream's length changes per batch)."""
+    global _compiled_rotate
+    if _compiled_rotate is None:
+        _compiled_rotate = torch.compile(rotate, dynamic=True)
+    return _compiled_rotate
+
+
+def _rotary_params_class():
+    import_megatron()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclass
+    class RotaryPackedSeqParams(PackedSeqParams):
+        """Megatron's packed-sequence parameters, with the rotary cos / sin [T, 1, d] of every token
+        of the stream (positions restarting at each sequence), in the activations' dtype."""
+
+        rotary_cos: torch.Tensor | None = None
+        rotary_sin: torch.Tensor | None = None
+
+    return RotaryPackedSeqParams
+
+
+def _sdpa_attention_class(fused_rope: bool):
     import_megatron()
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
     class SDPAttention(DotProductAttention):
-        """Core attention through torch's scaled_dot_product_attention (causal, GQA), packed or not.
+        """RoPE, then core attention through torch's scaled_dot_product_attention (causal, GQA), on a
+        packed stream.
 
         Inherits the per-partition head counts and the softmax scale from DotProductAttention.
         """
@@ -210,12 +252,12 @@ def _sdpa_attention_class():
                     packed_seq_params=None):
             if attention_bias is not None:
                 raise ValueError("attention bias is not supported by SDPAttention")
-            if packed_seq_params is None:
-                # [s, b, heads, d] -> [b, heads, s, d]
-                q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-                out = self._attend(q, k, v)  # [b, np, s, d]
-                return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, np*d]
-            # thd: [t, heads, d]; one causal attention per packed sequence.
+            if getattr(packed_seq_params, "rotary_cos", None) is None:
+                raise ValueError("SDPAttention needs packed sequences with their rotary tables (selected_logits)")
+            # thd: [t, heads, d]. Rotate the whole stream, then one causal attention per sequence.
+            rotary = _fused_rotate() if fused_rope else rotate
+            cos, sin = packed_seq_params.rotary_cos, packed_seq_params.rotary_sin
+            query, key = rotary(query, cos, sin), rotary(key, cos, sin)
             bounds = packed_seq_params.cu_seqlens_q.tolist()  # a CPU tensor: no device sync
             parts = []
             for start, end in zip(bounds[:-1], bounds[1:]):
@@ -231,44 +273,51 @@ def _sdpa_attention_class():
     return SDPAttention
 
 
-def layer_spec(shape: ModelShape):
-    """Polar's transformer-layer spec: Megatron's local spec with SDPA core attention."""
+def layer_spec(shape: ModelShape, fused_rope: bool = False):
+    """Polar's transformer-layer spec: Megatron's local spec with RoPE and SDPA in core attention."""
     import_megatron()
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class()
+    spec.submodules.self_attention.submodules.core_attention = _sdpa_attention_class(fused_rope)
     spec.submodules.mlp.module = _mlp_class()
     return spec
 
 
 def build_model(shape: ModelShape, tp_size: int, dtype: torch.dtype, device: torch.device, recompute: str = "none",
-                fused_swiglu: bool = False):
-    """An uninitialised GPTModel for this rank's shard (parameters allocated, values arbitrary)."""
+                fused_swiglu: bool = False, fused_rope: bool = False):
+    """An uninitialised GPTModel for this rank's shard (parameters allocated, values arbitrary).
+    `fused_rope`: RoPE through torch.compile (needs Triton)."""
     import_megatron()
     from megatron.core.models.gpt import GPTModel
 
     shape.check_tensor_parallel(tp_size)
     model = GPTModel(
         config=transformer_config(shape, tp_size, dtype, recompute, fused_swiglu),
-        transformer_layer_spec=layer_spec(shape),
+        transformer_layer_spec=layer_spec(shape, fused_rope),
         vocab_size=shape.padded_vocab_size(tp_size),
         max_sequence_length=shape.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=shape.rope_theta,
         share_embeddings_and_output_weights=shape.tied_embeddings,
     )
+    # torch.nn.RMSNorm is created in the default dtype (fp32). Norm weights in the activations' dtype
+    # let torch run its fused RMSNorm kernel (fp32 arithmetic inside, as Hugging Face's RMSNorm does);
+    # with fp32 weights on bf16 inputs it falls back to an unfused fp32 path that keeps fp32 copies of
+    # its input and output for backward (about 40% of a Qwen3-4B layer's activation memory).
+    for module in model.modules():
+        if isinstance(module, torch.nn.RMSNorm):
+            module.to(dtype)
     return model.to(device)
 
 
-def packed_seq_params(sequence_lengths: list[list[int]], row_length: int):
-    """Megatron's PackedSeqParams for rows laid end to end: each sequence, then each row's padding.
+def packed_seq_params(model, sequence_lengths: list[list[int]], row_length: int, dtype: torch.dtype,
+                      device: torch.device):
+    """Packed-sequence parameters for rows laid end to end: each sequence, then each row's padding;
+    with the rotary tables of `model`'s RoPE for those positions.
 
-    cu_seqlens stay on the CPU: the thd RoPE and SDPAttention read them as Python ints.
+    cu_seqlens stay on the CPU: SDPAttention reads them as Python ints.
     """
-    import_megatron()
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     lengths = []
     for row in sequence_lengths:
         lengths.extend(row)
@@ -277,7 +326,12 @@ def packed_seq_params(sequence_lengths: list[list[int]], row_length: int):
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     longest = max(lengths)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest)
+    positions = torch.cat([torch.arange(length) for length in lengths]).to(device)  # [T], from 0 in each
+    angles = model.rotary_pos_emb(longest, packed_seq=True)[positions].squeeze(1)  # [T, 1, d] fp32
+    return _rotary_params_class()(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
+        rotary_cos=angles.cos().to(dtype), rotary_sin=angles.sin().to(dtype),
+    )
 
 
 def selected_logits(model, input_ids: torch.Tensor, sequence_lengths: list[list[int]], keep: torch.Tensor) -> torch.Tensor:
@@ -287,11 +341,11 @@ def selected_logits(model, input_ids: torch.Tensor, sequence_lengths: list[list[
     are most of a trace, and the output layer is the widest matrix.
     """
     rows, length = input_ids.shape
-    params = packed_seq_params(sequence_lengths, length)
     tokens = input_ids.reshape(1, rows * length)  # [1, T]
     hidden = model.embedding(input_ids=tokens, position_ids=None)  # [T, 1, H]
-    rotary = model.rotary_pos_emb(params.max_seqlen_q, packed_seq=True)
-    hidden = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rotary, packed_seq_params=params)
+    params = packed_seq_params(model, sequence_lengths, length, hidden.dtype, hidden.device)
+    # No rotary_pos_emb: SDPAttention applies RoPE from params' tables.
+    hidden = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params)
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden[keep], weight=weight)  # [K, 1, V/tp]
     return logits.squeeze(1)
