@@ -8,9 +8,11 @@ call and its arguments, micro-batches included), which run the same call in lock
 ranks. Rank 0 checks what could fail on bad input before announcing, so followers never see a call
 that fails half-way on rank 0 alone.
 
-One replica (tp_size = number of ranks): the optimizer is a plain torch AdamW over the local shards
-(exact: AdamW is elementwise, so sharded AdamW is whole-model AdamW); as in the torch backend,
-parameters and AdamW state are in the model's dtype (bf16 on a GPU).
+One replica (tp_size = number of ranks): the optimizer is AdamW over the local shards (exact: AdamW
+is elementwise, so sharded AdamW is whole-model AdamW), with parameters and moments in the model's
+dtype. In bf16 (a GPU) that is trainer.bf16_adamw's AdamW, which writes each step back with
+stochastic rounding: rounded to the nearest bf16, RL-sized steps vanish, and fp32 master weights
+would not fit a 4B model on one 80 GiB GPU. In fp32 (a CPU) it is torch's AdamW.
 
 Several replicas: each learns from its share of an update's micro-batches (dealt round-robin) and
 scores its share of `logprobs`' (gathered on rank 0). The model is wrapped in Megatron's
@@ -74,6 +76,7 @@ from trainer.backends.megatron.runtime import (
     init_parallel,
     tp_group,
 )
+from trainer.bf16_adamw import StochasticRoundingAdamW
 from trainer.batches import MicroBatch
 from trainer.grpo import LossConfig, LossStats
 
@@ -191,6 +194,13 @@ class MegatronBackend(Backend):
         self._reducing = False  # this update's reduce-scatter has started (this rank's last backward ran)
         if self.parallel.dp_size > 1:
             self.replicated, self.optimizer = self._distributed_optimizer()
+        elif self.dtype == torch.bfloat16:
+            self.optimizer = StochasticRoundingAdamW(
+                self.parameters.values(),
+                lr=options.lr,
+                betas=(options.adam_beta1, options.adam_beta2),
+                weight_decay=options.weight_decay,
+            )
         else:
             self.optimizer = torch.optim.AdamW(
                 self.parameters.values(),
