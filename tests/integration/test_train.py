@@ -19,6 +19,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import torch
 
 from polar import credentials
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
@@ -35,7 +36,7 @@ STEPS = 10
 MARGIN = 0.04
 
 
-def write_run(tmp_path: Path, steps: int, top_p: float = 0.002) -> Path:
+def write_run(tmp_path: Path, steps: int, top_p: float = 0.002, device: str = "cpu") -> Path:
     tasks = tmp_path / "tasks.jsonl"
     lines = [
         {
@@ -74,7 +75,7 @@ postrun_workers = 2
 [trainer]
 port = 0
 model = "tiny"
-device = "cpu"
+device = "{device}"
 dataset = "{tasks}"
 steps = {steps}
 groups_per_step = 2
@@ -188,14 +189,19 @@ def test_an_interrupted_run_resumes_without_retraining_or_skipping_a_group(tmp_p
     assert [row["policy_version"] for row in rows] == [1, 2, 3, 4, 5]
 
 
-def test_polar_train_runs_the_megatron_backend_as_a_torchrun_job(tmp_path: Path) -> None:
-    """`--backend megatron --gpus 2`: two ranks (tensor parallel over gloo on a CPU), rank 0 serving
-    the trainer; each step's weights reach the inference server as the next policy version, and
-    every rank is gone when the run is done."""
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])],
+)
+def test_polar_train_runs_the_megatron_backend_as_a_torchrun_job(tmp_path: Path, device: str) -> None:
+    """`--backend megatron --gpus N`: N ranks (tensor parallel over gloo on a CPU, NCCL on GPUs), rank
+    0 serving the trainer; each step's weights reach the inference server as the next policy version,
+    and every rank is gone when the run is done."""
     run_dir = tmp_path / "run"
     # The megatron backend's vocabulary is split across ranks: it trains on untruncated sampling only.
-    config = write_run(tmp_path, steps=2, top_p=1.0)
-    process, lines = start_train(config, run_dir, "--backend", "megatron", "--gpus", "2")
+    config = write_run(tmp_path, steps=2, top_p=1.0, device=device)
+    ranks = 2 if device == "cpu" else min(2, torch.cuda.device_count())
+    process, lines = start_train(config, run_dir, "--backend", "megatron", "--gpus", str(ranks))
     try:
         trainer = lines.wait_for(r"^  trainer +(\S+:\d+) ", timeout=300).group(1)
         lines.wait_for(r"train: .*step 1/2", timeout=600)
