@@ -83,8 +83,12 @@ def answers(reply: Message, turn: int) -> list[Message]:
 
 
 # Characters SmolLM2's byte-level vocabulary round-trips (it lacks the lead bytes of unassigned and
-# private-use planes), without "<" so that replies are never mistaken for tags.
-plain = st.text(alphabet=st.characters(blacklist_characters="<", blacklist_categories=["Cs", "Cn", "Co"]), max_size=24).map(str.strip)
+# private-use planes, and its tokenizer encodes six control characters as nothing, so no sample can
+# hold them), without "<" so that replies are never mistaken for tags.
+UNENCODED = "\x04\x06\x13\x14\x16\x1d"
+plain = st.text(
+    alphabet=st.characters(blacklist_characters="<" + UNENCODED, blacklist_categories=["Cs", "Cn", "Co"]), max_size=24
+).map(str.strip)
 replies = st.builds(
     lambda reasoning, content, calls: Message("assistant", content, reasoning, tuple(calls)),
     reasoning=plain,
