@@ -128,8 +128,6 @@ def main() -> int:
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="polar-bench-rollout-") as scratch_name, contextlib.ExitStack() as stack:
         scratch = Path(scratch_name)
-        harness = scratch / "harness.py"
-        harness.write_text(HARNESS)
         template = _template(scratch / "template")
         issued = creds.ensure(scratch / "credentials")
         shared = {
@@ -141,7 +139,7 @@ def main() -> int:
                 for round_index in range(rounds):
                     for checked in setups if round_index % 2 == 0 else setups[::-1]:
                         point = _measure(
-                            scratch, size, prewarm, hold, harness, template, *shared[checked],
+                            scratch, size, prewarm, hold, template, *shared[checked],
                             issued if checked else None, f"{round_index}",
                         )  # fmt: skip
                         points.append(point)
@@ -249,7 +247,6 @@ def _measure(
     sessions: int,
     prewarm: bool,
     hold: float,
-    harness: Path,
     template: Path,
     inference_address: str,
     base_url: str,
@@ -283,11 +280,11 @@ def _measure(
                 stub = rollout_pb2_grpc.RolloutServiceStub(channel)
                 # The node prewarms the default (empty) workspace until it sees a task's spec; both
                 # modes run the warm-up session, so the node is equally warm otherwise.
-                cursor = _warm_up(stub, harness, template)
+                cursor = _warm_up(stub, template)
                 _wait_for_node(stub, ready=sessions if prewarm else 0)
                 node_before, children_before = _cpu_seconds(node.process.pid)
                 rollout_before = sum(_cpu_seconds(rollout.process.pid))
-                tasks = [_task(harness, hold, template, index) for index in range(sessions // GROUP_SIZE)]
+                tasks = [_task(hold, template, index) for index in range(sessions // GROUP_SIZE)]
                 submitted = time.monotonic()
                 stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=tasks), timeout=60)
                 trajectories, _ = _collect(stub, len(tasks), timeout_s=120 + 4 * hold, cursor=cursor)
@@ -324,16 +321,16 @@ def _runtime(template: Path) -> rollout_pb2.RuntimeSpec:
     )
 
 
-def _warm_up(stub: rollout_pb2_grpc.RolloutServiceStub, harness: Path, template: Path) -> str:
+def _warm_up(stub: rollout_pb2_grpc.RolloutServiceStub, template: Path) -> str:
     """One session of the bench's runtime spec, so the node keeps that spec warm; waits for it and
     returns the results cursor after it."""
-    task = _task(harness, 0.0, template, 0, group_size=1, task_id="warm-up")
+    task = _task(0.0, template, 0, group_size=1, task_id="warm-up")
     stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task]), timeout=60)
     return _collect(stub, 1, timeout_s=120)[1]
 
 
 def _task(
-    harness: Path, hold: float, template: Path, index: int, *, group_size: int = GROUP_SIZE, task_id: str = ""
+    hold: float, template: Path, index: int, *, group_size: int = GROUP_SIZE, task_id: str = ""
 ) -> rollout_pb2.Task:
     return rollout_pb2.Task(
         task_id=task_id or f"bench-{index:04d}",
@@ -341,7 +338,9 @@ def _task(
         group_size=group_size,
         runtime=_runtime(template),
         harness=rollout_pb2.HarnessSpec(
-            preset="command", command=[sys.executable, "-S", str(harness)], env={"BENCH_HOLD_SECONDS": str(hold)}
+            # Inline: a harness sandboxed by the node's harness_isolation sees no file of the bench's
+            # scratch folder (a temporary folder, hidden with the others).
+            preset="command", command=[sys.executable, "-S", "-c", HARNESS], env={"BENCH_HOLD_SECONDS": str(hold)}
         ),
         timeout_seconds=60 + 4 * hold,
     )
