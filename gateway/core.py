@@ -56,11 +56,11 @@ from gateway.dialects.base import (
 )
 from gateway.output import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
-from gateway.read_ahead import ReadAhead
 from gateway.render import PriorCall, RenderedPrompt, render_request
 from gateway.sampling import NO_POLICY, Limit, effective_sampling
 from gateway.sessions import Session, SessionError, SessionStore
 from polar import credentials
+from polar.read_ahead import ReadAhead
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("polar.gateway")
