@@ -484,16 +484,19 @@ class Gateway:
         reply: Reply | None = None
         messages = ReadAhead(grpc_call)
         try:
+            events: list[ParseEvent] = []
             async for batch in messages:
-                events = []
                 for message in batch:
                     events += call.take(message)
                 if not sink.connected():
                     raise ClientGone
-                await stream.send_events(events)
                 if call.output.stopped:
                     break
-            events, result = call.finish()
+                if not call.engine_finish:  # else these events go out with the stream's end, in one write
+                    await stream.send_events(events)
+                    events = []
+            last_events, result = call.finish()
+            events += last_events
             if renderer is None:
                 call.response_body = json_bytes(call.dialect.render_response(call.request, result))
                 reply = Reply(200, call.response_body)

@@ -136,7 +136,7 @@ DIALECTS = ("openai_chat", "openai_responses", "anthropic", "gemini")
 SESSIONS = (1, 64, 256)
 COMPARE_SESSIONS = 64  # the point of the ≥ 3× LiteLLM target
 TARGET_SPEEDUP = 3.0
-TARGET_ADDED_P50_MS = 2.0
+TARGET_ADDED_P50_MS = {False: 2.0, True: 3.0}  # at 1 session: whole, streamed
 STARTUP_TIMEOUT_S = 120.0
 # LiteLLM's streamed requests at 64 sessions take over a second each here, and so do replayed
 # harness-sized requests at 64 sessions: those points get a warm-up and window long enough for every
@@ -1269,11 +1269,13 @@ def _sharing_note(settings: Settings) -> str:
 
 def _print_summary(points: list[Point], comparison: list[dict], litellm: dict) -> None:
     print()
-    one = [p for p in points if p.system == "polar" and p.sessions == 1]
+    # Points without a baseline (a replayed session's calls in order) have no added latency.
+    one = [p for p in points if p.system == "polar" and p.sessions == 1 and not math.isnan(p.added_p50_ms)]
     for p in one:
-        verdict = "meets" if p.added_p50_ms < TARGET_ADDED_P50_MS else "misses"
+        target = TARGET_ADDED_P50_MS[p.stream]
+        verdict = "meets" if p.added_p50_ms < target else "misses"
         print(f"added p50 at 1 session, {p.dialect} {'stream' if p.stream else 'whole'} via {p.route}: "
-              f"{p.added_p50_ms:.2f} ms ({verdict} < {TARGET_ADDED_P50_MS:g} ms)")  # fmt: skip
+              f"{p.added_p50_ms:.2f} ms ({verdict} < {target:g} ms)")  # fmt: skip
     if litellm["status"] != "ran":
         print(f"LiteLLM {litellm['status']}: {litellm['reason']}")
     for row in comparison:
