@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import gc
 import inspect
 import logging
 import signal
@@ -262,30 +261,16 @@ async def serve_until_stopped(
         await stop()
 
 
-# Allocations between two young-generation garbage collections in a service process (CPython's
-# default is 700). A gateway call parses a harness's request body into thousands of objects at once:
-# at 700 they live through young collections into the oldest generation, and collections of that one,
-# which walk every live object, came every few calls (about 1 ms of CPU per replayed Claude Code call
-# here); at 10,000 a call's objects are freed before a collection sees them.
-YOUNG_GC_THRESHOLD = 10_000
-
-
 def run_service(main: Coroutine[Any, Any, None]) -> None:
-    """Run a service process's main coroutine to its end, on uvloop where it is installed, with
-    young-generation garbage collections YOUNG_GC_THRESHOLD allocations apart.
+    """Run a service process's main coroutine to its end, on uvloop where it is installed.
 
     libuv's loop costs less per callback and per socket write than asyncio's own, which tells in the
     gateway: it takes a loop turn per streamed token. grpc.aio runs on any asyncio loop. The node
     starts its children with subprocess.Popen (polar.rollout.process), never the loop's
     subprocess_exec: uvloop's spawns them with fork(), which runs gRPC's fork handlers in the parent.
     """
-    thresholds = gc.get_threshold()
-    gc.set_threshold(YOUNG_GC_THRESHOLD, *thresholds[1:])
-    try:
-        with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
-            runner.run(main)
-    finally:
-        gc.set_threshold(*thresholds)
+    with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:
+        runner.run(main)
 
 
 def _uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:

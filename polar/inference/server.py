@@ -209,27 +209,31 @@ async def _relay(
     one (per policy version, which a message states for all its tokens): an engine faster than its
     client costs one message per batch instead of one per token, and one that decodes a token at a
     time still streams each token as it comes. Nothing is held back for later tokens."""
-    try:
-        async for batch in produced:
-            end = next((item for item in batch if isinstance(item, GenerationEnd)), None)
-            messages = _token_messages(item for item in batch if isinstance(item, TokenChunk))
-            if messages:
-                policy_version = messages[-1].policy_version
-            if end is not None and end.finish_reason is not FinishReason.ERROR:
-                # The end travels with the tokens that came with it.
-                last = messages.pop() if messages else inference_pb2.GenerateResponse(policy_version=policy_version)
-                last.finish_reason = end.finish_reason.value
-                last.usage.prompt_tokens, last.usage.completion_tokens = end.prompt_tokens, end.completion_tokens
-                last.queue_seconds = end.queue_seconds
-            for message in messages:
-                await context.write(message)
-            if end is not None:
-                if end.finish_reason is FinishReason.ERROR:
-                    return inference_pb2.GenerateResponse(), end.error or "the engine failed without a message"
-                return last, None
-    except Exception as exc:  # noqa: BLE001 - any engine failure becomes the call's INTERNAL status
-        return inference_pb2.GenerateResponse(), f"engine failed: {type(exc).__name__}: {exc}"
-    return inference_pb2.GenerateResponse(), "the engine's stream ended without a GenerationEnd"
+    batches = aiter(produced)
+    while True:
+        try:
+            batch = await anext(batches)
+        except StopAsyncIteration:
+            return inference_pb2.GenerateResponse(), "the engine's stream ended without a GenerationEnd"
+        except Exception as exc:  # noqa: BLE001 - any engine failure becomes the call's INTERNAL status
+            return inference_pb2.GenerateResponse(), f"engine failed: {type(exc).__name__}: {exc}"
+        end = next((item for item in batch if isinstance(item, GenerationEnd)), None)
+        messages = _token_messages(item for item in batch if isinstance(item, TokenChunk))
+        if messages:
+            policy_version = messages[-1].policy_version
+        last = None
+        if end is not None and end.finish_reason is not FinishReason.ERROR:
+            # The end travels with the tokens that came with it.
+            last = messages.pop() if messages else inference_pb2.GenerateResponse(policy_version=policy_version)
+            last.finish_reason = end.finish_reason.value
+            last.usage.prompt_tokens, last.usage.completion_tokens = end.prompt_tokens, end.completion_tokens
+            last.queue_seconds = end.queue_seconds
+        for message in messages:
+            await context.write(message)
+        if last is not None:
+            return last, None
+        if end is not None:
+            return inference_pb2.GenerateResponse(), end.error or "the engine failed without a message"
 
 
 def _token_messages(chunks: Iterable[TokenChunk]) -> list[inference_pb2.GenerateResponse]:

@@ -177,6 +177,36 @@ async def test_an_engine_exception_ends_the_stream_with_internal_after_the_token
     await server.stop(None)
 
 
+class ErrorEndEngine(ScriptedEngine):
+    """An engine that reports its own failure after a token, in the same breath."""
+
+    async def generate(self, request):
+        yield TokenChunk((5,), (-1.0,), 0)
+        yield GenerationEnd(FinishReason.ERROR, len(request.prompt_token_ids), 1, 0.0, error="out of memory")
+
+
+class EndlessEngine(ScriptedEngine):
+    """An engine whose stream stops without a GenerationEnd (a broken engine)."""
+
+    async def generate(self, request):
+        yield TokenChunk((5,), (-1.0,), 0)
+
+
+@pytest.mark.parametrize(("engine_class", "details"), [(ErrorEndEngine, "out of memory"), (EndlessEngine, "without a GenerationEnd")])
+async def test_an_engine_that_fails_or_stops_short_ends_the_stream_with_internal_after_its_tokens(engine_class, details):
+    engine = engine_class.from_script(SCRIPT)
+    server, channel = await open_server(engine)
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for message in stub.Generate(gen_request()):
+            received.extend(message.token_ids)
+    assert received == [5]
+    assert caught.value.code() == grpc.StatusCode.INTERNAL and details in caught.value.details()
+    await channel.close()
+    await server.stop(None)
+
+
 @pytest.mark.parametrize(
     ("request_kwargs", "code", "fragments"),
     [

@@ -5,14 +5,12 @@ served service stops on cancellation."""
 from __future__ import annotations
 
 import asyncio
-import gc
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from polar.grpc_server import (
-    YOUNG_GC_THRESHOLD,
     InvalidArgument,
     Unavailable,
     bind,
@@ -59,18 +57,6 @@ def test_a_service_runs_on_uvloop_and_serves_grpc_on_it() -> None:
     run_service(main())
     assert isinstance(seen["loop"], uvloop.Loop)
     assert seen["status"] == health_pb2.HealthCheckResponse.SERVING
-
-
-def test_a_service_collects_its_young_garbage_less_often_and_leaves_the_setting_as_it_was() -> None:
-    before = gc.get_threshold()
-    seen = {}
-
-    async def main() -> None:
-        seen["threshold"] = gc.get_threshold()
-
-    run_service(main())
-    assert seen["threshold"] == (YOUNG_GC_THRESHOLD, *before[1:]) and YOUNG_GC_THRESHOLD > before[0]
-    assert gc.get_threshold() == before
 
 
 class _Aborted(Exception):
