@@ -27,11 +27,11 @@ Text is tokenized once per gateway, not once per call or session. The encoder cu
 and of every text as a whole, in a bounded cache shared by all sessions: a harness's 20k-token system
 prompt and tools block are encoded by its first session and are one lookup for the next, and later
 sessions whose system prompt differs in a line (a working directory, a date) encode that line only.
-The tools' JSON is written once per set of tools, too. Cutting there is exact for GPT-2-style byte-level BPE (SmolLM2's):
+Cutting there is exact for GPT-2-style byte-level BPE (SmolLM2's):
 its pre-tokenizer makes such a line break a word of its own, so no merge crosses the cut. The encoder
 checks the cut on probe texts when it is made and encodes whole texts for a tokenizer that fails
 (Qwen2's pre-tokenizer, for one, joins `}` and the line break after it). The turn separator and the
-generation prompt are encoded once, when the format is made.
+generation prompt are encoded once, when the format is made, and the tools' JSON once per set of tools.
 
 The format's rule for past reasoning (`template_history`, used by the `template` history policy) is
 Qwen3's: reasoning of assistant turns before the last user turn is dropped.
