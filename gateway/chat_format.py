@@ -23,14 +23,15 @@ Message text is encoded as plain text: a special-token string inside content (a 
 not rendered.
 
 Text is tokenized once per gateway, not once per call or session. The encoder cuts text into lines
-(before each line break that a non-space character follows) and keeps the ids of every line it encoded
-in a bounded cache shared by all sessions: a harness's 20k-token system prompt and tools block are
-encoded by its first session, and later sessions whose system prompt differs in a line (a working
-directory, a date) encode that line only. Cutting there is exact for GPT-2-style byte-level BPE (SmolLM2's):
+(before each line break that a non-space character follows) and keeps the ids of every line it encoded,
+and of every text as a whole, in a bounded cache shared by all sessions: a harness's 20k-token system
+prompt and tools block are encoded by its first session and are one lookup for the next, and later
+sessions whose system prompt differs in a line (a working directory, a date) encode that line only.
+Cutting there is exact for GPT-2-style byte-level BPE (SmolLM2's):
 its pre-tokenizer makes such a line break a word of its own, so no merge crosses the cut. The encoder
 checks the cut on probe texts when it is made and encodes whole texts for a tokenizer that fails
 (Qwen2's pre-tokenizer, for one, joins `}` and the line break after it). The turn separator and the
-generation prompt are encoded once, when the format is made.
+generation prompt are encoded once, when the format is made, and the tools' JSON once per set of tools.
 
 The format's rule for past reasoning (`template_history`, used by the `template` history policy) is
 Qwen3's: reasoning of assistant turns before the last user turn is dropped.
@@ -39,6 +40,7 @@ Qwen3's: reasoning of assistant turns before the last user turn is dropped.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -76,6 +78,8 @@ LINE_BREAK_PROBES = (
 )
 # About 36 bytes a token in the cache: 1M tokens hold some fifty harness-sized system prompts and tools.
 DEFAULT_CACHE_TOKENS = 1_000_000
+# Tool lists whose schemas' JSON a format keeps (the harnesses a gateway serves, each with a few).
+SCHEMAS_CACHE_ENTRIES = 64
 
 
 class EncodingCache:
@@ -130,6 +134,9 @@ class TextEncoder:
     def encode(self, text: str) -> list[int]:
         if not text:
             return []
+        whole = self.cache.get(text)
+        if whole is not None:
+            return list(whole)
         pieces = self._cut(text) if self.cuts_lines else [text]
         found = [self.cache.get(piece) for piece in pieces]
         missing = list(dict.fromkeys(piece for piece, ids in zip(pieces, found) if ids is None))
@@ -142,6 +149,9 @@ class TextEncoder:
         result: list[int] = []
         for ids in found:
             result.extend(ids)
+        if len(pieces) > 1:
+            # The whole text too: a system prompt sent again is one lookup, not one per line.
+            self.cache.put(text, tuple(result))
         return result
 
     @staticmethod
@@ -253,6 +263,7 @@ class HermesFormat:
         self._end_of_turn_id = encoder.special_id(IM_END)
         self._turn_separator = self._fixed_ids[SEPARATOR]
         self._generation_prompt = self._encode(GENERATION_PROMPT)
+        self._schemas_by_key: OrderedDict[bytes, str] = OrderedDict()
 
     # -- pieces: a turn as text and special tokens -----------------------------------------------
 
@@ -262,9 +273,26 @@ class HermesFormat:
     def _system_turn(self, content: str, tools: Sequence[ToolSpec]) -> tuple[Piece, ...]:
         if not tools:
             return self._turn("system", content)
-        schemas = "".join("\n" + tool_spec_json(tool) for tool in tools)
         lead = f"{content}\n\n" if content else ""
-        return self._turn("system", lead + TOOLS_INTRO + schemas + TOOLS_OUTRO)
+        return self._turn("system", lead + TOOLS_INTRO + self._schemas(tools) + TOOLS_OUTRO)
+
+    def _schemas(self, tools: Sequence[ToolSpec]) -> str:
+        """The tools' JSON schemas, a line each, from the cache when these tools were seen before.
+
+        A harness sends its tools with every call, and writing them as JSON (Claude Code's 24 tools are
+        64 kB) costs more than the rest of a render. The key is their pickle, a tenth of that cost and
+        exact where == is not: true == 1 == 1.0, which JSON writes three ways.
+        """
+        key = pickle.dumps([(tool.name, tool.description, tool.parameters) for tool in tools])
+        schemas = self._schemas_by_key.get(key)
+        if schemas is not None:
+            self._schemas_by_key.move_to_end(key)
+            return schemas
+        schemas = "".join("\n" + tool_spec_json(tool) for tool in tools)
+        self._schemas_by_key[key] = schemas
+        if len(self._schemas_by_key) > SCHEMAS_CACHE_ENTRIES:
+            self._schemas_by_key.popitem(last=False)
+        return schemas
 
     def _message_pieces(self, message: Message, tools: Sequence[ToolSpec], first: bool) -> tuple[Piece, ...]:
         if message.role == "system":

@@ -61,11 +61,11 @@ from gateway.dialects.base import (
 )
 from gateway.output import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
-from gateway.read_ahead import ReadAhead, StreamIdle
 from gateway.render import PriorCall, RenderedPrompt, render_request
 from gateway.sampling import NO_POLICY, Limit, effective_sampling
 from gateway.sessions import Session, SessionError, SessionStore
 from polar import credentials
+from polar.read_ahead import ReadAhead, StreamIdle
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("polar.gateway")
@@ -86,7 +86,8 @@ _GRPC_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID_REQUEST,
     grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND,
 }
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# A \uD800-\uDFFF escape: half of a surrogate pair, or, alone, no character at all.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _ENGINE_FINISH = {
     common_pb2.FINISH_REASON_STOP: FinishKind.STOP,
     common_pb2.FINISH_REASON_LENGTH: FinishKind.LENGTH,
@@ -201,16 +202,39 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
     # JSON lets "\ud800" escape half of a surrogate pair alone, which decodes to no character at
-    # all: the tokenizer rejects it and no reply or record quoting it encodes as UTF-8. The escape
-    # is rare, so only bodies that may hold one are checked whole.
-    if _SURROGATE_ESCAPE.search(raw):
-        try:
-            json_bytes(body)
-        except UnicodeEncodeError as exc:
-            raise GatewayError(
-                ErrorKind.INVALID_REQUEST, "the request body holds an unpaired surrogate escape (\\ud800-\\udfff)"
-            ) from exc
+    # all: the tokenizer rejects it and no reply or record quoting it encodes as UTF-8.
+    if _unpaired_surrogate_escape(raw):
+        raise GatewayError(
+            ErrorKind.INVALID_REQUEST, "the request body holds an unpaired surrogate escape (\\ud800-\\udfff)"
+        )
     return body
+
+
+def _unpaired_surrogate_escape(raw: bytes) -> bool:
+    """Whether JSON that parsed holds a surrogate escape without its other half.
+
+    Pairs are common (clients that escape everything outside ASCII write an emoji as two escapes), so
+    only the escapes themselves are visited, not the whole body again. In valid JSON every backslash
+    starts an escape: one preceded by an odd run of backslashes is an escaped backslash's text.
+    """
+    low_expected_at = -1
+    for match in _SURROGATE_ESCAPE.finditer(raw):
+        start = match.start()
+        before = start
+        while before and raw[before - 1] == 0x5C:  # backslash
+            before -= 1
+        if (start - before) % 2:
+            continue  # "\\ud800": text, not an escape
+        high = int(raw[start + 2 : start + 6], 16) < 0xDC00
+        if start == low_expected_at:
+            if high:
+                return True  # a high half where its low half should be
+            low_expected_at = -1
+        elif low_expected_at != -1 or not high:
+            return True  # a high half without its low half, or a low half alone
+        else:
+            low_expected_at = match.end()
+    return low_expected_at != -1
 
 
 def json_bytes(body: Any) -> bytes:
@@ -504,16 +528,19 @@ class Gateway:
         reply: Reply | None = None
         messages = ReadAhead(grpc_call, idle_timeout_s=self.token_timeout_s)
         try:
+            events: list[ParseEvent] = []
             async for batch in messages:
-                events = []
                 for message in batch:
                     events += call.take(message)
                 if not sink.connected():
                     raise ClientGone
-                await stream.send_events(events)
                 if call.output.stopped:
                     break
-            events, result = call.finish()
+                if not call.engine_finish:  # else these events go out with the stream's end, in one write
+                    await stream.send_events(events)
+                    events = []
+            last_events, result = call.finish()
+            events += last_events
             if renderer is None:
                 call.response_body = json_bytes(call.dialect.render_response(call.request, result))
                 reply = Reply(200, call.response_body)

@@ -137,7 +137,9 @@ def render_request(
         *forced,
     ]
     seen_messages = (*prior.conversation.messages, prior.reply, *new_messages)
-    seen = Conversation(seen_messages, conversation.tools, conversation.tool_choice)
+    # The tools the prompt shows are the extended call's (they match the request's), kept once for
+    # the whole chain rather than once per call.
+    seen = Conversation(seen_messages, prior.conversation.tools, conversation.tool_choice)
     return RenderedPrompt(
         tuple(token_ids), seen, extends_call_id=prior.call_id, forced_token_count=len(forced)
     )

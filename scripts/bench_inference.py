@@ -7,9 +7,11 @@ Measured, with all streams of a point started together:
   until the last one arrived, prefill included (the speedup over one stream shows the batching). A
   point that outlasts its time cap is cut there and counts the tokens received so far.
 - scripted engine (no model): the server's own streaming throughput at up to 128 streams, each
-  looping calls for a fixed window, once with one token per message (the torch engine's shape: one
-  message per decode step) and, without --quick, once with 32; plus the server's CPU time per
-  token, the per-token overhead the service itself adds.
+  looping calls for a fixed window, once with one token per engine chunk (the torch engine's shape:
+  one chunk per decode step) and, without --quick, once with 32; plus the server's CPU time per
+  token, the per-token overhead the service itself adds. The scripted engine has every chunk at
+  once, and the server sends what its engine produced while the previous message was being sent
+  as one message: the tok/msg column says how many tokens a message carried.
 
     python scripts/bench_inference.py --quick              # under a minute on 2 CPU cores
     python scripts/bench_inference.py --device cuda        # on a GPU machine
@@ -77,7 +79,7 @@ def main() -> int:
     # so that the whole run stays under a minute however slow the engine is.
     max_tokens, cap = (8, 4.0) if args.quick else (128, 120.0)
     window = 1.0 if args.quick else 5.0  # scripted points: seconds of looping calls
-    # --quick streams one token per message only: the costliest shape, and the one the target is for.
+    # --quick streams one token per chunk only: the costliest shape, and the one the target is for.
     per_message_variants = SCRIPTED_TOKENS_PER_MESSAGE[:1] if args.quick else SCRIPTED_TOKENS_PER_MESSAGE
     points: list[Point] = []
     for model in args.models:
@@ -92,7 +94,7 @@ def main() -> int:
                 engine="scripted", port=0, script=str(script), max_batch_size=max(SCRIPTED_STREAMS)
             )
             work = _Work(SCRIPTED_MAX_TOKENS, calls=None, seconds=window)
-            points += _bench_server(config, SCRIPTED_STREAMS, work, machine, label=f"{per_message} tok/msg")
+            points += _bench_server(config, SCRIPTED_STREAMS, work, machine, label=f"{per_message} tok/chunk")
     _print_table(points, machine)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -27,8 +27,9 @@ from polar.inference.weights import WeightsAssembler
 from polar.config import InferenceConfig
 from polar.credentials import NODE, OPERATOR, TRAINER
 from polar.grpc_server import bind, callers, new_server, serve_until_stopped, set_serving, status_codes
+from polar.read_ahead import ReadAhead
 from polar.service import Ready, ServiceError, join_host_port
-from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from polar.v1 import inference_pb2, inference_pb2_grpc
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 # Weight chunks are sent whole in one message; 64 MiB leaves room for large chunks of big tensors.
@@ -117,21 +118,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         generation = validate_generate(request, self._engine.description)
         async with self._gate.admitted():
             stream = self._engine.generate(generation)
+            produced = ReadAhead(stream)
             try:
-                end, policy_version, error = await _relay(stream, context, self._engine.policy_version)
+                last, error = await _relay(produced, context, self._engine.policy_version)
             finally:
                 # A client that went away cancels this task; closing the stream frees its slot now.
+                await produced.aclose()
                 await _close(stream)
         if error is not None:
             raise EngineFailed(error)
-        await context.write(
-            inference_pb2.GenerateResponse(
-                policy_version=policy_version,
-                finish_reason=end.finish_reason.value,
-                usage=common_pb2.Usage(prompt_tokens=end.prompt_tokens, completion_tokens=end.completion_tokens),
-                queue_seconds=end.queue_seconds,
-            )
-        )
+        await context.write(last)
 
     # Client-streaming.
     async def UpdateWeights(
@@ -203,28 +199,52 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 
 async def _relay(
-    stream: AsyncIterator[TokenChunk | GenerationEnd], context: grpc.aio.ServicerContext, policy_version: int
-) -> tuple[GenerationEnd | None, int, str | None]:
-    """Write the engine's chunks to the client; return its end, the last policy version, and the
-    error text if the engine failed."""
-    items = aiter(stream)
+    produced: ReadAhead[TokenChunk | GenerationEnd], context: grpc.aio.ServicerContext, policy_version: int
+) -> tuple[inference_pb2.GenerateResponse, str | None]:
+    """Write the engine's tokens to the client as they come; return the stream's last message (the
+    end, with the tokens that came with it) for the caller to send, and the error text if the engine
+    failed instead.
+
+    Tokens the engine produced while the previous message was being sent go out together in the next
+    one (per policy version, which a message states for all its tokens): an engine faster than its
+    client costs one message per batch instead of one per token, and one that decodes a token at a
+    time still streams each token as it comes. Nothing is held back for later tokens."""
+    batches = aiter(produced)
     while True:
         try:
-            item = await anext(items)
+            batch = await anext(batches)
         except StopAsyncIteration:
-            return None, policy_version, "the engine's stream ended without a GenerationEnd"
+            return inference_pb2.GenerateResponse(), "the engine's stream ended without a GenerationEnd"
         except Exception as exc:  # noqa: BLE001 - any engine failure becomes the call's INTERNAL status
-            return None, policy_version, f"engine failed: {type(exc).__name__}: {exc}"
-        if isinstance(item, GenerationEnd):
-            if item.finish_reason is FinishReason.ERROR:
-                return item, policy_version, item.error or "the engine failed without a message"
-            return item, policy_version, None
-        policy_version = item.policy_version
-        await context.write(
-            inference_pb2.GenerateResponse(
-                token_ids=item.token_ids, logprobs=item.logprobs, policy_version=item.policy_version
-            )
-        )
+            return inference_pb2.GenerateResponse(), f"engine failed: {type(exc).__name__}: {exc}"
+        end = next((item for item in batch if isinstance(item, GenerationEnd)), None)
+        messages = _token_messages(item for item in batch if isinstance(item, TokenChunk))
+        if messages:
+            policy_version = messages[-1].policy_version
+        last = None
+        if end is not None and end.finish_reason is not FinishReason.ERROR:
+            # The end travels with the tokens that came with it.
+            last = messages.pop() if messages else inference_pb2.GenerateResponse(policy_version=policy_version)
+            last.finish_reason = end.finish_reason.value
+            last.usage.prompt_tokens, last.usage.completion_tokens = end.prompt_tokens, end.completion_tokens
+            last.queue_seconds = end.queue_seconds
+        for message in messages:
+            await context.write(message)
+        if last is not None:
+            return last, None
+        if end is not None:
+            return inference_pb2.GenerateResponse(), end.error or "the engine failed without a message"
+
+
+def _token_messages(chunks: Iterable[TokenChunk]) -> list[inference_pb2.GenerateResponse]:
+    """Consecutive chunks as one message per run of the same policy version."""
+    messages: list[inference_pb2.GenerateResponse] = []
+    for chunk in chunks:
+        if not messages or messages[-1].policy_version != chunk.policy_version:
+            messages.append(inference_pb2.GenerateResponse(policy_version=chunk.policy_version))
+        messages[-1].token_ids.extend(chunk.token_ids)
+        messages[-1].logprobs.extend(chunk.logprobs)
+    return messages
 
 
 async def _close(stream: AsyncIterator[TokenChunk | GenerationEnd]) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from polar.inference.engines.base import GenerationRequest, ModelDescription, SamplingConfig
 from polar.v1 import inference_pb2
 
@@ -37,8 +39,12 @@ def validate_generate(
         raise UnknownModel(
             "model", f"model {request.model!r} is not served here (this server serves {description.name!r})"
         )
-    prompt = tuple(request.prompt_token_ids)
-    _check_prompt(prompt, description.vocab_size)
+    # The ids go to numpy as a block (the protobuf field's __array__) and come back as Python ints
+    # from it: taking them from the field one by one, and checking them with min() and max(), cost
+    # about 1.5 ms for a harness's 20k-token prompt.
+    ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
+    _check_prompt(ids, description.vocab_size)
+    prompt = tuple(ids.tolist())
     sampling = _sampling_config(request)
     if len(prompt) + sampling.max_tokens > description.context_length:
         raise InvalidRequest(
@@ -49,13 +55,14 @@ def validate_generate(
     return GenerationRequest(request_id=request.request_id, prompt_token_ids=prompt, sampling=sampling)
 
 
-def _check_prompt(prompt: tuple[int, ...], vocab_size: int) -> None:
-    if not prompt:
+def _check_prompt(ids: np.ndarray, vocab_size: int) -> None:
+    if not ids.size:
         raise InvalidRequest("prompt_token_ids", "prompt_token_ids is empty; a prompt needs at least one token")
-    # min/max run in C; the position of the first bad id is looked up only when there is one.
-    if min(prompt) >= 0 and max(prompt) < vocab_size:
+    # The position of the first bad id is looked up only when there is one.
+    if ids.min() >= 0 and ids.max() < vocab_size:
         return
-    position, token_id = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab_size)
+    position = int(np.flatnonzero((ids < 0) | (ids >= vocab_size))[0])
+    token_id = int(ids[position])
     raise InvalidRequest(
         "prompt_token_ids",
         f"prompt_token_ids[{position}] = {token_id} is outside the vocabulary [0, {vocab_size})",

@@ -68,8 +68,10 @@ class InferenceServiceServicer:
 
     def Generate(self, request, context):
         """Server-streaming. Samples a continuation of prompt_token_ids. Tokens stream back as they are
-        produced: each response carries one or more newly sampled tokens, and the last one carries the
-        finish reason and usage. Cancelling the call frees its slot at once.
+        produced: each response carries the tokens sampled since the previous one (those the engine
+        produced while the previous response was being sent come together; none is held back to wait
+        for more), and the last one carries the finish reason and usage, with the last tokens or none.
+        Cancelling the call frees its slot at once.
 
         Log-probability semantics (the trainer must compute the same quantity): the logprob of a sampled
         token is log softmax(logits / T) at that token, computed in fp32, where T is the request's

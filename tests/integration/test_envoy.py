@@ -162,8 +162,9 @@ async def test_generate_through_envoy_streams_the_same_messages_as_direct():
             for message in (*direct, *proxied):
                 message.ClearField("queue_seconds")  # timing, the one field that may differ
             assert proxied == direct
-        # The delayed rule streams one token per message: ten messages and the final one.
-        assert tokens_of(proxied) == STREAMED and len(proxied) == len(STREAMED) + 1
+        # The delayed rule streams one token per message: ten messages, the last with the end.
+        assert tokens_of(proxied) == STREAMED and [len(m.token_ids) for m in proxied] == [1] * len(STREAMED)
+        assert proxied[-1].finish_reason == common_pb2.FINISH_REASON_STOP
 
 
 async def test_one_session_stays_on_one_server_and_sessions_spread():

@@ -82,17 +82,47 @@ async def model_info(stub) -> inference_pb2.ModelInfo:
 # --- Generate ----------------------------------------------------------------------------------
 
 
-async def test_generate_streams_chunks_then_a_final_message(scripted):
-    _, stub = scripted
+async def test_tokens_produced_at_once_come_in_one_message_with_the_end(scripted):
+    _, stub = scripted  # the script's outputs have no delay: the engine has every token at once
     tokens, logprobs, messages = await collect(stub, gen_request())
     assert tokens == LONG
     assert logprobs == pytest.approx([-i / 100 for i in range(100)])
-    assert [len(m.token_ids) for m in messages] == [32, 32, 32, 4, 0]
-    *chunks, last = messages
-    assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in chunks)
-    assert last.finish_reason == common_pb2.FINISH_REASON_STOP
-    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (3, 100)
-    assert 0 <= last.queue_seconds < 1
+    [message] = messages
+    assert message.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert (message.usage.prompt_tokens, message.usage.completion_tokens) == (3, 100)
+    assert 0 <= message.queue_seconds < 1
+
+
+async def test_tokens_decoded_one_at_a_time_stream_one_message_each(scripted):
+    _, stub = scripted  # SLOW_PROMPT's reply comes a token every 50 ms: nothing waits for the next
+    tokens, _, messages = await collect(stub, gen_request(SLOW_PROMPT, max_tokens=4))
+    assert tokens == LONG[:4]
+    assert [len(m.token_ids) for m in messages] == [1, 1, 1, 1]
+    assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert messages[-1].usage.completion_tokens == 4
+
+
+class UpdatedMidwayEngine(ScriptedEngine):
+    """Tokens of two policy versions produced at once, as when weights change between two decode steps."""
+
+    async def generate(self, request):
+        yield TokenChunk((5, 6), (-0.5, -0.6), 3)
+        yield TokenChunk((7,), (-0.7,), 3)
+        yield TokenChunk((8,), (-0.8,), 4)
+        yield GenerationEnd(FinishReason.STOP, len(request.prompt_token_ids), 4, 0.0)
+
+
+async def test_tokens_produced_together_share_a_message_only_with_their_policy_version():
+    engine = UpdatedMidwayEngine.from_script(SCRIPT)
+    server, channel = await open_server(engine)
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    tokens, logprobs, messages = await collect(stub, gen_request())
+    assert tokens == [5, 6, 7, 8] and logprobs == pytest.approx([-0.5, -0.6, -0.7, -0.8])
+    assert [(list(m.token_ids), m.policy_version) for m in messages] == [([5, 6, 7], 3), ([8], 4)]
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    await channel.close()
+    await server.stop(None)
 
 
 async def test_generate_respects_max_tokens_and_stop_ids_and_cycles_outputs(scripted):
@@ -143,6 +173,36 @@ async def test_an_engine_exception_ends_the_stream_with_internal_after_the_token
     assert received == [5]
     assert caught.value.code() == grpc.StatusCode.INTERNAL
     assert "RuntimeError: device lost" in caught.value.details()
+    await channel.close()
+    await server.stop(None)
+
+
+class ErrorEndEngine(ScriptedEngine):
+    """An engine that reports its own failure after a token, in the same breath."""
+
+    async def generate(self, request):
+        yield TokenChunk((5,), (-1.0,), 0)
+        yield GenerationEnd(FinishReason.ERROR, len(request.prompt_token_ids), 1, 0.0, error="out of memory")
+
+
+class EndlessEngine(ScriptedEngine):
+    """An engine whose stream stops without a GenerationEnd (a broken engine)."""
+
+    async def generate(self, request):
+        yield TokenChunk((5,), (-1.0,), 0)
+
+
+@pytest.mark.parametrize(("engine_class", "details"), [(ErrorEndEngine, "out of memory"), (EndlessEngine, "without a GenerationEnd")])
+async def test_an_engine_that_fails_or_stops_short_ends_the_stream_with_internal_after_its_tokens(engine_class, details):
+    engine = engine_class.from_script(SCRIPT)
+    server, channel = await open_server(engine)
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    received = []
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for message in stub.Generate(gen_request()):
+            received.extend(message.token_ids)
+    assert received == [5]
+    assert caught.value.code() == grpc.StatusCode.INTERNAL and details in caught.value.details()
     await channel.close()
     await server.stop(None)
 

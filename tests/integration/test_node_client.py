@@ -25,7 +25,7 @@ SCRIPT = {
     "name": "node-check",
     "tokenizer": None,
     "vocab_size": 512,
-    "tokens_per_chunk": 3,  # several messages, one of them partial
+    "delay_seconds": 0.005,  # a token at a time, as an engine decodes: a message each
     "cycle": True,
     "outputs": [{"token_ids": TOKENS, "logprobs": LOGPROBS}],
 }
@@ -67,8 +67,8 @@ async def test_node_client_receives_the_engines_tokens_and_logprobs(node_client)
         result = json.loads(out)
         assert result["token_ids"] == TOKENS
         assert result["logprobs"] == [as_float32(x) for x in LOGPROBS]
-        assert result["messages"] == 5  # 3 + 3 + 3 + 1 tokens, then the final message
-        assert result["policy_versions"] == [0] * 5
+        assert result["messages"] == 10  # the last one with the end
+        assert result["policy_versions"] == [0] * 10
         assert result["finish_reason"] == "FINISH_REASON_STOP"
         assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 10}
 

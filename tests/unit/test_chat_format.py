@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from gateway import chat_format as chat_format_module
 from gateway.chat_format import (
     IM_END,
     IM_START,
@@ -16,6 +17,7 @@ from gateway.chat_format import (
     forced_opening,
     get_chat_format,
     tool_call_text,
+    tool_spec_json,
 )
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 
@@ -224,10 +226,64 @@ def test_encoding_by_lines_through_the_cache_equals_encoding_the_whole_text(enco
 def test_a_line_is_encoded_once_and_then_served_from_the_cache(smollm2_tokenizer):
     encoder = TextEncoder(smollm2_tokenizer)
     first = encoder.encode("You are a coding agent.\nThe workspace is /a.\nBe brief.")
-    assert len(encoder.cache) == 3
+    assert len(encoder.cache) == 4  # its three lines and the whole text
     second = encoder.encode("You are a coding agent.\nThe workspace is /b.\nBe brief.")
-    assert len(encoder.cache) == 4  # only the line that differs was encoded
+    assert len(encoder.cache) == 6  # only the line that differs was encoded; the whole text is kept too
     assert first[:5] == second[:5]
+
+
+class AskedCache(EncodingCache):
+    """A cache that remembers what it was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+
+    def get(self, text):
+        self.asked.append(text)
+        return super().get(text)
+
+
+def test_a_text_sent_again_is_one_lookup_of_the_whole(smollm2_tokenizer):
+    cache = AskedCache()
+    encoder = TextEncoder(smollm2_tokenizer, cache)
+    text = "You are a coding agent.\nThe workspace is /a.\n\n# Tools\nBe brief."
+    ids = encoder.encode(text)
+    cache.asked.clear()
+    assert encoder.encode(text) == ids == smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert cache.asked == [text]
+
+
+def test_the_same_tools_write_their_json_once(smollm2_tokenizer, monkeypatch):
+    written = []
+
+    def counted(tool):
+        written.append(tool.name)
+        return tool_spec_json(tool)
+
+    monkeypatch.setattr(chat_format_module, "tool_spec_json", counted)
+    hermes = get_chat_format("hermes", smollm2_tokenizer)
+
+    def conversation():  # parsed anew for each request, as a dialect does
+        tools = (ToolSpec("read", "Read a file.", {"type": "object", "properties": {"path": {"type": "string"}}}),)
+        return Conversation((Message("user", "hi"),), tools + (ToolSpec("ls"),))
+
+    first = hermes.render_prompt(conversation())
+    assert hermes.render_prompt(conversation()) == first
+    assert written == ["read", "ls"]
+
+
+def test_tools_that_python_finds_equal_but_json_writes_apart_render_apart(hermes, smollm2_tokenizer):
+    flag, one, real = ({"type": "object", "default": value} for value in (True, 1, 1.0))
+    assert flag == one == real  # so == could not key the tools' JSON
+    renders = []
+    for parameters, written in ((flag, "true"), (one, "1"), (real, "1.0"), (flag, "true")):
+        conversation = Conversation((Message("user", "hi"),), (ToolSpec("f", parameters=parameters),))
+        text = hermes.render_text(conversation)
+        assert f'"default": {written}}}' in text
+        renders.append(hermes.render_prompt(conversation))
+        assert renders[-1] == smollm2_tokenizer.encode(text, add_special_tokens=False)
+    assert renders[0] == renders[3] and len({tuple(r) for r in renders}) == 3
 
 
 def test_the_cache_keeps_the_most_recently_used_within_its_token_bound():

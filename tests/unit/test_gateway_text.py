@@ -1,4 +1,4 @@
-"""The core's pure pieces: stop strings, detokenisation, max_tokens clamping, finish kinds."""
+"""The core's pure pieces: stop strings, detokenisation, max_tokens clamping, finish kinds, request bodies."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core import finish_kind, max_tokens_for
+from gateway.core import decode_body, finish_kind, max_tokens_for
 from gateway.output import OutputAssembler, StopScanner, tool_calls_as_text
 from gateway.dialects.base import ErrorKind, FinishKind, GatewayError
 from gateway.parsers import TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart, collect, get_output_parser
@@ -114,3 +114,29 @@ def test_disabled_tools_turn_calls_back_into_text():
     [text, call] = tool_calls_as_text(events)
     assert text == TextDelta("hi")
     assert call.text.startswith("\n<tool_call>\n") and json.loads(call.text.split("\n")[2])["arguments"] == {"a": 1}
+
+
+# Pieces of a JSON string's text as a client writes it: surrogate escapes alone and in pairs, other
+# escapes, escaped backslashes (after which "ud800" is text), and plain characters.
+STRING_PIECES = [
+    "\\ud83d", "\\ude00", "\\uD800", "\\uDFFF", "\\udbff\\udc00", "\\u00e9", "\\n", "\\\\", "\\\\ud800", "\\\"",
+    "a", "ud800", "\u00e9", "🙂",
+]
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces=st.lists(st.sampled_from(STRING_PIECES), max_size=8), key_pieces=st.lists(st.sampled_from(STRING_PIECES), max_size=2))
+def test_a_body_is_refused_exactly_when_it_decodes_to_text_with_a_lone_surrogate(pieces, key_pieces):
+    raw = ('{"' + "".join(key_pieces) + '": "' + "".join(pieces) + '", "n": 1}').encode()
+    body = json.loads(raw)
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+        lone = False
+    except UnicodeEncodeError:
+        lone = True
+    if lone:
+        with pytest.raises(GatewayError) as caught:
+            decode_body(raw)
+        assert caught.value.kind is ErrorKind.INVALID_REQUEST and "surrogate" in caught.value.message
+    else:
+        assert decode_body(raw) == body

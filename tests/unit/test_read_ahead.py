@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.read_ahead import ReadAhead, StreamIdle
+from polar.read_ahead import ReadAhead, StreamIdle
 
 
 class StreamFailed(Exception):
@@ -165,3 +165,27 @@ def test_a_slow_consumer_is_not_counted_against_the_stream():
         return seen
 
     assert asyncio.run(asyncio.wait_for(run(), 5)) == [1, 2]
+
+
+def test_aclose_lets_go_of_the_stream_so_that_it_can_be_closed_at_once():
+    async def run():
+        released = asyncio.Event()
+
+        async def slow():
+            try:
+                yield 1
+                await asyncio.sleep(60)  # the reader is inside the generator, waiting
+                yield 2
+            finally:
+                released.set()
+
+        stream = slow()
+        read_ahead = ReadAhead(stream)
+        async for batch in read_ahead:
+            assert batch == [1]
+            break
+        await read_ahead.aclose()
+        await stream.aclose()  # an async generator another task is inside cannot be closed
+        return released.is_set()
+
+    assert asyncio.run(asyncio.wait_for(run(), 5))

@@ -302,6 +302,18 @@ def test_an_extending_call_encodes_only_the_new_messages(smollm2_tokenizer):
     assert len(encoded) < 60
 
 
+def test_a_chain_keeps_its_first_call_s_tools_once_however_often_they_are_sent(hermes, smollm2_tokenizer):
+    session = Session(hermes, smollm2_tokenizer)
+    messages = [Message("user", "Go.")]
+    for turn in range(3):
+        tools = tuple(replace(tool, parameters=json.loads(json.dumps(tool.parameters))) for tool in TOOLS)  # parsed anew
+        _, reply = session.call(Conversation(tuple(messages), tools), Message("assistant", f"Step {turn}."))
+        messages += [reply, Message("user", "Next.")]
+    first, *later = session.rendered
+    assert [r.extends_call_id for r in later] == ["c0001", "c0002"]
+    assert all(rendered.conversation.tools is first.conversation.tools for rendered in later)
+
+
 def test_a_render_encodes_each_message_s_text_once_and_nothing_else(smollm2_tokenizer):
     encoder = CountingEncoder(smollm2_tokenizer)
     chat_format = HermesFormat(encoder)

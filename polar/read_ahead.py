@@ -1,4 +1,8 @@
-"""Reading a stream ahead of its consumer, handing over what arrived in batches."""
+"""Reading a stream ahead of its consumer, handing over what arrived in batches.
+
+The gateway reads the inference server's token stream this way, and the inference server its engine's:
+what an engine produced while the previous message was being sent goes out as one message.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +22,8 @@ class StreamIdle(TimeoutError):
 
 
 class ReadAhead(Generic[T]):
-    """An async stream (a gRPC response stream) read in a task of its own, iterated as batches:
-    everything that arrived since the last batch.
+    """An async stream (a gRPC response stream, an engine's tokens) read in a task of its own,
+    iterated as batches: everything that arrived since the last batch.
 
     Reading message by message makes each read a round trip through gRPC's completion queue, begun
     only once the previous message is handled; here the next read is in flight while the caller
@@ -81,3 +85,11 @@ class ReadAhead(Generic[T]):
     def close(self) -> None:
         """Stop reading (the caller is done with the stream)."""
         self._reader.cancel()
+
+    async def aclose(self) -> None:
+        """Stop reading and wait until the reader has let go of the stream, so that the stream may be
+        closed now (an async generator cannot be closed while another task is inside it)."""
+        self._reader.cancel()
+        # wait, unlike awaiting the task, leaves the reader's cancellation out of this task: only a
+        # cancellation of the caller itself ends the wait early.
+        await asyncio.wait((self._reader,))
