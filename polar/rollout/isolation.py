@@ -91,6 +91,11 @@ def probe(mode: str, work_root: Path) -> str | None:
     unshare = shutil.which("unshare")
     if unshare is None:
         return "util-linux `unshare` is not installed"
+    interpreter = (Path(sys.executable).absolute(), Path(os.path.realpath(sys.executable)))
+    for path, _ in hidden_paths(work_root):
+        if any(name.is_relative_to(path) for name in interpreter):
+            # The sandbox runs sandbox.py with this interpreter once its folders are hidden.
+            return f"the node's Python ({sys.executable}) lies in {path}, which the sandbox hides"
     work_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="probe-", dir=work_root) as root:
         argv = sandbox_argv(["true"], Isolation(mode), Path(root), network=mode == "network")
@@ -102,7 +107,7 @@ def probe(mode: str, work_root: Path) -> str | None:
             return f"`unshare` did not run: {exc}"
     if result.returncode != 0:
         output = (result.stderr + result.stdout).strip()[-500:] or f"exit code {result.returncode}"
-        return f"user namespaces cannot be made here ({output})"
+        return f"a sandboxed command did not run here ({output})"
     return None
 
 

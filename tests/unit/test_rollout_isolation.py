@@ -186,3 +186,15 @@ def test_the_docker_runtime_s_container_has_no_network_but_the_forwarded_harness
     # Without a harness URL: no network at all, an idle first process.
     idle = docker_run_argv("docker", "polar-s-1", root, "python:3.12", "")
     assert "--network=none" in idle and idle[-3:-1] == ["python:3.12", "-c"]
+
+
+def test_a_node_python_inside_a_hidden_folder_is_named_as_the_reason(tmp_path, monkeypatch):
+    """A checkout under /tmp runs its venv's Python from a folder the sandbox covers: the probe says
+    so, rather than blaming user namespaces, and "auto" falls back with that reason."""
+    from polar.rollout import isolation
+
+    monkeypatch.setattr(isolation.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(isolation.sys, "executable", "/tmp/checkout/.venv/bin/python")
+    assert isolation.probe("namespace", tmp_path / "work") == (
+        "the node's Python (/tmp/checkout/.venv/bin/python) lies in /tmp, which the sandbox hides"
+    )
