@@ -26,10 +26,11 @@ tests start in their own process) accepts every caller, and says so when it star
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,3 +191,18 @@ class _CallDetails(grpc.ClientCallDetails):
     credentials: grpc.CallCredentials | None
     wait_for_ready: bool | None
     compression: grpc.Compression | None
+
+
+@contextlib.contextmanager
+def handed_to_children(issued: Credentials | None) -> Iterator[None]:
+    """$POLAR_CREDENTIALS set to `issued`'s folder as `polar up` hands it to the services it starts
+    (unset for None: they serve every caller), for processes started inside; restored on exit."""
+    saved = os.environ.pop(ENV_VAR, None)
+    if issued is not None:
+        os.environ[ENV_VAR] = str(issued.folder)
+    try:
+        yield
+    finally:
+        os.environ.pop(ENV_VAR, None)
+        if saved is not None:
+            os.environ[ENV_VAR] = saved

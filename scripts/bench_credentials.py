@@ -97,10 +97,15 @@ def _point(what: str, rates: dict[str, list[tuple[float, float]]]) -> dict:
     }
 
 
-def _check_microseconds(issued: credentials.Credentials, calls: int = 20000) -> float:
-    """The interceptor's own time for an allowed call (its continuation answering at once)."""
+def _check_microseconds(issued: credentials.Credentials) -> float:
+    """The interceptor's own time for an allowed call of the rollout server (the operator's)."""
     check = CallerCheck("polar.v1.RolloutService", RolloutServicer.roles, issued)
-    details = _Details("/polar.v1.RolloutService/GetTaskStatus", issued.metadata(credentials.OPERATOR) + (("user-agent", "grpc-python"),))
+    metadata = issued.metadata(credentials.OPERATOR) + (("user-agent", "grpc-python"),)
+    return interceptor_microseconds(check, CallDetails("/polar.v1.RolloutService/GetTaskStatus", metadata))
+
+
+def interceptor_microseconds(check: CallerCheck, details: CallDetails, calls: int = 20000) -> float:
+    """Microseconds per call of `check` admitting `details`, its continuation answering at once."""
 
     async def continuation(_):
         return None
@@ -115,9 +120,11 @@ def _check_microseconds(issued: credentials.Credentials, calls: int = 20000) -> 
 
 
 @dataclass(frozen=True)
-class _Details:
+class CallDetails:
+    """What grpc hands an interceptor about a call (grpc.HandlerCallDetails' two fields)."""
+
     method: str
-    invocation_metadata: tuple
+    invocation_metadata: tuple[tuple[str, str], ...]
 
 
 def _cpu_seconds(pid: int) -> float:

@@ -969,35 +969,18 @@ def _credential_comparison(settings: Settings, out: str) -> int:
     return 0
 
 
-@dataclass(frozen=True)
-class _CallDetails:
-    """What a gRPC server interceptor is shown of a call (grpc.HandlerCallDetails)."""
-
-    method: str
-    invocation_metadata: tuple[tuple[str, str], ...]
-
-
-def _check_microseconds(issued: creds.Credentials, calls: int = 20000) -> float:
+def _check_microseconds(issued: creds.Credentials) -> float:
     """The credential check's own time per Generate call, in-process: the inference server's
     interceptor (polar.grpc_server.CallerCheck) admitting a node's call with the metadata a gateway
     sends, its continuation answering at once."""
+    from bench_credentials import CallDetails, interceptor_microseconds
+
     from polar.grpc_server import CallerCheck
     from polar.inference.server import SERVICE_NAME, InferenceServicer
 
     check = CallerCheck(SERVICE_NAME, InferenceServicer.roles, issued)
     metadata = (("x-polar-session", "s-bench"), *issued.metadata(creds.NODE), ("user-agent", "grpc-python"))
-    details = _CallDetails(f"/{SERVICE_NAME}/Generate", metadata)
-
-    async def continuation(_):
-        return None
-
-    async def run() -> float:
-        started = time.perf_counter()
-        for _ in range(calls):
-            await check.intercept_service(continuation, details)
-        return (time.perf_counter() - started) / calls * 1e6
-
-    return asyncio.run(run())
+    return interceptor_microseconds(check, CallDetails(f"/{SERVICE_NAME}/Generate", metadata))
 
 
 def _credential_row(label: str, process: str, by_setup: dict[str, list[Measurement]]) -> dict:
@@ -1094,19 +1077,6 @@ class _PolarStack:
         return creds.metadata(creds.NODE, self.credentials)
 
 
-@contextlib.contextmanager
-def _credentials_handed(issued: creds.Credentials | None) -> Iterator[None]:
-    """$POLAR_CREDENTIALS as `polar up` hands it to the services started inside (unset: they run open)."""
-    saved = os.environ.pop(creds.ENV_VAR, None)
-    if issued is not None:
-        os.environ[creds.ENV_VAR] = str(issued.folder)
-    try:
-        yield
-    finally:
-        os.environ.pop(creds.ENV_VAR, None)
-        if saved is not None:
-            os.environ[creds.ENV_VAR] = saved
-
 
 @contextlib.contextmanager
 def _polar_stack(
@@ -1120,7 +1090,7 @@ def _polar_stack(
     )
     inference_config = InferenceConfig(engine="scripted", port=0, script=str(script), max_batch_size=max(SESSIONS) * 2)
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_credentials_handed(credentials))  # every service below starts with it
+        stack.enter_context(creds.handed_to_children(credentials))  # every service below starts with it
         inference = stack.enter_context(running(inference_spec(inference_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
         inference_address = inference.dial_address
         envoy_gateway_http = stack.enter_context(listening_socket("127.0.0.1"))

@@ -202,19 +202,6 @@ def _print_comparison(rows: Sequence[dict], rounds: int) -> None:
         )
 
 
-@contextlib.contextmanager
-def _credentials_handed(issued: creds.Credentials | None) -> Iterator[None]:
-    """$POLAR_CREDENTIALS as `polar up` hands it to the services started inside (unset: they run open)."""
-    saved = os.environ.pop(creds.ENV_VAR, None)
-    if issued is not None:
-        os.environ[creds.ENV_VAR] = str(issued.folder)
-    try:
-        yield
-    finally:
-        os.environ.pop(creds.ENV_VAR, None)
-        if saved is not None:
-            os.environ[creds.ENV_VAR] = saved
-
 
 @contextlib.contextmanager
 def _shared_services(
@@ -227,7 +214,7 @@ def _shared_services(
     script.write_text(json.dumps({"name": "polar-scripted", "outputs": [{"text": "Done."}], "cycle": True}))
     inference_config = InferenceConfig(engine="scripted", port=0, script=str(script), max_batch_size=most_sessions * 2)
     with contextlib.ExitStack() as stack:
-        with _credentials_handed(issued):
+        with creds.handed_to_children(issued):
             spec = inference_spec(inference_config)
             inference = stack.enter_context(running(spec, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
         gateway_http = stack.enter_context(listening_socket(HOST))
@@ -261,7 +248,7 @@ def _measure(
     )
     # The rollout server and the node start with the credentials (or without); the harnesses never see them.
     rollout_service = running(rollout_spec(rollout_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S)
-    with _credentials_handed(issued), rollout_service as rollout:
+    with creds.handed_to_children(issued), rollout_service as rollout:
         node_config = NodeConfig(
             rollout_address=rollout.dial_address,
             init_workers=16,
