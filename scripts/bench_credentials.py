@@ -139,14 +139,6 @@ def _parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def _environment(given: credentials.Credentials | None):
-    """The server subprocess's environment: $POLAR_CREDENTIALS set or not."""
-    if given is None:
-        os.environ.pop(credentials.ENV_VAR, None)
-    else:
-        os.environ[credentials.ENV_VAR] = str(given.folder)
-
-
 def _measured(pid: int, run) -> tuple[float, float]:
     """(calls/s, the server's CPU microseconds per call) of one point; `run` returns (calls/s, calls)."""
     cpu_before = _cpu_seconds(pid)
@@ -155,14 +147,10 @@ def _measured(pid: int, run) -> tuple[float, float]:
 
 
 def _inference_rate(script: Path, given: credentials.Credentials | None, window_s: float) -> tuple[float, float]:
-    _environment(given)
-    try:
-        spec = inference_spec(InferenceConfig(engine="scripted", script=str(script), port=0))
-        with running(spec, startup_timeout_s=120, stop_timeout_s=10) as server:
-            metadata = credentials.metadata(credentials.NODE, given)
-            return _measured(server.process.pid, lambda: asyncio.run(_generate_loop(server.dial_address, metadata, window_s)))
-    finally:
-        os.environ.pop(credentials.ENV_VAR, None)
+    spec = inference_spec(InferenceConfig(engine="scripted", script=str(script), port=0))
+    with credentials.handed_to_children(given), running(spec, startup_timeout_s=120, stop_timeout_s=10) as server:
+        metadata = credentials.metadata(credentials.NODE, given)
+        return _measured(server.process.pid, lambda: asyncio.run(_generate_loop(server.dial_address, metadata, window_s)))
 
 
 async def _generate_loop(address: str, metadata, window_s: float) -> tuple[float, int]:
@@ -182,14 +170,10 @@ async def _drain(call) -> None:
 
 
 def _rollout_rate(store: Path, given: credentials.Credentials | None, window_s: float) -> tuple[float, float]:
-    _environment(given)
-    try:
-        spec = rollout_spec(RolloutConfig(port=0, store=str(store)))
-        with running(spec, startup_timeout_s=120, stop_timeout_s=10) as server:
-            metadata = credentials.metadata(credentials.OPERATOR, given)
-            return _measured(server.process.pid, lambda: asyncio.run(_unary_loop(server.dial_address, metadata, window_s)))
-    finally:
-        os.environ.pop(credentials.ENV_VAR, None)
+    spec = rollout_spec(RolloutConfig(port=0, store=str(store)))
+    with credentials.handed_to_children(given), running(spec, startup_timeout_s=120, stop_timeout_s=10) as server:
+        metadata = credentials.metadata(credentials.OPERATOR, given)
+        return _measured(server.process.pid, lambda: asyncio.run(_unary_loop(server.dial_address, metadata, window_s)))
 
 
 async def _unary_loop(address: str, metadata, window_s: float) -> tuple[float, int]:
