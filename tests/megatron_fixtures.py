@@ -138,7 +138,7 @@ def _free_port() -> int:
 def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str, recompute: str,
              fused_swiglu: bool, fused_rope: bool, tp_size: int, max_tokens: int) -> None:
     """One rank of a job, as torchrun would start it: rank 0 drives the backend, the rest follow."""
-    from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
+    from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions, leave_job
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -157,6 +157,7 @@ def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str
     backend.save(out / "saved", out / "optimizer.pt")
     backend.load_optimizer(out / "optimizer.pt")
     backend.close()
+    leave_job()
     torch.save({"logprobs": logprobs, "result": result, "weights": weights}, out / "rank0.pt")
 
 

@@ -14,6 +14,7 @@ when it is not installed).
 from trainer.backends.megatron.backend import (
     MegatronBackend,
     MegatronBackendOptions,
+    leave_job,
     options_from_config,
     release_followers,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "TruncatedSamplingError",
     "UnsupportedModel",
     "hf_to_megatron",
+    "leave_job",
     "megatron_to_hf",
     "options_from_config",
     "release_followers",

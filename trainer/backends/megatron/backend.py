@@ -122,6 +122,14 @@ def release_followers() -> None:
         dist.broadcast_object_list([("close", ())], src=0)
 
 
+def leave_job() -> None:
+    """This rank is done with the job: its process group goes before the process does, or the
+    group's threads, still alive at exit, can abort it (SIGABRT, "terminate called without an active
+    exception", seen on gloo)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class HFWeights:
     """What `hf_weights` returns: the model's HF tensors, iterated once (each layer gathered from the
     ranks as the iteration reaches it), and sized, so weight sync can send the tensor count before any
@@ -337,6 +345,7 @@ class MegatronBackend(Backend):
             dist.broadcast_object_list(box, src=0)
             command, args = box[0]
             if command == "close":
+                leave_job()
                 return
             try:
                 handlers[command](*args)

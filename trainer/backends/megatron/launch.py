@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     args.backend = "megatron"
 
     if int(os.environ.get("RANK", "0")) == 0:
-        from trainer.backends.megatron import release_followers
+        from trainer.backends.megatron import leave_job, release_followers
 
         args.ready_fd = _inherited_through_torchrun(args.ready_fd)
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             return TRAINER.run(args)
         finally:
             release_followers()
+            leave_job()
 
     from trainer.backends.megatron import MegatronBackend, options_from_config
 
