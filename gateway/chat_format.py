@@ -32,6 +32,9 @@ its pre-tokenizer makes such a line break a word of its own, so no merge crosses
 checks the cut on probe texts when it is made and encodes whole texts for a tokenizer that fails
 (Qwen2's pre-tokenizer, for one, joins `}` and the line break after it). The turn separator and the
 generation prompt are encoded once, when the format is made, and the tools' JSON once per set of tools.
+A turn is looked up by the parts its text joins (its role line, the message, the tools block), so a
+cached turn costs a hash of the message, never a copy of it. Each cached text keeps its ids' packed
+wire form too (`Encoded`), and the `*_packed` renders return the prompt in that form for the engine.
 
 The format's rule for past reasoning (`template_history`, used by the `template` history policy) is
 Qwen3's: reasoning of assistant turns before the last user turn is dropped.
@@ -44,10 +47,12 @@ import pickle
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import chain
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
+from polar.codec import packed_ids
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -82,32 +87,56 @@ DEFAULT_CACHE_TOKENS = 1_000_000
 SCHEMAS_CACHE_ENTRIES = 64
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """The ids of a text, and their packed wire form (`polar.codec.packed_ids`), made once per text."""
+
+    ids: tuple[int, ...]
+    packed: bytes
+
+    @classmethod
+    def of(cls, ids: Sequence[int]) -> Encoded:
+        return cls(tuple(ids), packed_ids(ids))
+
+    @classmethod
+    def joined(cls, parts: Sequence[Encoded]) -> Encoded:
+        if len(parts) == 1:
+            return parts[0]
+        return cls(tuple(chain.from_iterable(part.ids for part in parts)), b"".join(part.packed for part in parts))
+
+
+EMPTY = Encoded((), b"")
+# A text given as the parts it joins: a key that is hashed and compared part by part, so a turn
+# built around a long message is looked up without first copying the message into a new string.
+TextKey = str | tuple[str, ...]
+
+
 class EncodingCache:
-    """Ids of texts already encoded, bounded by the tokens held; the least recently used go first."""
+    """Encodings of texts already encoded, bounded by the tokens held; the least recently used go first."""
 
     def __init__(self, max_tokens: int = DEFAULT_CACHE_TOKENS) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
-        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._entries: OrderedDict[TextKey, Encoded] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._entries)
 
-    def get(self, text: str) -> tuple[int, ...] | None:
-        ids = self._ids.get(text)
-        if ids is not None:
-            self._ids.move_to_end(text)
-        return ids
+    def get(self, text: TextKey) -> Encoded | None:
+        encoded = self._entries.get(text)
+        if encoded is not None:
+            self._entries.move_to_end(text)
+        return encoded
 
-    def put(self, text: str, ids: tuple[int, ...]) -> None:
+    def put(self, text: TextKey, encoded: Encoded) -> None:
         # An entry also costs a token's worth for its key and node, so empty ones are bounded too.
-        if text in self._ids or len(ids) + 1 > self.max_tokens:
+        if text in self._entries or len(encoded.ids) + 1 > self.max_tokens:
             return
-        self._ids[text] = ids
-        self.tokens += len(ids) + 1
+        self._entries[text] = encoded
+        self.tokens += len(encoded.ids) + 1
         while self.tokens > self.max_tokens:
-            _, evicted = self._ids.popitem(last=False)
-            self.tokens -= len(evicted) + 1
+            _, evicted = self._entries.popitem(last=False)
+            self.tokens -= len(evicted.ids) + 1
 
 
 class TextEncoder:
@@ -132,26 +161,30 @@ class TextEncoder:
         )
 
     def encode(self, text: str) -> list[int]:
-        if not text:
-            return []
+        return list(self.lookup(text).ids)
+
+    def lookup(self, text: TextKey) -> Encoded:
+        """The encoding of a text, or of the join of its parts (joined only when not in the cache)."""
         whole = self.cache.get(text)
         if whole is not None:
-            return list(whole)
-        pieces = self._cut(text) if self.cuts_lines else [text]
+            return whole
+        joined = text if isinstance(text, str) else "".join(text)
+        if not joined:
+            return EMPTY
+        pieces = self._cut(joined) if self.cuts_lines else [joined]
         found = [self.cache.get(piece) for piece in pieces]
-        missing = list(dict.fromkeys(piece for piece, ids in zip(pieces, found) if ids is None))
+        missing = list(dict.fromkeys(piece for piece, encoded in zip(pieces, found) if encoded is None))
         if missing:
             # One call for every line not seen before: the backend's per-call cost is paid once.
-            encoded = dict(zip(missing, (e.ids for e in self._backend.encode_batch(missing, add_special_tokens=False))))
-            for piece, ids in encoded.items():
-                self.cache.put(piece, tuple(ids))
-            found = [ids if ids is not None else encoded[piece] for piece, ids in zip(pieces, found)]
-        result: list[int] = []
-        for ids in found:
-            result.extend(ids)
-        if len(pieces) > 1:
+            batch = self._backend.encode_batch(missing, add_special_tokens=False)
+            encoded_now = {piece: Encoded.of(encoding.ids) for piece, encoding in zip(missing, batch)}
+            for piece, encoded in encoded_now.items():
+                self.cache.put(piece, encoded)
+            found = [encoded if encoded is not None else encoded_now[piece] for piece, encoded in zip(pieces, found)]
+        result = Encoded.joined(found)
+        if text != pieces[0]:
             # The whole text too: a system prompt sent again is one lookup, not one per line.
-            self.cache.put(text, tuple(result))
+            self.cache.put(text, result)
         return result
 
     @staticmethod
@@ -186,7 +219,8 @@ class Constant:
 SEPARATOR = Constant("\n")
 GENERATION_PROMPT = (Special(IM_START), Constant("assistant\n"))
 
-Piece = str | Special | Constant
+# Message text (a string, or the parts it joins) and the fixed pieces around it.
+Piece = str | tuple[str, ...] | Special | Constant
 
 
 class ChatFormat(Protocol):
@@ -204,8 +238,18 @@ class ChatFormat(Protocol):
     ) -> list[int]:
         """Ids of messages that sit at position `start` onwards of their conversation."""
 
+    def render_messages_packed(
+        self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0
+    ) -> tuple[int, bytes]:
+        """`render_messages` as the number of ids and their packed wire form (polar.codec.packed_ids)."""
+
     def render_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         """Ids of a whole conversation, ending with the opening of the assistant's turn if asked."""
+
+    def render_prompt_packed(
+        self, conversation: Conversation, add_generation_prompt: bool = True
+    ) -> tuple[int, bytes]:
+        """`render_prompt` as the number of ids and their packed wire form (polar.codec.packed_ids)."""
 
     def render_text(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
         """The text `render_prompt` encodes."""
@@ -221,6 +265,10 @@ class ChatFormat(Protocol):
 
     def forced_opening_text(self, tool_choice: ToolChoice) -> str:
         """Text that opens the assistant turn so that it must be a tool call; empty when not forced."""
+
+    def shared_tools(self, tools: Sequence[ToolSpec]) -> tuple[ToolSpec, ...]:
+        """Tools that render exactly as these, from an earlier render when there was one: what a call
+        keeps, so that a gateway holds one copy of a harness's tools, not one per call."""
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of plain text."""
@@ -246,6 +294,21 @@ def assistant_body(message: Message) -> str:
     return thinking + message.content + separator + calls
 
 
+@dataclass(frozen=True)
+class _ToolsEntry:
+    key: bytes  # the tools' pickle
+    tools: tuple[ToolSpec, ...]
+    schemas: str  # their JSON schemas, a line each
+
+
+def _piece_text(piece: Piece) -> str:
+    if isinstance(piece, str):
+        return piece
+    if isinstance(piece, tuple):
+        return "".join(piece)
+    return piece.text
+
+
 class HermesFormat:
     """ChatML with Hermes / Qwen2.5 tool calls (see the module docstring)."""
 
@@ -254,45 +317,59 @@ class HermesFormat:
         self._encoder = encoder
         # A system turn opens every conversation that has none, the way the family's template does.
         self._default_system = default_system
-        # Ids of the pieces that are not message text, computed once.
-        self._fixed_ids: dict[Piece, list[int]] = {
-            Special(token): [encoder.special_id(token)] for token in (IM_START, IM_END)
+        # Encodings of the pieces that are not message text, made once.
+        self._fixed: dict[Special | Constant, Encoded] = {
+            Special(token): Encoded.of([encoder.special_id(token)]) for token in (IM_START, IM_END)
         }
         for constant in (SEPARATOR, *(p for p in GENERATION_PROMPT if isinstance(p, Constant))):
-            self._fixed_ids[constant] = encoder.encode(constant.text)
+            self._fixed[constant] = encoder.lookup(constant.text)
         self._end_of_turn_id = encoder.special_id(IM_END)
-        self._turn_separator = self._fixed_ids[SEPARATOR]
+        self._turn_separator = list(self._fixed[SEPARATOR].ids)
         self._generation_prompt = self._encode(GENERATION_PROMPT)
-        self._schemas_by_key: OrderedDict[bytes, str] = OrderedDict()
+        self._tools_by_key: OrderedDict[bytes, _ToolsEntry] = OrderedDict()
+        # The same entries by the identity of their tools (each entry keeps its tools alive).
+        self._tools_by_id: dict[int, _ToolsEntry] = {}
 
     # -- pieces: a turn as text and special tokens -----------------------------------------------
 
-    def _turn(self, role: str, body: str) -> tuple[Piece, ...]:
-        return (Special(IM_START), f"{role}\n{body}", Special(IM_END), SEPARATOR)
+    def _turn(self, role: str, *body: str) -> tuple[Piece, ...]:
+        # The turn's text as its parts: looked up by them, joined only to be encoded.
+        return (Special(IM_START), (role + "\n", *body), Special(IM_END), SEPARATOR)
 
     def _system_turn(self, content: str, tools: Sequence[ToolSpec]) -> tuple[Piece, ...]:
         if not tools:
             return self._turn("system", content)
-        lead = f"{content}\n\n" if content else ""
-        return self._turn("system", lead + TOOLS_INTRO + self._schemas(tools) + TOOLS_OUTRO)
+        lead = (content, "\n\n") if content else ()
+        return self._turn("system", *lead, TOOLS_INTRO, self._tools(tools).schemas, TOOLS_OUTRO)
 
-    def _schemas(self, tools: Sequence[ToolSpec]) -> str:
-        """The tools' JSON schemas, a line each, from the cache when these tools were seen before.
+    def shared_tools(self, tools: Sequence[ToolSpec]) -> tuple[ToolSpec, ...]:
+        return self._tools(tools).tools
+
+    def _tools(self, tools: Sequence[ToolSpec]) -> _ToolsEntry:
+        """The entry of tools written as JSON the same way, made when they were first seen.
 
         A harness sends its tools with every call, and writing them as JSON (Claude Code's 24 tools are
         64 kB) costs more than the rest of a render. The key is their pickle, a tenth of that cost and
-        exact where == is not: true == 1 == 1.0, which JSON writes three ways.
+        exact where == is not: true == 1 == 1.0, which JSON writes three ways. The entry's tools are the
+        ones a render keeps (`shared_tools`), so a render of them finds the entry by identity, and the
+        entry's schemas are one string object, whose hash Python keeps for the turn's lookup.
         """
-        key = pickle.dumps([(tool.name, tool.description, tool.parameters) for tool in tools])
-        schemas = self._schemas_by_key.get(key)
-        if schemas is not None:
-            self._schemas_by_key.move_to_end(key)
-            return schemas
-        schemas = "".join("\n" + tool_spec_json(tool) for tool in tools)
-        self._schemas_by_key[key] = schemas
-        if len(self._schemas_by_key) > SCHEMAS_CACHE_ENTRIES:
-            self._schemas_by_key.popitem(last=False)
-        return schemas
+        entry = self._tools_by_id.get(id(tools))
+        if entry is not None and entry.tools is tools:
+            key = entry.key
+        else:
+            key = pickle.dumps([(tool.name, tool.description, tool.parameters) for tool in tools])
+            entry = self._tools_by_key.get(key)
+        if entry is not None:
+            self._tools_by_key.move_to_end(key)
+            return entry
+        entry = _ToolsEntry(key, tuple(tools), "".join("\n" + tool_spec_json(tool) for tool in tools))
+        self._tools_by_key[key] = entry
+        self._tools_by_id[id(entry.tools)] = entry
+        if len(self._tools_by_key) > SCHEMAS_CACHE_ENTRIES:
+            _, evicted = self._tools_by_key.popitem(last=False)
+            del self._tools_by_id[id(evicted.tools)]
+        return entry
 
     def _message_pieces(self, message: Message, tools: Sequence[ToolSpec], first: bool) -> tuple[Piece, ...]:
         if message.role == "system":
@@ -302,22 +379,33 @@ class HermesFormat:
         if message.role == "assistant":
             return opening + self._turn("assistant", assistant_body(message))
         if message.role == "tool":
-            return opening + self._turn("user", f"<tool_response>\n{message.content}\n</tool_response>")
+            return opening + self._turn("user", "<tool_response>\n", message.content, "\n</tool_response>")
         return opening + self._turn(message.role, message.content)
 
-    def _conversation_pieces(self, conversation: Conversation, add_generation_prompt: bool) -> list[Piece]:
+    def _messages_pieces(self, messages: Sequence[Message], tools: Sequence[ToolSpec], start: int) -> list[Piece]:
         pieces: list[Piece] = []
-        for index, message in enumerate(conversation.messages):
-            pieces.extend(self._message_pieces(message, conversation.tools, index == 0))
+        for offset, message in enumerate(messages):
+            pieces.extend(self._message_pieces(message, tools, start + offset == 0))
+        return pieces
+
+    def _conversation_pieces(self, conversation: Conversation, add_generation_prompt: bool) -> list[Piece]:
+        pieces = self._messages_pieces(conversation.messages, conversation.tools, 0)
         if add_generation_prompt:
             pieces.extend(GENERATION_PROMPT)
         return pieces
 
+    def _encoded(self, pieces: Sequence[Piece]) -> list[Encoded]:
+        return [
+            self._fixed[piece] if isinstance(piece, (Special, Constant)) else self._encoder.lookup(piece)
+            for piece in pieces
+        ]
+
     def _encode(self, pieces: Sequence[Piece]) -> list[int]:
-        ids: list[int] = []
-        for piece in pieces:
-            ids.extend(self._encoder.encode(piece) if isinstance(piece, str) else self._fixed_ids[piece])
-        return ids
+        return list(chain.from_iterable(encoded.ids for encoded in self._encoded(pieces)))
+
+    def _encode_packed(self, pieces: Sequence[Piece]) -> tuple[int, bytes]:
+        encoded = self._encoded(pieces)
+        return sum(len(part.ids) for part in encoded), b"".join(part.packed for part in encoded)
 
     # -- ChatFormat ------------------------------------------------------------------------------
 
@@ -329,17 +417,24 @@ class HermesFormat:
     def render_messages(
         self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0
     ) -> list[int]:
-        ids: list[int] = []
-        for offset, message in enumerate(messages):
-            ids.extend(self.render_message(message, tools=tools, first=start + offset == 0))
-        return ids
+        return self._encode(self._messages_pieces(messages, tools, start))
+
+    def render_messages_packed(
+        self, messages: Sequence[Message], *, tools: Sequence[ToolSpec] = (), start: int = 0
+    ) -> tuple[int, bytes]:
+        return self._encode_packed(self._messages_pieces(messages, tools, start))
 
     def render_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         return self._encode(self._conversation_pieces(conversation, add_generation_prompt))
 
+    def render_prompt_packed(
+        self, conversation: Conversation, add_generation_prompt: bool = True
+    ) -> tuple[int, bytes]:
+        return self._encode_packed(self._conversation_pieces(conversation, add_generation_prompt))
+
     def render_text(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
         pieces = self._conversation_pieces(conversation, add_generation_prompt)
-        return "".join(piece if isinstance(piece, str) else piece.text for piece in pieces)
+        return "".join(_piece_text(piece) for piece in pieces)
 
     def generation_prompt(self) -> list[int]:
         return list(self._generation_prompt)

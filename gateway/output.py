@@ -104,7 +104,7 @@ class OutputAssembler:
     ) -> None:
         self._tokenizer = tokenizer
         self._decoder = DecodeStream(skip_special_tokens=True)
-        self._decoded = ""  # text the decode stream produced so far
+        self._decoded: list[str] = []  # text the decode stream produced so far, piece by piece
         self._scanner = StopScanner(stops)
         self._parser = parser
         self._parse_tool_calls = parse_tool_calls
@@ -120,18 +120,26 @@ class OutputAssembler:
         return self.stop_sequence is not None
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> list[ParseEvent]:
-        """Events these tokens make certain; tokens after a completed stop string are dropped."""
+        """Events these tokens make certain; tokens after a completed stop string are dropped.
+
+        Tokens are decoded and scanned for stops one by one, but their text reaches the parser in one
+        piece: an engine message carries every token ready since the last, and the parser's cost is
+        per piece, so a message of many tokens makes one text delta, not one per token.
+        """
         events, self._pending = self._pending, []
+        texts: list[str] = []
         for token_id, logprob in zip(token_ids, logprobs):
             if self.stopped:
                 break
             self.token_ids.append(token_id)
             self.logprobs.append(logprob)
             piece = self._decoder.step(self._tokenizer, token_id) or ""
-            self._decoded += piece
+            self._decoded.append(piece)
             text, self.stop_sequence = self._scanner.feed(piece)
             if text:
-                events += self._convert(self._parser.feed(text))
+                texts.append(text)
+        if texts:
+            events += self._convert(self._parser.feed("".join(texts)))
         self.events += events
         return events
 
@@ -152,7 +160,8 @@ class OutputAssembler:
         # Bytes of an unfinished character stay inside the decode stream; the whole decode shows them
         # (as replacement characters), so the client's text covers every sampled id.
         whole = self._tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        return whole[len(self._decoded):] if whole.startswith(self._decoded) else ""
+        decoded = "".join(self._decoded)
+        return whole[len(decoded):] if whole.startswith(decoded) else ""
 
     def _convert(self, events: list[ParseEvent]) -> list[ParseEvent]:
         return events if self._parse_tool_calls else tool_calls_as_text(events)

@@ -38,6 +38,7 @@ from typing import Literal
 
 from gateway.chat_format import ChatFormat, forced_opening
 from gateway.conversation import Conversation, Message, turns_match
+from polar.codec import packed_ids, unpacked_ids
 
 History = Literal["faithful", "template"]
 
@@ -49,9 +50,15 @@ TEMPLATE_DROPS_SAMPLED_REASONING = "template_drops_sampled_reasoning"
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    """The prompt of one call and how it relates to the session's earlier calls."""
+    """The prompt of one call and how it relates to the session's earlier calls.
 
-    token_ids: tuple[int, ...]
+    The ids are held in packed wire form (polar.codec.packed_ids), the form the engine is sent, joined
+    from the chat format's cached pieces: the gateway needs no id as a Python int, and a session's
+    prompts are not tens of thousands of objects for the garbage collector to visit.
+    """
+
+    packed_ids: bytes
+    token_count: int
     # The messages and tools exactly as the prompt shows them to the model (sampled reasoning put back,
     # or the template's view): record this as the call's `PriorCall.conversation`.
     conversation: Conversation
@@ -62,18 +69,25 @@ class RenderedPrompt:
     # Ids at the end of token_ids that force a tool call's opening; prompt, never sampled.
     forced_token_count: int = 0
 
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The ids, decoded from packed_ids."""
+        return unpacked_ids(self.packed_ids)
+
 
 @dataclass(frozen=True)
 class PriorCall:
     """An earlier call of the session."""
 
     call_id: str
-    # The call's `RenderedPrompt.conversation`.
-    conversation: Conversation
-    prompt_ids: tuple[int, ...]
+    prompt: RenderedPrompt
     sampled_ids: tuple[int, ...]
     # The assistant message its output (forced opening included) parsed into.
     reply: Message
+
+    @property
+    def conversation(self) -> Conversation:
+        return self.prompt.conversation
 
 
 class PriorCalls:
@@ -123,26 +137,25 @@ def render_request(
         prior_calls = PriorCalls(prior_calls)
     prior, reason = _best_prior(prior_calls, messages, conversation, strict_reasoning=history == "template")
     if prior is None:
-        seen = Conversation(messages, conversation.tools, conversation.tool_choice)
-        token_ids = chat_format.render_prompt(seen) + forced
-        return RenderedPrompt(tuple(token_ids), seen, fresh_reason=reason, forced_token_count=len(forced))
+        seen = Conversation(messages, chat_format.shared_tools(conversation.tools), conversation.tool_choice)
+        count, packed = chat_format.render_prompt_packed(seen)
+        return RenderedPrompt(
+            packed + packed_ids(forced), count + len(forced), seen, fresh_reason=reason, forced_token_count=len(forced)
+        )
     reply_index = len(prior.conversation.messages)
     new_messages = messages[reply_index + 1:]
-    token_ids = [
-        *prior.prompt_ids,
-        *prior.sampled_ids,
-        *chat_format.close_sampled_turn(prior.sampled_ids),
-        *chat_format.render_messages(new_messages, tools=conversation.tools, start=reply_index + 1),
-        *chat_format.generation_prompt(),
-        *forced,
-    ]
+    after_reply = (*prior.sampled_ids, *chat_format.close_sampled_turn(prior.sampled_ids))
+    new_count, new_packed = chat_format.render_messages_packed(new_messages, tools=conversation.tools, start=reply_index + 1)
+    opening = (*chat_format.generation_prompt(), *forced)
+    # The extended prompt is joined as it is; only the sampled ids and the few ids around the new
+    # messages are converted here.
+    packed = b"".join((prior.prompt.packed_ids, packed_ids(after_reply), new_packed, packed_ids(opening)))
+    count = prior.prompt.token_count + len(after_reply) + new_count + len(opening)
     seen_messages = (*prior.conversation.messages, prior.reply, *new_messages)
     # The tools the prompt shows are the extended call's (they match the request's), kept once for
     # the whole chain rather than once per call.
     seen = Conversation(seen_messages, prior.conversation.tools, conversation.tool_choice)
-    return RenderedPrompt(
-        tuple(token_ids), seen, extends_call_id=prior.call_id, forced_token_count=len(forced)
-    )
+    return RenderedPrompt(packed, count, seen, extends_call_id=prior.call_id, forced_token_count=len(forced))
 
 
 def _best_prior(

@@ -93,8 +93,6 @@ class Session:
     records: list[common_pb2.CallRecord] = field(default_factory=list)
     # Calls whose reply the client received, in completion order: what later prompts extend.
     prior_calls: PriorCalls = field(default_factory=PriorCalls)
-    # Their records by call id: a prompt that extends one starts with its prompt and sampled ids.
-    _extendable: dict[str, common_pb2.CallRecord] = field(default_factory=dict)
     in_flight: int = 0
     # Tokens sampled by the session's calls so far, those in flight included (the policy's budget).
     sampled_tokens: int = 0
@@ -131,14 +129,9 @@ class Session:
         self.records.append(record)
         if prior is not None:
             self.prior_calls.add(prior)
-            self._extendable[record.call_id] = record
         for queue in self._watchers:
             queue.put_nowait(record)
         self._end_watchers_if_finished()
-
-    def extendable_record(self, call_id: str) -> common_pb2.CallRecord | None:
-        """The record of a call in `prior_calls`; None for any other id."""
-        return self._extendable.get(call_id)
 
     def ordered_records(self) -> list[common_pb2.CallRecord]:
         """Whole records (bodies included) in arrival order (concurrent calls may complete out of it)."""

@@ -146,6 +146,9 @@ USER_PROMPT = "The test suite fails in tests/test_parser.py after the last chang
 MAX_TOKENS = 64  # above the reply's length: every call ends with the end-of-turn token (STOP)
 DIALECTS = ("openai_chat", "openai_responses", "anthropic", "gemini")
 SESSIONS = (1, 64, 256)
+# Sessions a replayed harness's first call is sent to in turn: each receives a few dozen calls in a
+# window, far below [gateway] max_session_body_bytes.
+FIRST_CALL_SESSIONS = 32
 COMPARE_SESSIONS = 64  # the point of the ≥ 3× LiteLLM target
 COMPARE_DIALECT = "anthropic"  # the dialect compared with LiteLLM and, under --credentials compare, with itself
 TARGET_SPEEDUP = 3.0
@@ -604,16 +607,19 @@ def _replay_points(
     for stream in (False, True):
         for session in sessions:
             marker = REPLAY_MARKERS[session.dialect][stream]
-            [key] = _open_sessions(polar.gateway_direct, 1, polar.credentials)
-            first = replay_request(session.requests[0], stream, key, address)
-            target = Target("polar", "direct", f"{session.harness}:first", stream, "http", address, (first,), marker, cpu_of)
+            # The first call of many sessions in turn, each a session's first call, rendered fresh: a
+            # session that sent it again and again would hold megabytes of bodies, which real first
+            # calls never do.
+            keys = _open_sessions(polar.gateway_direct, FIRST_CALL_SESSIONS, polar.credentials)
+            firsts = tuple(replay_request(session.requests[0], stream, key, address) for key in keys)
+            target = Target("polar", "direct", f"{session.harness}:first", stream, "http", address, (firsts,), marker, cpu_of)
             prompt = tuple(session.records[0].prompt_token_ids)
             baseline = Target(
                 "inference", "grpc", f"{session.harness}:first", True, "grpc", polar.inference,
                 (_generate_request(prompt, "baseline-0").SerializeToString(),), b"", ("inference",), polar.node,
             )  # fmt: skip
             _, first_point = bench.paired(target, baseline)
-            first_render, _ = _render_ms(polar.gateway_direct, key, polar.credentials)
+            first_render, _ = _render_ms(polar.gateway_direct, keys[0], polar.credentials)
             [key] = _open_sessions(polar.gateway_direct, 1, polar.credentials)
             calls = tuple(replay_request(r, stream, key, address) for r in session.requests)
             target = Target("polar", "direct", f"{session.harness}:all", stream, "http", address, (calls,), marker, cpu_of)

@@ -10,6 +10,7 @@ from gateway import chat_format as chat_format_module
 from gateway.chat_format import (
     IM_END,
     IM_START,
+    Encoded,
     EncodingCache,
     TextEncoder,
     UnknownChatFormatError,
@@ -19,6 +20,7 @@ from gateway.chat_format import (
     tool_call_text,
     tool_spec_json,
 )
+from gateway.render import render_request
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -273,6 +275,19 @@ def test_the_same_tools_write_their_json_once(smollm2_tokenizer, monkeypatch):
     assert written == ["read", "ls"]
 
 
+def test_calls_keep_one_copy_of_tools_that_render_alike(hermes):
+    def tools(default):  # parsed anew for each request, as a dialect does
+        return (ToolSpec("read", "Read a file.", {"type": "object", "default": default}),)
+
+    shared = hermes.shared_tools(tools(True))
+    assert hermes.shared_tools(tools(True)) is shared == tools(True)
+    assert hermes.shared_tools(shared) is shared
+    # Equal to Python, written apart as JSON: not the same tools.
+    assert hermes.shared_tools(tools(1)) is not shared and hermes.shared_tools(tools(1)) == tools(1)
+    rendered = render_request(hermes, Conversation((Message("user", "hi"),), tools(True)))
+    assert rendered.conversation.tools is shared
+
+
 def test_tools_that_python_finds_equal_but_json_writes_apart_render_apart(hermes, smollm2_tokenizer):
     flag, one, real = ({"type": "object", "default": value} for value in (True, 1, 1.0))
     assert flag == one == real  # so == could not key the tools' JSON
@@ -288,11 +303,12 @@ def test_tools_that_python_finds_equal_but_json_writes_apart_render_apart(hermes
 
 def test_the_cache_keeps_the_most_recently_used_within_its_token_bound():
     cache = EncodingCache(max_tokens=10)
-    cache.put("a", (1, 2, 3))
-    cache.put("b", (4, 5, 6))
-    assert cache.get("a") == (1, 2, 3)
-    cache.put("c", (7, 8, 9))  # 12 tokens with entries' own cost: "b", used least recently, goes
-    assert cache.get("b") is None and cache.get("a") == (1, 2, 3) and cache.get("c") == (7, 8, 9)
+    a, b, c = Encoded.of((1, 2, 3)), Encoded.of((4, 5, 6)), Encoded.of((7, 8, 9))
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.get("a") == a
+    cache.put("c", c)  # 12 tokens with entries' own cost: "b", used least recently, goes
+    assert cache.get("b") is None and cache.get("a") == a and cache.get("c") == c
     assert cache.tokens <= cache.max_tokens
-    cache.put("huge", tuple(range(20)))  # larger than the whole cache: not kept
+    cache.put("huge", Encoded.of(range(20)))  # larger than the whole cache: not kept
     assert cache.get("huge") is None and len(cache) == 2

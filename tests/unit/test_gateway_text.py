@@ -140,3 +140,31 @@ def test_a_body_is_refused_exactly_when_it_decodes_to_text_with_a_lone_surrogate
         assert caught.value.kind is ErrorKind.INVALID_REQUEST and "surrogate" in caught.value.message
     else:
         assert decode_body(raw) == body
+
+
+# JSON values as a client may write them: integers of every size (past 64 bits too), floats in
+# every notation, the literals Python's json reads beyond the standard, and strings.
+JSON_LITERALS = st.one_of(
+    st.integers(min_value=-(10**30), max_value=10**30).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.sampled_from(["1.0", "1e3", "-0", "-0.0", "1E-7", "NaN", "Infinity", "-Infinity", "1e400", "true", "null"]),
+    st.text(max_size=5).map(json.dumps),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(values=st.lists(JSON_LITERALS, max_size=6))
+def test_a_body_reads_as_python_s_json_reads_it(values):
+    raw = ('{"tools": [' + ", ".join(values) + "]}").encode()
+    expected = json.loads(raw)
+    body = decode_body(raw)
+    # Written back as the prompt writes them: an integer past 64 bits stays that integer, 1 stays 1.
+    assert json.dumps(body) == json.dumps(expected)
+
+
+def test_a_body_that_is_not_an_object_is_refused_whichever_reader_reads_it():
+    for raw in (b"[1, 2]", b"[12345678901234567890123]", b"NaN"):
+        with pytest.raises(GatewayError, match="must be a JSON object"):
+            decode_body(raw)
+    with pytest.raises(GatewayError, match="not valid JSON"):
+        decode_body(b'{"a": ')

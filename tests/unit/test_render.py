@@ -19,6 +19,7 @@ from gateway.chat_format import (
 )
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.parsers import HermesParser
+from polar.codec import packed_ids
 from gateway.render import (
     FIRST_CALL,
     HISTORY_DIVERGED,
@@ -26,6 +27,7 @@ from gateway.render import (
     TOOLS_CHANGED,
     PriorCall,
     PriorCalls,
+    RenderedPrompt,
     render_request,
 )
 from gateway.replay import recorded_request
@@ -66,7 +68,10 @@ class Session:
         call_id = f"c{len(self.calls) + 1:04d}"
         text = opening + self.tokenizer.decode(sampled, skip_special_tokens=True)
         parsed = parser.parse(text, call_id=call_id).message()
-        self.calls.append(PriorCall(call_id, rendered.conversation, rendered.token_ids, tuple(sampled), parsed))
+        # What the engine is sent: the same ids, fresh or extending, whatever the cache held.
+        assert rendered.packed_ids == packed_ids(rendered.token_ids)
+        assert rendered.token_count == len(rendered.token_ids)
+        self.calls.append(PriorCall(call_id, rendered, tuple(sampled), parsed))
         self.rendered.append(rendered)
         return rendered, parsed
 
@@ -117,7 +122,7 @@ def test_ten_turn_tool_conversation_extends_every_earlier_prompt_and_sample(herm
             assert rendered.fresh_reason == FIRST_CALL
         else:
             previous = session.calls[-2]
-            head = previous.prompt_ids + previous.sampled_ids
+            head = previous.prompt.token_ids + previous.sampled_ids
             assert rendered.extends_call_id == previous.call_id
             assert rendered.fresh_reason == ""
             assert rendered.token_ids[: len(head)] == head
@@ -134,7 +139,7 @@ def test_a_sample_cut_at_max_tokens_is_closed_with_end_of_turn(hermes, smollm2_t
     _, parsed = session.call(first, Message("assistant", "one two three four five six"), cut=3)
     rendered, _ = session.call(Conversation((*first.messages, parsed, Message("user", "Go on."))), Message("assistant", "seven"))
     call = session.calls[0]
-    closing = rendered.token_ids[len(call.prompt_ids) + len(call.sampled_ids):][:2]
+    closing = rendered.token_ids[len(call.prompt.token_ids) + len(call.sampled_ids):][:2]
     assert call.sampled_ids[-1] != session.end_of_turn
     assert list(closing) == [session.end_of_turn, *smollm2_tokenizer.encode("\n", add_special_tokens=False)]
     assert smollm2_tokenizer.decode(rendered.token_ids).endswith(
@@ -184,7 +189,7 @@ def test_an_edit_after_an_earlier_reply_extends_that_earlier_call(hermes, smollm
     messages = build_history(session)
     messages[2] = Message("tool", "print(2)")
     rendered = render_request(hermes, Conversation(tuple(messages), TOOLS), session.calls)
-    head = session.calls[0].prompt_ids + session.calls[0].sampled_ids
+    head = session.calls[0].prompt.token_ids + session.calls[0].sampled_ids
     assert rendered.extends_call_id == "c0001"
     assert rendered.token_ids[: len(head)] == head
     assert "print(2)" in smollm2_tokenizer.decode(rendered.token_ids[len(head):])
@@ -256,7 +261,7 @@ def test_the_longest_history_wins_then_the_latest_call(hermes, smollm2_tokenizer
     assert (follow_seven.extends_call_id, follow_nine.extends_call_id, follow_sub.extends_call_id) == ("c0002", "c0003", "c0004")
     assert retry_seven == seven
 
-    session.calls.append(PriorCall("c0005", follow_seven.conversation, follow_seven.token_ids, (5, 6), Message("assistant", "Because.")))
+    session.calls.append(PriorCall("c0005", follow_seven, (5, 6), Message("assistant", "Because.")))
     longer = Conversation((*follow_seven.conversation.messages, Message("assistant", "Because."), Message("user", "Sure?")))
     assert render_request(hermes, longer, session.calls).extends_call_id == "c0005"
 
@@ -272,7 +277,7 @@ def test_forced_tool_choice_opening_is_prompt_and_the_next_call_extends_it(herme
 
     answer = Conversation((*forced.messages, parsed, Message("tool", "print(1)")), TOOLS)
     follow, _ = session.call(answer, Message("assistant", "It prints 1."))
-    head = session.calls[0].prompt_ids + session.calls[0].sampled_ids
+    head = session.calls[0].prompt.token_ids + session.calls[0].sampled_ids
     assert follow.extends_call_id == "c0001"
     assert follow.token_ids[: len(head)] == head
     assert follow.forced_token_count == 0
@@ -283,9 +288,9 @@ class CountingEncoder(TextEncoder):
         super().__init__(tokenizer)
         self.encoded: list[str] = []
 
-    def encode(self, text):
-        self.encoded.append(text)
-        return super().encode(text)
+    def lookup(self, text):
+        self.encoded.append(text if isinstance(text, str) else "".join(text))
+        return super().lookup(text)
 
 
 def test_an_extending_call_encodes_only_the_new_messages(smollm2_tokenizer):
@@ -336,7 +341,10 @@ def test_prior_calls_are_visited_longest_first_then_latest_first(sizes, below):
     """The index visits exactly the calls with fewer messages than `below`, in the order the
     longest-then-latest rule ranks them: (messages, completion order), highest first."""
     calls = [
-        PriorCall(f"c{i:04d}", Conversation(tuple(Message("user", str(j)) for j in range(size))), (), (), Message("assistant"))
+        PriorCall(
+            f"c{i:04d}", RenderedPrompt(b"", 0, Conversation(tuple(Message("user", str(j)) for j in range(size)))), (),
+            Message("assistant"),
+        )
         for i, size in enumerate(sizes)
     ]
     index = PriorCalls(calls)
@@ -372,15 +380,17 @@ def test_recorded_sessions_render_to_their_recorded_prompts_with_and_without_the
         conversation = request.dialect.parse_request(json.loads(request.body), request.route).conversation
         rendered = render_request(shared_format, conversation, prior)
         assert rendered.token_ids == tuple(record.prompt_token_ids)
+        assert rendered.packed_ids == packed_ids(record.prompt_token_ids)
         assert rendered.extends_call_id == record.extends_call_id
 
         fresh = shared_format.render_prompt(conversation)
         assert shared_format.render_prompt(conversation) == fresh  # every line from the cache now
         uncached = HermesFormat(TextEncoder(smollm2_tokenizer, EncodingCache(max_tokens=0)))
+        assert uncached.render_prompt_packed(conversation) == shared_format.render_prompt_packed(conversation)
         assert uncached.render_prompt(conversation) == fresh
         text = shared_format.render_text(conversation)
         assert smollm2_tokenizer.encode(text, add_special_tokens=False, split_special_tokens=False) == fresh
 
         sampled = tuple(record.sampled_token_ids)
         reply = parser.parse(smollm2_tokenizer.decode(sampled, skip_special_tokens=True), call_id=record.call_id)
-        prior.append(PriorCall(record.call_id, rendered.conversation, rendered.token_ids, sampled, reply.message()))
+        prior.append(PriorCall(record.call_id, rendered, sampled, reply.message()))
