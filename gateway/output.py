@@ -38,6 +38,11 @@ class StopScanner:
         self._stops = tuple(stop for stop in stops if stop)
         self._held = ""
 
+    @property
+    def active(self) -> bool:
+        """Whether there is any stop string to look for."""
+        return bool(self._stops)
+
     def feed(self, piece: str) -> tuple[str, str | None]:
         if not self._stops:
             return piece, None
@@ -127,6 +132,17 @@ class OutputAssembler:
         per piece, so a message of many tokens makes one text delta, not one per token.
         """
         events, self._pending = self._pending, []
+        if not self._scanner.active:
+            # Without stop strings every token is kept: the same steps in bulk.
+            self.token_ids.extend(token_ids)
+            self.logprobs.extend(logprobs)
+            step, tokenizer = self._decoder.step, self._tokenizer
+            text = "".join([step(tokenizer, token_id) or "" for token_id in token_ids])
+            self._decoded.append(text)
+            if text:
+                events += self._convert(self._parser.feed(text))
+            self.events += events
+            return events
         texts: list[str] = []
         for token_id, logprob in zip(token_ids, logprobs):
             if self.stopped:
