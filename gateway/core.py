@@ -80,7 +80,7 @@ DEFAULT_GENERATE_TIMEOUT_S = 900.0
 # while a weight update pauses the server.
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
 MAX_RECONNECT_BACKOFF_MS = 2000
-GENERATE_METHOD = "/{}/Generate".format(inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name)
+GENERATE_METHOD = f"/{inference_pb2.DESCRIPTOR.services_by_name['InferenceService'].full_name}/Generate"
 
 PROMPT_FIELD = inference_pb2.GenerateRequest.PROMPT_TOKEN_IDS_FIELD_NUMBER
 RECORD_PROMPT_FIELD = common_pb2.CallRecord.PROMPT_TOKEN_IDS_FIELD_NUMBER

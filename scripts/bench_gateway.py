@@ -614,6 +614,9 @@ def _replay_points(
             # calls never do.
             keys = _open_sessions(polar.gateway_direct, FIRST_CALL_SESSIONS, polar.credentials)
             firsts = tuple(replay_request(session.requests[0], stream, key, address) for key in keys)
+            # Seen once before the point, as another session of the harness would have sent it: the
+            # point measures a first call, not the gateway's first sight of a 20k-token prompt.
+            _send_once(address, firsts[-1])
             target = Target("polar", "direct", f"{session.harness}:first", stream, "http", address, (firsts,), marker, cpu_of)
             prompt = tuple(session.records[0].prompt_token_ids)
             baseline = Target(

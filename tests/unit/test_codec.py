@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from polar import codec
-from polar.v1 import common_pb2
+from polar.v1 import common_pb2, inference_pb2
 
 trajectories = st.builds(
     common_pb2.Trajectory,
@@ -78,3 +78,18 @@ def test_decompress_refuses_damaged_input(damaged, problem):
 def test_read_trajectory_batch_refuses_bytes_that_are_not_a_batch():
     with pytest.raises(codec.CodecError, match="not a serialized TrajectoryBatch"):
         codec.read_trajectory_batch(codec.compress(b"\x0a\xff\xff\xff"))
+
+
+TOKEN_IDS = st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=40)
+
+
+@given(pieces=st.lists(TOKEN_IDS, max_size=5))
+def test_packed_ids_of_pieces_join_into_the_field_of_all_their_ids(pieces):
+    joined = b"".join(codec.packed_ids(piece) for piece in pieces)
+    everything = [token for piece in pieces for token in piece]
+    assert joined == codec.packed_ids(everything)
+    assert codec.unpacked_ids(joined) == tuple(everything)
+    # The field a message parses, and the bytes protobuf itself writes for it.
+    request = inference_pb2.GenerateRequest.FromString(codec.length_delimited(3, joined))
+    assert list(request.prompt_token_ids) == everything
+    assert request.SerializeToString() == (codec.length_delimited(3, joined) if everything else b"")
