@@ -71,6 +71,8 @@ CALLS_SETTLE_TIMEOUT_S = 30.0
 # Backoff between attempts to reach the rollout server (heartbeats, reports), in seconds.
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
+# How long a stopping node waits for the rollout server to take its sessions back.
+LEAVING_TIMEOUT_S = 2.0
 # Status codes of a report the server will never accept: retrying cannot help.
 REPORT_REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 # Bytes a heartbeat keeps free of calls below the server's limit: each call's field tag and length,
@@ -178,13 +180,20 @@ class Node:
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
-        """Stop at once: harnesses are killed and nothing more is reported. The rollout server sees
-        the node go silent and dispatches its sessions again, as it would after a crash."""
+        """Stop at once: harnesses are killed and nothing more is reported. The rollout server is
+        told the node is leaving and dispatches its sessions again now, as it would after a crash
+        once the node's timeout ran out; should it not answer, that is what happens."""
         tasks = self._loops + [run.task for run in self.runs.values() if run.task is not None] + list(self._background)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await asyncio.gather(*(runtime.close() for runtime in self.ready.drain()), return_exceptions=True)
+        if self.node_id:
+            leaving = rollout_pb2.HeartbeatRequest(node_id=self.node_id, node_secret=self._node_secret, leaving=True)
+            try:
+                await self._stub.Heartbeat(leaving, timeout=LEAVING_TIMEOUT_S, metadata=self._credential)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("rollout server %s: not told that this node stopped: %s", self.rollout_address, exc.details())
         await self._channel.close()
 
     # --- what heartbeats report --------------------------------------------------------------------
@@ -576,8 +585,13 @@ class RunningNode:
     gateway: RunningGateway
     node: Node
     _work_root: Path | None  # a temporary folder of our own, removed at stop
+    _stopped: bool = False
 
     async def stop(self) -> None:
+        """Stop the node, then its gateway; stopping again does nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         await self.node.stop()
         await self.gateway.stop()
         if self._work_root is not None:

@@ -21,7 +21,8 @@ once when it has sessions to start or new cancels, else when something changes (
 sessions taken back) or the heartbeat interval ends. A newer heartbeat of the same node ends an
 older one that still waits, which then assigns nothing. A node silent for the node timeout is dead
 (checked in the background): its sessions go back to PENDING or, after their last attempt, are
-DONE and FAILED. Cancels of held sessions are repeated in each response while the node still lists
+DONE and FAILED. A stopping node says so (a heartbeat with `leaving`): the same happens at once, so
+a stack that is stopped and started again runs the interrupted sessions first, not after new ones. Cancels of held sessions are repeated in each response while the node still lists
 the session before POSTRUN, so a lost response cannot lose a cancel.
 
 `start_rollout_server` serves a `RolloutConfig` (`serve_rollout`: `polar serve rollout`), with gRPC
@@ -310,6 +311,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             # store): whatever it holds was given to others, or will be once it is declared dead.
             return rollout_pb2.HeartbeatResponse(reregister=True, cancel=listed)
         self._store.check_node_secret(node_id, request.node_secret)
+        if request.leaving:
+            self._forget_node(node_id, f"node {node_id} stopped", "its node stopped")
+            log.info("node %s stopped", node_id)
+            return rollout_pb2.HeartbeatResponse()
         problems = _pool_problems(request.pools) + _progress_problems(request.sessions)
         if problems:
             raise InvalidArgument(_listed(problems))
@@ -404,13 +409,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             heard = self._heard.setdefault(node.node_id, now)
             if node.node_id in self._polls or now - heard <= self._node_timeout:
                 continue
-            requeued = self._store.remove_node(
-                node.node_id, f"node {node.node_id} stopped responding", time.time(), self._max_attempts
-            )
-            del self._heard[node.node_id]
-            self._new_cancels.pop(node.node_id, None)
             log.warning("node %s sent no heartbeat for %.1f s: declared dead", node.node_id, now - heard)
-            self._taken_back(node.node_id, "its node died", requeued)
+            self._forget_node(node.node_id, f"node {node.node_id} stopped responding", "its node died")
+
+    def _forget_node(self, node_id: str, reason: str, why: str) -> None:
+        """The node is gone: its sessions are dispatched again (or finished), and it is forgotten."""
+        requeued = self._store.remove_node(node_id, reason, time.time(), self._max_attempts)
+        self._heard.pop(node_id, None)
+        self._new_cancels.pop(node_id, None)
+        if (poll := self._polls.pop(node_id, None)) is not None:
+            poll.set()  # a heartbeat still waiting ends, assigning nothing
+        self._taken_back(node_id, why, requeued)
 
     def _taken_back(self, node_id: str, why: str, requeued: Requeued) -> None:
         if requeued.pending:

@@ -253,16 +253,18 @@ class RegisterNodeResponse(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., node_secret: _Optional[str] = ..., max_request_bytes: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "node_secret", "pools", "sessions")
+    __slots__ = ("node_id", "node_secret", "pools", "sessions", "leaving")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_SECRET_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_secret: str
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     sessions: _containers.RepeatedCompositeFieldContainer[SessionProgress]
-    def __init__(self, node_id: _Optional[str] = ..., node_secret: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionProgress, _Mapping]]] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, node_id: _Optional[str] = ..., node_secret: _Optional[str] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., sessions: _Optional[_Iterable[_Union[SessionProgress, _Mapping]]] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class SessionProgress(_message.Message):
     __slots__ = ("session_id", "state", "call_count", "stage_timings", "new_calls")

@@ -285,6 +285,28 @@ async def test_a_restarted_rollout_server_loses_nothing(tmp_path: Path) -> None:
     assert after.attempt == 1 and after.reward == 1.0 and len(after.calls) == 2
 
 
+async def test_a_node_that_stops_hands_its_sessions_back_at_once() -> None:
+    """A node stopped while its session runs tells the server, which forgets the node and dispatches
+    the session again now, not after the node's timeout (a minute here): it is pending before the
+    stop returns, and the next node runs it as its second attempt."""
+    async with running_rollout(SCRIPT, node_timeout_s=60.0) as rollout:
+        [task_id] = await rollout.submit(_slow_task())
+        session_id = f"{task_id}.0"
+        await rollout.wait_for_state(session_id, rollout_pb2.SESSION_STATE_RUNNING)
+        first_node = (await rollout.session_status(session_id)).node_id
+        await rollout.nodes[0].stop()
+        status = await rollout.session_status(session_id)
+        assert status.state == rollout_pb2.SESSION_STATE_PENDING and not status.node_id
+        # Forgotten at once, not left listed until its timeout.
+        assert not (await rollout.stub.ListNodes(rollout_pb2.ListNodesRequest(), timeout=10)).nodes
+        await rollout.start_node()
+        [[trajectory]] = await rollout.groups(1, timeout_s=30.0)
+        status = await rollout.session_status(session_id)
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_COMPLETED, trajectory.error
+    assert trajectory.attempt == 2 and status.node_id != first_node
+    assert_faithful(trajectory)
+
+
 async def test_a_report_too_large_for_the_server_fails_its_session_and_the_group_is_released() -> None:
     """A session whose calls each fit a heartbeat but whose trajectory exceeds the server's limit:
     the node reports it failed, naming both sizes, and its group is released beside a normal one."""
