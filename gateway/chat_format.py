@@ -81,7 +81,8 @@ LINE_BREAK_PROBES = (
     ("a", "\nb"), ("a ", "\n{\"b\": 1}"), ("}", "\n{"), ("a\n", "\n# Tools"), ("1", "\n2"), ("é", "\nü"),
     ("a", "\n<|im_end|>"), ("\t", "\n's"),
 )
-# About 36 bytes a token in the cache: 1M tokens hold some fifty harness-sized system prompts and tools.
+# About 40 bytes a token in the cache (ids and their packed form): 1M tokens hold some fifty
+# harness-sized system prompts and tools.
 DEFAULT_CACHE_TOKENS = 1_000_000
 # Tool lists whose schemas' JSON a format keeps (the harnesses a gateway serves, each with a few).
 SCHEMAS_CACHE_ENTRIES = 64
