@@ -132,17 +132,24 @@ class OutputAssembler:
         per piece, so a message of many tokens makes one text delta, not one per token.
         """
         events, self._pending = self._pending, []
-        if not self._scanner.active:
-            # Without stop strings every token is kept: the same steps in bulk.
-            self.token_ids.extend(token_ids)
-            self.logprobs.extend(logprobs)
-            step, tokenizer = self._decoder.step, self._tokenizer
-            text = "".join([step(tokenizer, token_id) or "" for token_id in token_ids])
-            self._decoded.append(text)
-            if text:
-                events += self._convert(self._parser.feed(text))
-            self.events += events
-            return events
+        keep = self._keep if self._scanner.active else self._keep_without_stops
+        text = keep(token_ids, logprobs)
+        if text:
+            events += self._convert(self._parser.feed(text))
+        self.events += events
+        return events
+
+    def _keep_without_stops(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> str:
+        """Every token kept, decoded step by step in one pass; their text."""
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        step, tokenizer = self._decoder.step, self._tokenizer
+        text = "".join([step(tokenizer, token_id) or "" for token_id in token_ids])
+        self._decoded.append(text)
+        return text
+
+    def _keep(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> str:
+        """The tokens up to the one that completes a stop string; their text before any stop."""
         texts: list[str] = []
         for token_id, logprob in zip(token_ids, logprobs):
             if self.stopped:
@@ -152,12 +159,8 @@ class OutputAssembler:
             piece = self._decoder.step(self._tokenizer, token_id) or ""
             self._decoded.append(piece)
             text, self.stop_sequence = self._scanner.feed(piece)
-            if text:
-                texts.append(text)
-        if texts:
-            events += self._convert(self._parser.feed("".join(texts)))
-        self.events += events
-        return events
+            texts.append(text)
+        return "".join(texts)
 
     def finish(self) -> list[ParseEvent]:
         """The events held back until the end of the output."""
