@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -154,9 +153,6 @@ async def serve_gateway(config: GatewayConfig, ready: Ready, http_socket: socket
     """`polar serve gateway`: serve until cancelled or SIGINT/SIGTERM, then stop gracefully; the
     config's base_url is reported to GetNodeStatus as the URL harnesses use."""
     running = await start_gateway(config, http_socket=http_socket)
-    # What starting made (modules, the tokenizer, the app: hundreds of thousands of objects) lives as
-    # long as the process: frozen, it is left out of the collections that calls' garbage sets off.
-    gc.freeze()
     await serve_until_stopped(running, running.stop, lambda r: ready(r.grpc_port, f"gateway: {describe(r)}"))
 
 

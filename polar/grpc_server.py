@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import inspect
 import logging
 import signal
@@ -253,12 +254,19 @@ async def serve_until_stopped(
     running: Running, stop: Callable[[], Awaitable[Any]], on_ready: Callable[[Running], None] | None = None
 ) -> None:
     """How every `polar serve …` ends: with `running` started, tell `on_ready`, wait for SIGINT or
-    SIGTERM (or cancellation), then `stop()`, which runs whatever happens."""
+    SIGTERM (or cancellation), then `stop()`, which runs whatever happens.
+
+    While it serves, what importing and starting made (modules, a tokenizer, the app: hundreds of
+    thousands of objects in the gateway) is frozen: it lives as long as the service, and left in
+    the collector's oldest generation every full collection that requests' garbage sets off would
+    walk it again."""
+    gc.freeze()
     try:
         if on_ready is not None:
             on_ready(running)
         await until_stop_signal()
     finally:
+        gc.unfreeze()
         await stop()
 
 

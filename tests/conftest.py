@@ -9,15 +9,24 @@ Async tests (AnyIO's pytest plugin) share one asyncio event loop for the whole r
 services does in production. grpc.aio's completion queue is process-wide and hands each completion
 to the loop its call was made on: an operation still pending in C-core when a test's own loop closed
 would complete later, inside whichever test polls next, as "RuntimeError: Event loop is closed".
+
+Ctrl-C: tests send SIGINT to the commands they start, as a user's Ctrl-C. A run started in the
+background by a non-interactive shell (`cmd &` in a script) inherits SIGINT ignored, children keep
+an ignored signal across exec, and a Python child then never raises KeyboardInterrupt; so this
+process handles SIGINT as Python does by default, and the commands it starts get the default.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
+
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if importlib.util.find_spec("hypothesis") is not None:
     from hypothesis import settings

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import shutil
 import socket
@@ -665,6 +664,4 @@ async def serve_node(
         ready(running.gateway.grpc_port, line, isolation=isolation)
 
     running = await start_node(node, gateway, http_socket=http_socket)
-    # As `polar serve gateway` does: what starting made is left out of the calls' collections.
-    gc.freeze()
     await serve_until_stopped(running, running.stop, on_ready)

@@ -5,6 +5,7 @@ served service stops on cancellation."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import grpc
 import pytest
@@ -127,7 +128,9 @@ async def test_serve_until_stopped_stops_when_cancelled() -> None:
     task = asyncio.create_task(serve_until_stopped("running", stop, lambda running: events.append(f"ready: {running}")))
     await asyncio.sleep(0.05)
     assert events == ["ready: running"]
+    assert gc.get_freeze_count() > 0  # what starting made is out of the collections while it serves
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert events == ["ready: running", "stopped"]
+    assert gc.get_freeze_count() == 0
