@@ -34,10 +34,11 @@ tokens. `--replay` replays real harness traffic instead: the recorded sessions o
 (Claude Code, Codex, Qwen Code, Gemini CLI, Pi: 1.5k to 20k-token prompts), each session sending its
 recorded requests in order in its own dialect, the scripted engine answering each prompt with its
 recorded output (so later calls extend earlier ones, as they did when recorded). Per harness at 1
-session it reports the gateway's CPU for a first call (its prompt already seen by the gateway, as when
-another session of the harness sent it) and for a later call, the time to the prompt ids from the call
-records, and a first call's added latency; at 64 sessions, requests/s beside LiteLLM on the sessions
-whose dialect LiteLLM's proxy translates here (Anthropic Messages, Chat Completions).
+session it reports the gateway's CPU, the time to the prompt ids from the call records, and the added
+latency of a first call (its prompt already seen by the gateway, as when another session of the
+harness sent it) and of the session's last call (extending the calls before it), each measured on
+its own; at 64 sessions, requests/s beside LiteLLM on the sessions whose dialect LiteLLM's proxy
+translates here (Anthropic Messages, Chat Completions).
 
 The load generator is a hand-written HTTP/1.1 client on asyncio (pre-encoded requests, no SDK, no
 JSON parsing; a reply counts when its status is 200 and it holds the dialect's final marker) spread
@@ -146,9 +147,9 @@ USER_PROMPT = "The test suite fails in tests/test_parser.py after the last chang
 MAX_TOKENS = 64  # above the reply's length: every call ends with the end-of-turn token (STOP)
 DIALECTS = ("openai_chat", "openai_responses", "anthropic", "gemini")
 SESSIONS = (1, 64, 256)
-# Sessions a replayed harness's first call is sent to in turn: each receives a few dozen calls in a
-# window, far below [gateway] max_session_body_bytes.
-FIRST_CALL_SESSIONS = 32
+# Sessions a replayed harness's first (or last) call is sent to in turn: each receives a few dozen
+# calls in a window, far below [gateway] max_session_body_bytes.
+CALL_POINT_SESSIONS = 32
 COMPARE_SESSIONS = 64  # the point of the ≥ 3× LiteLLM target
 COMPARE_DIALECT = "anthropic"  # the dialect compared with LiteLLM and, under --credentials compare, with itself
 TARGET_SPEEDUP = 3.0
@@ -597,42 +598,18 @@ def replay_request(request: Any, stream: bool, key: str, address: str, model: st
 def _replay_points(
     bench: Bench, polar: _PolarStack, proxy: _LiteLLM | None, sessions: list[RecordedSession], many: int
 ) -> tuple[list[Point], list[dict]]:
-    """Replayed harness traffic, through the direct gateway. Per harness at 1 session: its first call
-    looped (each is a fresh render of a prompt the gateway has seen, as a new session of that harness
-    sends it; paired with the inference server alone on the same prompt for the added latency), then
-    its calls in order (the later ones extend the earlier). At `many` sessions, each replaying one
-    harness (round robin): every harness, then those whose dialect LiteLLM speaks, beside LiteLLM."""
+    """Replayed harness traffic, through the direct gateway. Per harness at 1 session: its first call,
+    then its last call, each looped over many sessions (`_call_point`). At `many` sessions, each
+    replaying one harness (round robin): every harness, then those whose dialect LiteLLM speaks,
+    beside LiteLLM."""
     points: list[Point] = []
     rows: list[dict] = []
     address, cpu_of = polar.gateway_http, ("gateway_direct", "inference")
-    gateway = "gateway_direct"
     for stream in (False, True):
         for session in sessions:
-            marker = REPLAY_MARKERS[session.dialect][stream]
-            # The first call of many sessions in turn, each a session's first call, rendered fresh: a
-            # session that sent it again and again would hold megabytes of bodies, which real first
-            # calls never do.
-            keys = _open_sessions(polar.gateway_direct, FIRST_CALL_SESSIONS, polar.credentials)
-            firsts = tuple(replay_request(session.requests[0], stream, key, address) for key in keys)
-            # Seen once before the point, as another session of the harness would have sent it: the
-            # point measures a first call, not the gateway's first sight of a 20k-token prompt.
-            _send_once(address, firsts[-1])
-            target = Target("polar", "direct", f"{session.harness}:first", stream, "http", address, (firsts,), marker, cpu_of)
-            prompt = tuple(session.records[0].prompt_token_ids)
-            baseline = Target(
-                "inference", "grpc", f"{session.harness}:first", True, "grpc", polar.inference,
-                (_generate_request(prompt, "baseline-0").SerializeToString(),), b"", ("inference",), polar.node,
-            )  # fmt: skip
-            _, first_point = bench.paired(target, baseline)
-            first_render, _ = _render_ms(polar.gateway_direct, keys[0], polar.credentials)
-            [key] = _open_sessions(polar.gateway_direct, 1, polar.credentials)
-            calls = tuple(replay_request(r, stream, key, address) for r in session.requests)
-            target = Target("polar", "direct", f"{session.harness}:all", stream, "http", address, (calls,), marker, cpu_of)
-            all_point = bench.point(target)
-            _, later_render = _render_ms(polar.gateway_direct, key, polar.credentials)
-            first_cpu = first_point.cpu_us_per_request.get(gateway, math.nan)
-            all_cpu = all_point.cpu_us_per_request.get(gateway, math.nan)
-            n = len(calls)
+            first_point, first_render = _call_point(bench, polar, session, 0, stream)
+            later_point, later_render = _call_point(bench, polar, session, len(session.requests) - 1, stream)
+            first_cpu = first_point.cpu_us_per_request.get("gateway_direct", math.nan)
             rows.append(
                 {
                     "harness": session.harness,
@@ -641,17 +618,17 @@ def _replay_points(
                     "prompt_tokens": [len(r.prompt_token_ids) for r in session.records],
                     "first_call_gateway_cpu_us": first_cpu,
                     "first_call_meets_target": first_cpu < TARGET_FIRST_CALL_CPU_US,
-                    # The calls alternate evenly in the loop: the later ones' share of the CPU is the
-                    # rest once the first calls' is taken out.
-                    "later_call_gateway_cpu_us": (n * all_cpu - first_cpu) / (n - 1) if n > 1 else math.nan,
+                    "later_call_gateway_cpu_us": later_point.cpu_us_per_request.get("gateway_direct", math.nan),
                     # From arrival to the prompt ids (parse, render, sampling), as the call records say.
                     "first_call_render_ms": first_render,
                     "later_call_render_ms": later_render,
                     "first_call_added_p50_ms": first_point.added_p50_ms,
                     "first_call_added_p99_ms": first_point.added_p99_ms,
+                    "later_call_added_p50_ms": later_point.added_p50_ms,
+                    "later_call_added_p99_ms": later_point.added_p99_ms,
                 }
             )
-            points += [first_point, all_point]
+            points += [first_point, later_point]
         for subset in ("all", "litellm"):
             chosen = [s for s in sessions if subset == "all" or s.dialect in LITELLM_DIALECTS]
             keys = _open_sessions(polar.gateway_direct, many, polar.credentials)
@@ -674,6 +651,43 @@ def _replay_points(
                 target = Target("litellm", "direct", name, stream, "http", proxy.address, payloads, markers, ("litellm", "backend"))
                 points.append(bench.point(target, slow=True))
     return points, rows
+
+
+def _call_point(bench: Bench, polar: _PolarStack, session: RecordedSession, index: int, stream: bool) -> tuple[Point, float]:
+    """Call `index` of a recorded session, sent by many sessions in turn, paired with the inference
+    server alone on the same prompt (for the added latency); and the median time from arrival to the
+    prompt ids, from the call records.
+
+    Each session is one the gateway has already served the calls before `index`, so call `index`
+    renders as it did when recorded: the first call fresh, a later one extending the call before it.
+    The first call was sent once before, as another session of the harness would have sent it: the
+    point measures a first call, not the gateway's first sight of a 20k-token prompt. The calls before
+    a later one are the same in every session, so its new messages were seen too: the point measures
+    what a later call costs beyond tokenizing them, the part that must not grow with the prompt.
+    Many sessions rather than one: a session that sent the same call again and again would hold
+    megabytes of bodies, which real sessions never do.
+    """
+    address, cpu_of = polar.gateway_http, ("gateway_direct", "inference")
+    marker = REPLAY_MARKERS[session.dialect][stream]
+    keys = _open_sessions(polar.gateway_direct, CALL_POINT_SESSIONS, polar.credentials)
+    # The calls each session has sent already; before the first call, one session sent it once.
+    primed = [(key, session.requests[:index]) for key in keys] if index else [(keys[-1], session.requests[:1])]
+    for key, before in primed:
+        for request in before:
+            status, body = _send_once(address, replay_request(request, stream, key, address))
+            if status != 200:
+                raise RuntimeError(f"the gateway answered a replayed {session.harness} call with {status}: {body[:300]!r}")
+    calls = tuple(replay_request(session.requests[index], stream, key, address) for key in keys)
+    label = f"{session.harness}:{'first' if index == 0 else 'later'}"
+    target = Target("polar", "direct", label, stream, "http", address, (calls,), marker, cpu_of)
+    prompt = tuple(session.records[index].prompt_token_ids)
+    baseline = Target(
+        "inference", "grpc", label, True, "grpc", polar.inference,
+        (_generate_request(prompt, "baseline-0").SerializeToString(),), b"", ("inference",), polar.node,
+    )  # fmt: skip
+    _, point = bench.paired(target, baseline)
+    fresh, extending = _render_ms(polar.gateway_direct, keys[0], polar.credentials)
+    return point, extending if index else fresh
 
 
 # ------------------------------------------------------------------------------------- the bench
@@ -1425,8 +1439,9 @@ def _replay_comparison(points: list[Point]) -> list[dict]:
 
 def _print_replay_summary(rows: list[dict], comparison: list[dict]) -> None:
     print(
-        "\nreplayed harness sessions at 1 session: gateway CPU per call (of it, the median time from arrival "
-        "to the prompt ids, from the call records), and a first call's added latency:"
+        "\nreplayed harness sessions at 1 session, a session's first call and its last (which extends the "
+        "ones before): gateway CPU per call (of it, the median time from arrival to the prompt ids, from the "
+        "call records) and added latency:"
     )
     for row in rows:
         print(
@@ -1434,8 +1449,9 @@ def _print_replay_summary(rows: list[dict], comparison: list[dict]) -> None:
             f"first call {row['first_call_gateway_cpu_us']:,.0f} µs "
             f"({'meets' if row['first_call_meets_target'] else 'misses'} < {TARGET_FIRST_CALL_CPU_US:,} µs; "
             f"render {row['first_call_render_ms']:.2f} ms), "
+            f"+p50 {row['first_call_added_p50_ms']:.2f} ms +p99 {row['first_call_added_p99_ms']:.2f} ms; "
             f"later call {row['later_call_gateway_cpu_us']:,.0f} µs (render {row['later_call_render_ms']:.2f} ms), "
-            f"first call +p50 {row['first_call_added_p50_ms']:.2f} ms +p99 {row['first_call_added_p99_ms']:.2f} ms"
+            f"+p50 {row['later_call_added_p50_ms']:.2f} ms +p99 {row['later_call_added_p99_ms']:.2f} ms"
         )
     for row in comparison:
         verdict = "meets" if row["meets_target"] else "misses"
