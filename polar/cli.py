@@ -200,7 +200,7 @@ def _results_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     _rollout_option(parser)
     parser.add_argument("--cursor", default="", help="start after this cursor (printed by an earlier export)")
-    parser.add_argument("--follow", action="store_true", help="keep exporting groups as they are released, until Ctrl-C")
+    parser.add_argument("--follow", action="store_true", help="keep exporting groups as they are released, until Ctrl-C or SIGTERM")
 
 
 def _results(args: argparse.Namespace) -> int:

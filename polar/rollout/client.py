@@ -5,6 +5,7 @@ is a `ClientError` whose message is one line for the user, naming the method and
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -82,12 +83,21 @@ def fetch_status(stub: rollout_pb2_grpc.RolloutServiceStub, address: str, task_i
 
 def export_results(address: str, export: str, cursor: str = "", follow: bool = False) -> int:
     """`polar results`: released groups written to `export` ("-": stdout) as JSON Lines, one
-    Trajectory each, starting after `cursor`; until caught up, or with `follow` until Ctrl-C (then
-    130). Prints what was written and the cursor to resume from, also when the stream fails."""
+    Trajectory each, starting after `cursor`; until caught up, or with `follow` until Ctrl-C or
+    SIGTERM (then 128 + the signal's number, as a process it ended: 130, 143). Prints what was
+    written and the cursor to resume from, also when the stream fails.
+
+    A signal cancels the stream rather than raising where it lands: the batch in hand is written
+    whole first, so the file ends exactly at the printed cursor and `--cursor` resumes without a
+    group twice. A signal this process was started ignoring (`nohup`, `cmd &` in a script) stays
+    ignored.
+    """
     to_stdout = export == "-"
     report = sys.stderr if to_stdout else sys.stdout
     request = rollout_pb2.WatchResultsRequest(cursor=cursor, until_caught_up=not follow)
     groups = trajectories = 0
+    stream: grpc.Call | None = None
+    stopped_by: list[int] = []
 
     def summary() -> None:
         where = "stdout" if to_stdout else export
@@ -95,29 +105,37 @@ def export_results(address: str, export: str, cursor: str = "", follow: bool = F
         # The file holds every group up to this cursor: `--cursor` with it resumes after them.
         print(f"cursor: {cursor}" if cursor else "cursor: none (nothing released yet)", file=report, flush=True)
 
+    def stop(signum: int, frame: object) -> None:
+        stopped_by.append(signum)
+        if stream is not None:
+            stream.cancel()
+
     try:
         out = sys.stdout if to_stdout else open(export, "w", encoding="utf-8")  # noqa: SIM115 - closed below
     except OSError as exc:
         raise ClientError(f"cannot write {export}: {exc.strerror}") from None
+    caught = [s for s in (signal.SIGINT, signal.SIGTERM) if follow and signal.getsignal(s) != signal.SIG_IGN]
+    previous = {signum: signal.signal(signum, stop) for signum in caught}
     try:
         with channel(address) as open_channel:
             stream = rollout_pb2_grpc.RolloutServiceStub(open_channel).WatchResults(request)
-            try:
-                for batch in stream:
-                    lines = trajectory_lines(batch.zstd_trajectories)
-                    out.writelines(line + "\n" for line in lines)
-                    out.flush()
-                    trajectories += len(lines)
-                    cursor = batch.cursor
-                    groups += batch.group_count
-            except grpc.RpcError as exc:
-                summary()
-                raise rpc_error("WatchResults", address, exc) from None
-            except KeyboardInterrupt:
+            if stopped_by:
                 stream.cancel()
-                summary()
-                return 130
+            for batch in stream:
+                lines = trajectory_lines(batch.zstd_trajectories)
+                out.writelines(line + "\n" for line in lines)
+                out.flush()
+                trajectories += len(lines)
+                cursor = batch.cursor
+                groups += batch.group_count
+    except grpc.RpcError as exc:
+        summary()
+        if stopped_by:
+            return 128 + stopped_by[0]
+        raise rpc_error("WatchResults", address, exc) from None
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         if not to_stdout:
             out.close()
     summary()

@@ -278,7 +278,8 @@ def test_a_bad_cursor_is_the_servers_one_line_error(rollout, tmp_path):
     )  # fmt: skip
 
 
-def test_follow_exports_groups_as_they_are_released_until_ctrl_c(spawn, rollout, tmp_path):
+@pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_follow_exports_groups_as_they_are_released_until_stopped(spawn, rollout, tmp_path, stop, code):
     [task_id] = _submit(rollout, tmp_path, _task_line())
     out = tmp_path / "follow.jsonl"
     follow, lines = spawn("results", "--export", str(out), "--follow", "--rollout", rollout)
@@ -289,8 +290,8 @@ def test_follow_exports_groups_as_they_are_released_until_ctrl_c(spawn, rollout,
         time.sleep(0.05)
     assert [t["sessionId"] for t in _exported(out)] == [f"{task_id}.0"]
 
-    follow.send_signal(signal.SIGINT)
-    assert follow.wait(timeout=30) == 130
+    follow.send_signal(stop)
+    assert follow.wait(timeout=30) == code
     output = lines.rest()
     assert output[0] == f"exported 1 trajectories of 1 groups to {out}"
     assert re.fullmatch(r"cursor: \S+", output[1])
