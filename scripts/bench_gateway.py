@@ -598,15 +598,17 @@ def replay_request(request: Any, stream: bool, key: str, address: str, model: st
 def _replay_points(
     bench: Bench, polar: _PolarStack, proxy: _LiteLLM | None, sessions: list[RecordedSession], many: int
 ) -> tuple[list[Point], list[dict]]:
-    """Replayed harness traffic, through the direct gateway. Per harness at 1 session: its first call,
-    then its last call, each looped over many sessions (`_call_point`). At `many` sessions, each
-    replaying one harness (round robin): every harness, then those whose dialect LiteLLM speaks,
-    beside LiteLLM."""
+    """Replayed harness traffic, through the direct gateway. Per harness at 1 session (with --quick,
+    the harnesses of the longest and the shortest prompt): its first call, then its last call, each
+    looped over many sessions (`_call_point`). At `many` sessions, each replaying one harness (round
+    robin): every harness (not with --quick), then those whose dialect LiteLLM speaks, beside LiteLLM."""
     points: list[Point] = []
     rows: list[dict] = []
     address, cpu_of = polar.gateway_http, ("gateway_direct", "inference")
+    by_prompt = sorted(sessions, key=lambda s: len(s.records[0].prompt_token_ids))
+    one_session = [by_prompt[-1], by_prompt[0]] if bench.settings.quick else sessions
     for stream in (False, True):
-        for session in sessions:
+        for session in one_session:
             first_point, first_render = _call_point(bench, polar, session, 0, stream)
             later_point, later_render = _call_point(bench, polar, session, len(session.requests) - 1, stream)
             first_cpu = first_point.cpu_us_per_request.get("gateway_direct", math.nan)
@@ -629,7 +631,7 @@ def _replay_points(
                 }
             )
             points += [first_point, later_point]
-        for subset in ("all", "litellm"):
+        for subset in ("litellm",) if bench.settings.quick else ("all", "litellm"):
             chosen = [s for s in sessions if subset == "all" or s.dialect in LITELLM_DIALECTS]
             keys = _open_sessions(polar.gateway_direct, many, polar.credentials)
             harnesses = [chosen[i % len(chosen)] for i in range(many)]
