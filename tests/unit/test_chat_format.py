@@ -1,6 +1,8 @@
 """The hermes chat format: per-message rendering equals whole-text encoding, and histories only grow."""
 
+import copy
 import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -19,6 +21,7 @@ from gateway.chat_format import (
     get_chat_format,
     tool_call_text,
     tool_spec_json,
+    tools_key,
 )
 from gateway.render import render_request
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
@@ -286,6 +289,50 @@ def test_calls_keep_one_copy_of_tools_that_render_alike(hermes):
     assert hermes.shared_tools(tools(1)) is not shared and hermes.shared_tools(tools(1)) == tools(1)
     rendered = render_request(hermes, Conversation((Message("user", "hi"),), tools(True)))
     assert rendered.conversation.tools is shared
+
+
+# Values that == finds equal in groups (True == 1 == 1.0, 0 == 0.0 == -0.0 == False), that JSON
+# writes apart, or that orjson writes alike (NaN, the infinities and None as null), and integers past
+# what orjson writes.
+ALIKE_TO_PYTHON = [[True, 1, 1.0], [False, 0, 0.0, -0.0], [None, math.nan, math.inf, -math.inf], [2**64, 2**64 + 0.0]]
+tricky_leaves = st.sampled_from([v for group in ALIKE_TO_PYTHON for v in group] + ["null", ":null", "x", 7, 2.5])
+tricky_values = st.recursive(
+    tricky_leaves,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from("abc"), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def _alike_to_python(value, draw):
+    """A copy of `value` with each leaf swapped, at random, for one that == finds equal."""
+    if isinstance(value, dict):
+        return {k: _alike_to_python(v, draw) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_alike_to_python(v, draw) for v in value]
+    for group in ALIKE_TO_PYTHON:
+        if any(value is v or (type(value) is type(v) and value == v) for v in group):
+            return draw(st.sampled_from(group))
+    return value
+
+
+@given(parameters=st.lists(st.dictionaries(st.sampled_from("xyz"), tricky_values, max_size=3), min_size=1, max_size=3), data=st.data())
+def test_tools_with_equal_keys_and_descriptions_write_the_same_schemas(parameters, data):
+    a = [ToolSpec(f"t{i}", "d", p) for i, p in enumerate(parameters)]
+    b = [ToolSpec(f"t{i}", "d", _alike_to_python(p, data.draw)) for i, p in enumerate(parameters)]
+    if tools_key(a) == tools_key(b):
+        assert [tool_spec_json(t) for t in a] == [tool_spec_json(t) for t in b]
+    assert tools_key(a) == tools_key([ToolSpec(t.name, t.description, copy.deepcopy(t.parameters)) for t in a])
+
+
+def test_tools_that_differ_only_in_a_description_render_their_own(hermes):
+    def tools(description):  # parsed anew for each request, as a dialect does
+        return (ToolSpec("read", description, {"type": "object"}),)
+
+    first = hermes.shared_tools(tools("Read a file."))
+    other = hermes.shared_tools(tools("Read any file."))
+    assert other is not first and other == tools("Read any file.")
+    assert "Read any file." in hermes.render_text(Conversation((Message("user", "hi"),), other))
+    assert hermes.shared_tools(tools("Read a file.")) == tools("Read a file.")
 
 
 def test_tools_that_python_finds_equal_but_json_writes_apart_render_apart(hermes, smollm2_tokenizer):
