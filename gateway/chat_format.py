@@ -401,11 +401,10 @@ class HermesFormat:
         if entry is not None and _same_descriptions(entry.tools, tools):
             self._tools_by_key.move_to_end(key)
             return entry
-        if entry is not None:
-            del self._tools_by_id[id(entry.tools)]
+        if entry is not None:  # same names and parameters, other descriptions: replaced
+            del self._tools_by_key[key], self._tools_by_id[id(entry.tools)]
         entry = _ToolsEntry(key, tuple(tools), "".join("\n" + tool_spec_json(tool) for tool in tools))
         self._tools_by_key[key] = entry
-        self._tools_by_key.move_to_end(key)
         self._tools_by_id[id(entry.tools)] = entry
         if len(self._tools_by_key) > SCHEMAS_CACHE_ENTRIES:
             _, evicted = self._tools_by_key.popitem(last=False)

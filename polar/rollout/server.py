@@ -22,8 +22,9 @@ sessions taken back) or the heartbeat interval ends. A newer heartbeat of the sa
 older one that still waits, which then assigns nothing. A node silent for the node timeout is dead
 (checked in the background): its sessions go back to PENDING or, after their last attempt, are
 DONE and FAILED. A stopping node says so (a heartbeat with `leaving`): the same happens at once, so
-a stack that is stopped and started again runs the interrupted sessions first, not after new ones. Cancels of held sessions are repeated in each response while the node still lists
-the session before POSTRUN, so a lost response cannot lose a cancel.
+a stack that is stopped and started again runs the interrupted sessions first, not after new ones.
+Cancels of held sessions are repeated in each response while the node still lists the session
+before POSTRUN, so a lost response cannot lose a cancel.
 
 `start_rollout_server` serves a `RolloutConfig` (`serve_rollout`: `polar serve rollout`), with gRPC
 health checking (overall and `polar.v1.RolloutService`) and server reflection, like the other Polar
