@@ -26,6 +26,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from polar.codec import length_delimited
 from polar.v1 import common_pb2
 
 log = logging.getLogger("polar.gateway")
@@ -33,6 +34,10 @@ log = logging.getLogger("polar.gateway")
 # A long harness session's bodies reach tens of MiB; this keeps a node of many sessions bounded
 # while the usual session (a few hundred KiB) never touches the disk.
 DEFAULT_MAX_SESSION_BODY_BYTES = 8 * 1024 * 1024
+
+_REQUEST = common_pb2.CallRecord.REQUEST_BODY_FIELD_NUMBER
+_RESPONSE = common_pb2.CallRecord.RESPONSE_BODY_FIELD_NUMBER
+_BODIES_DROPPED = common_pb2.CallRecord(bodies_dropped=True).SerializeToString()
 
 
 class SpillFolder:
@@ -115,14 +120,16 @@ class SessionBodies:
         record.ClearField("request_body")
         record.ClearField("response_body")
 
-    def restored(self, record: common_pb2.CallRecord) -> common_pb2.CallRecord:
-        """The record with its bodies: itself when they are in memory, else a copy with them read
-        back from the file (marked `bodies_dropped` if they cannot be)."""
+    def in_file(self, record: common_pb2.CallRecord) -> bool:
+        """Whether the record's bodies are in the file, not in the record."""
+        return record.call_id in self._spilled
+
+    def missing_fields(self, record: common_pb2.CallRecord) -> bytes:
+        """The serialized fields that complete a record whose bodies are in the file: its bodies,
+        read back, or `bodies_dropped` when they cannot be; nothing for a record that holds them."""
         where = self._spilled.get(record.call_id)
         if where is None:
-            return record
-        whole = common_pb2.CallRecord()
-        whole.CopyFrom(record)
+            return b""
         try:
             with open(self._file, "rb") as spilled:
                 spilled.seek(where.offset)
@@ -132,11 +139,9 @@ class SessionBodies:
         except OSError as exc:
             log.warning("gateway: the spilled bodies of call %s of session %s cannot be read back from %s: %s",
                         record.call_id, record.session_id, self._file, exc.strerror or exc)  # fmt: skip
-            whole.bodies_dropped = True
-            return whole
-        whole.request_body = data[: where.request_length]
-        whole.response_body = data[where.request_length :]
-        return whole
+            return _BODIES_DROPPED
+        request, response = data[: where.request_length], data[where.request_length :]
+        return b"".join(length_delimited(number, body) for number, body in ((_REQUEST, request), (_RESPONSE, response)) if body)
 
     def discard(self) -> None:
         """Remove the session's file (it is being forgotten)."""

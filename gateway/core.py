@@ -83,7 +83,6 @@ MAX_RECONNECT_BACKOFF_MS = 2000
 GENERATE_METHOD = f"/{inference_pb2.DESCRIPTOR.services_by_name['InferenceService'].full_name}/Generate"
 
 PROMPT_FIELD = inference_pb2.GenerateRequest.PROMPT_TOKEN_IDS_FIELD_NUMBER
-RECORD_PROMPT_FIELD = common_pb2.CallRecord.PROMPT_TOKEN_IDS_FIELD_NUMBER
 
 _GRPC_ERRORS = {
     grpc.StatusCode.UNAVAILABLE: ErrorKind.OVERLOADED,
@@ -369,7 +368,8 @@ class _Call:
         return events, self.result
 
     def record(self) -> common_pb2.CallRecord:
-        record = common_pb2.CallRecord(
+        """The call's record, without its prompt ids: the session holds them packed (`prompt`)."""
+        return common_pb2.CallRecord(
             call_id=self.record_id,
             session_id=self.session.session_id,
             dialect=self.dialect.record_dialect,
@@ -399,9 +399,11 @@ class _Call:
             sampling=self.sampling,
             truncated=self.truncated,
         )
-        # The prompt the engine was sent, read from its packed form in C (see Gateway._generate_request).
-        record.MergeFromString(length_delimited(RECORD_PROMPT_FIELD, self.rendered.packed_ids))
-        return record
+
+    @property
+    def prompt(self) -> bytes:
+        """The prompt ids the engine was sent, packed (see Gateway._generate_request)."""
+        return self.rendered.packed_ids
 
     @property
     def truncated(self) -> bool:
@@ -580,7 +582,7 @@ class Gateway:
         finally:
             messages.close()
             grpc_call.cancel()
-            self.store.record(call.session, call.record(), call.prior())
+            self.store.record(call.session, call.record(), call.prior(), call.prompt)
         return reply
 
     async def _fail(self, call: _Call, stream: _StreamWriter, error: GatewayError) -> Reply | None:

@@ -17,11 +17,14 @@ import grpc
 
 from gateway.sampling import SamplingPolicy
 from gateway.sessions import HISTORY_FROM_PROTO, Draining, SessionExists, SessionStore, UnknownSession
+from polar.codec import length_delimited
 from polar.credentials import OPERATOR, TRAINER
-from polar.grpc_server import InvalidArgument, bind, callers, new_server, set_serving, status_codes
+from polar.grpc_server import InvalidArgument, add_servicer, bind, callers, new_server, set_serving, status_codes
 from polar.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+_CALLS = gateway_pb2.GetSessionResponse.CALLS_FIELD_NUMBER
+_CALL = gateway_pb2.WatchSessionResponse.CALL_FIELD_NUMBER
 
 
 # Who may call what (polar.credentials): sessions and their keys are the operator's alone (the node
@@ -79,22 +82,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     # Unary.
     async def GetSession(
         self, request: gateway_pb2.GetSessionRequest, context: grpc.aio.ServicerContext
-    ) -> gateway_pb2.GetSessionResponse:
+    ) -> bytes:  # a GetSessionResponse, serialized: its records are put in serialized (Session.serialized)
         session = self._store.find(request.key)
-        calls = [] if request.omit_calls else session.ordered_records()
-        return gateway_pb2.GetSessionResponse(session=session.to_proto(), calls=calls)
+        response = gateway_pb2.GetSessionResponse(session=session.to_proto()).SerializeToString()
+        if request.omit_calls:
+            return response
+        return response + b"".join(length_delimited(_CALLS, session.serialized(r)) for r in session.in_order())
 
     # Server-streaming.
     async def WatchSession(
         self, request: gateway_pb2.WatchSessionRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[gateway_pb2.WatchSessionResponse]:
+    ) -> AsyncIterator[bytes]:  # WatchSessionResponses, serialized, as GetSession's
         session = self._store.find(request.key)
         if request.until_caught_up:
-            for record in session.ordered_records():  # taken now: calls completing later are not sent
-                yield gateway_pb2.WatchSessionResponse(call=record)
+            for record in session.in_order():  # taken now: calls completing later are not sent
+                yield length_delimited(_CALL, session.serialized(record))
             return
         async for record in session.watch():
-            yield gateway_pb2.WatchSessionResponse(call=record)
+            yield length_delimited(_CALL, session.serialized(record))
 
     # Unary.
     async def Drain(
@@ -121,7 +126,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 async def start_grpc(servicer: GatewayServicer, address: str) -> tuple[grpc.aio.Server, int]:
     """A started gRPC server for the servicer on `address`; returns it and the bound port."""
     server, health_servicer = new_server(SERVICE_NAME, GatewayServicer.roles)
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+    add_servicer(gateway_pb2_grpc.add_GatewayServiceServicer_to_server, servicer, server)
     port = bind(server, address, "the gateway's gRPC server")
     await set_serving(health_servicer, SERVICE_NAME)
     await server.start()

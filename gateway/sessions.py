@@ -11,12 +11,15 @@ A closed session refuses its key for new calls, but calls in flight still finish
 A session may carry its task's `SamplingPolicy` (gateway/sampling.py), which the core applies to each
 call; `sampled_tokens` counts what its calls sampled, as the tokens arrive, for the policy's budget.
 
+Records are held in parts: the request and response bodies past a session's cap go to a file
+(gateway/bodies.py), and the prompt ids of the gateway's own calls stay packed, as the engine was sent
+them. Every record leaves the store whole (`whole` parsed, `serialized` for the wire).
+
 Bounds, so that a gateway serving for weeks holds what its sessions need and no more: a session keeps
-its calls' request and response bodies in memory up to a cap and spills the rest to a file
-(gateway/bodies.py; records leave the store whole); an open session with no call for the idle timeout
-is closed as expired (`expire_idle`, run by the gateway's sweeper), and closed sessions are forgotten
-after a retention (`forget_closed`). Time comes from the store's clock (Unix epoch nanoseconds),
-which tests replace.
+its calls' request and response bodies in memory up to a cap and spills the rest; an open session with
+no call for the idle timeout is closed as expired (`expire_idle`, run by the gateway's sweeper), and
+closed sessions are forgotten after a retention (`forget_closed`). Time comes from the store's clock
+(Unix epoch nanoseconds), which tests replace.
 """
 
 from __future__ import annotations
@@ -24,17 +27,20 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.bodies import DEFAULT_MAX_SESSION_BODY_BYTES, SessionBodies, SpillFolder
 from gateway.render import History, PriorCall, PriorCalls
 from gateway.sampling import NO_POLICY, SamplingPolicy
+from polar.codec import length_delimited
 from polar.v1 import common_pb2, gateway_pb2
 
 # 32 random bytes: far past the 128 bits the contract asks for, and URL-safe for `?key=`.
 KEY_BYTES = 32
 KEY_PREFIX = "polar-"
+
+PROMPT_FIELD = common_pb2.CallRecord.PROMPT_TOKEN_IDS_FIELD_NUMBER
 
 HISTORY_TO_PROTO = {"faithful": gateway_pb2.HISTORY_POLICY_FAITHFUL, "template": gateway_pb2.HISTORY_POLICY_TEMPLATE}
 HISTORY_FROM_PROTO: dict[int, History] = {
@@ -89,8 +95,13 @@ class Session:
     # When a call last began or finished (or the session opened): what idle expiry measures from.
     last_active_unix_ns: int = 0
     expired: bool = False  # closed by expire_idle, not by its owner
-    # Its records, bodies past the cap left out (`ordered_records` and `watch` put them back).
+    # Its records as held: bodies past the cap left out, and the prompt ids of the gateway's own
+    # left out too, held packed in `prompts`; `whole` and `serialized` put both back.
     records: list[common_pb2.CallRecord] = field(default_factory=list)
+    # Packed prompt ids (polar.codec.packed_ids) by call id: the form the engine was sent, which
+    # leaves the gateway as it is. Parsing a harness's 20k ids into its record, then writing them
+    # out again for every reader, cost more CPU than the rest of recording the call.
+    prompts: dict[str, bytes] = field(default_factory=dict)
     # Calls whose reply the client received, in completion order: what later prompts extend.
     prior_calls: PriorCalls = field(default_factory=PriorCalls)
     in_flight: int = 0
@@ -122,24 +133,43 @@ class Session:
         """A call of this session received `tokens` more sampled tokens from the engine."""
         self.sampled_tokens += tokens
 
-    def finish_call(self, record: common_pb2.CallRecord, prior: PriorCall | None = None) -> None:
+    def finish_call(self, record: common_pb2.CallRecord, prior: PriorCall | None = None, prompt: bytes = b"") -> None:
+        """`prompt`: the packed prompt ids, for a record that leaves them out."""
         self.in_flight -= 1
         self.last_active_unix_ns = self.clock()
         self.bodies.keep(record)
         self.records.append(record)
+        if prompt:
+            self.prompts[record.call_id] = prompt
         if prior is not None:
             self.prior_calls.add(prior)
         for queue in self._watchers:
             queue.put_nowait(record)
         self._end_watchers_if_finished()
 
-    def ordered_records(self) -> list[common_pb2.CallRecord]:
-        """Whole records (bodies included) in arrival order (concurrent calls may complete out of it)."""
-        return self.with_bodies(sorted(self.records, key=lambda record: record.call_id))
+    def in_order(self) -> list[common_pb2.CallRecord]:
+        """Its records as held, in arrival order (concurrent calls may complete out of it)."""
+        return sorted(self.records, key=lambda record: record.call_id)
 
-    def with_bodies(self, records: Iterable[common_pb2.CallRecord]) -> list[common_pb2.CallRecord]:
-        """These records of the session whole: bodies spilled to its file read back into copies."""
-        return [self.bodies.restored(record) for record in records]
+    def ordered_records(self) -> list[common_pb2.CallRecord]:
+        """Whole records (bodies and prompt ids included) in arrival order."""
+        return [self.whole(record) for record in self.in_order()]
+
+    def serialized(self, record: common_pb2.CallRecord) -> bytes:
+        """A record of the session whole, serialized: what it holds, then the fields held apart
+        (protobuf reads fields in any order, and a message's fields concatenate)."""
+        prompt = self.prompts.get(record.call_id)
+        held = record.SerializeToString()
+        rest = self.bodies.missing_fields(record)
+        if prompt:
+            rest += length_delimited(PROMPT_FIELD, prompt)
+        return held + rest if rest else held
+
+    def whole(self, record: common_pb2.CallRecord) -> common_pb2.CallRecord:
+        """A record of the session whole: itself when it holds everything, else a parsed copy."""
+        if record.call_id not in self.prompts and not self.bodies.in_file(record):
+            return record
+        return common_pb2.CallRecord.FromString(self.serialized(record))
 
     def close(self, *, expired: bool = False) -> None:
         if not self.closed:
@@ -163,9 +193,10 @@ class Session:
         )
 
     async def watch(self) -> AsyncIterator[common_pb2.CallRecord]:
-        """Every record, those already there first, then each new one; ends once the session finished."""
+        """Every record as held (`whole` and `serialized` complete it), those already there first,
+        then each new one; ends once the session finished."""
         queue: asyncio.Queue[common_pb2.CallRecord | None] = asyncio.Queue()
-        for record in self.ordered_records():
+        for record in self.in_order():
             queue.put_nowait(record)
         if self.finished:
             queue.put_nowait(None)
@@ -173,7 +204,7 @@ class Session:
             self._watchers.append(queue)
         try:
             while (record := await queue.get()) is not None:
-                yield self.bodies.restored(record)
+                yield record
         finally:
             if queue in self._watchers:
                 self._watchers.remove(queue)
@@ -303,8 +334,11 @@ class SessionStore:
             self.forget(session_id)
         return len(stale)
 
-    def record(self, session: Session, record: common_pb2.CallRecord, prior: PriorCall | None = None) -> None:
-        session.finish_call(record, prior)
+    def record(
+        self, session: Session, record: common_pb2.CallRecord, prior: PriorCall | None = None, prompt: bytes = b""
+    ) -> None:
+        """Record a call of the session (`prompt`: its packed prompt ids, when the record leaves them out)."""
+        session.finish_call(record, prior, prompt)
         self.calls_total += 1
 
     def open_sessions(self) -> int:

@@ -7,7 +7,7 @@ the event loop its process runs on, and the one check of every caller's credenti
     class MyServicer(my_pb2_grpc.MyServiceServicer): ...      # rpcs raise; none calls context.abort
 
     server, health_servicer = new_server(SERVICE_NAME, MyServicer.roles, max_message_bytes=...)
-    add_MyServiceServicer_to_server(servicer, server)
+    add_MyServiceServicer_to_server(servicer, server)   # or add_servicer(add_…, servicer, server)
     port = bind(server, "127.0.0.1:0", "the rollout server")
     await set_serving(health_servicer, SERVICE_NAME)
     await server.start()
@@ -242,6 +242,80 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
     }
     make = kinds[(handler.request_streaming, handler.response_streaming)]
     return make(refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+# ------------------------------------------------------------------ already serialized messages
+
+
+def add_servicer(add_to_server: Callable[[Any, Any], None], servicer: Any, server: grpc.aio.Server) -> None:
+    """`add_to_server(servicer, server)` (a generated add_…Servicer_to_server), with every rpc free
+    to answer with a message it assembled already serialized (bytes), which is sent as it is."""
+    add_to_server(servicer, _ServerTakingBytes(server))
+
+
+def stub_taking_bytes(stub_class: Callable[[Any], Stub], channel: grpc.aio.Channel) -> Stub:
+    """`stub_class(channel)` (a generated stub) whose rpcs also take a request already serialized."""
+    return stub_class(_ChannelTakingBytes(channel))
+
+
+Stub = TypeVar("Stub")
+
+
+def _unless_bytes(serializer: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    # A message a servicer or client assembled from serialized parts (polar.codec) goes as it is:
+    # parsing it into a message only for gRPC to write it out again would undo the assembling.
+    if serializer is None:
+        return None
+
+    def serialize(message: Any) -> bytes:
+        return message if message.__class__ is bytes else serializer(message)
+
+    return serialize
+
+
+def _taking_bytes(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    return handler._replace(response_serializer=_unless_bytes(handler.response_serializer))
+
+
+class _HandlerTakingBytes(grpc.GenericRpcHandler):
+    def __init__(self, handler: grpc.GenericRpcHandler) -> None:
+        self._handler = handler
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._handler.service(handler_call_details)
+        return None if handler is None else _taking_bytes(handler)
+
+
+class _ServerTakingBytes:
+    """A server as a generated add_…Servicer_to_server sees it: the handlers it adds take bytes."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers: Collection[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_HandlerTakingBytes(handler) for handler in handlers))
+
+    def add_registered_method_handlers(self, service: str, handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        self._server.add_registered_method_handlers(service, {name: _taking_bytes(h) for name, h in handlers.items()})
+
+
+class _ChannelTakingBytes:
+    """A channel as a generated stub sees it: the calls it makes take bytes."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+
+    def unary_unary(self, method: str, request_serializer=None, response_deserializer=None, **options):
+        return self._channel.unary_unary(method, _unless_bytes(request_serializer), response_deserializer, **options)
+
+    def unary_stream(self, method: str, request_serializer=None, response_deserializer=None, **options):
+        return self._channel.unary_stream(method, _unless_bytes(request_serializer), response_deserializer, **options)
+
+    def stream_unary(self, method: str, request_serializer=None, response_deserializer=None, **options):
+        return self._channel.stream_unary(method, _unless_bytes(request_serializer), response_deserializer, **options)
+
+    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None, **options):
+        return self._channel.stream_stream(method, _unless_bytes(request_serializer), response_deserializer, **options)
 
 
 # --------------------------------------------------------------------------------- serving

@@ -41,8 +41,9 @@ from gateway.sampling import SamplingPolicy
 from gateway.server import RunningGateway, describe, start_gateway
 from gateway.sessions import Session
 from polar import credentials
+from polar.codec import length_delimited
 from polar.config import GatewayConfig, NodeConfig
-from polar.grpc_server import serve_until_stopped
+from polar.grpc_server import serve_until_stopped, stub_taking_bytes
 from polar.rollout.evaluators import evaluate
 from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
 from polar.rollout.isolation import NO_ISOLATION, Isolation
@@ -77,6 +78,8 @@ REPORT_REFUSED = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION
 # Bytes a heartbeat keeps free of calls below the server's limit: each call's field tag and length,
 # and its session's length prefix growing, cost a few bytes the calls' own sizes do not count.
 HEARTBEAT_CALL_OVERHEAD = 16
+_SESSIONS = rollout_pb2.HeartbeatRequest.SESSIONS_FIELD_NUMBER
+_NEW_CALLS = rollout_pb2.SessionProgress.NEW_CALLS_FIELD_NUMBER
 
 DEFAULT_PREWARM = rollout_pb2.RuntimeSpec(kind="local")
 
@@ -102,18 +105,16 @@ class SessionRun:
         self.state = state
         self.clock.enter(stage, since)
 
-    def progress(self) -> rollout_pb2.SessionProgress:
-        """Where the session stands, with the calls completed since the last delivered heartbeat
-        (whole: bodies the gateway spilled to disk read back)."""
+    def progress(self) -> tuple[rollout_pb2.SessionProgress, list[bytes]]:
+        """Where the session stands, and the calls completed since the last delivered heartbeat,
+        serialized whole (bodies the gateway spilled to disk read back, prompt ids put in)."""
         session = self.gateway_session
         records = session.records if session is not None else []
-        return rollout_pb2.SessionProgress(
-            session_id=self.session_id,
-            state=self.state,
-            call_count=len(records),
-            stage_timings=self.clock.timings(),
-            new_calls=session.with_bodies(records[self.calls_delivered :]) if session is not None else [],
+        progress = rollout_pb2.SessionProgress(
+            session_id=self.session_id, state=self.state, call_count=len(records), stage_timings=self.clock.timings()
         )
+        new_calls = [session.serialized(record) for record in records[self.calls_delivered :]] if session else []
+        return progress, new_calls
 
 
 @dataclass
@@ -150,7 +151,7 @@ class Node:
         self.heartbeat_interval_s = 1.0
         self.runs: dict[str, SessionRun] = {}
         self._channel = grpc.aio.insecure_channel(rollout_address)
-        self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
+        self._stub = stub_taking_bytes(rollout_pb2_grpc.RolloutServiceStub, self._channel)
         self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
         self._prewarm_wakeup = asyncio.Event()
         self._background: set[asyncio.Task] = set()
@@ -208,41 +209,41 @@ class Node:
             ),
         ]
 
-    def _heartbeat_request(self, with_calls: bool = True) -> tuple[rollout_pb2.HeartbeatRequest, dict[str, int]]:
-        """The request, and per session the calls it delivers once acknowledged (how many of its
-        records, in completion order, the server then has or will never get by heartbeat);
-        `with_calls` False: progress only, every new call left for a later heartbeat."""
+    def _heartbeat_request(self, with_calls: bool = True) -> tuple[bytes, dict[str, int]]:
+        """The request, serialized (the calls go in as the gateway serialized them), and per session
+        the calls it delivers once acknowledged (how many of its records, in completion order, the
+        server then has or will never get by heartbeat); `with_calls` False: progress only, every new
+        call left for a later heartbeat."""
         runs = list(self.runs.values())
         sessions = [run.progress() for run in runs]
-        request = rollout_pb2.HeartbeatRequest(
-            node_id=self.node_id, node_secret=self._node_secret, pools=self.pool_status(), sessions=sessions
-        )
+        head = rollout_pb2.HeartbeatRequest(node_id=self.node_id, node_secret=self._node_secret, pools=self.pool_status())
         if not with_calls:
-            for sent in request.sessions:
-                del sent.new_calls[:]
-            return request, {run.session_id: run.calls_delivered for run in runs}
-        delivers = {run.session_id: run.calls_delivered + len(p.new_calls) for run, p in zip(runs, sessions)}
-        if not self.max_request_bytes or request.ByteSize() <= self.max_request_bytes:
+            return _heartbeat(head, [(progress, []) for progress, _ in sessions]), {
+                run.session_id: run.calls_delivered for run in runs
+            }
+        request = _heartbeat(head, sessions)
+        delivers = {run.session_id: run.calls_delivered + len(calls) for run, (_, calls) in zip(runs, sessions)}
+        if not self.max_request_bytes or len(request) <= self.max_request_bytes:
             return request, delivers
         # Too large for the server: calls in order while they fit; the rest wait for the next
         # heartbeat, but for a call too large for any, which is skipped (the report carries it).
-        for sent in request.sessions:
-            del sent.new_calls[:]
-        room = budget = self.max_request_bytes - request.ByteSize()
-        for run, progress, sent in zip(runs, sessions, request.sessions):
-            passed = 0
-            for call in progress.new_calls:
-                size = call.ByteSize() + HEARTBEAT_CALL_OVERHEAD
+        room = budget = self.max_request_bytes - len(_heartbeat(head, [(progress, []) for progress, _ in sessions]))
+        chosen = []
+        for run, (progress, calls) in zip(runs, sessions):
+            passed, sent = 0, []
+            for call in calls:
+                size = len(call) + HEARTBEAT_CALL_OVERHEAD
                 if size > room:  # would not fit even alone
                     passed += 1
                 elif size <= budget:
-                    sent.new_calls.append(call)
+                    sent.append(call)
                     budget -= size
                     passed += 1
                 else:
                     break
+            chosen.append((progress, sent))
             delivers[run.session_id] = run.calls_delivered + passed
-        return request, delivers
+        return _heartbeat(head, chosen), delivers
 
     # --- the rollout link --------------------------------------------------------------------------
 
@@ -545,6 +546,18 @@ class Node:
         task = asyncio.create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _heartbeat(
+    head: rollout_pb2.HeartbeatRequest, sessions: list[tuple[rollout_pb2.SessionProgress, list[bytes]]]
+) -> bytes:
+    """A HeartbeatRequest, serialized: `head`, then each session's progress with its calls (records
+    serialized) as its new_calls; a message's fields concatenate."""
+    parts = [head.SerializeToString()]
+    for progress, calls in sessions:
+        body = progress.SerializeToString() + b"".join(length_delimited(_NEW_CALLS, call) for call in calls)
+        parts.append(length_delimited(_SESSIONS, body))
+    return b"".join(parts)
 
 
 def _too_large(trajectory: common_pb2.Trajectory, why: str) -> common_pb2.Trajectory:

@@ -353,7 +353,7 @@ async def test_a_server_restarted_with_a_lower_limit_gets_heartbeats_and_a_faile
             while run.gateway_session is None or not run.gateway_session.records:
                 await asyncio.sleep(0.02)
         [call] = run.gateway_session.records
-        assert run.calls_delivered == 0 and call.ByteSize() > limit
+        assert run.calls_delivered == 0 and len(run.gateway_session.serialized(call)) > limit
         rollout.rollout = await start_rollout_server(
             RolloutConfig(
                 host=host, port=port, store=str(rollout.store_path), heartbeat_interval_s=0.5, max_request_bytes=limit

@@ -1,6 +1,6 @@
 """polar/grpc_server.py: a taken port is a clear OSError, not grpcio's RuntimeError; services run on
 uvloop with grpc.aio working on it; a servicer's exceptions become status codes by its table; a
-served service stops on cancellation."""
+served service stops on cancellation; messages assembled already serialized go as they are, either way."""
 
 from __future__ import annotations
 
@@ -14,12 +14,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polar.grpc_server import (
     InvalidArgument,
     Unavailable,
+    add_servicer,
     bind,
     new_server,
     run_service,
     serve_until_stopped,
     set_serving,
     status_codes,
+    stub_taking_bytes,
 )
 
 pytestmark = pytest.mark.anyio
@@ -134,3 +136,34 @@ async def test_serve_until_stopped_stops_when_cancelled() -> None:
         await task
     assert events == ["ready: running", "stopped"]
     assert gc.get_freeze_count() == 0
+
+
+class _AssemblingHealth(health_pb2_grpc.HealthServicer):
+    """Answers "assembled" with bytes it serialized itself, anything else with a message."""
+
+    async def Check(self, request, context):
+        if request.service == "assembled":
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING).SerializeToString()
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def Watch(self, request, context):
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING).SerializeToString()
+        yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+
+
+async def test_servicers_and_stubs_send_bytes_they_serialized_as_they_are_and_messages_as_ever() -> None:
+    server = grpc.aio.server()
+    add_servicer(health_pb2_grpc.add_HealthServicer_to_server, _AssemblingHealth(), server)
+    port = bind(server, "127.0.0.1:0", "the test server")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = stub_taking_bytes(health_pb2_grpc.HealthStub, channel)
+            assembled = health_pb2.HealthCheckRequest(service="assembled").SerializeToString()
+            assert (await stub.Check(assembled, timeout=10)).status == health_pb2.HealthCheckResponse.SERVING
+            message = health_pb2.HealthCheckRequest(service="other")
+            assert (await stub.Check(message, timeout=10)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            statuses = [response.status async for response in stub.Watch(message, timeout=10)]
+            assert statuses == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN]
+    finally:
+        await server.stop(0)

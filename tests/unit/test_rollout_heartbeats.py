@@ -37,10 +37,16 @@ def sent_calls(request: rollout_pb2.HeartbeatRequest) -> dict[str, list[str]]:
     return {progress.session_id: [call.call_id for call in progress.new_calls] for progress in request.sessions}
 
 
+def heartbeat_request(node: Node) -> tuple[rollout_pb2.HeartbeatRequest, int, dict[str, int]]:
+    """The node's next heartbeat, parsed, its size in bytes, and what it delivers."""
+    serialized, delivers = node._heartbeat_request()
+    return rollout_pb2.HeartbeatRequest.FromString(serialized), len(serialized), delivers
+
+
 async def test_without_a_limit_every_new_call_goes(node) -> None:
     store = SessionStore()
     hold(node, store, "a", [3000, 3000])
-    request, delivers = node._heartbeat_request()
+    request, _, delivers = heartbeat_request(node)
     assert (request.node_id, request.node_secret) == ("node-1", "s3cret")
     assert sent_calls(request) == {"a": ["c0001", "c0002"]} and delivers == {"a": 2}
 
@@ -51,13 +57,13 @@ async def test_calls_over_the_limit_wait_and_one_too_large_for_any_heartbeat_is_
     b = hold(node, store, "b", [20_000, 1000])
     node.max_request_bytes = 8000
 
-    request, delivers = node._heartbeat_request()
-    assert request.ByteSize() <= 8000
+    request, size, delivers = heartbeat_request(node)
+    assert size <= 8000
     # a's third call waits; b's first exceeds any heartbeat, so it is passed over for good.
     assert sent_calls(request) == {"a": ["c0001", "c0002"], "b": ["c0002"]}
     assert delivers == {"a": 2, "b": 2}
     assert [p.call_count for p in request.sessions] == [3, 2]  # the counts are whole all the same
 
     a.calls_delivered, b.calls_delivered = delivers["a"], delivers["b"]  # acknowledged
-    request, delivers = node._heartbeat_request()
+    request, _, delivers = heartbeat_request(node)
     assert sent_calls(request) == {"a": ["c0003"], "b": []} and delivers == {"a": 3, "b": 2}

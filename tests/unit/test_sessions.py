@@ -7,10 +7,13 @@ import asyncio
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gateway.bodies import SpillFolder
 from gateway.sampling import NO_POLICY, SamplingPolicy
 from gateway.sessions import Draining, SessionClosed, SessionExists, SessionStore, UnknownSession
+from polar.codec import packed_ids
 from polar.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.anyio
@@ -190,7 +193,8 @@ async def test_a_watch_gets_spilled_records_whole():
 
     async def watch():
         async for record in session.watch():
-            seen.append((record.request_body, record.response_body))
+            whole = session.whole(record)
+            seen.append((whole.request_body, whole.response_body))
 
     watcher = asyncio.ensure_future(watch())
     await asyncio.sleep(0)
@@ -225,6 +229,41 @@ async def test_a_spill_file_gone_marks_the_bodies_dropped_when_read_back(tmp_pat
         path.unlink()
     [record] = session.ordered_records()
     assert record.bodies_dropped and record.request_body == b"" and list(record.sampled_token_ids) == [5, 6, 7]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    calls=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 2**31 - 1), max_size=300),  # prompt ids, held packed when any
+            st.binary(max_size=300),
+            st.binary(max_size=300),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    cap=st.integers(0, 1500),
+)
+def test_records_held_in_parts_come_back_as_the_records_they_were(tmp_path, calls, cap):
+    """A record whose prompt ids the session holds packed and whose bodies went to the file (past a
+    cap anywhere) reads back, parsed or serialized, as the record made whole in the first place."""
+    store = SessionStore(max_body_bytes=cap, spill=SpillFolder(str(tmp_path)))
+    session = store.open()
+    expected = []
+    for prompt, request, response in calls:
+        record = _call(session, request, response)
+        record.ClearField("prompt_token_ids")
+        whole = common_pb2.CallRecord()
+        whole.CopyFrom(record)
+        whole.prompt_token_ids.extend(prompt)
+        expected.append(whole)
+        store.record(session, record, prompt=packed_ids(prompt))
+    assert all(not held.prompt_token_ids for held in session.records)
+    assert session.ordered_records() == expected
+    assert [common_pb2.CallRecord.FromString(session.serialized(held)) for held in session.in_order()] == expected
+    store.close(session.key)
+    store.forget(session.key)
+    store.spill.remove()
 
 
 # ------------------------------------------------------------------------------------- expiry
