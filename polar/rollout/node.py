@@ -113,7 +113,7 @@ class SessionRun:
         progress = rollout_pb2.SessionProgress(
             session_id=self.session_id, state=self.state, call_count=len(records), stage_timings=self.clock.timings()
         )
-        new_calls = [session.serialized(record) for record in records[self.calls_delivered :]] if session else []
+        new_calls = [session.serialized(r) for r in records[self.calls_delivered :]] if session is not None else []
         return progress, new_calls
 
 
