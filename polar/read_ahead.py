@@ -42,19 +42,32 @@ class ReadAhead(Generic[T]):
         self._arrived: list[T] = []
         self._ended = False
         self._error: BaseException | None = None
-        self._wakeup = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None  # the caller's wait for the next arrival
+        # One timer for the whole stream, not one per wait: a token stream waits once per message,
+        # and asyncio.timeout's timer, set and cancelled each time, doubled the cost of a wait.
+        # Each wait moves the deadline; the timer, when it fires, ends a wait past it or sets
+        # itself for the deadline as it now stands.
+        self._deadline = 0.0
+        self._watchdog: asyncio.TimerHandle | None = None
         self._reader = asyncio.ensure_future(self._read(stream))
 
     async def _read(self, stream: AsyncIterator[T]) -> None:
         try:
             async for message in stream:
                 self._arrived.append(message)
-                self._wakeup.set()
+                self._wake()
         except Exception as exc:  # noqa: BLE001 - handed to the caller, in order
             self._error = exc
         finally:
             self._ended = True
-            self._wakeup.set()
+            self._wake()
+            self._stop_watchdog()  # nothing is left to wait for
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> AsyncIterator[list[T]]:
         return self._batches()
@@ -63,7 +76,6 @@ class ReadAhead(Generic[T]):
         while True:
             if not self._arrived and not self._ended:
                 await self._next_arrival()
-            self._wakeup.clear()
             batch, self._arrived = self._arrived, []
             if batch:
                 yield batch
@@ -73,23 +85,41 @@ class ReadAhead(Generic[T]):
                 return
 
     async def _next_arrival(self) -> None:
-        if self._idle_timeout_s is None:
-            await self._wakeup.wait()
-            return
+        self._waiter = waiter = self._loop.create_future()
+        if self._idle_timeout_s is not None:
+            self._deadline = self._loop.time() + self._idle_timeout_s
+            if self._watchdog is None:
+                self._watchdog = self._loop.call_at(self._deadline, self._check_idle)
         try:
-            async with asyncio.timeout(self._idle_timeout_s):
-                await self._wakeup.wait()
-        except TimeoutError:
-            raise StreamIdle(self._idle_timeout_s) from None
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _check_idle(self) -> None:
+        self._watchdog = None
+        waiter = self._waiter
+        if waiter is None or waiter.done():
+            return  # nobody waits: the next wait sets the timer again
+        if self._loop.time() >= self._deadline:
+            waiter.set_exception(StreamIdle(self._idle_timeout_s))
+        else:
+            self._watchdog = self._loop.call_at(self._deadline, self._check_idle)
 
     def close(self) -> None:
         """Stop reading (the caller is done with the stream)."""
         self._reader.cancel()
+        self._stop_watchdog()
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     async def aclose(self) -> None:
         """Stop reading and wait until the reader has let go of the stream, so that the stream may be
         closed now (an async generator cannot be closed while another task is inside it)."""
         self._reader.cancel()
+        self._stop_watchdog()
         # wait, unlike awaiting the task, leaves the reader's cancellation out of this task: only a
         # cancellation of the caller itself ends the wait early.
         await asyncio.wait((self._reader,))

@@ -167,6 +167,35 @@ def test_a_slow_consumer_is_not_counted_against_the_stream():
     assert asyncio.run(asyncio.wait_for(run(), 5)) == [1, 2]
 
 
+@pytest.mark.parametrize("consumer_pause_s", [0.0, 0.08])
+def test_a_silence_after_many_messages_is_timed_from_the_wait_it_stops(consumer_pause_s):
+    """Messages 20 ms apart for longer than the timeout, then silence: the silence alone raises,
+    timed from the wait it stops, whether the caller kept waiting or was busy (past the timeout)
+    when the stream's one timer went off."""
+
+    async def five_then_hangs():
+        for index in range(5):
+            await asyncio.sleep(0.02)
+            yield index
+        await asyncio.Event().wait()
+
+    async def run():
+        read_ahead = ReadAhead(five_then_hangs(), idle_timeout_s=0.05)
+        seen, last_wait = [], 0.0
+        loop = asyncio.get_running_loop()
+        with pytest.raises(StreamIdle):
+            async for batch in read_ahead:
+                seen += batch
+                await asyncio.sleep(consumer_pause_s)
+                last_wait = loop.time()
+        read_ahead.close()
+        return seen, loop.time() - last_wait
+
+    seen, silence = asyncio.run(asyncio.wait_for(run(), 5))
+    assert seen == [0, 1, 2, 3, 4]
+    assert 0.05 <= silence < 2
+
+
 def test_aclose_lets_go_of_the_stream_so_that_it_can_be_closed_at_once():
     async def run():
         released = asyncio.Event()
