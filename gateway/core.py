@@ -59,6 +59,7 @@ from gateway.dialects.base import (
     Sampling,
     StreamRenderer,
     Usage,
+    json_bytes,
 )
 from gateway.output import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
@@ -264,10 +265,6 @@ def _unpaired_surrogate_escape(raw: bytes) -> bool:
         else:
             low_expected_at = match.end()
     return low_expected_at != -1
-
-
-def json_bytes(body: Any) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def error_reply(dialect: Dialect, error: GatewayError) -> Reply:

@@ -31,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from gateway.conversation import Conversation
 from gateway.parsers import ParsedOutput, ParseEvent
 
@@ -179,8 +181,23 @@ class Dialect(abc.ABC):
         """HTTP status and body for an error, in the dialect's error shape."""
 
 
+def json_bytes(body: Any) -> bytes:
+    """`body` as compact UTF-8 JSON, as a reply or an event carries it (never a prompt's text).
+
+    orjson writes it in a tenth of the standard library's time, which counts where a reply echoes
+    the request: a Responses reply holds its instructions and tools (Codex's: 40 kB), and a stream
+    sends them twice more. What orjson refuses (an integer past 64 bits, a key that is not a string)
+    the standard library writes, as before. A float that is not finite, which no reply holds,
+    would be written null, valid JSON, where the standard library writes NaN, which is not.
+    """
+    try:
+        return orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
 def sse(data: Any, event: str | None = None) -> bytes:
     """One server-sent event; `data` is JSON-encoded unless it is already a string."""
-    text = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
-    head = f"event: {event}\n" if event else ""
-    return f"{head}data: {text}\n\n".encode()
+    head = f"event: {event}\ndata: " if event else "data: "
+    text = data.encode() if isinstance(data, str) else json_bytes(data)
+    return head.encode() + text + b"\n\n"

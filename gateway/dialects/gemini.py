@@ -67,6 +67,7 @@ from gateway.dialects.base import (
     Sampling,
     StreamRenderer,
     Usage,
+    json_bytes,
     sse,
 )
 from gateway.dialects.validation import INT32_MAX, INT32_MIN, Checks, Wording, json_type
@@ -569,7 +570,7 @@ class _StreamRenderer(StreamRenderer):
         if self._sse:
             return sse(body)
         separator = ",\r\n" if self._chunks_sent > 1 else ""
-        return (separator + json.dumps(body, separators=(",", ":"), ensure_ascii=False)).encode()
+        return separator.encode() + json_bytes(body)
 
     def _close(self, last: bytes) -> list[bytes]:
         return [last] if self._sse else [last, b"]"]
