@@ -140,8 +140,8 @@ class SessionBodies:
             log.warning("gateway: the spilled bodies of call %s of session %s cannot be read back from %s: %s",
                         record.call_id, record.session_id, self._file, exc.strerror or exc)  # fmt: skip
             return _BODIES_DROPPED
-        request, response = data[: where.request_length], data[where.request_length :]
-        return b"".join(length_delimited(number, body) for number, body in ((_REQUEST, request), (_RESPONSE, response)) if body)
+        bodies = ((_REQUEST, data[: where.request_length]), (_RESPONSE, data[where.request_length :]))
+        return b"".join(length_delimited(number, body) for number, body in bodies if body)
 
     def discard(self) -> None:
         """Remove the session's file (it is being forgotten)."""

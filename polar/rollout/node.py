@@ -105,16 +105,18 @@ class SessionRun:
         self.state = state
         self.clock.enter(stage, since)
 
-    def progress(self) -> tuple[rollout_pb2.SessionProgress, list[bytes]]:
-        """Where the session stands, and the calls completed since the last delivered heartbeat,
-        serialized whole (bodies the gateway spilled to disk read back, prompt ids put in)."""
+    def progress(self, with_calls: bool = True) -> tuple[rollout_pb2.SessionProgress, list[bytes]]:
+        """Where the session stands, and (unless `with_calls` is off) the calls completed since the
+        last delivered heartbeat, serialized whole (bodies the gateway spilled to disk read back,
+        prompt ids put in)."""
         session = self.gateway_session
         records = session.records if session is not None else []
         progress = rollout_pb2.SessionProgress(
             session_id=self.session_id, state=self.state, call_count=len(records), stage_timings=self.clock.timings()
         )
-        new_calls = [session.serialized(r) for r in records[self.calls_delivered :]] if session is not None else []
-        return progress, new_calls
+        if session is None or not with_calls:
+            return progress, []
+        return progress, [session.serialized(record) for record in records[self.calls_delivered :]]
 
 
 @dataclass
@@ -215,12 +217,10 @@ class Node:
         server then has or will never get by heartbeat); `with_calls` False: progress only, every new
         call left for a later heartbeat."""
         runs = list(self.runs.values())
-        sessions = [run.progress() for run in runs]
-        head = rollout_pb2.HeartbeatRequest(node_id=self.node_id, node_secret=self._node_secret, pools=self.pool_status())
-        if not with_calls:
-            return _heartbeat(head, [(progress, []) for progress, _ in sessions]), {
-                run.session_id: run.calls_delivered for run in runs
-            }
+        sessions = [run.progress(with_calls) for run in runs]
+        head = rollout_pb2.HeartbeatRequest(
+            node_id=self.node_id, node_secret=self._node_secret, pools=self.pool_status()
+        )
         request = _heartbeat(head, sessions)
         delivers = {run.session_id: run.calls_delivered + len(calls) for run, (_, calls) in zip(runs, sessions)}
         if not self.max_request_bytes or len(request) <= self.max_request_bytes:
