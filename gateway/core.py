@@ -93,8 +93,12 @@ _GRPC_ERRORS = {
     grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND,
 }
 # 19 digits in a row: perhaps an integer past 64 bits, which orjson reads as a float (decode_body).
-_DIGITS_AS_ZEROS = bytes.maketrans(b"123456789", b"0" * 9)
+_DIGITS_AS_ZEROS_OTHERS_AS_ONES = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x31 for byte in range(256))
 _HUGE_INTEGER = b"0" * 19
+_MINUS = ord("-")
+_JSON_WHITESPACE = b" \t\r\n"
+_BEFORE_A_VALUE = b":,["
+_MAX_SPACES_LOOKED_AT = 64
 # A \uD800-\uDFFF escape: half of a surrogate pair, or, alone, no character at all.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _ENGINE_FINISH = {
@@ -208,6 +212,31 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> GatewayError:
 # ------------------------------------------------------------------------------------ the calls
 
 
+def _may_hold_huge_integer(raw: bytes) -> bool:
+    """Whether a JSON text may hold an integer of 19 digits or more, which orjson would read as a
+    float past 64 bits. A run of 19 digits counts only where JSON lets a number begin: at the start,
+    or after `:`, `,` or `[`, with whitespace and a minus sign between (past a few dozen bytes of
+    whitespace, it counts). A run inside a string, such as a nanosecond timestamp in a tool's
+    output, cannot be a number: its body still goes to orjson, and so does every later call of its
+    session, which sends it again."""
+    kinds = raw.translate(_DIGITS_AS_ZEROS_OTHERS_AS_ONES)
+    at = kinds.find(_HUGE_INTEGER)
+    while at != -1:  # `at` starts a run of digits: the search starts where the last run ended
+        before = at - 1
+        if before >= 0 and raw[before] == _MINUS:
+            before -= 1
+        spaces = 0
+        while before >= 0 and raw[before] in _JSON_WHITESPACE:
+            before, spaces = before - 1, spaces + 1
+        if before < 0 or raw[before] in _BEFORE_A_VALUE or spaces > _MAX_SPACES_LOOKED_AT:
+            return True
+        end = kinds.find(b"1", at)
+        if end == -1:
+            return False
+        at = kinds.find(_HUGE_INTEGER, end)
+    return False
+
+
 def decode_body(raw: bytes) -> dict[str, Any]:
     """The request's JSON object; INVALID_REQUEST for anything else.
 
@@ -216,7 +245,7 @@ def decode_body(raw: bytes) -> dict[str, Any]:
     for 64 bits becomes a float, which would then render differently in the prompt) is read by the
     standard library, as before, with its error messages.
     """
-    if _HUGE_INTEGER not in raw.translate(_DIGITS_AS_ZEROS):
+    if not _may_hold_huge_integer(raw):
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError:

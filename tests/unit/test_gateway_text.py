@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core import decode_body, finish_kind, max_tokens_for
+from gateway.core import _may_hold_huge_integer, decode_body, finish_kind, max_tokens_for
 from gateway.output import OutputAssembler, StopScanner, tool_calls_as_text
 from gateway.dialects.base import ErrorKind, FinishKind, GatewayError
 from gateway.parsers import TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart, collect, get_output_parser
@@ -143,23 +143,38 @@ def test_a_body_is_refused_exactly_when_it_decodes_to_text_with_a_lone_surrogate
 
 
 # JSON values as a client may write them: integers of every size (past 64 bits too), floats in
-# every notation, the literals Python's json reads beyond the standard, and strings.
+# every notation, the literals Python's json reads beyond the standard, and strings, some holding
+# long runs of digits (a nanosecond timestamp in a tool's output) after text, a newline, a colon.
+LONG_NUMBERS = st.integers(min_value=10**17, max_value=10**40)
 JSON_LITERALS = st.one_of(
     st.integers(min_value=-(10**30), max_value=10**30).map(str),
     st.floats(allow_nan=False, allow_infinity=False).map(repr),
     st.sampled_from(["1.0", "1e3", "-0", "-0.0", "1E-7", "NaN", "Infinity", "-Infinity", "1e400", "true", "null"]),
     st.text(max_size=5).map(json.dumps),
+    st.tuples(st.sampled_from(["", "t ", "\n", "k:", "[", "-"]), LONG_NUMBERS).map(lambda p: json.dumps(f"{p[0]}{p[1]}")),
 )
+SEPARATORS = st.sampled_from([",", ", ", ",\n  ", ",\t", " ,  "])
 
 
-@settings(max_examples=300, deadline=None)
-@given(values=st.lists(JSON_LITERALS, max_size=6))
-def test_a_body_reads_as_python_s_json_reads_it(values):
-    raw = ('{"tools": [' + ", ".join(values) + "]}").encode()
+@settings(max_examples=400, deadline=None)
+@given(values=st.lists(JSON_LITERALS, max_size=6), members=st.lists(JSON_LITERALS, max_size=3), separator=SEPARATORS)
+def test_a_body_reads_as_python_s_json_reads_it(values, members, separator):
+    gap = separator.replace(",", "")  # whitespace, as between a member's colon and its value
+    fields = "".join(f'{separator}"m{i}":{gap}{value}' for i, value in enumerate(members))
+    raw = ('{"tools": [' + separator.join(values) + "]" + fields + "}").encode()
     expected = json.loads(raw)
     body = decode_body(raw)
     # Written back as the prompt writes them: an integer past 64 bits stays that integer, 1 stays 1.
     assert json.dumps(body) == json.dumps(expected)
+
+
+def test_only_digits_where_a_number_may_begin_send_a_body_to_the_standard_library():
+    """A session whose history holds a long run of digits in text (a tool printed a nanosecond
+    timestamp) keeps orjson's speed on every later call; a number of 19 digits does not."""
+    in_text = [b'{"a": "t 1764201234567890123"}', b'{"a": "x\\n1764201234567890123"}', b'{"a": "' + b"7" * 5000 + b'"}']
+    numbers = [b'{"a": 17642012345678901234}', b'{"a":[1,\n -17642012345678901234]}', b"17642012345678901234"]
+    assert not any(_may_hold_huge_integer(raw) for raw in in_text)
+    assert all(_may_hold_huge_integer(raw) for raw in numbers)
 
 
 def test_a_body_that_is_not_an_object_is_refused_whichever_reader_reads_it():
