@@ -80,6 +80,10 @@ DEFAULT_GENERATE_TIMEOUT_S = 900.0
 # generation is abandoned as hung: long enough for a long prompt's prefill on a CPU, or a call held
 # while a weight update pauses the server.
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
+# Each message of a token stream costs the gateway (and the inference server) about the same CPU,
+# ~0.1 ms here, however many tokens it holds; an engine decoding a token per step would send one per
+# token. A tenth of a second still streams text to a harness smoothly.
+DEFAULT_MESSAGE_INTERVAL_S = 0.1
 MAX_RECONNECT_BACKOFF_MS = 2000
 GENERATE_METHOD = f"/{inference_pb2.DESCRIPTOR.services_by_name['InferenceService'].full_name}/Generate"
 
@@ -470,6 +474,7 @@ class Gateway:
     tokenizer: Tokenizer  # the tokenizers backend of the model's tokenizer, for detokenisation
     generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S
     token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S
+    message_interval_s: float = DEFAULT_MESSAGE_INTERVAL_S  # GenerateRequest.message_interval_seconds
 
     def authorize(self, key: str | None) -> Session:
         try:
@@ -562,7 +567,10 @@ class Gateway:
         which is joined from cached pieces.
         """
         request = inference_pb2.GenerateRequest(
-            request_id=call.info.call_id, sampling=call.sampling, session_id=call.session.session_id
+            request_id=call.info.call_id,
+            sampling=call.sampling,
+            session_id=call.session.session_id,
+            message_interval_seconds=self.message_interval_s,
         )
         return request.SerializeToString() + length_delimited(PROMPT_FIELD, call.rendered.packed_ids)
 

@@ -122,6 +122,7 @@ async def start_gateway(
             tokenizer=tokenizer.backend_tokenizer,
             generate_timeout_s=config.generate_timeout_s,
             token_timeout_s=config.token_timeout_s,
+            message_interval_s=config.message_interval_s,
         )
         runner = web.AppRunner(create_app(gateway, dialects), access_log=None, shutdown_timeout=STOP_GRACE_SECONDS)
         await runner.setup()

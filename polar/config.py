@@ -62,6 +62,7 @@ Positive = Annotated[int, Check(lambda v: v > 0, "> 0")]
 Count = Annotated[int, Check(lambda v: v >= 0, ">= 0")]
 Seconds = Annotated[float, Check(lambda v: 0 < v < float("inf"), "a finite number > 0")]
 PositiveFloat = Annotated[float, Check(lambda v: 0 < v < float("inf"), "a finite number > 0")]
+MessageInterval = Annotated[float, Check(lambda v: 0 <= v <= 1, "in [0, 1] (seconds)")]
 Rate = Annotated[float, Check(lambda v: 0 <= v < float("inf"), "a finite number >= 0")]
 Fraction = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
 
@@ -132,6 +133,10 @@ class GatewayConfig:
     # dialect's error event) and the call is recorded as failed. The wait counts from the prompt's
     # sending, so it covers the server's queue, a weight update's pause and the prompt's prefill.
     token_timeout_s: Seconds = 120.0
+    # The inference server sends a generation's tokens at most this often (the last at once): each
+    # message costs the gateway and the server about the same CPU however many tokens it holds. 0 =
+    # each step's tokens as soon as they are ready; at most 1.
+    message_interval_s: MessageInterval = 0.1
     # Bytes of request and response bodies one session keeps in memory; the bodies of its later calls
     # go to a file under body_spill_dir, read back for GetSession, `polar session show` and the node's
     # reports. Token ids and logprobs always stay in memory. 0 = every body to the file.

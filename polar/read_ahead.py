@@ -21,6 +21,11 @@ class StreamIdle(TimeoutError):
         self.seconds = seconds
 
 
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
 class ReadAhead(Generic[T]):
     """An async stream (a gRPC response stream, an engine's tokens) read in a task of its own,
     iterated as batches: everything that arrived since the last batch.
@@ -50,6 +55,7 @@ class ReadAhead(Generic[T]):
         # itself for the deadline as it now stands.
         self._deadline = 0.0
         self._watchdog: asyncio.TimerHandle | None = None
+        self._end_waiter: asyncio.Future[None] | None = None  # `until_ended`'s
         self._reader = asyncio.ensure_future(self._read(stream))
 
     async def _read(self, stream: AsyncIterator[T]) -> None:
@@ -62,12 +68,13 @@ class ReadAhead(Generic[T]):
         finally:
             self._ended = True
             self._wake()
+            if self._end_waiter is not None:
+                _resolve(self._end_waiter)
             self._stop_watchdog()  # nothing is left to wait for
 
     def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self._waiter is not None:
+            _resolve(self._waiter)
 
     def __aiter__(self) -> AsyncIterator[list[T]]:
         return self._batches()
@@ -94,6 +101,19 @@ class ReadAhead(Generic[T]):
             await waiter
         finally:
             self._waiter = None
+
+    async def until_ended(self, seconds: float) -> None:
+        """Wait until the stream has ended or `seconds` have passed, whichever comes first; what
+        arrives meanwhile is kept for the next batch."""
+        if self._ended:
+            return
+        self._end_waiter = waiter = self._loop.create_future()
+        timer = self._loop.call_later(seconds, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._end_waiter = None
 
     def _check_idle(self) -> None:
         self._watchdog = None

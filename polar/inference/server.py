@@ -120,7 +120,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             stream = self._engine.generate(generation)
             produced = ReadAhead(stream)
             try:
-                last, error = await _relay(produced, context, self._engine.policy_version)
+                last, error = await _relay(
+                    produced, context, self._engine.policy_version, request.message_interval_seconds
+                )
             finally:
                 # A client that went away cancels this task; closing the stream frees its slot now.
                 await produced.aclose()
@@ -199,7 +201,10 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 
 async def _relay(
-    produced: ReadAhead[TokenChunk | GenerationEnd], context: grpc.aio.ServicerContext, policy_version: int
+    produced: ReadAhead[TokenChunk | GenerationEnd],
+    context: grpc.aio.ServicerContext,
+    policy_version: int,
+    interval_s: float = 0.0,
 ) -> tuple[inference_pb2.GenerateResponse, str | None]:
     """Write the engine's tokens to the client as they come; return the stream's last message (the
     end, with the tokens that came with it) for the caller to send, and the error text if the engine
@@ -208,7 +213,9 @@ async def _relay(
     Tokens the engine produced while the previous message was being sent go out together in the next
     one (per policy version, which a message states for all its tokens): an engine faster than its
     client costs one message per batch instead of one per token, and one that decodes a token at a
-    time still streams each token as it comes. Nothing is held back for later tokens."""
+    time still streams each token as it comes. Nothing is held back for later tokens, unless the
+    request asks for at most one message per interval: after a message, the next then waits out the
+    interval or the generation's end, whichever comes first."""
     batches = aiter(produced)
     while True:
         try:
@@ -234,6 +241,8 @@ async def _relay(
             return last, None
         if end is not None:
             return inference_pb2.GenerateResponse(), end.error or "the engine failed without a message"
+        if interval_s and messages:
+            await produced.until_ended(interval_s)
 
 
 def _token_messages(chunks: Iterable[TokenChunk]) -> list[inference_pb2.GenerateResponse]:

@@ -31,6 +31,10 @@ class UnknownModel(InvalidRequest):
     """The request names a model this server does not serve."""
 
 
+# A client tells a hung engine by the gaps between messages: a longer interval would widen them.
+MAX_MESSAGE_INTERVAL_S = 1.0
+
+
 def validate_generate(
     request: inference_pb2.GenerateRequest, description: ModelDescription
 ) -> GenerationRequest:
@@ -46,6 +50,11 @@ def validate_generate(
     _check_prompt(ids, description.vocab_size)
     prompt = tuple(ids.tolist())
     sampling = _sampling_config(request)
+    interval = request.message_interval_seconds
+    if not 0.0 <= interval <= MAX_MESSAGE_INTERVAL_S:  # NaN too
+        raise InvalidRequest(
+            "message_interval_seconds", f"message_interval_seconds = {interval} is outside [0, {MAX_MESSAGE_INTERVAL_S:g}]"
+        )
     if len(prompt) + sampling.max_tokens > description.context_length:
         raise InvalidRequest(
             "sampling.max_tokens",

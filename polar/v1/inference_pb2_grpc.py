@@ -70,7 +70,8 @@ class InferenceServiceServicer:
         """Server-streaming. Samples a continuation of prompt_token_ids. Tokens stream back as they are
         produced: each response carries the tokens sampled since the previous one (those the engine
         produced while the previous response was being sent come together; none is held back to wait
-        for more), and the last one carries the finish reason and usage, with the last tokens or none.
+        for more unless message_interval_seconds asks for fewer messages), and the last one carries the
+        finish reason and usage, with the last tokens or none.
         Cancelling the call frees its slot at once.
 
         Log-probability semantics (the trainer must compute the same quantity): the logprob of a sampled
@@ -81,8 +82,9 @@ class InferenceServiceServicer:
         (T = 1 for greedy).
 
         Errors: INVALID_ARGUMENT for an empty prompt, a token id outside [0, vocab_size), max_tokens <= 0,
-        temperature < 0, top_p outside [0, 1], top_k < 0, or prompt length + max_tokens over the context
-        length; NOT_FOUND for a model this server does not serve.
+        temperature < 0, top_p outside [0, 1], top_k < 0, prompt length + max_tokens over the context
+        length, or message_interval_seconds outside [0, 1]; NOT_FOUND for a model this server does not
+        serve.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

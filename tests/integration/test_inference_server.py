@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -61,10 +62,13 @@ async def scripted() -> AsyncIterator[tuple[ScriptedEngine, inference_pb2_grpc.I
     await engine.stop()
 
 
-def gen_request(prompt=(1, 2, 3), model="", **sampling) -> inference_pb2.GenerateRequest:
+def gen_request(prompt=(1, 2, 3), model="", message_interval_seconds=0.0, **sampling) -> inference_pb2.GenerateRequest:
     sampling.setdefault("max_tokens", 200)
     return inference_pb2.GenerateRequest(
-        model=model, prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(**sampling)
+        model=model,
+        prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(**sampling),
+        message_interval_seconds=message_interval_seconds,
     )
 
 
@@ -101,6 +105,17 @@ async def test_tokens_decoded_one_at_a_time_stream_one_message_each(scripted):
     assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert messages[-1].usage.completion_tokens == 4
+
+
+async def test_a_message_interval_gathers_tokens_and_never_holds_back_the_end(scripted):
+    _, stub = scripted  # a token every 50 ms; after the first message, the next waits up to 1 s
+    started = time.monotonic()
+    tokens, _, messages = await collect(stub, gen_request(SLOW_PROMPT, max_tokens=4, message_interval_seconds=1.0))
+    elapsed = time.monotonic() - started
+    assert tokens == LONG[:4]
+    assert [len(m.token_ids) for m in messages] == [1, 3]  # the rest came with the end, at once
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert elapsed < 0.9, f"the end waited for the interval: {elapsed:.2f} s"
 
 
 class UpdatedMidwayEngine(ScriptedEngine):
@@ -210,6 +225,9 @@ async def test_an_engine_that_fails_or_stops_short_ends_the_stream_with_internal
         ({"top_p": 2.0}, grpc.StatusCode.INVALID_ARGUMENT, ["sampling.top_p = 2.0"]),
         ({"top_k": -2}, grpc.StatusCode.INVALID_ARGUMENT, ["sampling.top_k = -2"]),
         ({"max_tokens": 254}, grpc.StatusCode.INVALID_ARGUMENT, ["3", "254", "257", "256"]),
+        ({"message_interval_seconds": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, ["message_interval_seconds = 1.5", "[0, 1]"]),
+        ({"message_interval_seconds": -0.1}, grpc.StatusCode.INVALID_ARGUMENT, ["message_interval_seconds = -0.1"]),
+        ({"message_interval_seconds": math.nan}, grpc.StatusCode.INVALID_ARGUMENT, ["message_interval_seconds = nan"]),
     ],
 )
 async def test_bad_generate_requests_get_their_code_and_name_the_field(scripted, request_kwargs, code, fragments):

@@ -86,6 +86,7 @@ def test_a_config_file_is_held_to_the_same_checks(tmp_path):
         ("[gateway]\nport = 70000\n", "'gateway.port' must be a port in 0..65535"),
         ('[gateway]\nhistory = "all"\n', "'gateway.history' must be one of 'faithful', 'template'"),
         ('[node]\nready_slots = "2"\n', "'node.ready_slots' must be an integer, not '2'"),
+        ("[gateway]\nmessage_interval_s = 2.0\n", r"'gateway.message_interval_s' must be in \[0, 1\] \(seconds\)"),
     ]:
         path.write_text(text)
         with pytest.raises(ConfigError, match=problem):
