@@ -81,8 +81,8 @@ DEFAULT_GENERATE_TIMEOUT_S = 900.0
 # while a weight update pauses the server.
 DEFAULT_TOKEN_TIMEOUT_S = 120.0
 # Each message of a token stream costs the gateway (and the inference server) about the same CPU,
-# ~0.1 ms here, however many tokens it holds; an engine decoding a token per step would send one per
-# token. A tenth of a second still streams text to a harness smoothly.
+# 0.1-0.3 ms here (scripts/bench_token_stream.py), however many tokens it holds; an engine decoding a
+# token per step would send one per token. A tenth of a second still streams text to a harness smoothly.
 DEFAULT_MESSAGE_INTERVAL_S = 0.1
 MAX_RECONNECT_BACKOFF_MS = 2000
 GENERATE_METHOD = f"/{inference_pb2.DESCRIPTOR.services_by_name['InferenceService'].full_name}/Generate"

@@ -53,7 +53,8 @@ def validate_generate(
     interval = request.message_interval_seconds
     if not 0.0 <= interval <= MAX_MESSAGE_INTERVAL_S:  # NaN too
         raise InvalidRequest(
-            "message_interval_seconds", f"message_interval_seconds = {interval} is outside [0, {MAX_MESSAGE_INTERVAL_S:g}]"
+            "message_interval_seconds",
+            f"message_interval_seconds = {interval} is outside [0, {MAX_MESSAGE_INTERVAL_S:g}]",
         )
     if len(prompt) + sampling.max_tokens > description.context_length:
         raise InvalidRequest(
