@@ -95,6 +95,7 @@ from typing import Any
 
 import grpc
 
+from gateway.core import DEFAULT_MESSAGE_INTERVAL_S
 from polar import credentials as creds
 from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig
 from polar.envoy import render_config
@@ -1212,7 +1213,11 @@ def _generate_request(prompt: Sequence[int], session_id: str) -> inference_pb2.G
     # What the gateway asks for (core.Gateway._generate_request) for the bench's requests.
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS)
     return inference_pb2.GenerateRequest(
-        request_id=session_id, prompt_token_ids=prompt, sampling=sampling, session_id=session_id
+        request_id=session_id,
+        prompt_token_ids=prompt,
+        sampling=sampling,
+        session_id=session_id,
+        message_interval_seconds=DEFAULT_MESSAGE_INTERVAL_S,
     )
 
 
