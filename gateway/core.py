@@ -33,17 +33,14 @@ gateway/dialects/base.py for the contract and the order they are called in).
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import grpc
-import orjson
 from tokenizers import Tokenizer
 
 from gateway.chat_format import ChatFormat
@@ -61,6 +58,7 @@ from gateway.dialects.base import (
     Usage,
     json_bytes,
 )
+from gateway.json_body import BodyDecoder
 from gateway.output import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
 from gateway.render import PriorCall, RenderedPrompt, render_request
@@ -96,15 +94,6 @@ _GRPC_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ErrorKind.INVALID_REQUEST,
     grpc.StatusCode.NOT_FOUND: ErrorKind.NOT_FOUND,
 }
-# 19 digits in a row: perhaps an integer past 64 bits, which orjson reads as a float (decode_body).
-_DIGITS_AS_ZEROS_OTHERS_AS_ONES = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x31 for byte in range(256))
-_HUGE_INTEGER = b"0" * 19
-_MINUS = ord("-")
-_JSON_WHITESPACE = b" \t\r\n"
-_BEFORE_A_VALUE = b":,["
-_MAX_SPACES_LOOKED_AT = 64
-# A \uD800-\uDFFF escape: half of a surrogate pair, or, alone, no character at all.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 _ENGINE_FINISH = {
     common_pb2.FINISH_REASON_STOP: FinishKind.STOP,
     common_pb2.FINISH_REASON_LENGTH: FinishKind.LENGTH,
@@ -214,90 +203,6 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> GatewayError:
 
 
 # ------------------------------------------------------------------------------------ the calls
-
-
-def _may_hold_huge_integer(raw: bytes) -> bool:
-    """Whether a JSON text may hold an integer of 19 digits or more, which orjson would read as a
-    float past 64 bits. A run of 19 digits counts only where JSON lets a number begin: at the start,
-    or after `:`, `,` or `[`, with whitespace and a minus sign between (past a few dozen bytes of
-    whitespace, it counts). A run inside a string, such as a nanosecond timestamp in a tool's
-    output, cannot be a number: its body still goes to orjson, and so does every later call of its
-    session, which sends it again."""
-    kinds = raw.translate(_DIGITS_AS_ZEROS_OTHERS_AS_ONES)
-    at = kinds.find(_HUGE_INTEGER)
-    while at != -1:  # `at` starts a run of digits: the search starts where the last run ended
-        before = at - 1
-        if before >= 0 and raw[before] == _MINUS:
-            before -= 1
-        spaces = 0
-        while before >= 0 and raw[before] in _JSON_WHITESPACE:
-            before, spaces = before - 1, spaces + 1
-        if before < 0 or raw[before] in _BEFORE_A_VALUE or spaces > _MAX_SPACES_LOOKED_AT:
-            return True
-        end = kinds.find(b"1", at)
-        if end == -1:
-            return False
-        at = kinds.find(_HUGE_INTEGER, end)
-    return False
-
-
-def decode_body(raw: bytes) -> dict[str, Any]:
-    """The request's JSON object; INVALID_REQUEST for anything else.
-
-    orjson reads a harness's 80 kB body in a third of the standard library's time. What it refuses
-    (NaN, depth past 1024, any invalid JSON) and what it would read differently (an integer too large
-    for 64 bits becomes a float, which would then render differently in the prompt) is read by the
-    standard library, as before, with its error messages.
-    """
-    if not _may_hold_huge_integer(raw):
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-        else:
-            if not isinstance(body, dict):
-                raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
-            return body  # orjson refuses unpaired surrogates itself
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
-    # JSON lets "\ud800" escape half of a surrogate pair alone, which decodes to no character at
-    # all: the tokenizer rejects it and no reply or record quoting it encodes as UTF-8.
-    if _unpaired_surrogate_escape(raw):
-        raise GatewayError(
-            ErrorKind.INVALID_REQUEST, "the request body holds an unpaired surrogate escape (\\ud800-\\udfff)"
-        )
-    return body
-
-
-def _unpaired_surrogate_escape(raw: bytes) -> bool:
-    """Whether JSON that parsed holds a surrogate escape without its other half.
-
-    Pairs are common (clients that escape everything outside ASCII write an emoji as two escapes), so
-    only the escapes themselves are visited, not the whole body again. In valid JSON every backslash
-    starts an escape: one preceded by an odd run of backslashes is an escaped backslash's text.
-    """
-    low_expected_at = -1
-    for match in _SURROGATE_ESCAPE.finditer(raw):
-        start = match.start()
-        before = start
-        while before and raw[before - 1] == 0x5C:  # backslash
-            before -= 1
-        if (start - before) % 2:
-            continue  # "\\ud800": text, not an escape
-        high = int(raw[start + 2 : start + 6], 16) < 0xDC00
-        if start == low_expected_at:
-            if high:
-                return True  # a high half where its low half should be
-            low_expected_at = -1
-        elif low_expected_at != -1 or not high:
-            return True  # a high half without its low half, or a low half alone
-        else:
-            low_expected_at = match.end()
-    return low_expected_at != -1
 
 
 def error_reply(dialect: Dialect, error: GatewayError) -> Reply:
@@ -475,6 +380,8 @@ class Gateway:
     generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S
     token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S
     message_interval_s: float = DEFAULT_MESSAGE_INTERVAL_S  # GenerateRequest.message_interval_seconds
+    # Request bodies, with the tools and system prompts harnesses repeat read once (gateway/json_body.py).
+    bodies: BodyDecoder = field(default_factory=BodyDecoder)
 
     def authorize(self, key: str | None) -> Session:
         try:
@@ -487,7 +394,7 @@ class Gateway:
         received_ns, started = time.time_ns(), time.perf_counter()
         try:
             session = self.authorize(key)
-            request = dialect.parse_request(decode_body(raw), route)
+            request = dialect.parse_request(self.bodies.decode(raw), route)
             call = self._prepare(session, dialect, request, raw, received_ns, started)
         except GatewayError as exc:
             return self.error_reply(dialect, exc)
@@ -502,7 +409,7 @@ class Gateway:
             session = self.authorize(key)
             if not isinstance(dialect, TokenCounting):
                 raise GatewayError(ErrorKind.NOT_FOUND, f"the {dialect.name} dialect does not count tokens")
-            request = dialect.parse_count_tokens(decode_body(raw), route)
+            request = dialect.parse_count_tokens(self.bodies.decode(raw), route)
             rendered = render_request(
                 self.chat_format, request.conversation, session.prior_calls, history=session.history
             )

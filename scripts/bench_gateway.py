@@ -480,7 +480,9 @@ def _backend_main(conn: Connection, pieces: list[str]) -> None:
 
 
 def _http_request(address: str, path: str, headers: dict[str, str], body: dict) -> bytes:
-    data = json.dumps(body, separators=(",", ":")).encode()
+    # Written as the harnesses write JSON (Node's JSON.stringify, serde_json): compact, characters
+    # past ASCII as UTF-8. A recorded body read and written back is the body its harness sent.
+    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
     lines = [
         f"POST {path} HTTP/1.1", f"Host: {address}", "Content-Type: application/json", f"Content-Length: {len(data)}"
     ]  # fmt: skip

@@ -49,6 +49,7 @@ from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.dialects.base import (
+    ByIdentity,
     CallInfo,
     Dialect,
     DialectRequest,
@@ -231,10 +232,10 @@ def _check_role(kind: str, role: str, param: str) -> None:
     raise _unsupported(kind, param)
 
 
-def _tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
+def _tools(value: Any) -> tuple[ToolSpec, ...]:
     specs: list[ToolSpec] = []
     paths: list[str] = []  # where each spec's name is, in the raw list that skipped tools are part of
-    for i, raw in enumerate(_check.field(body, "tools", "array") or ()):
+    for i, raw in enumerate(_check.array(value, "tools", optional=True) or ()):
         param = f"tools.{i}"
         raw = _check.object(raw, param)
         if raw.get("type") not in (None, "custom"):
@@ -247,6 +248,10 @@ def _tools(body: dict[str, Any]) -> tuple[ToolSpec, ...]:
         paths.append(f"{param}.name")
     _check.unique_tool_names(specs, paths)
     return tuple(specs)
+
+
+# A harness's tools, converted once: the same object in every call that repeats them (BodyDecoder).
+_known_tools = ByIdentity(_tools)
 
 
 def _tool_choice(body: dict[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
@@ -291,7 +296,7 @@ def _parse(body: Any, *, counting: bool) -> DialectRequest:
     if not isinstance(body, dict):
         raise _invalid(None, "the request body must be a JSON object")
     model = _check.string(body.get("model"), "model", nonempty=True)
-    tools = _tools(body)
+    tools = _known_tools(body.get("tools"))
     choice = _tool_choice(body, tools)
     conversation = _conversation(body, tools, choice)
     stream = False if counting else bool(_check.field(body, "stream", "boolean"))

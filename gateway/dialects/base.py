@@ -27,9 +27,10 @@ from __future__ import annotations
 import abc
 import enum
 import json
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
 
@@ -179,6 +180,39 @@ class Dialect(abc.ABC):
     @abc.abstractmethod
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
         """HTTP status and body for an error, in the dialect's error shape."""
+
+
+Converted = TypeVar("Converted")
+
+# Values a dialect keeps its conversions of: a few harnesses' tools.
+BY_IDENTITY_ENTRIES = 16
+
+
+class ByIdentity(Generic[Converted]):
+    """A conversion of a request's values that remembers its last few results by the identity of the
+    value converted.
+
+    `gateway.json_body.BodyDecoder` hands every body that repeats a known value (a harness's tools)
+    the same object, which nothing changes, so a dialect converts it once rather than on every call.
+    An entry holds its value, whose id no other object can take while the entry lives. A conversion
+    that raises is not remembered, and raises again for the next call.
+    """
+
+    def __init__(self, convert: Callable[[Any], Converted], entries: int = BY_IDENTITY_ENTRIES) -> None:
+        self._convert = convert
+        self._entries = entries
+        self._results: OrderedDict[int, tuple[Any, Converted]] = OrderedDict()
+
+    def __call__(self, value: Any) -> Converted:
+        held = self._results.get(id(value))
+        if held is not None:
+            self._results.move_to_end(id(value))
+            return held[1]
+        result = self._convert(value)
+        self._results[id(value)] = (value, result)
+        if len(self._results) > self._entries:
+            self._results.popitem(last=False)
+        return result
 
 
 def json_bytes(body: Any) -> bytes:

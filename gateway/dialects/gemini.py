@@ -56,6 +56,7 @@ from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.dialects.base import (
+    ByIdentity,
     CallInfo,
     Dialect,
     DialectRequest,
@@ -370,6 +371,10 @@ def _tools(value: Any) -> tuple[ToolSpec, ...]:
     return tuple(specs)
 
 
+# A harness's tools, converted once: the same object in every call that repeats them (BodyDecoder).
+_known_tools = ByIdentity(_tools)
+
+
 def _declaration(declaration: Any, path: str) -> ToolSpec:
     declaration = _object(declaration, path, required=True)
     name = _string(_get(declaration, "name"), f"{path}.name", required=True)
@@ -595,7 +600,7 @@ class GeminiDialect(Dialect):
                 "cachedContent", "Cached contents are not supported by this gateway: send the full contents."
             )
         generation = _object(_get(body, "generationConfig"), "generationConfig")
-        tools = _tools(_get(body, "tools"))
+        tools = _known_tools(_get(body, "tools"))
         tool_choice = _tool_choice(_get(body, "toolConfig"), tools)
         messages = _conversation(_get(body, "contents"), _get(body, "systemInstruction"))
         sampling = _sampling(generation)

@@ -37,6 +37,7 @@ from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.dialects.base import (
+    ByIdentity,
     CallInfo,
     Dialect,
     DialectRequest,
@@ -293,8 +294,8 @@ def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
     return tuple(messages)
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
-    raw = field(body, "tools", "array", "tools") or []
+def _tools(value: Any) -> tuple[ToolSpec, ...]:
+    raw = CHECKS.array(value, "tools", optional=True) or []
     tools = []
     for index, item in enumerate(raw):
         param = f"tools[{index}]"
@@ -313,6 +314,10 @@ def _tools(body: Mapping[str, Any]) -> tuple[ToolSpec, ...]:
         tools.append(ToolSpec(name, description, parameters))
     unique_tool_names(tools)
     return tuple(tools)
+
+
+# A harness's tools, converted once: the same object in every call that repeats them (BodyDecoder).
+_known_tools = ByIdentity(_tools)
 
 
 def _tool_choice(body: Mapping[str, Any], tools: tuple[ToolSpec, ...]) -> ToolChoice:
@@ -405,7 +410,7 @@ def _parse(body: Any) -> DialectRequest:
     _refuse_unsupported(body)
     CHECKS.fields(body, _IGNORED_FIELDS)
     messages = _conversation(body)
-    tools = _tools(body)
+    tools = _known_tools(body.get("tools"))
     tool_choice = _tool_choice(body, tools)
     stream = bool(field(body, "stream", "boolean", "stream"))
     stream_options = field(body, "stream_options", "object", "stream_options") or {}

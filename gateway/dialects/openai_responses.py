@@ -53,6 +53,7 @@ from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.dialects.base import (
+    ByIdentity,
     CallInfo,
     Dialect,
     DialectRequest,
@@ -259,11 +260,11 @@ def _function_tool(tool: Mapping[str, Any], param: str, namespace: str = "") -> 
     return ToolSpec(qualified, description, function_parameters(tool, f"{param}.parameters"))
 
 
-def _tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], list[dict[str, Any]]]:
+def _tools(value: Any) -> tuple[tuple[ToolSpec, ...], list[dict[str, Any]]]:
     """The functions the model gets (namespaced ones qualified) and the tools as responses echo them."""
     tools: list[ToolSpec] = []
     echoed: list[dict[str, Any]] = []
-    for index, item in enumerate(field(body, "tools", "array", "tools") or []):
+    for index, item in enumerate(CHECKS.array(value, "tools", optional=True) or []):
         param = f"tools[{index}]"
         tool = as_object(item, param)
         kind = field(tool, "type", "string", f"{param}.type", required=True)
@@ -284,6 +285,10 @@ def _tools(body: Mapping[str, Any]) -> tuple[tuple[ToolSpec, ...], list[dict[str
         echoed.append({"type": "namespace", "name": namespace, "description": description, "tools": members})
     unique_tool_names(tools)
     return tuple(tools), echoed
+
+
+# A harness's tools, converted once: the same object in every call that repeats them (BodyDecoder).
+_known_tools = ByIdentity(_tools)
 
 
 def _namespaced(request: DialectRequest) -> dict[str, tuple[str, str]]:
@@ -358,7 +363,7 @@ def _parse(body: Any) -> DialectRequest:
     _refuse_unsupported(body)
     CHECKS.fields(body, _IGNORED_FIELDS)
     messages = _conversation(body)
-    tools, echoed_tools = _tools(body)
+    tools, echoed_tools = _known_tools(body.get("tools"))
     tool_choice = _tool_choice(body, tools)
     sampling = _sampling(body)
     choice = body.get("tool_choice")

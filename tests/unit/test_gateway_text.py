@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.core import _may_hold_huge_integer, decode_body, finish_kind, max_tokens_for
+from gateway.core import finish_kind, max_tokens_for
+from gateway.json_body import _may_hold_huge_integer, decode_body
 from gateway.output import OutputAssembler, StopScanner, tool_calls_as_text
 from gateway.dialects.base import ErrorKind, FinishKind, GatewayError
 from gateway.parsers import TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart, collect, get_output_parser

@@ -1,0 +1,340 @@
+"""Request bodies as JSON: read as Python's json module reads them, and the large values a harness
+sends with every call (its tools, its system prompt) read once per gateway.
+
+Reading. orjson reads a harness's 80 kB body in a third of the standard library's time. What it
+refuses (NaN, depth past 1024, any invalid JSON) and what it would read differently (an integer too
+large for 64 bits becomes a float, which would then render differently in the prompt) is read by the
+standard library, with its error messages.
+
+Known values. A harness sends the same tools and system prompt with every call of every session,
+byte for byte (Claude Code's 24 tools are 63 kB of its 76 kB first call), and reading them again each
+time, objects made and then freed, cost more than the rest of a call's reading and rendering.
+`BodyDecoder` keeps, for the places that hold them (`KNOWN_PLACES`: top-level members, and the first
+item of a conversation's array), the JSON text of values it has read and the values themselves. A
+body that has a known text right after such a place's lead (`"tools":`, `"messages":[`) is read with
+that text replaced by a marker, a string only this process knows, and when the marker reads as the
+place's value the place takes the known value.
+
+Why that is exact: the text before the replaced one is unchanged, so a reader reaches its first
+byte in the same state. The marker reads as the place's value only if the reader expected a value
+there, and then the known text, one whole JSON object, array or string, would have read there as
+the known value; the text after it reads the same either way. A marker in any other place (inside a
+string, nested deeper, a member written twice) leaves the body unreadable or the place without the
+marker, and the body is read whole. A value is learned when its text as orjson writes it follows
+its place's lead in a body orjson read: compact, characters past ASCII as UTF-8, as Node's
+JSON.stringify and serde_json write (every recorded harness session in tests/fixtures/sessions does).
+A text written otherwise (spaces, escaped characters) is read in full on every call; its first
+bytes are remembered, so it is not written out again to be looked for.
+
+A known value is shared by every body that holds it: nothing may change a decoded body. Dialects read
+bodies and build their own objects; a dialect may keep what it converts from a known value by its
+identity (`gateway.dialects.base.ByIdentity`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import string
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from gateway.dialects.base import ErrorKind, GatewayError
+
+# Where the dialects keep what a harness repeats: tools (all four), Anthropic's `system`, Gemini's
+# `systemInstruction` (either spelling), the Responses API's `instructions`, and the first item of
+# the conversation (a system or developer message: Qwen Code's is 38 kB, Codex's 17 kB).
+KNOWN_PLACES = (
+    "tools", "system", "systemInstruction", "system_instruction", "instructions",
+    "messages[0]", "input[0]", "contents[0]",
+)  # fmt: skip
+# Smaller values cost less to read than to look up.
+MIN_KNOWN_BYTES = 2048
+# Bounds of what a gateway keeps per place: a few harnesses' configurations. Per place, so that
+# first messages that differ in every session cannot push a harness's tools out.
+MAX_KNOWN_VALUES = 16
+MAX_KNOWN_BYTES = 4 * 1024 * 1024
+# Known texts are found by their first bytes after the member's name, then compared whole.
+PREFIX_BYTES = 64
+# Texts orjson writes otherwise, by their first bytes: not looked for again.
+MAX_UNMATCHED = 256
+
+# 19 digits in a row: perhaps an integer past 64 bits, which orjson reads as a float.
+_DIGITS_AS_ZEROS_OTHERS_AS_ONES = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x31 for byte in range(256))
+_HUGE_INTEGER = b"0" * 19
+_MINUS = ord("-")
+_JSON_WHITESPACE = b" \t\r\n"
+_BEFORE_A_VALUE = b":,["
+_MAX_SPACES_LOOKED_AT = 64
+# A \uD800-\uDFFF escape: half of a surrogate pair, or, alone, no character at all.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# Characters of a string value that JSON writes as up to 6 bytes each (\u001f): a string shorter
+# than this share of MIN_KNOWN_BYTES is never written that long.
+_MAX_BYTES_PER_CHARACTER = 6
+
+
+def decode_body(raw: bytes) -> dict[str, Any]:
+    """The request's JSON object; INVALID_REQUEST for anything else."""
+    return _read(raw)[0]
+
+
+def _read(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """The body's object, and whether orjson read it (else the standard library did)."""
+    body = _read_fast(raw)
+    if body is not None:
+        return body, True
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise GatewayError(ErrorKind.INVALID_REQUEST, f"the request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
+    # JSON lets "\ud800" escape half of a surrogate pair alone, which decodes to no character at
+    # all: the tokenizer rejects it and no reply or record quoting it encodes as UTF-8.
+    if _unpaired_surrogate_escape(raw):
+        raise GatewayError(
+            ErrorKind.INVALID_REQUEST, "the request body holds an unpaired surrogate escape (\\ud800-\\udfff)"
+        )
+    return body, False
+
+
+def _read_fast(raw: bytes) -> Any:
+    """What orjson reads from `raw` when it reads it as the standard library would; else None."""
+    if _may_hold_huge_integer(raw):
+        return None
+    try:
+        body = orjson.loads(raw)  # it refuses unpaired surrogates itself
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict):
+        raise GatewayError(ErrorKind.INVALID_REQUEST, "the request body must be a JSON object")
+    return body
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a known value may be: a member of the body, or the first item of a member's array."""
+
+    member: str
+    first_item: bool
+
+    @classmethod
+    def of(cls, name: str) -> _Place:
+        member = name.removesuffix("[0]")
+        return cls(member, member != name)
+
+    def lead(self) -> bytes:
+        """The JSON text that comes right before the value, written compact."""
+        return orjson.dumps(self.member) + (b":[" if self.first_item else b":")
+
+    def get(self, body: dict[str, Any]) -> Any:
+        value = body.get(self.member)
+        if not self.first_item:
+            return value
+        return value[0] if isinstance(value, list) and value else None
+
+    def put(self, body: dict[str, Any], value: Any) -> None:
+        if self.first_item:
+            body[self.member][0] = value
+        else:
+            body[self.member] = value
+
+
+@dataclass(frozen=True, eq=False)
+class _Known:
+    place: _Place
+    text: bytes  # the value's JSON text, as orjson writes it and the harness sent it
+    value: Any  # what the text reads to; shared, never changed
+
+
+class _KnownAt:
+    """The known values of one place, least recently used first, found by their texts' first bytes."""
+
+    def __init__(self, place: _Place, marker: str) -> None:
+        self.place = place
+        self.lead = place.lead()
+        self.marker = marker
+        self.marker_text = orjson.dumps(marker)
+        self.by_prefix: dict[bytes, list[_Known]] = {}
+        self.recent: OrderedDict[int, _Known] = OrderedDict()
+        self.bytes = 0
+
+    def at(self, raw: bytes, start: int) -> _Known | None:
+        for known in self.by_prefix.get(raw[start : start + PREFIX_BYTES], ()):
+            if raw.startswith(known.text, start):
+                return known
+        return None
+
+    def keep(self, known: _Known, max_values: int, max_bytes: int) -> None:
+        self.by_prefix.setdefault(known.text[:PREFIX_BYTES], []).insert(0, known)
+        self.recent[id(known)] = known
+        self.bytes += len(known.text)
+        while len(self.recent) > max_values or self.bytes > max_bytes:
+            _, oldest = self.recent.popitem(last=False)
+            same_prefix = self.by_prefix[oldest.text[:PREFIX_BYTES]]
+            same_prefix.remove(oldest)
+            if not same_prefix:
+                del self.by_prefix[oldest.text[:PREFIX_BYTES]]
+            self.bytes -= len(oldest.text)
+
+
+class BodyDecoder:
+    """`decode_body` that reads the known values of `places` once (see the module docstring)."""
+
+    def __init__(
+        self,
+        places: tuple[str, ...] = KNOWN_PLACES,
+        *,
+        min_bytes: int = MIN_KNOWN_BYTES,
+        max_values: int = MAX_KNOWN_VALUES,
+        max_bytes: int = MAX_KNOWN_BYTES,
+    ) -> None:
+        # Letters only: no digit run of a marker can look like a huge integer to `_read_fast`.
+        secret = "".join(secrets.choice(string.ascii_letters) for _ in range(32))
+        self._places = [_KnownAt(_Place.of(name), f"polar-known-value-{secret}-{name}") for name in places]
+        self._min_bytes = max(min_bytes, PREFIX_BYTES)  # a text is found by its first PREFIX_BYTES
+        self._max_values = max_values
+        self._max_bytes = max_bytes
+        self._unmatched: OrderedDict[tuple[str, bytes], None] = OrderedDict()
+
+    @property
+    def known_values(self) -> int:
+        return sum(len(place.recent) for place in self._places)
+
+    def decode(self, raw: bytes) -> dict[str, Any]:
+        """The request's JSON object, equal to `decode_body(raw)`; INVALID_REQUEST for anything else."""
+        found = self._find(raw)
+        body = self._read_around(raw, found) if found else None
+        if body is None:
+            body, by_orjson = _read(raw)
+            if not by_orjson:
+                return body
+            found = []
+        self._learn(raw, body, [place for _, place, _ in found])
+        return body
+
+    def _find(self, raw: bytes) -> list[tuple[int, _KnownAt, _Known]]:
+        """Where known texts follow their place's lead: one text per place at most."""
+        found = []
+        for place in self._places:
+            if not place.recent:
+                continue
+            at = raw.find(place.lead)
+            while at != -1:
+                start = at + len(place.lead)
+                known = place.at(raw, start)
+                if known is not None:
+                    found.append((start, place, known))
+                    break
+                at = raw.find(place.lead, start)
+        return found
+
+    def _read_around(self, raw: bytes, found: list[tuple[int, _KnownAt, _Known]]) -> dict[str, Any] | None:
+        """The body read with each found text replaced by its place's marker and the markers then
+        by the known values; None when a marker did not land in its place (or the rest is not what
+        orjson reads as the standard library does), and the body must be read whole."""
+        found.sort(key=lambda item: item[0])
+        parts, end = [], 0
+        for start, place, known in found:
+            if start < end:
+                return None  # one known text inside another
+            parts += (raw[end:start], place.marker_text)
+            end = start + len(known.text)
+        parts.append(raw[end:])
+        try:
+            body = _read_fast(b"".join(parts))
+        except GatewayError:
+            return None
+        if body is None or any(place.place.get(body) != place.marker for _, place, _ in found):
+            return None
+        for _, place, known in found:
+            place.place.put(body, known.value)
+            place.recent.move_to_end(id(known))
+        return body
+
+    def _learn(self, raw: bytes, body: dict[str, Any], known: list[_KnownAt]) -> None:
+        """Keep the long values of the places (but those `known` already), where they are written as
+        orjson writes them."""
+        for place in self._places:
+            if place in known:
+                continue
+            value = place.place.get(body)
+            if not isinstance(value, (dict, list, str)):
+                continue
+            if isinstance(value, str) and len(value) * _MAX_BYTES_PER_CHARACTER + 2 < self._min_bytes:
+                continue
+            at = raw.find(place.lead)
+            if at == -1:
+                continue
+            start = at + len(place.lead)
+            unmatched = (place.marker, raw[start : start + PREFIX_BYTES])
+            if unmatched in self._unmatched or place.at(raw, start) is not None:
+                continue
+            try:
+                text = orjson.dumps(value)
+            except orjson.JSONEncodeError:
+                continue
+            if not self._min_bytes <= len(text) <= self._max_bytes:
+                continue
+            if raw.find(place.lead + text) != -1:
+                place.keep(_Known(place.place, text, value), self._max_values, self._max_bytes)
+            else:
+                self._unmatched[unmatched] = None
+                if len(self._unmatched) > MAX_UNMATCHED:
+                    self._unmatched.popitem(last=False)
+
+
+def _may_hold_huge_integer(raw: bytes) -> bool:
+    """Whether a JSON text may hold an integer of 19 digits or more, which orjson would read as a
+    float past 64 bits. A run of 19 digits counts only where JSON lets a number begin: at the start,
+    or after `:`, `,` or `[`, with whitespace and a minus sign between (past a few dozen bytes of
+    whitespace, it counts). A run inside a string, such as a nanosecond timestamp in a tool's
+    output, cannot be a number: its body still goes to orjson, and so does every later call of its
+    session, which sends it again."""
+    kinds = raw.translate(_DIGITS_AS_ZEROS_OTHERS_AS_ONES)
+    at = kinds.find(_HUGE_INTEGER)
+    while at != -1:  # `at` starts a run of digits: the search starts where the last run ended
+        before = at - 1
+        if before >= 0 and raw[before] == _MINUS:
+            before -= 1
+        spaces = 0
+        while before >= 0 and raw[before] in _JSON_WHITESPACE:
+            before, spaces = before - 1, spaces + 1
+        if before < 0 or raw[before] in _BEFORE_A_VALUE or spaces > _MAX_SPACES_LOOKED_AT:
+            return True
+        end = kinds.find(b"1", at)
+        if end == -1:
+            return False
+        at = kinds.find(_HUGE_INTEGER, end)
+    return False
+
+
+def _unpaired_surrogate_escape(raw: bytes) -> bool:
+    """Whether JSON that parsed holds a surrogate escape without its other half.
+
+    Pairs are common (clients that escape everything outside ASCII write an emoji as two escapes), so
+    only the escapes themselves are visited, not the whole body again. In valid JSON every backslash
+    starts an escape: one preceded by an odd run of backslashes is an escaped backslash's text.
+    """
+    low_expected_at = -1
+    for match in _SURROGATE_ESCAPE.finditer(raw):
+        start = match.start()
+        before = start
+        while before and raw[before - 1] == 0x5C:  # backslash
+            before -= 1
+        if (start - before) % 2:
+            continue  # "\\ud800": text, not an escape
+        high = int(raw[start + 2 : start + 6], 16) < 0xDC00
+        if start == low_expected_at:
+            if high:
+                return True  # a high half where its low half should be
+            low_expected_at = -1
+        elif low_expected_at != -1 or not high:
+            return True  # a high half without its low half, or a low half alone
+        else:
+            low_expected_at = match.end()
+    return low_expected_at != -1
