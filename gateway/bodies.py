@@ -2,12 +2,13 @@
 
 Bodies are the bulk of what a session records: a harness sends the whole conversation again with every
 call, so a long session's bodies grow with the square of its length, while its token ids (what the
-trajectory is built from) grow with its length. A session keeps its calls' bodies in memory until they
-add up to `[gateway] max_session_body_bytes`; the bodies of every later call are appended to one file
-of the session's in the gateway's spill folder and cleared from the record in memory, which keeps where
-they went. A record that leaves the gateway (GetSession, WatchSession, `polar session show`, the
-node's reports to the rollout server) gets its bodies back from the file, so callers see whole records.
-Token ids, logprobs, timings and every other field always stay in memory.
+trajectory is built from) grow with its length. The records a session holds leave the bodies out; it
+keeps them beside the records, the bytes the gateway received and sent, in memory until they add up to
+`[gateway] max_session_body_bytes`; the bodies of every later call are appended to one file of the
+session's in the gateway's spill folder, and only where they went stays in memory. A record that
+leaves the gateway (GetSession, WatchSession, `polar session show`, the node's reports to the rollout
+server) gets its bodies back, from memory or the file, so callers see whole records. Token ids,
+logprobs, timings and every other field always stay in memory.
 
 If the file cannot be written (a full disk, the folder removed) the bodies are dropped, and the record
 says so (`CallRecord.bodies_dropped`); the same when they cannot be read back. The spill folder is a
@@ -82,25 +83,30 @@ class SessionBodies:
     def __init__(self, folder: SpillFolder, max_bytes: int) -> None:
         self._folder = folder
         self.max_bytes = max_bytes
-        self.in_memory = 0  # bytes of the bodies its records hold
+        self.in_memory = 0  # bytes of the bodies held in memory
         self.over = False  # a call's bodies did not fit: this one's and every later call's leave memory
         self._file: Path | None = None
         self._end = 0  # bytes written to the file
         self._spilled: dict[str, _Spilled] = {}
+        # The bodies in memory by call id, as the gateway received and sent them: the records leave
+        # them out, so 80 kB of a harness's request is not copied into the record and out again.
+        self._held: dict[str, tuple[bytes, bytes]] = {}
 
     @property
     def spilled(self) -> int:
         """How many calls' bodies are in the file."""
         return len(self._spilled)
 
-    def keep(self, record: common_pb2.CallRecord) -> None:
-        """Take a new record's bodies: left in it until the session's first call that does not fit
-        under the cap; from that call on, moved to the file (or, when the file cannot be written,
-        dropped and the record marked)."""
-        request, response = record.request_body, record.response_body
+    def keep(self, record: common_pb2.CallRecord, request: bytes, response: bytes) -> None:
+        """Take a new call's bodies, which its record leaves out: held in memory until the session's
+        first call that does not fit under the cap; from that call on, written to the file (or, when
+        the file cannot be written, dropped and the record marked)."""
         size = len(request) + len(response)
+        if not size:
+            return
         if not self.over and self.in_memory + size <= self.max_bytes:
             self.in_memory += size
+            self._held[record.call_id] = (request, response)
             return
         self.over = True
         try:
@@ -117,16 +123,18 @@ class SessionBodies:
         else:
             self._spilled[record.call_id] = _Spilled(self._end, len(request), len(response))
             self._end += size
-        record.ClearField("request_body")
-        record.ClearField("response_body")
 
-    def in_file(self, record: common_pb2.CallRecord) -> bool:
-        """Whether the record's bodies are in the file, not in the record."""
-        return record.call_id in self._spilled
+    def held(self, record: common_pb2.CallRecord) -> bool:
+        """Whether there are bodies of the record's call here (in memory or in the file)."""
+        return record.call_id in self._held or record.call_id in self._spilled
 
     def missing_fields(self, record: common_pb2.CallRecord) -> bytes:
-        """The serialized fields that complete a record whose bodies are in the file: its bodies,
-        read back, or `bodies_dropped` when they cannot be; nothing for a record that holds them."""
+        """The serialized fields that complete the record: its call's bodies (read back from the file
+        when they were spilled), or `bodies_dropped` when they cannot be read; nothing for a call
+        without bodies here."""
+        in_memory = self._held.get(record.call_id)
+        if in_memory is not None:
+            return _fields(*in_memory)
         where = self._spilled.get(record.call_id)
         if where is None:
             return b""
@@ -140,8 +148,7 @@ class SessionBodies:
             log.warning("gateway: the spilled bodies of call %s of session %s cannot be read back from %s: %s",
                         record.call_id, record.session_id, self._file, exc.strerror or exc)  # fmt: skip
             return _BODIES_DROPPED
-        bodies = ((_REQUEST, data[: where.request_length]), (_RESPONSE, data[where.request_length :]))
-        return b"".join(length_delimited(number, body) for number, body in bodies if body)
+        return _fields(data[: where.request_length], data[where.request_length :])
 
     def discard(self) -> None:
         """Remove the session's file (it is being forgotten)."""
@@ -150,3 +157,10 @@ class SessionBodies:
                 os.unlink(self._file)
             self._file = None
         self._spilled.clear()
+        self._held.clear()
+
+
+def _fields(request: bytes, response: bytes) -> bytes:
+    """The bodies as a CallRecord's serialized fields."""
+    bodies = ((_REQUEST, request), (_RESPONSE, response))
+    return b"".join(length_delimited(number, body) for number, body in bodies if body)

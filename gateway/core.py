@@ -303,7 +303,8 @@ class _Call:
         return events, self.result
 
     def record(self) -> common_pb2.CallRecord:
-        """The call's record, without its prompt ids: the session holds them packed (`prompt`)."""
+        """The call's record, without its prompt ids and bodies: the session holds them apart (`prompt`,
+        `raw`, `response_body`), as they are."""
         return common_pb2.CallRecord(
             call_id=self.record_id,
             session_id=self.session.session_id,
@@ -318,8 +319,6 @@ class _Call:
             forced_token_count=self.rendered.forced_token_count,
             aborted=self.aborted,
             error=self.error.message if self.error is not None else "",
-            request_body=self.raw,
-            response_body=self.response_body,
             timings=common_pb2.CallTimings(
                 received_unix_ns=self.received_ns,
                 render_seconds=self.render_seconds,
@@ -523,7 +522,7 @@ class Gateway:
         finally:
             messages.close()
             grpc_call.cancel()
-            self.store.record(call.session, call.record(), call.prior(), call.prompt)
+            self.store.record(call.session, call.record(), call.prior(), call.prompt, call.raw, call.response_body)
         return reply
 
     async def _fail(self, call: _Call, stream: _StreamWriter, error: GatewayError) -> Reply | None:

@@ -11,9 +11,10 @@ A closed session refuses its key for new calls, but calls in flight still finish
 A session may carry its task's `SamplingPolicy` (gateway/sampling.py), which the core applies to each
 call; `sampled_tokens` counts what its calls sampled, as the tokens arrive, for the policy's budget.
 
-Records are held in parts: the request and response bodies past a session's cap go to a file
-(gateway/bodies.py), and the prompt ids of the gateway's own calls stay packed, as the engine was sent
-them. Every record leaves the store whole (`whole` parsed, `serialized` for the wire).
+Records are held in parts: the request and response bodies apart, as the gateway received and sent
+them, in memory up to the session's cap and past it in a file (gateway/bodies.py), and the prompt ids
+of the gateway's own calls packed, as the engine was sent them. Every record leaves the store whole
+(`whole` parsed, `serialized` for the wire).
 
 Bounds, so that a gateway serving for weeks holds what its sessions need and no more: a session keeps
 its calls' request and response bodies in memory up to a cap and spills the rest; an open session with
@@ -95,7 +96,7 @@ class Session:
     # When a call last began or finished (or the session opened): what idle expiry measures from.
     last_active_unix_ns: int = 0
     expired: bool = False  # closed by expire_idle, not by its owner
-    # Its records as held: bodies past the cap left out, and the prompt ids of the gateway's own
+    # Its records as held: bodies left out (in `bodies`), and the prompt ids of the gateway's own
     # left out too, held packed in `prompts`; `whole` and `serialized` put both back.
     records: list[common_pb2.CallRecord] = field(default_factory=list)
     # Packed prompt ids (polar.codec.packed_ids) by call id: the form the engine was sent, which
@@ -133,11 +134,19 @@ class Session:
         """A call of this session received `tokens` more sampled tokens from the engine."""
         self.sampled_tokens += tokens
 
-    def finish_call(self, record: common_pb2.CallRecord, prior: PriorCall | None = None, prompt: bytes = b"") -> None:
-        """`prompt`: the packed prompt ids, for a record that leaves them out."""
+    def finish_call(
+        self,
+        record: common_pb2.CallRecord,
+        prior: PriorCall | None = None,
+        prompt: bytes = b"",
+        request_body: bytes = b"",
+        response_body: bytes = b"",
+    ) -> None:
+        """`prompt`: the packed prompt ids, for a record that leaves them out; the bodies, which
+        records leave out (`bodies` holds them)."""
         self.in_flight -= 1
         self.last_active_unix_ns = self.clock()
-        self.bodies.keep(record)
+        self.bodies.keep(record, request_body, response_body)
         self.records.append(record)
         if prompt:
             self.prompts[record.call_id] = prompt
@@ -167,7 +176,7 @@ class Session:
 
     def whole(self, record: common_pb2.CallRecord) -> common_pb2.CallRecord:
         """A record of the session whole: itself when it holds everything, else a parsed copy."""
-        if record.call_id not in self.prompts and not self.bodies.in_file(record):
+        if record.call_id not in self.prompts and not self.bodies.held(record):
             return record
         return common_pb2.CallRecord.FromString(self.serialized(record))
 
@@ -335,10 +344,16 @@ class SessionStore:
         return len(stale)
 
     def record(
-        self, session: Session, record: common_pb2.CallRecord, prior: PriorCall | None = None, prompt: bytes = b""
+        self,
+        session: Session,
+        record: common_pb2.CallRecord,
+        prior: PriorCall | None = None,
+        prompt: bytes = b"",
+        request_body: bytes = b"",
+        response_body: bytes = b"",
     ) -> None:
-        """Record a call of the session (`prompt`: its packed prompt ids, when the record leaves them out)."""
-        session.finish_call(record, prior, prompt)
+        """Record a call of the session (`Session.finish_call`)."""
+        session.finish_call(record, prior, prompt, request_body, response_body)
         self.calls_total += 1
 
     def open_sessions(self) -> int:
