@@ -393,7 +393,7 @@ class Gateway:
         received_ns, started = time.time_ns(), time.perf_counter()
         try:
             session = self.authorize(key)
-            request = dialect.parse_request(self.bodies.decode(raw), route)
+            request = dialect.parse_request(self.bodies.decode(raw, session.conversations), route)
             call = self._prepare(session, dialect, request, raw, received_ns, started)
         except GatewayError as exc:
             return self.error_reply(dialect, exc)
@@ -408,7 +408,7 @@ class Gateway:
             session = self.authorize(key)
             if not isinstance(dialect, TokenCounting):
                 raise GatewayError(ErrorKind.NOT_FOUND, f"the {dialect.name} dialect does not count tokens")
-            request = dialect.parse_count_tokens(self.bodies.decode(raw), route)
+            request = dialect.parse_count_tokens(self.bodies.decode(raw, session.conversations), route)
             rendered = render_request(
                 self.chat_format, request.conversation, session.prior_calls, history=session.history
             )

@@ -62,6 +62,12 @@ MAX_KNOWN_BYTES = 4 * 1024 * 1024
 PREFIX_BYTES = 64
 # Texts orjson writes otherwise, by their first bytes: not looked for again.
 MAX_UNMATCHED = 256
+# Where the dialects keep a conversation's items: Chat Completions' and Anthropic's `messages`, the
+# Responses API's `input`, Gemini's `contents`.
+CONVERSATION_MEMBERS = ("messages", "input", "contents")
+# A session's conversations kept, and the longest text kept of one (past it, later calls read it all).
+MAX_CONVERSATIONS = 4
+MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
 
 # 19 digits in a row: perhaps an integer past 64 bits, which orjson reads as a float.
 _DIGITS_AS_ZEROS_OTHERS_AS_ONES = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x31 for byte in range(256))
@@ -182,6 +188,51 @@ class _KnownAt:
             self.bytes -= len(oldest.text)
 
 
+class KnownConversations:
+    """One session's conversations as its latest calls sent them: the JSON text of their items
+    (compact, without the brackets) and the items that text reads to, shared and never changed.
+
+    A harness sends its whole conversation again with every call. A later call whose conversation
+    starts with a known text (its earlier items, as sent before) reads only the items it adds, and
+    gets the earlier items as the same objects, which lets a dialect convert only the new ones
+    (`gateway.dialects.base.ConversationFold`). A few conversations per session, for a harness
+    whose side calls (a title, a summary) share its session; the least recent goes first.
+    """
+
+    def __init__(self) -> None:
+        self.entries: list[_Conversation] = []  # most recent first
+
+
+@dataclass
+class _Conversation:
+    member: str
+    text: bytes
+    items: list[Any]
+
+
+@dataclass
+class _Substitution:
+    """A known text in a body, and how its marker's place takes the known value."""
+
+    start: int
+    end: int
+    marker: str
+    marker_text: bytes
+    place: _Place
+    value: Any
+    spliced: bool = False  # the marker stands for the items `value` holds, not for one value
+    known_at: _KnownAt | None = None  # where a known value is kept (not a conversation)
+
+    def put(self, body: dict[str, Any]) -> bool:
+        if self.place.get(body) != self.marker:
+            return False
+        if self.spliced:
+            body[self.place.member][0:1] = self.value
+        else:
+            self.place.put(body, self.value)
+        return True
+
+
 class BodyDecoder:
     """`decode_body` that reads the known values of `places` once (see the module docstring)."""
 
@@ -196,6 +247,8 @@ class BodyDecoder:
         # Letters only: no digit run of a marker can look like a huge integer to `_read_fast`.
         secret = "".join(secrets.choice(string.ascii_letters) for _ in range(32))
         self._places = [_KnownAt(_Place.of(name), f"polar-known-value-{secret}-{name}") for name in places]
+        self._conversation_marker = f"polar-known-value-{secret}-conversation"
+        self._conversation_marker_text = orjson.dumps(self._conversation_marker)
         self._min_bytes = max(min_bytes, PREFIX_BYTES)  # a text is found by its first PREFIX_BYTES
         self._max_values = max_values
         self._max_bytes = max_bytes
@@ -205,55 +258,76 @@ class BodyDecoder:
     def known_values(self) -> int:
         return sum(len(place.recent) for place in self._places)
 
-    def decode(self, raw: bytes) -> dict[str, Any]:
-        """The request's JSON object, equal to `decode_body(raw)`; INVALID_REQUEST for anything else."""
-        found = self._find(raw)
+    def decode(self, raw: bytes, conversations: KnownConversations | None = None) -> dict[str, Any]:
+        """The request's JSON object, equal to `decode_body(raw)`; INVALID_REQUEST for anything else.
+        `conversations`: the session's, when the body is a call of a session."""
+        spliced = self._find_conversation(raw, conversations) if conversations is not None else None
+        found = self._find(raw, spliced)
         body = self._read_around(raw, found) if found else None
         if body is None:
             body, by_orjson = _read(raw)
             if not by_orjson:
                 return body
-            found = []
-        self._learn(raw, body, [place for _, place, _ in found])
+            found, spliced = [], None
+        self._learn(raw, body, [item.known_at for item in found if item.known_at is not None])
+        if conversations is not None:
+            self._remember_conversation(raw, body, conversations, spliced)
         return body
 
-    def _find(self, raw: bytes) -> list[tuple[int, _KnownAt, _Known]]:
-        """Where known texts follow their place's lead: one text per place at most."""
-        found = []
+    def _find_conversation(self, raw: bytes, conversations: KnownConversations) -> _Substitution | None:
+        """The session's known conversation that the body's conversation starts with, if any."""
+        for known in conversations.entries:
+            lead = orjson.dumps(known.member) + b":["
+            at = raw.find(lead)
+            if at == -1:
+                continue
+            start = at + len(lead)
+            end = start + len(known.text)
+            if raw.startswith(known.text, start) and raw[end : end + 1] in (b",", b"]"):
+                place = _Place(known.member, first_item=True)
+                marker, marker_text = self._conversation_marker, self._conversation_marker_text
+                return _Substitution(start, end, marker, marker_text, place, known.items, spliced=True)
+        return None
+
+    def _find(self, raw: bytes, spliced: _Substitution | None) -> list[_Substitution]:
+        """Where known texts follow their place's lead (one text per place at most), and the
+        session's known conversation, which stands for its first item too."""
+        found = [spliced] if spliced is not None else []
         for place in self._places:
-            if not place.recent:
+            if not place.recent or (spliced is not None and place.place == spliced.place):
                 continue
             at = raw.find(place.lead)
             while at != -1:
                 start = at + len(place.lead)
                 known = place.at(raw, start)
                 if known is not None:
-                    found.append((start, place, known))
+                    end = start + len(known.text)
+                    found.append(_Substitution(
+                        start, end, place.marker, place.marker_text, place.place, known.value, known_at=place
+                    ))  # fmt: skip
+                    place.recent.move_to_end(id(known))
                     break
                 at = raw.find(place.lead, start)
         return found
 
-    def _read_around(self, raw: bytes, found: list[tuple[int, _KnownAt, _Known]]) -> dict[str, Any] | None:
-        """The body read with each found text replaced by its place's marker and the markers then
-        by the known values; None when a marker did not land in its place (or the rest is not what
-        orjson reads as the standard library does), and the body must be read whole."""
-        found.sort(key=lambda item: item[0])
+    def _read_around(self, raw: bytes, found: list[_Substitution]) -> dict[str, Any] | None:
+        """The body read with each found text replaced by its marker and the markers then by the
+        known values; None when a marker did not land in its place (or the rest is not what orjson
+        reads as the standard library does), and the body must be read whole."""
+        found.sort(key=lambda item: item.start)
         parts, end = [], 0
-        for start, place, known in found:
-            if start < end:
+        for item in found:
+            if item.start < end:
                 return None  # one known text inside another
-            parts += (raw[end:start], place.marker_text)
-            end = start + len(known.text)
+            parts += (raw[end : item.start], item.marker_text)
+            end = item.end
         parts.append(raw[end:])
         try:
             body = _read_fast(b"".join(parts))
         except GatewayError:
             return None
-        if body is None or any(place.place.get(body) != place.marker for _, place, _ in found):
+        if body is None or not all([item.put(body) for item in found]):
             return None
-        for _, place, known in found:
-            place.place.put(body, known.value)
-            place.recent.move_to_end(id(known))
         return body
 
     def _learn(self, raw: bytes, body: dict[str, Any], known: list[_KnownAt]) -> None:
@@ -286,6 +360,40 @@ class BodyDecoder:
                 self._unmatched[unmatched] = None
                 if len(self._unmatched) > MAX_UNMATCHED:
                     self._unmatched.popitem(last=False)
+
+
+    def _remember_conversation(
+        self, raw: bytes, body: dict[str, Any], conversations: KnownConversations, spliced: _Substitution | None
+    ) -> None:
+        """Keep the body's conversation for the session's next call: the known text it started with
+        and the text of its new items, as orjson writes them, when that is what the body holds."""
+        member = next((name for name in CONVERSATION_MEMBERS if isinstance(body.get(name), list)), None)
+        if member is None or not body[member]:
+            return
+        items = body[member]
+        known = None
+        if spliced is not None:
+            known = next(entry for entry in conversations.entries if entry.items is spliced.value)
+        try:
+            if known is not None:
+                added = items[len(known.items) :]
+                text = known.text + (b"," + orjson.dumps(added)[1:-1] if added else b"")
+            else:
+                text = orjson.dumps(items)[1:-1]
+        except orjson.JSONEncodeError:
+            return
+        lead = orjson.dumps(member) + b":["
+        at = raw.find(lead)
+        start = at + len(lead)
+        end = start + len(text)
+        if at == -1 or len(text) > MAX_CONVERSATION_BYTES:
+            return
+        if raw[end : end + 1] != b"]" or not raw.startswith(text, start):
+            return  # written otherwise than orjson writes it: read in full next time
+        if known is not None:
+            conversations.entries.remove(known)
+        conversations.entries.insert(0, _Conversation(member, text, items))
+        del conversations.entries[MAX_CONVERSATIONS:]
 
 
 def _may_hold_huge_integer(raw: bytes) -> bool:

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
 from gateway.bodies import DEFAULT_MAX_SESSION_BODY_BYTES, SessionBodies, SpillFolder
+from gateway.json_body import KnownConversations
 from gateway.render import History, PriorCall, PriorCalls
 from gateway.sampling import NO_POLICY, SamplingPolicy
 from polar.codec import length_delimited
@@ -99,6 +100,8 @@ class Session:
     # Its records as held: bodies left out (in `bodies`), and the prompt ids of the gateway's own
     # left out too, held packed in `prompts`; `whole` and `serialized` put both back.
     records: list[common_pb2.CallRecord] = field(default_factory=list)
+    # Its conversations as its latest calls sent them, read once (gateway/json_body.py).
+    conversations: KnownConversations = field(default_factory=KnownConversations)
     # Packed prompt ids (polar.codec.packed_ids) by call id: the form the engine was sent, which
     # leaves the gateway as it is. Parsing a harness's 20k ids into its record, then writing them
     # out again for every reader, cost more CPU than the rest of recording the call.

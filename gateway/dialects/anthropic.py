@@ -45,12 +45,14 @@ the context says `prompt is too long`, which Claude Code looks for to compact it
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.dialects.base import (
     ByIdentity,
     CallInfo,
+    ConversationFold,
     Dialect,
     DialectRequest,
     DialectResult,
@@ -142,32 +144,49 @@ def _text(value: Any, param: str) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Turns:
+    """The conversation so far, as `messages` items are converted."""
+
+    system: list[str] = field(default_factory=list)  # text of system messages among the items
+    turns: list[Message] = field(default_factory=list)
+    tool_names: dict[str, str] = field(default_factory=dict)  # tool_use id → name, for the tool turns
+
+    def copy(self) -> _Turns:
+        return _Turns(list(self.system), list(self.turns), dict(self.tool_names))
+
+
+def _message(state: _Turns, i: int, raw: Any) -> None:
+    param = f"messages.{i}"
+    raw = _check.object(raw, param)
+    role = _check.string(raw.get("role"), f"{param}.role")
+    if "content" not in raw:
+        raise _invalid(f"{param}.content", "field required")
+    content = raw["content"]
+    if role == "system":
+        state.system.append(_text(content, f"{param}.content"))
+    elif role == "user":
+        state.turns.extend(_user_turns(content, f"{param}.content", state.tool_names))
+    elif role == "assistant":
+        turn = _assistant_turn(content, f"{param}.content")
+        state.tool_names.update((call.id, call.name) for call in turn.tool_calls)
+        state.turns.append(turn)
+    else:
+        raise _invalid(f"{param}.role", f"must be 'user' or 'assistant', not {role!r}")
+
+
+# A session's messages, converted once each: a later call converts only what it adds.
+_messages = ConversationFold(_Turns, _message, _Turns.copy)
+
+
 def _conversation(body: dict[str, Any], tools: tuple[ToolSpec, ...], choice: ToolChoice) -> Conversation:
     system = [_text(body["system"], "system")] if body.get("system") is not None else []
-    turns: list[Message] = []
-    tool_names: dict[str, str] = {}  # tool_use id → name, so a tool turn can say which function answered
-    for i, raw in enumerate(_check.array(body.get("messages"), "messages")):
-        param = f"messages.{i}"
-        raw = _check.object(raw, param)
-        role = _check.string(raw.get("role"), f"{param}.role")
-        if "content" not in raw:
-            raise _invalid(f"{param}.content", "field required")
-        content = raw["content"]
-        if role == "system":
-            system.append(_text(content, f"{param}.content"))
-        elif role == "user":
-            turns.extend(_user_turns(content, f"{param}.content", tool_names))
-        elif role == "assistant":
-            turn = _assistant_turn(content, f"{param}.content")
-            tool_names.update((call.id, call.name) for call in turn.tool_calls)
-            turns.append(turn)
-        else:
-            raise _invalid(f"{param}.role", f"must be 'user' or 'assistant', not {role!r}")
-    if not turns:
+    state = _messages(_check.array(body.get("messages"), "messages"))
+    if not state.turns:
         raise _invalid("messages", "at least one user or assistant message is required")
-    system_prompt = "\n".join(part for part in system if part)
+    system_prompt = "\n".join(part for part in (*system, *state.system) if part)
     head = (Message("system", system_prompt),) if system_prompt else ()
-    return Conversation(head + tuple(turns), tools, choice)
+    return Conversation(head + tuple(state.turns), tools, choice)
 
 
 def _user_turns(content: Any, param: str, tool_names: dict[str, str]) -> list[Message]:

@@ -215,6 +215,68 @@ class ByIdentity(Generic[Converted]):
         return result
 
 
+State = TypeVar("State")
+
+# Conversations a dialect keeps its conversion of: the latest call of a few hundred sessions.
+FOLD_ENTRIES = 512
+
+
+@dataclass(frozen=True)
+class _Folded(Generic[State]):
+    items: tuple[Any, ...]
+    state: State
+
+
+class ConversationFold(Generic[State]):
+    """A dialect's conversion of a conversation's items, one item at a time, that resumes after the
+    longest run of leading items it converted before: the same objects, in the same order.
+
+    A harness sends its whole conversation with every call; `gateway.json_body.BodyDecoder` hands a
+    session's later call the items its earlier call sent, as the same objects, so converting only the
+    new items keeps a call's cost to what it adds. `start()` makes the state before any item,
+    `step(state, index, item)` converts one item into it (raising GatewayError for a bad one), and
+    `copy(state)` copies a state so that a kept one is never changed. The conversion must depend on
+    the items alone, which holds while nothing changes a decoded body. Kept by the identity of the
+    last item; an entry holds its items, so their ids are theirs while it lives.
+    """
+
+    def __init__(
+        self,
+        start: Callable[[], State],
+        step: Callable[[State, int, Any], None],
+        copy: Callable[[State], State],
+        entries: int = FOLD_ENTRIES,
+    ) -> None:
+        self._start, self._step, self._copy = start, step, copy
+        self._entries = entries
+        self._folded: OrderedDict[int, _Folded[State]] = OrderedDict()
+
+    def __call__(self, items: list[Any]) -> State:
+        """The state after every item (kept: read it, never change it)."""
+        done, state = self._resume(items)
+        for index in range(done, len(items)):
+            self._step(state, index, items[index])
+        if items:
+            self._folded[id(items[-1])] = _Folded(tuple(items), state)
+            self._folded.move_to_end(id(items[-1]))
+            if len(self._folded) > self._entries:
+                self._folded.popitem(last=False)
+        return state
+
+    def _resume(self, items: list[Any]) -> tuple[int, State]:
+        for count in range(len(items), 0, -1):
+            folded = self._folded.get(id(items[count - 1]))
+            if folded is not None and len(folded.items) == count and all(map(_same, folded.items, items)):
+                if count == len(items):
+                    return count, folded.state
+                return count, self._copy(folded.state)
+        return 0, self._start()
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b
+
+
 def json_bytes(body: Any) -> bytes:
     """`body` as compact UTF-8 JSON, as a reply or an event carries it (never a prompt's text).
 

@@ -52,12 +52,14 @@ import functools
 import json
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.dialects.base import (
     ByIdentity,
     CallInfo,
+    ConversationFold,
     Dialect,
     DialectRequest,
     DialectResult,
@@ -196,38 +198,52 @@ def _integer(value: Any, path: str, *, minimum: int = INT32_MIN) -> int | None:
 # ---------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Turns:
+    """The conversation so far, as `contents` are converted."""
+
+    messages: list[Message] = field(default_factory=list)
+    # Calls of the latest model turn not answered yet, in order: what a functionResponse can answer.
+    pending: list[ToolCall] = field(default_factory=list)
+
+    def copy(self) -> _Turns:
+        return _Turns(list(self.messages), list(self.pending))
+
+
+def _add_content(state: _Turns, index: int, content: Any) -> None:
+    path = f"contents[{index}]"
+    content = _object(content, path, required=True)
+    role = _string(_get(content, "role"), f"{path}.role") or "user"
+    parts = _array(_get(content, "parts"), f"{path}.parts")
+    if not parts:
+        raise _invalid(f"{path}.parts", "contents.parts must not be empty.")
+    messages = state.messages
+    if role == "model":
+        message = _model_turn(parts, path, index)
+        if messages and messages[-1].role == "assistant":
+            # One turn the client split: the SDK's chat keeps each streamed chunk as its own content.
+            state.pending += message.tool_calls
+            message = _joined(messages.pop(), message)
+        else:
+            state.pending = list(message.tool_calls)
+        messages.append(message)
+    elif role in ("user", "function"):
+        messages.extend(_user_turn(parts, path, state.pending))
+    else:
+        raise _invalid(f"{path}.role", f"Please use a valid role: user, model (not {role!r}).")
+
+
+# A session's contents, converted once each: a later call converts only what it adds.
+_contents = ConversationFold(_Turns, _add_content, _Turns.copy)
+
+
 def _conversation(contents: Any, system: Any) -> tuple[Message, ...]:
-    messages: list[Message] = []
-    if system is not None:
-        instruction = _system_text(system)
-        if instruction:
-            messages.append(Message("system", instruction))
+    instruction = _system_text(system) if system is not None else ""
+    head = (Message("system", instruction),) if instruction else ()
     turns = _array(contents, "contents")
     if not turns:
         raise _invalid("contents", "contents is not specified")
-    # Calls of the latest model turn not answered yet, in order: what a functionResponse can answer.
-    pending: list[ToolCall] = []
-    for index, content in enumerate(turns):
-        path = f"contents[{index}]"
-        content = _object(content, path, required=True)
-        role = _string(_get(content, "role"), f"{path}.role") or "user"
-        parts = _array(_get(content, "parts"), f"{path}.parts")
-        if not parts:
-            raise _invalid(f"{path}.parts", "contents.parts must not be empty.")
-        if role == "model":
-            message = _model_turn(parts, path, index)
-            if messages and messages[-1].role == "assistant":
-                # One turn the client split: the SDK's chat keeps each streamed chunk as its own content.
-                pending += message.tool_calls
-                message = _joined(messages.pop(), message)
-            else:
-                pending = list(message.tool_calls)
-            messages.append(message)
-        elif role in ("user", "function"):
-            messages.extend(_user_turn(parts, path, pending))
-        else:
-            raise _invalid(f"{path}.role", f"Please use a valid role: user, model (not {role!r}).")
-    return tuple(messages)
+    return (*head, *_contents(turns).messages)
 
 
 def _system_text(system: Any) -> str:

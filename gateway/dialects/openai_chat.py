@@ -33,12 +33,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.dialects.base import (
     ByIdentity,
     CallInfo,
+    ConversationFold,
     Dialect,
     DialectRequest,
     DialectResult,
@@ -172,11 +175,6 @@ def named_tool_choice(name: str, tools: tuple[ToolSpec, ...], param: str) -> Too
     return ToolChoice.function(name)
 
 
-def tool_names_by_call(messages: list[Message]) -> dict[str, str]:
-    """Function name of each assistant tool call id, so a tool turn can say which function answered."""
-    return {call.id: call.name for message in messages for call in message.tool_calls}
-
-
 _ERRORS: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
     ErrorKind.UNSUPPORTED_CONTENT: (400, "invalid_request_error"),
@@ -284,14 +282,32 @@ def _message(raw: Any, param: str, names: dict[str, str]) -> Message:
     return Message("assistant", text, reasoning or "", calls)
 
 
+@dataclass
+class _Messages:
+    """The conversation so far, as `messages` items are converted."""
+
+    messages: list[Message] = dataclass_field(default_factory=list)
+    tool_names: dict[str, str] = dataclass_field(default_factory=dict)  # call id → function name
+
+    def copy(self) -> _Messages:
+        return _Messages(list(self.messages), dict(self.tool_names))
+
+
+def _add_message(state: _Messages, index: int, item: Any) -> None:
+    message = _message(item, f"messages[{index}]", state.tool_names)
+    state.messages.append(message)
+    state.tool_names.update((call.id, call.name) for call in message.tool_calls)
+
+
+# A session's messages, converted once each: a later call converts only what it adds.
+_messages = ConversationFold(_Messages, _add_message, _Messages.copy)
+
+
 def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
     raw = field(body, "messages", "array", "messages", required=True)
     if not raw:
         raise invalid("messages", "'messages' must contain at least one message.")
-    messages: list[Message] = []
-    for index, item in enumerate(raw):
-        messages.append(_message(item, f"messages[{index}]", tool_names_by_call(messages)))
-    return tuple(messages)
+    return tuple(_messages(raw).messages)
 
 
 def _tools(value: Any) -> tuple[ToolSpec, ...]:

@@ -55,6 +55,7 @@ from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, To
 from gateway.dialects.base import (
     ByIdentity,
     CallInfo,
+    ConversationFold,
     Dialect,
     DialectRequest,
     DialectResult,
@@ -168,74 +169,90 @@ class _AssistantTurn:
         return Message("assistant", _join(self.content), _join(self.reasoning), tuple(self.calls))
 
 
+class _Items:
+    """The conversation so far, as `input` items are converted."""
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.turn = _AssistantTurn()  # assistant items not yet closed by a user, system or tool item
+        self.names: dict[str, str] = {}  # function name of each call id, for the tool turns answering them
+
+    def copy(self) -> _Items:
+        copied = _Items()
+        copied.messages, copied.names = list(self.messages), dict(self.names)
+        copied.turn.content, copied.turn.reasoning = list(self.turn.content), list(self.turn.reasoning)
+        copied.turn.calls = list(self.turn.calls)
+        return copied
+
+    def add(self, message: Message) -> None:
+        if (reply := self.turn.message()) is not None:
+            self.messages.append(reply)
+        self.turn = _AssistantTurn()
+        self.messages.append(message)
+
+
+def _add_item(state: _Items, index: int, value: Any) -> None:
+    param = f"input[{index}]"
+    item = as_object(value, param)
+    kind = field(item, "type", "string", f"{param}.type") or "message"
+    turn = state.turn
+    if kind == "message":
+        role = field(item, "role", "string", f"{param}.role", required=True)
+        if role == "assistant":
+            text_types = ("output_text", "refusal", "input_text")
+            turn.content.append(_required_text(item, "content", param, text_types))
+        elif role in _INPUT_ROLES:
+            state.add(Message(_INPUT_ROLES[role], _required_text(item, "content", param, ("input_text",))))
+        else:
+            raise invalid(
+                f"{param}.role",
+                f"Invalid value '{role}' for '{param}.role': expected 'user', 'system', 'developer' or "
+                "'assistant'.",
+            )
+    elif kind == "reasoning":
+        turn.reasoning.append(_reasoning(item, param))
+    elif kind == "function_call":
+        call_id = field(item, "call_id", "string", f"{param}.call_id", required=True)
+        name = field(item, "name", "string", f"{param}.name", required=True)
+        if namespace := field(item, "namespace", "string", f"{param}.namespace"):
+            name = f"{namespace}{_NAMESPACE_SEPARATOR}{name}"
+        arguments = field(item, "arguments", "string", f"{param}.arguments", required=True)
+        turn.calls.append(ToolCall(call_id, name, parse_arguments(arguments, f"{param}.arguments")))
+        state.names[call_id] = name
+    elif kind == "function_call_output":
+        call_id = field(item, "call_id", "string", f"{param}.call_id", required=True)
+        output = _required_text(item, "output", param, ("input_text", "output_text"))
+        state.add(Message("tool", output, tool_call_id=call_id, name=state.names.get(call_id, "")))
+    elif kind == "item_reference":
+        raise invalid(f"{param}.type", "Item references need stored responses; this gateway is stateless.")
+    else:
+        raise invalid(
+            f"{param}.type",
+            f"Input items of type '{kind}' are not supported: use message, function_call, "
+            "function_call_output and reasoning items.",
+        )
+
+
+# A session's input items, converted once each: a later call converts only what it adds.
+_items = ConversationFold(_Items, _add_item, _Items.copy)
+
+
 def _conversation(body: Mapping[str, Any]) -> tuple[Message, ...]:
-    messages: list[Message] = []
     instructions = field(body, "instructions", "string", "instructions")
-    if instructions:
-        messages.append(Message("system", instructions))
+    system = (Message("system", instructions),) if instructions else ()
     raw = body.get("input")
     if raw is None:
         raise invalid("input", "Missing required parameter: 'input'.")
     if isinstance(raw, str):
-        return (*messages, Message("user", raw))
+        return (*system, Message("user", raw))
     if not isinstance(raw, list):
         raise invalid("input", f"Invalid type for 'input': expected string or array, got {json_type(raw)}.")
-    turn = _AssistantTurn()
-    names: dict[str, str] = {}  # function name of each call id, for the tool turns answering them
-
-    def add(message: Message) -> None:
-        nonlocal turn
-        if (reply := turn.message()) is not None:
-            messages.append(reply)
-        turn = _AssistantTurn()
-        messages.append(message)
-
-    for index, value in enumerate(raw):
-        param = f"input[{index}]"
-        item = as_object(value, param)
-        kind = field(item, "type", "string", f"{param}.type") or "message"
-        if kind == "message":
-            role = field(item, "role", "string", f"{param}.role", required=True)
-            if role == "assistant":
-                text_types = ("output_text", "refusal", "input_text")
-                turn.content.append(_required_text(item, "content", param, text_types))
-            elif role in _INPUT_ROLES:
-                add(Message(_INPUT_ROLES[role], _required_text(item, "content", param, ("input_text",))))
-            else:
-                raise invalid(
-                    f"{param}.role",
-                    f"Invalid value '{role}' for '{param}.role': expected 'user', 'system', 'developer' or "
-                    "'assistant'.",
-                )
-        elif kind == "reasoning":
-            turn.reasoning.append(_reasoning(item, param))
-        elif kind == "function_call":
-            call_id = field(item, "call_id", "string", f"{param}.call_id", required=True)
-            name = field(item, "name", "string", f"{param}.name", required=True)
-            if namespace := field(item, "namespace", "string", f"{param}.namespace"):
-                name = f"{namespace}{_NAMESPACE_SEPARATOR}{name}"
-            arguments = field(item, "arguments", "string", f"{param}.arguments", required=True)
-            turn.calls.append(ToolCall(call_id, name, parse_arguments(arguments, f"{param}.arguments")))
-            names[call_id] = name
-        elif kind == "function_call_output":
-            call_id = field(item, "call_id", "string", f"{param}.call_id", required=True)
-            output = _required_text(item, "output", param, ("input_text", "output_text"))
-            add(Message("tool", output, tool_call_id=call_id, name=names.get(call_id, "")))
-        elif kind == "item_reference":
-            raise invalid(
-                f"{param}.type", "Item references need stored responses; this gateway is stateless."
-            )
-        else:
-            raise invalid(
-                f"{param}.type",
-                f"Input items of type '{kind}' are not supported: use message, function_call, "
-                "function_call_output and reasoning items.",
-            )
-    if (reply := turn.message()) is not None:
-        messages.append(reply)
+    state = _items(raw)
+    last = state.turn.message()
+    messages = (*system, *state.messages, *((last,) if last is not None else ()))
     if not messages:
         raise invalid("input", "'input' must contain at least one item.")
-    return tuple(messages)
+    return messages
 
 
 def _tool_name(tool: Mapping[str, Any], param: str) -> str:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.dialects.base import ByIdentity, GatewayError
-from gateway.json_body import BodyDecoder, decode_body
+from gateway.dialects.base import ByIdentity, ConversationFold, GatewayError
+from gateway.json_body import BodyDecoder, KnownConversations, decode_body
 from gateway.replay import NotReplayable, recorded_request
 from polar.trajectory.session_file import SUFFIXES, read_trajectory
 
@@ -152,3 +152,88 @@ def test_by_identity_converts_a_value_once_while_it_is_held():
     memo(["c"]), memo(["d"])  # two more push `tools` out
     memo(tools)
     assert len(converted) == 7
+
+
+# ------------------------------------------------------------------------------ conversations
+
+ITEM = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": st.text(max_size=12)}),
+    st.integers(-5, 5),
+    st.text(max_size=6),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(calls=st.lists(st.tuples(st.sampled_from(["extend", "edit", "spaced", "other", "same", "nested"]), st.lists(ITEM, max_size=3)), min_size=1, max_size=6), start=st.lists(ITEM, min_size=1, max_size=3))
+def test_a_session_s_later_calls_read_as_without_known_conversations(calls, start):
+    """A session's calls extend its conversation, edit an earlier item, write it with spaces, send
+    another conversation, the same again, or the known one nested in another member before theirs:
+    each reads as without known conversations, and a call that extends the one before gets the
+    earlier items as the very objects the earlier call got."""
+    decoder = BodyDecoder()
+    conversations = KnownConversations()
+    items = list(start)
+    previous, previous_compact = None, False
+    for change, added in calls:
+        if change == "edit":
+            items[0] = {"role": "user", "content": "edited"}
+        elif change == "other":
+            items = [{"role": "user", "content": "another conversation"}]
+        items = items + added if change in ("extend", "edit", "other") else items
+        text = {"model": "m", "messages": items}
+        if change == "nested":
+            text = {"model": "m", "x": {"messages": items}, "messages": [*added, "other"]}
+        raw = json.dumps(text, separators=(", ", ": ")).encode() if change == "spaced" else orjson.dumps(text)
+        body = decoder.decode(raw, conversations)
+        assert json.dumps(body) == json.dumps(decode_body(raw))
+        if change in ("extend", "same") and previous is not None and previous_compact:
+            assert all(a is b for a, b in zip(body["messages"], previous["messages"]))
+        previous, previous_compact = body, change not in ("spaced", "nested")
+
+
+def test_a_session_s_conversation_is_read_once():
+    decoder = BodyDecoder()
+    conversations = KnownConversations()
+    items = [{"role": "user", "content": "hi"}]
+    bodies = []
+    for turn in range(4):
+        items = [*items, {"role": "assistant", "content": f"reply {turn}"}, {"role": "user", "content": f"next {turn}"}]
+        bodies.append(decoder.decode(orjson.dumps({"messages": items, "max_tokens": 5}), conversations))
+    assert all(bodies[-1]["messages"][i] is bodies[0]["messages"][i] for i in range(3))
+    assert bodies[-1]["messages"][-3] is bodies[-2]["messages"][-1]
+    # Another session's decoder state is its own: the same body reads anew.
+    assert decoder.decode(orjson.dumps({"messages": items}), KnownConversations())["messages"][0] is not bodies[0]["messages"][0]
+
+
+def test_a_fold_converts_only_the_items_a_later_call_adds():
+    steps = []
+
+    def step(state, index, item):
+        steps.append(index)
+        state.append((index, item["n"]))
+
+    fold = ConversationFold(list, step, list)
+    first = [{"n": 1}, {"n": 2}]
+    assert fold(first) == [(0, 1), (1, 2)]
+    later = [*first, {"n": 3}]
+    assert fold(later) == [(0, 1), (1, 2), (2, 3)]
+    assert steps == [0, 1, 2]
+    # Equal items that are other objects, or the same items in another order, convert anew.
+    assert fold([{"n": 1}, {"n": 2}]) == [(0, 1), (1, 2)]
+    assert fold([first[1], first[0]]) == [(0, 2), (1, 1)]
+    assert steps == [0, 1, 2, 0, 1, 0, 1]
+    # A kept state is never changed by a conversion that resumed from it.
+    assert fold(later) == [(0, 1), (1, 2), (2, 3)] and fold([*first, {"n": 9}])[-1] == (2, 9)
+    assert fold(later) == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("path", SESSION_FILES, ids=[p.name for p in SESSION_FILES])
+def test_recorded_calls_convert_alike_whether_their_items_are_known_or_not(path):
+    """Each recorded call, read with the session's known conversations and converted resuming the
+    call before, is the request it is read and converted afresh."""
+    decoder = BodyDecoder()
+    conversations = KnownConversations()
+    for request in _recorded_requests(path):
+        resumed = request.dialect.parse_request(decoder.decode(request.body, conversations), request.route)
+        afresh = request.dialect.parse_request(decode_body(request.body), request.route)
+        assert resumed.conversation == afresh.conversation
