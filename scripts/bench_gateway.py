@@ -153,6 +153,18 @@ SESSIONS = (1, 64, 256)
 # Sessions a replayed harness's first (or last) call is sent to in turn: each receives a few dozen
 # calls in a window, far below [gateway] max_session_body_bytes.
 CALL_POINT_SESSIONS = 32
+# The call of a long session measured beside the recorded later call: Claude Code's recorded session
+# carried on (an echo of each reply and a user turn with a tool's output, ~150 tokens a call), so that
+# its conversation is twice its first call's text and its prompt 25k tokens, within the tiny model's 32k.
+LONG_SESSION_CALLS = 40
+LONG_TURN_TEXT = (
+    "$ sed -n 1,5p src/parser.py\n"
+    + "".join(f"{n:>4}  def rule_{n}(tokens): return tokens[{n}:] if tokens else []  # grammar rule {n}\n" for n in range(1, 6))
+)
+# A later call costs what its new tokens cost: call LONG_SESSION_CALLS of a session, which adds as
+# many tokens as the recorded later call but carries 40 calls of conversation, may cost at most this
+# much more gateway CPU than the recorded later call.
+TARGET_LONG_CALL_GROWTH = 1.25
 COMPARE_SESSIONS = 64  # the point of the ≥ 3× LiteLLM target
 COMPARE_DIALECT = "anthropic"  # the dialect compared with LiteLLM and, under --credentials compare, with itself
 TARGET_SPEEDUP = 3.0
@@ -572,14 +584,14 @@ def _replay_rules(sessions: Sequence[RecordedSession]) -> list[dict]:
     return rules
 
 
-def _render_ms(gateway: str, key: str, issued: creds.Credentials | None) -> tuple[float, float]:
+def _render_ms(gateway: str, key: str, issued: creds.Credentials | None, skip: int = 0) -> tuple[float, float]:
     """The median render time (ms) of the session's calls rendered fresh, and of those that extend
-    an earlier call."""
+    an earlier call; past its first `skip` calls."""
     # Each record holds its request body: hundreds of harness-sized ones pass gRPC's 4 MiB default.
     options = [("grpc.max_receive_message_length", -1)]
     with creds.channel(gateway, creds.OPERATOR, issued, options) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        calls = stub.GetSession(gateway_pb2.GetSessionRequest(key=key)).calls
+        calls = sorted(stub.GetSession(gateway_pb2.GetSessionRequest(key=key)).calls, key=lambda c: c.call_id)[skip:]
     fresh = [c.timings.render_seconds * 1000 for c in calls if not c.extends_call_id]
     extending = [c.timings.render_seconds * 1000 for c in calls if c.extends_call_id]
     return _percentile(fresh, 50), _percentile(extending, 50)
@@ -641,6 +653,23 @@ def _replay_points(
                 }
             )
             points += [first_point, later_point]
+            if session.dialect == "anthropic" and not (stream and bench.settings.quick):
+                long_point, long_render, long_prompt = _long_session_point(bench, polar, session, stream)
+                long_cpu = long_point.cpu_us_per_request.get("gateway_direct", math.nan)
+                growth = long_cpu / later_point.cpu_us_per_request.get("gateway_direct", math.nan)
+                rows[-1].update(
+                    {
+                        "long_call": LONG_SESSION_CALLS,
+                        "long_call_prompt_tokens": long_prompt,
+                        "long_call_gateway_cpu_us": long_cpu,
+                        "long_call_quietest_round_cpu_us": long_point.quietest_round_cpu_us.get("gateway_direct", math.nan),
+                        "long_call_render_ms": long_render,
+                        "long_call_added_p50_ms": long_point.added_p50_ms,
+                        "long_call_growth": growth,
+                        "long_call_meets_target": growth <= TARGET_LONG_CALL_GROWTH,
+                    }
+                )
+                points.append(long_point)
         for subset in ("litellm",) if bench.settings.quick else ("all", "litellm"):
             chosen = [s for s in sessions if subset == "all" or s.dialect in LITELLM_DIALECTS]
             keys = _open_sessions(polar.gateway_direct, many, polar.credentials)
@@ -691,15 +720,73 @@ def _call_point(bench: Bench, polar: _PolarStack, session: RecordedSession, inde
                 raise RuntimeError(f"the gateway answered a replayed {session.harness} call with {status}: {body[:300]!r}")
     calls = tuple(replay_request(session.requests[index], stream, key, address) for key in keys)
     label = f"{session.harness}:{'first' if index == 0 else 'later'}"
-    target = Target("polar", "direct", label, stream, "http", address, (calls,), marker, cpu_of)
     prompt = tuple(session.records[index].prompt_token_ids)
+    point = _paired_call_point(bench, polar, label, stream, calls, marker, prompt)
+    fresh, extending = _render_ms(polar.gateway_direct, keys[0], polar.credentials)
+    return point, extending if index else fresh
+
+
+def _paired_call_point(
+    bench: Bench, polar: _PolarStack, label: str, stream: bool, calls: tuple[bytes, ...], marker: bytes, prompt: Sequence[int]
+) -> Point:
+    """`calls` (one per session) looped through the direct gateway, paired with the inference server
+    alone on `prompt`."""
+    target = Target("polar", "direct", label, stream, "http", polar.gateway_http, (calls,), marker, ("gateway_direct", "inference"))
     baseline = Target(
         "inference", "grpc", label, True, "grpc", polar.inference,
         (_generate_request(prompt, "baseline-0").SerializeToString(),), b"", ("inference",), polar.node,
     )  # fmt: skip
     _, point = bench.paired(target, baseline)
-    fresh, extending = _render_ms(polar.gateway_direct, keys[0], polar.credentials)
-    return point, extending if index else fresh
+    return point
+
+
+def _long_session_point(bench: Bench, polar: _PolarStack, session: RecordedSession, stream: bool) -> tuple[Point, float, int]:
+    """Call LONG_SESSION_CALLS of an Anthropic harness's session carried on past its recording, sent by
+    many sessions in turn as `_call_point` sends a recorded call; with the median time to its prompt
+    ids and its prompt's length. Each session sends the recorded calls, then calls that echo the reply
+    before them and add a user turn with a tool's output (LONG_TURN_TEXT), each extending the last,
+    all whole; the measured call is the next one, whole or streamed."""
+    address = polar.gateway_http
+    headers = {"anthropic-version": "2023-06-01"}
+    keys = _open_sessions(polar.gateway_direct, CALL_POINT_SESSIONS, polar.credentials)
+    calls = []
+    for key in keys:
+        for request in session.requests:
+            status, reply = _send_once(address, replay_request(request, False, key, address))
+            _check_reply(session, status, reply)
+        body = json.loads(session.requests[-1].body)
+        messages = body["messages"]
+        for turn in range(len(session.requests), LONG_SESSION_CALLS):
+            echo = {"role": "assistant", "content": json.loads(reply)["content"]}
+            messages = [*messages, echo, {"role": "user", "content": [{"type": "text", "text": f"({turn}) {LONG_TURN_TEXT}"}]}]
+            payload = dict(body, messages=messages, stream=turn == LONG_SESSION_CALLS - 1 and stream)
+            request = _http_request(address, session.requests[-1].target, {**headers, "x-api-key": key}, payload)
+            if turn == LONG_SESSION_CALLS - 1:
+                calls.append(request)
+            else:
+                status, reply = _send_once(address, request)
+                _check_reply(session, status, reply)
+    status, reply = _send_once(address, calls[0])  # its prompt, for the baseline
+    _check_reply(session, status, reply)
+    prompt = _last_prompt(polar.gateway_direct, keys[0], polar.credentials)
+    label = f"{session.harness}:call {LONG_SESSION_CALLS}"
+    point = _paired_call_point(bench, polar, label, stream, tuple(calls), REPLAY_MARKERS[session.dialect][stream], prompt)
+    # The measured call's renders: not the calls before it, each the first sight of its new turn.
+    _, extending = _render_ms(polar.gateway_direct, keys[0], polar.credentials, skip=LONG_SESSION_CALLS - 1)
+    return point, extending, len(prompt)
+
+
+def _check_reply(session: RecordedSession, status: int, reply: bytes) -> None:
+    if status != 200:
+        raise RuntimeError(f"the gateway answered a replayed {session.harness} call with {status}: {reply[:300]!r}")
+
+
+def _last_prompt(gateway: str, key: str, issued: creds.Credentials | None) -> tuple[int, ...]:
+    """The prompt ids of the session's last call, from its record."""
+    options = [("grpc.max_receive_message_length", -1)]
+    with creds.channel(gateway, creds.OPERATOR, issued, options) as channel:
+        calls = gateway_pb2_grpc.GatewayServiceStub(channel).GetSession(gateway_pb2.GetSessionRequest(key=key)).calls
+    return tuple(max(calls, key=lambda call: call.call_id).prompt_token_ids)
 
 
 # ------------------------------------------------------------------------------------- the bench
@@ -1477,6 +1564,15 @@ def _print_replay_summary(rows: list[dict], comparison: list[dict]) -> None:
             f"{row['later_call_quietest_round_cpu_us']:,.0f} µs; render {row['later_call_render_ms']:.2f} ms), "
             f"+p50 {row['later_call_added_p50_ms']:.2f} ms +p99 {row['later_call_added_p99_ms']:.2f} ms"
         )
+        if "long_call" in row:
+            print(
+                f"  {'':12s} {'':6s} call {row['long_call']} of the session carried on, prompt "
+                f"{row['long_call_prompt_tokens']:,} tokens: {row['long_call_gateway_cpu_us']:,.0f} µs (quietest round "
+                f"{row['long_call_quietest_round_cpu_us']:,.0f} µs; render {row['long_call_render_ms']:.2f} ms), "
+                f"{row['long_call_growth']:.2f}× the later call "
+                f"({'meets' if row['long_call_meets_target'] else 'misses'} ≤ {TARGET_LONG_CALL_GROWTH:g}×: a later "
+                f"call costs what it adds), +p50 {row['long_call_added_p50_ms']:.2f} ms"
+            )
     for row in comparison:
         verdict = "meets" if row["meets_target"] else "misses"
         print(
