@@ -65,7 +65,7 @@ from gateway.render import PriorCall, RenderedPrompt, render_request
 from gateway.sampling import NO_POLICY, Limit, effective_sampling
 from gateway.sessions import Session, SessionError, SessionStore
 from polar import credentials
-from polar.codec import length_delimited
+from polar.codec import length_delimited_header
 from polar.read_ahead import ReadAhead, StreamIdle
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
@@ -478,7 +478,8 @@ class Gateway:
             session_id=call.session.session_id,
             message_interval_seconds=self.message_interval_s,
         )
-        return request.SerializeToString() + length_delimited(PROMPT_FIELD, call.rendered.packed_ids)
+        prompt = call.rendered.packed_ids
+        return b"".join((request.SerializeToString(), length_delimited_header(PROMPT_FIELD, len(prompt)), prompt))
 
     async def _generate(self, call: _Call, sink: Sink) -> Reply | None:
         renderer = call.dialect.stream_renderer(call.request, call.info) if call.request.stream else None

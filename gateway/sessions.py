@@ -35,7 +35,7 @@ from gateway.bodies import DEFAULT_MAX_SESSION_BODY_BYTES, SessionBodies, SpillF
 from gateway.json_body import KnownConversations
 from gateway.render import History, PriorCall, PriorCalls
 from gateway.sampling import NO_POLICY, SamplingPolicy
-from polar.codec import length_delimited
+from polar.codec import length_delimited_header
 from polar.v1 import common_pb2, gateway_pb2
 
 # 32 random bytes: far past the 128 bits the contract asks for, and URL-safe for `?key=`.
@@ -171,11 +171,10 @@ class Session:
         """A record of the session whole, serialized: what it holds, then the fields held apart
         (protobuf reads fields in any order, and a message's fields concatenate)."""
         prompt = self.prompts.get(record.call_id)
-        held = record.SerializeToString()
-        rest = self.bodies.missing_fields(record)
+        parts = [record.SerializeToString(), self.bodies.missing_fields(record)]
         if prompt:
-            rest += length_delimited(PROMPT_FIELD, prompt)
-        return held + rest if rest else held
+            parts += (length_delimited_header(PROMPT_FIELD, len(prompt)), prompt)
+        return b"".join(parts)
 
     def whole(self, record: common_pb2.CallRecord) -> common_pb2.CallRecord:
         """A record of the session whole: itself when it holds everything, else a parsed copy."""

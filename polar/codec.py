@@ -93,7 +93,13 @@ def unpacked_ids(payload: bytes) -> tuple[int, ...]:
 
 def length_delimited(field_number: int, payload: bytes) -> bytes:
     """A length-delimited field (a packed repeated field's, a message's, bytes'): tag, length, payload."""
-    return _varint(field_number << 3 | 2) + _varint(len(payload)) + payload
+    return length_delimited_header(field_number, len(payload)) + payload
+
+
+def length_delimited_header(field_number: int, length: int) -> bytes:
+    """The tag and length of a length-delimited field: what comes before its payload (joined with
+    other parts, a large payload is copied once)."""
+    return _varint(field_number << 3 | 2) + _varint(length)
 
 
 def _varint(value: int) -> bytes:
