@@ -38,7 +38,9 @@ session it reports the gateway's CPU (pooled over the rounds, and in the round l
 machine's other work), the time to the prompt ids from the call records, and the added latency of a
 first call (its prompt already seen by the gateway, as when another session of the
 harness sent it) and of the session's last call (extending the calls before it), each measured on
-its own; at 64 sessions, requests/s beside LiteLLM on the sessions whose dialect LiteLLM's proxy
+its own, and for Claude Code call 40 of its session carried on past the recording (each call echoes
+the reply before it and adds a tool's output), which must cost about what the recorded later call
+costs: a later call pays for what it adds, not for the conversation before it; at 64 sessions, requests/s beside LiteLLM on the sessions whose dialect LiteLLM's proxy
 translates here (Anthropic Messages, Chat Completions).
 
 The load generator is a hand-written HTTP/1.1 client on asyncio (pre-encoded requests, no SDK, no
