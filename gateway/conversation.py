@@ -128,9 +128,6 @@ def turns_match(incoming: Message, recorded: Message, *, strict_reasoning: bool 
     With `strict_reasoning` the reasoning must be identical, empty included: used where the prompt is
     what the template renders from the harness's messages, so a missing reasoning changes the tokens.
     """
-    if incoming is recorded:
-        # A later call's turns up to the last are the earlier call's objects (ConversationFold).
-        return True
     reasoning_ok = incoming.reasoning == recorded.reasoning or (
         not strict_reasoning and not incoming.reasoning
     )

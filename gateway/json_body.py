@@ -65,9 +65,10 @@ MAX_UNMATCHED = 256
 # Where the dialects keep a conversation's items: Chat Completions' and Anthropic's `messages`, the
 # Responses API's `input`, Gemini's `contents`.
 CONVERSATION_MEMBERS = ("messages", "input", "contents")
-# A session's conversations kept, and the longest text kept of one (past it, later calls read it all).
-MAX_CONVERSATIONS = 4
-MAX_CONVERSATION_BYTES = 8 * 1024 * 1024
+# A session's conversations kept (its main one and a side call's), and the longest text kept of one:
+# past it, later calls read it all. The items read from a text take a few times its size in memory.
+MAX_CONVERSATIONS = 2
+MAX_CONVERSATION_BYTES = 2 * 1024 * 1024
 
 # 19 digits in a row: perhaps an integer past 64 bits, which orjson reads as a float.
 _DIGITS_AS_ZEROS_OTHERS_AS_ONES = bytes(0x30 if 0x30 <= byte <= 0x39 else 0x31 for byte in range(256))
@@ -195,7 +196,7 @@ class KnownConversations:
     A harness sends its whole conversation again with every call. A later call whose conversation
     starts with a known text (its earlier items, as sent before) reads only the items it adds, and
     gets the earlier items as the same objects, which lets a dialect convert only the new ones
-    (`gateway.dialects.base.ConversationFold`). A few conversations per session, for a harness
+    (`gateway.dialects.base.ConversationFold`). Two conversations per session, for a harness
     whose side calls (a title, a summary) share its session; the least recent goes first.
     """
 

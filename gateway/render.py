@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Literal
 
 from gateway.chat_format import ChatFormat, forced_opening
@@ -68,6 +69,9 @@ class RenderedPrompt:
     fresh_reason: str = ""
     # Ids at the end of token_ids that force a tool call's opening; prompt, never sampled.
     forced_token_count: int = 0
+    # The request's messages the prompt was rendered from (after the template's rule, if any): each
+    # is the turn at its place in `conversation`, or matches it.
+    matched: tuple[Message, ...] = ()
 
     @property
     def token_ids(self) -> tuple[int, ...]:
@@ -140,7 +144,12 @@ def render_request(
         seen = Conversation(messages, chat_format.shared_tools(conversation.tools), conversation.tool_choice)
         count, packed = chat_format.render_prompt_packed(seen)
         return RenderedPrompt(
-            packed + packed_ids(forced), count + len(forced), seen, fresh_reason=reason, forced_token_count=len(forced)
+            packed + packed_ids(forced),
+            count + len(forced),
+            seen,
+            fresh_reason=reason,
+            forced_token_count=len(forced),
+            matched=tuple(messages),
         )
     reply_index = len(prior.conversation.messages)
     new_messages = messages[reply_index + 1:]
@@ -155,7 +164,9 @@ def render_request(
     # The tools the prompt shows are the extended call's (they match the request's), kept once for
     # the whole chain rather than once per call.
     seen = Conversation(seen_messages, prior.conversation.tools, conversation.tool_choice)
-    return RenderedPrompt(packed, count, seen, extends_call_id=prior.call_id, forced_token_count=len(forced))
+    return RenderedPrompt(
+        packed, count, seen, extends_call_id=prior.call_id, forced_token_count=len(forced), matched=tuple(messages)
+    )
 
 
 def _best_prior(
@@ -185,9 +196,14 @@ def _mismatch(
     recorded = (*prior.conversation.messages, prior.reply)
     if len(messages) < len(recorded):
         return HISTORY_DIVERGED
-    pairs = list(zip(messages, recorded))
-    # Most turns of a later call are the very objects the earlier call recorded (ConversationFold).
-    if not all(incoming is seen or turns_match(incoming, seen) for incoming, seen in pairs):
+    # Most of a later call's turns are the very objects the earlier call was rendered from
+    # (ConversationFold), each already found to match its recorded turn: only the others are compared.
+    pairs = [
+        (incoming, seen)
+        for incoming, seen, earlier in zip_longest(messages[: len(recorded)], recorded, prior.prompt.matched[: len(recorded)])
+        if incoming is not earlier
+    ]
+    if not all(turns_match(incoming, seen) for incoming, seen in pairs):
         return HISTORY_DIVERGED
     if strict_reasoning and not all(
         turns_match(incoming, seen, strict_reasoning=True) for incoming, seen in pairs
@@ -196,3 +212,4 @@ def _mismatch(
     if prior.conversation.tools != conversation.tools:
         return TOOLS_CHANGED
     return None
+

@@ -184,6 +184,22 @@ def test_rewritten_history_renders_fresh_and_says_why(hermes, smollm2_tokenizer,
     assert list(rendered.token_ids) == hermes.render_prompt(conversation)
 
 
+def test_turns_that_are_the_earlier_call_s_objects_skip_comparison_but_the_reply_is_compared(hermes, smollm2_tokenizer):
+    """A later call's turns are the objects of the call before (as the gateway's dialects hand them
+    on); the reply it echoes is always compared with the sampled one, and so is any turn replaced."""
+    session = Session(hermes, smollm2_tokenizer)
+    messages = [Message("user", "What is in a.py?")]
+    session.call(Conversation(tuple(messages), TOOLS), Message("assistant", "It prints 1."))
+    echoed = [*messages, Message("assistant", "It prints 2."), Message("user", "Sure?")]
+    rendered = render_request(hermes, Conversation(tuple(echoed), TOOLS), session.calls)
+    assert (rendered.extends_call_id, rendered.fresh_reason) == ("", HISTORY_DIVERGED)
+    echoed[1] = Message("assistant", "It prints 1.")
+    assert render_request(hermes, Conversation(tuple(echoed), TOOLS), session.calls).extends_call_id == "c0001"
+    echoed[0] = Message("user", "What is in b.py?")
+    rendered = render_request(hermes, Conversation(tuple(echoed), TOOLS), session.calls)
+    assert (rendered.extends_call_id, rendered.fresh_reason) == ("", HISTORY_DIVERGED)
+
+
 def test_an_edit_after_an_earlier_reply_extends_that_earlier_call(hermes, smollm2_tokenizer):
     session = Session(hermes, smollm2_tokenizer)
     messages = build_history(session)
