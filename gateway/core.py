@@ -63,7 +63,7 @@ from gateway.output import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
 from gateway.render import PriorCall, RenderedPrompt, render_request
 from gateway.sampling import NO_POLICY, Limit, effective_sampling
-from gateway.sessions import Session, SessionError, SessionStore
+from gateway.sessions import RecordParts, Session, SessionError, SessionStore
 from polar import credentials
 from polar.codec import length_delimited_header
 from polar.read_ahead import ReadAhead, StreamIdle
@@ -523,7 +523,7 @@ class Gateway:
         finally:
             messages.close()
             grpc_call.cancel()
-            self.store.record(call.session, call.record(), call.prior(), call.prompt, call.raw, call.response_body)
+            self.store.record(call.session, call.record(), call.prior(), RecordParts(call.prompt, call.raw, call.response_body))
         return reply
 
     async def _fail(self, call: _Call, stream: _StreamWriter, error: GatewayError) -> Reply | None:

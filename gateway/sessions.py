@@ -80,6 +80,18 @@ def call_id_for(index: int) -> str:
     return f"c{index:04d}"
 
 
+@dataclass(frozen=True)
+class RecordParts:
+    """What a call's record leaves out, held by its session beside it: the prompt ids packed, as the
+    engine was sent them, and the request and response bodies, as the gateway received and sent them.
+    Parsing 20k ids or copying 80 kB into a record, and writing them out again for every reader, cost
+    more than the rest of recording the call."""
+
+    prompt: bytes = b""
+    request_body: bytes = b""
+    response_body: bytes = b""
+
+
 @dataclass
 class Session:
     """One harness run: its key, its recorded calls, and what renders against them."""
@@ -102,9 +114,8 @@ class Session:
     records: list[common_pb2.CallRecord] = field(default_factory=list)
     # Its conversations as its latest calls sent them, read once (gateway/json_body.py).
     conversations: KnownConversations = field(default_factory=KnownConversations)
-    # Packed prompt ids (polar.codec.packed_ids) by call id: the form the engine was sent, which
-    # leaves the gateway as it is. Parsing a harness's 20k ids into its record, then writing them
-    # out again for every reader, cost more CPU than the rest of recording the call.
+    # Packed prompt ids (polar.codec.packed_ids) by call id (RecordParts.prompt), which leave the
+    # gateway as they are.
     prompts: dict[str, bytes] = field(default_factory=dict)
     # Calls whose reply the client received, in completion order: what later prompts extend.
     prior_calls: PriorCalls = field(default_factory=PriorCalls)
@@ -138,21 +149,15 @@ class Session:
         self.sampled_tokens += tokens
 
     def finish_call(
-        self,
-        record: common_pb2.CallRecord,
-        prior: PriorCall | None = None,
-        prompt: bytes = b"",
-        request_body: bytes = b"",
-        response_body: bytes = b"",
+        self, record: common_pb2.CallRecord, prior: PriorCall | None = None, apart: RecordParts = RecordParts()
     ) -> None:
-        """`prompt`: the packed prompt ids, for a record that leaves them out; the bodies, which
-        records leave out (`bodies` holds them)."""
+        """`apart`: what the record leaves out, which the session holds beside it."""
         self.in_flight -= 1
         self.last_active_unix_ns = self.clock()
-        self.bodies.keep(record, request_body, response_body)
+        self.bodies.keep(record, apart.request_body, apart.response_body)
         self.records.append(record)
-        if prompt:
-            self.prompts[record.call_id] = prompt
+        if apart.prompt:
+            self.prompts[record.call_id] = apart.prompt
         if prior is not None:
             self.prior_calls.add(prior)
         for queue in self._watchers:
@@ -346,16 +351,10 @@ class SessionStore:
         return len(stale)
 
     def record(
-        self,
-        session: Session,
-        record: common_pb2.CallRecord,
-        prior: PriorCall | None = None,
-        prompt: bytes = b"",
-        request_body: bytes = b"",
-        response_body: bytes = b"",
+        self, session: Session, record: common_pb2.CallRecord, prior: PriorCall | None = None, apart: RecordParts = RecordParts()
     ) -> None:
         """Record a call of the session (`Session.finish_call`)."""
-        session.finish_call(record, prior, prompt, request_body, response_body)
+        session.finish_call(record, prior, apart)
         self.calls_total += 1
 
     def open_sessions(self) -> int:

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gateway.bodies import SpillFolder
 from gateway.sampling import NO_POLICY, SamplingPolicy
-from gateway.sessions import Draining, SessionClosed, SessionExists, SessionStore, UnknownSession
+from gateway.sessions import Draining, RecordParts, SessionClosed, SessionExists, SessionStore, UnknownSession
 from polar.codec import packed_ids
 from polar.v1 import common_pb2, gateway_pb2
 
@@ -157,7 +157,7 @@ def _call(session, tokens=(5, 6, 7)) -> common_pb2.CallRecord:
 
 
 def _record(store, session, request: bytes, response: bytes, tokens=(5, 6, 7)) -> None:
-    store.record(session, _call(session, tokens), request_body=request, response_body=response)
+    store.record(session, _call(session, tokens), apart=RecordParts(request_body=request, response_body=response))
 
 
 async def test_bodies_past_the_cap_go_to_a_file_and_come_back_whole(tmp_path):
@@ -258,7 +258,7 @@ def test_records_held_in_parts_come_back_as_the_records_they_were(tmp_path, call
         whole.MergeFrom(record)
         whole.prompt_token_ids.extend(prompt)
         expected.append(whole)
-        store.record(session, record, prompt=packed_ids(prompt), request_body=request, response_body=response)
+        store.record(session, record, apart=RecordParts(packed_ids(prompt), request, response))
     assert all(not held.prompt_token_ids for held in session.records)
     assert session.ordered_records() == expected
     assert [common_pb2.CallRecord.FromString(session.serialized(held)) for held in session.in_order()] == expected
