@@ -39,9 +39,10 @@ machine's other work), the time to the prompt ids from the call records, and the
 first call (its prompt already seen by the gateway, as when another session of the
 harness sent it) and of the session's last call (extending the calls before it), each measured on
 its own, and for Claude Code call 40 of its session carried on past the recording (each call echoes
-the reply before it and adds a tool's output), which must cost about what the recorded later call
-costs: a later call pays for what it adds, not for the conversation before it; at 64 sessions, requests/s beside LiteLLM on the sessions whose dialect LiteLLM's proxy
-translates here (Anthropic Messages, Chat Completions).
+the reply before it and adds a tool's output), which must cost about what its call 3 costs, which
+adds as much: a later call pays for what it adds, not for the conversation before it; at 64
+sessions, requests/s beside LiteLLM on the sessions whose dialect LiteLLM's proxy translates here
+(Anthropic Messages, Chat Completions).
 
 The load generator is a hand-written HTTP/1.1 client on asyncio (pre-encoded requests, no SDK, no
 JSON parsing; a reply counts when its status is 200 and it holds the dialect's final marker) spread
@@ -163,9 +164,8 @@ LONG_TURN_TEXT = (
     "$ sed -n 1,5p src/parser.py\n"
     + "".join(f"{n:>4}  def rule_{n}(tokens): return tokens[{n}:] if tokens else []  # grammar rule {n}\n" for n in range(1, 6))
 )
-# A later call costs what its new tokens cost: call LONG_SESSION_CALLS of a session, which adds as
-# many tokens as the recorded later call but carries 40 calls of conversation, may cost at most this
-# much more gateway CPU than the recorded later call.
+# A later call costs what its new tokens cost: call LONG_SESSION_CALLS of the carried-on session may
+# cost at most this much more gateway CPU than its first carried-on call, which adds as much.
 TARGET_LONG_CALL_GROWTH = 1.25
 COMPARE_SESSIONS = 64  # the point of the ≥ 3× LiteLLM target
 COMPARE_DIALECT = "anthropic"  # the dialect compared with LiteLLM and, under --credentials compare, with itself
@@ -656,11 +656,16 @@ def _replay_points(
             )
             points += [first_point, later_point]
             if session.dialect == "anthropic" and not (stream and bench.settings.quick):
-                long_point, long_render, long_prompt = _long_session_point(bench, polar, session, stream)
+                short_call = len(session.requests) + 1
+                short_point, _, _ = _long_session_point(bench, polar, session, stream, short_call)
+                long_point, long_render, long_prompt = _long_session_point(bench, polar, session, stream, LONG_SESSION_CALLS)
                 long_cpu = long_point.cpu_us_per_request.get("gateway_direct", math.nan)
-                growth = long_cpu / later_point.cpu_us_per_request.get("gateway_direct", math.nan)
+                short_cpu = short_point.cpu_us_per_request.get("gateway_direct", math.nan)
+                growth = long_cpu / short_cpu
                 rows[-1].update(
                     {
+                        "short_call": short_call,
+                        "short_call_gateway_cpu_us": short_cpu,
                         "long_call": LONG_SESSION_CALLS,
                         "long_call_prompt_tokens": long_prompt,
                         "long_call_gateway_cpu_us": long_cpu,
@@ -671,7 +676,7 @@ def _replay_points(
                         "long_call_meets_target": growth <= TARGET_LONG_CALL_GROWTH,
                     }
                 )
-                points.append(long_point)
+                points += [short_point, long_point]
         for subset in ("litellm",) if bench.settings.quick else ("all", "litellm"):
             chosen = [s for s in sessions if subset == "all" or s.dialect in LITELLM_DIALECTS]
             keys = _open_sessions(polar.gateway_direct, many, polar.credentials)
@@ -742,10 +747,12 @@ def _paired_call_point(
     return point
 
 
-def _long_session_point(bench: Bench, polar: _PolarStack, session: RecordedSession, stream: bool) -> tuple[Point, float, int]:
-    """Call LONG_SESSION_CALLS of an Anthropic harness's session carried on past its recording, sent by
-    many sessions in turn as `_call_point` sends a recorded call; with the median time to its prompt
-    ids and its prompt's length. Each session sends the recorded calls, then calls that echo the reply
+def _long_session_point(
+    bench: Bench, polar: _PolarStack, session: RecordedSession, stream: bool, call: int
+) -> tuple[Point, float, int]:
+    """Call `call` of an Anthropic harness's session carried on past its recording, sent by many
+    sessions in turn as `_call_point` sends a recorded call; with the median time to its prompt ids
+    and its prompt's length. Each session sends the recorded calls, then calls that echo the reply
     before them and add a user turn with a tool's output (LONG_TURN_TEXT), each extending the last,
     all whole; the measured call is the next one, whole or streamed."""
     address = polar.gateway_http
@@ -758,12 +765,12 @@ def _long_session_point(bench: Bench, polar: _PolarStack, session: RecordedSessi
             _check_reply(session, status, reply)
         body = json.loads(session.requests[-1].body)
         messages = body["messages"]
-        for turn in range(len(session.requests), LONG_SESSION_CALLS):
+        for turn in range(len(session.requests), call):
             echo = {"role": "assistant", "content": json.loads(reply)["content"]}
             messages = [*messages, echo, {"role": "user", "content": [{"type": "text", "text": f"({turn}) {LONG_TURN_TEXT}"}]}]
-            payload = dict(body, messages=messages, stream=turn == LONG_SESSION_CALLS - 1 and stream)
+            payload = dict(body, messages=messages, stream=turn == call - 1 and stream)
             request = _http_request(address, session.requests[-1].target, {**headers, "x-api-key": key}, payload)
-            if turn == LONG_SESSION_CALLS - 1:
+            if turn == call - 1:
                 calls.append(request)
             else:
                 status, reply = _send_once(address, request)
@@ -771,10 +778,10 @@ def _long_session_point(bench: Bench, polar: _PolarStack, session: RecordedSessi
     status, reply = _send_once(address, calls[0])  # its prompt, for the baseline
     _check_reply(session, status, reply)
     prompt = _last_prompt(polar.gateway_direct, keys[0], polar.credentials)
-    label = f"{session.harness}:call {LONG_SESSION_CALLS}"
+    label = f"{session.harness}:call {call}"
     point = _paired_call_point(bench, polar, label, stream, tuple(calls), REPLAY_MARKERS[session.dialect][stream], prompt)
     # The measured call's renders: not the calls before it, each the first sight of its new turn.
-    _, extending = _render_ms(polar.gateway_direct, keys[0], polar.credentials, skip=LONG_SESSION_CALLS - 1)
+    _, extending = _render_ms(polar.gateway_direct, keys[0], polar.credentials, skip=call - 1)
     return point, extending, len(prompt)
 
 
@@ -1571,7 +1578,7 @@ def _print_replay_summary(rows: list[dict], comparison: list[dict]) -> None:
                 f"  {'':12s} {'':6s} call {row['long_call']} of the session carried on, prompt "
                 f"{row['long_call_prompt_tokens']:,} tokens: {row['long_call_gateway_cpu_us']:,.0f} µs (quietest round "
                 f"{row['long_call_quietest_round_cpu_us']:,.0f} µs; render {row['long_call_render_ms']:.2f} ms), "
-                f"{row['long_call_growth']:.2f}× the later call "
+                f"{row['long_call_growth']:.2f}× call {row['short_call']} ({row['short_call_gateway_cpu_us']:,.0f} µs) "
                 f"({'meets' if row['long_call_meets_target'] else 'misses'} ≤ {TARGET_LONG_CALL_GROWTH:g}×: a later "
                 f"call costs what it adds), +p50 {row['long_call_added_p50_ms']:.2f} ms"
             )
