@@ -206,7 +206,7 @@ class KnownConversations:
 
 @dataclass
 class _Conversation:
-    member: str
+    place: _Place  # its first item: the text follows the place's lead
     text: bytes
     items: list[Any]
 
@@ -278,16 +278,15 @@ class BodyDecoder:
     def _find_conversation(self, raw: bytes, conversations: KnownConversations) -> _Substitution | None:
         """The session's known conversation that the body's conversation starts with, if any."""
         for known in conversations.entries:
-            lead = orjson.dumps(known.member) + b":["
+            lead = known.place.lead()
             at = raw.find(lead)
             if at == -1:
                 continue
             start = at + len(lead)
             end = start + len(known.text)
             if raw.startswith(known.text, start) and raw[end : end + 1] in (b",", b"]"):
-                place = _Place(known.member, first_item=True)
                 marker, marker_text = self._conversation_marker, self._conversation_marker_text
-                return _Substitution(start, end, marker, marker_text, place, known.items, spliced=True)
+                return _Substitution(start, end, marker, marker_text, known.place, known.items, spliced=True)
         return None
 
     def _find(self, raw: bytes, spliced: _Substitution | None) -> list[_Substitution]:
@@ -383,7 +382,8 @@ class BodyDecoder:
                 text = orjson.dumps(items)[1:-1]
         except orjson.JSONEncodeError:
             return
-        lead = orjson.dumps(member) + b":["
+        place = _Place(member, first_item=True)
+        lead = place.lead()
         at = raw.find(lead)
         start = at + len(lead)
         end = start + len(text)
@@ -393,7 +393,7 @@ class BodyDecoder:
             return  # written otherwise than orjson writes it: read in full next time
         if known is not None:
             conversations.entries.remove(known)
-        conversations.entries.insert(0, _Conversation(member, text, items))
+        conversations.entries.insert(0, _Conversation(place, text, items))
         del conversations.entries[MAX_CONVERSATIONS:]
 
 

@@ -723,8 +723,7 @@ def _call_point(bench: Bench, polar: _PolarStack, session: RecordedSession, inde
     for key, before in primed:
         for request in before:
             status, body = _send_once(address, replay_request(request, stream, key, address))
-            if status != 200:
-                raise RuntimeError(f"the gateway answered a replayed {session.harness} call with {status}: {body[:300]!r}")
+            _check_reply(session, status, body)
     calls = tuple(replay_request(session.requests[index], stream, key, address) for key in keys)
     label = f"{session.harness}:{'first' if index == 0 else 'later'}"
     prompt = tuple(session.records[index].prompt_token_ids)

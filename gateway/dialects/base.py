@@ -27,6 +27,7 @@ from __future__ import annotations
 import abc
 import enum
 import json
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -266,15 +267,11 @@ class ConversationFold(Generic[State]):
     def _resume(self, items: list[Any]) -> tuple[int, State]:
         for count in range(len(items), 0, -1):
             folded = self._folded.get(id(items[count - 1]))
-            if folded is not None and len(folded.items) == count and all(map(_same, folded.items, items)):
+            if folded is not None and len(folded.items) == count and all(map(operator.is_, folded.items, items)):
                 if count == len(items):
                     return count, folded.state
                 return count, self._copy(folded.state)
         return 0, self._start()
-
-
-def _same(a: Any, b: Any) -> bool:
-    return a is b
 
 
 def json_bytes(body: Any) -> bytes:
