@@ -141,9 +141,16 @@ def _reply(reply: Reply) -> web.Response:
     return web.Response(status=reply.status, body=reply.body, content_type="application/json")
 
 
+class _StreamResponse(web.StreamResponse):
+    """A stream whose status line and headers leave with its first bytes, in one write (as aiohttp's
+    Response does): the gateway opens a stream only when it has the first events to send."""
+
+    _send_headers_immediately = False
+
+
 class _HttpSink:
-    """A streamed HTTP response; each send is written to the socket at once, and `end` writes the
-    last bytes with the chunked terminator."""
+    """A streamed HTTP response; each send is written to the socket at once (the first with the
+    headers), and `end` writes the last bytes with the chunked terminator."""
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
@@ -154,7 +161,7 @@ class _HttpSink:
         return transport is not None and not transport.is_closing()
 
     async def open(self, media_type: str) -> None:
-        response = web.StreamResponse(status=200, headers=STREAM_HEADERS)
+        response = _StreamResponse(status=200, headers=STREAM_HEADERS)
         response.content_type = media_type
         self.response = response
         try:

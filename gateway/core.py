@@ -113,7 +113,7 @@ class Sink(Protocol):
         """False once the client has gone away."""
 
     async def open(self, media_type: str) -> None:
-        """Send the status line and headers of a 200 stream."""
+        """Start a 200 stream; its status line and headers may wait for the first send or end."""
 
     async def send(self, chunks: Sequence[bytes]) -> None:
         """Send bytes now; raise ClientGone when the client has gone away."""
@@ -587,7 +587,10 @@ class _StreamWriter:
 
     async def send_events(self, events: list[ParseEvent]) -> None:
         if self.renderer is not None:
-            await self._send(await self._render(events))
+            opening = not self.opened
+            chunks = await self._render(events)
+            if chunks or opening:  # the opening send carries the headers even with no event yet
+                await self._sink.send(chunks)
 
     async def send_finish(self, events: list[ParseEvent], result: DialectResult) -> None:
         """The last events and the renderer's finish, in one write that ends the response."""
@@ -611,7 +614,3 @@ class _StreamWriter:
         await self._sink.open(self.renderer.media_type)
         self.opened = True
         return self.renderer.start()
-
-    async def _send(self, chunks: list[bytes]) -> None:
-        if chunks:
-            await self._sink.send(chunks)

@@ -34,7 +34,11 @@ SCRIPT = {
     "cycle": True,
     "tokens_per_chunk": 1,
     # 20 tokens 50 ms apart: a second in all, twice the token timeout, but never silent for long.
-    "rules": [{"prompt_regex": "STEADY", "token_ids": [905] * STEADY_TOKENS, "delay_seconds": 0.05}],
+    "rules": [
+        {"prompt_regex": "STEADY", "token_ids": [905] * STEADY_TOKENS, "delay_seconds": 0.05},
+        # A tool call: its first token makes no event (the call is held until it is whole).
+        {"prompt_regex": "HELD", "text": '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'},
+    ],
     "outputs": [{"text": "Hello there, this is the reply."}],
 }
 # dialect -> (path whole, path streamed, body; the streamed body adds "stream": true where the dialect has it)
@@ -150,6 +154,22 @@ async def test_an_engine_hung_before_its_first_token_gets_a_plain_error_reply_to
         assert TIMEOUT_TEXT in (await response.json())["error"]["message"]
     record = await _settled_record(hung, key)
     assert record.finish_reason == common_pb2.FINISH_REASON_ERROR and len(record.sampled_token_ids) == 0
+
+
+async def test_a_stream_opens_with_the_engines_first_message_even_when_it_makes_no_event(hung, http):
+    """Gemini's stream has no opening event, and a tool call's first token makes none: the status and
+    headers still reach the client with that first message, not with the next event."""
+    hung.engine.hang_after = 1
+    key = hung.open_session()
+    path, body = _request("gemini", stream=True, content="HELD")
+    started = time.monotonic()
+    async with http.post(hung.base_url + path, json=body, headers={"x-api-key": key}) as response:
+        opened = time.monotonic() - started
+        assert response.status == 200
+        events = read_sse(await response.text())
+    assert opened < TOKEN_TIMEOUT_S / 2
+    assert TIMEOUT_TEXT in _in_stream_error("gemini", events)["message"]
+    assert events[:-1] == []  # nothing but the error: the first token made no event
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
