@@ -657,8 +657,13 @@ def _replay_points(
             points += [first_point, later_point]
             if session.dialect == "anthropic" and not (stream and bench.settings.quick):
                 short_call = len(session.requests) + 1
-                short_point, _, _ = _long_session_point(bench, polar, session, stream, short_call)
-                long_point, long_render, long_prompt = _long_session_point(bench, polar, session, stream, LONG_SESSION_CALLS)
+                short_pair, _, _ = _carried_on_call(polar, session, stream, short_call)
+                long_pair, long_key, long_prompt = _carried_on_call(polar, session, stream, LONG_SESSION_CALLS)
+                # Measured together, in alternating rounds: their ratio is not the machine's drift
+                # between two points measured seconds apart.
+                [(_, short_point), (_, long_point)] = bench.paired(short_pair, long_pair)
+                # The measured call's renders: not the calls before it, each the first sight of its new turn.
+                _, long_render = _render_ms(polar.gateway_direct, long_key, polar.credentials, skip=LONG_SESSION_CALLS - 1)
                 long_cpu = long_point.cpu_us_per_request.get("gateway_direct", math.nan)
                 short_cpu = short_point.cpu_us_per_request.get("gateway_direct", math.nan)
                 growth = long_cpu / short_cpu
@@ -715,7 +720,7 @@ def _call_point(bench: Bench, polar: _PolarStack, session: RecordedSession, inde
     Many sessions rather than one: a session that sent the same call again and again would hold
     megabytes of bodies, which real sessions never do.
     """
-    address, cpu_of = polar.gateway_http, ("gateway_direct", "inference")
+    address = polar.gateway_http
     marker = REPLAY_MARKERS[session.dialect][stream]
     keys = _open_sessions(polar.gateway_direct, CALL_POINT_SESSIONS, polar.credentials)
     # The calls each session has sent already; before the first call, one session sent it once.
@@ -727,33 +732,32 @@ def _call_point(bench: Bench, polar: _PolarStack, session: RecordedSession, inde
     calls = tuple(replay_request(session.requests[index], stream, key, address) for key in keys)
     label = f"{session.harness}:{'first' if index == 0 else 'later'}"
     prompt = tuple(session.records[index].prompt_token_ids)
-    point = _paired_call_point(bench, polar, label, stream, calls, marker, prompt)
+    [(_, point)] = bench.paired(_call_pair(polar, label, stream, calls, marker, prompt))
     fresh, extending = _render_ms(polar.gateway_direct, keys[0], polar.credentials)
     return point, extending if index else fresh
 
 
-def _paired_call_point(
-    bench: Bench, polar: _PolarStack, label: str, stream: bool, calls: tuple[bytes, ...], marker: bytes, prompt: Sequence[int]
-) -> Point:
-    """`calls` (one per session) looped through the direct gateway, paired with the inference server
-    alone on `prompt`."""
+def _call_pair(
+    polar: _PolarStack, label: str, stream: bool, calls: tuple[bytes, ...], marker: bytes, prompt: Sequence[int]
+) -> tuple[Target, Target]:
+    """`calls` (one per session) looped through the direct gateway, and its baseline: the inference
+    server alone on `prompt`."""
     target = Target("polar", "direct", label, stream, "http", polar.gateway_http, (calls,), marker, ("gateway_direct", "inference"))
     baseline = Target(
         "inference", "grpc", label, True, "grpc", polar.inference,
         (_generate_request(prompt, "baseline-0").SerializeToString(),), b"", ("inference",), polar.node,
     )  # fmt: skip
-    _, point = bench.paired(target, baseline)
-    return point
+    return target, baseline
 
 
-def _long_session_point(
-    bench: Bench, polar: _PolarStack, session: RecordedSession, stream: bool, call: int
-) -> tuple[Point, float, int]:
-    """Call `call` of an Anthropic harness's session carried on past its recording, sent by many
-    sessions in turn as `_call_point` sends a recorded call; with the median time to its prompt ids
-    and its prompt's length. Each session sends the recorded calls, then calls that echo the reply
-    before them and add a user turn with a tool's output (LONG_TURN_TEXT), each extending the last,
-    all whole; the measured call is the next one, whole or streamed."""
+def _carried_on_call(
+    polar: _PolarStack, session: RecordedSession, stream: bool, call: int
+) -> tuple[tuple[Target, Target], str, int]:
+    """Call `call` of an Anthropic harness's session carried on past its recording, to be sent by many
+    sessions in turn as `_call_point` sends a recorded call: its target and baseline, the first
+    session's key and the call's prompt length. Each session sends the recorded calls, then calls that
+    echo the reply before them and add a user turn with a tool's output (LONG_TURN_TEXT), each
+    extending the last, all whole; the measured call is the next one, whole or streamed."""
     address = polar.gateway_http
     headers = {"anthropic-version": "2023-06-01"}
     keys = _open_sessions(polar.gateway_direct, CALL_POINT_SESSIONS, polar.credentials)
@@ -778,10 +782,8 @@ def _long_session_point(
     _check_reply(session, status, reply)
     prompt = _last_prompt(polar.gateway_direct, keys[0], polar.credentials)
     label = f"{session.harness}:call {call}"
-    point = _paired_call_point(bench, polar, label, stream, tuple(calls), REPLAY_MARKERS[session.dialect][stream], prompt)
-    # The measured call's renders: not the calls before it, each the first sight of its new turn.
-    _, extending = _render_ms(polar.gateway_direct, keys[0], polar.credentials, skip=call - 1)
-    return point, extending, len(prompt)
+    pair = _call_pair(polar, label, stream, tuple(calls), REPLAY_MARKERS[session.dialect][stream], prompt)
+    return pair, keys[0], len(prompt)
 
 
 def _check_reply(session: RecordedSession, status: int, reply: bytes) -> None:
@@ -877,27 +879,32 @@ class Bench:
             print(_row(point), flush=True)
         return point
 
-    def paired(self, target: Target, baseline: Target) -> tuple[Point, Point]:
-        """The target and its baseline measured in alternating rounds (baseline, target, baseline, …)
-        and each pooled over its rounds: other work on a shared machine drifts by more than a
-        millisecond from one second to the next, and both sides see the same drift. The target's
-        point is printed with its added latency over the pooled baseline."""
+    def paired(self, *pairs: tuple[Target, Target]) -> list[tuple[Point, Point]]:
+        """Each (target, baseline) pair measured in alternating rounds (baseline, target, the next
+        pair's baseline and target, …, then the first pair again) and each side pooled over its
+        rounds: other work on a shared machine drifts by more than a millisecond from one second to
+        the next, and every side sees the same drift, so targets measured together compare. Each
+        target's point is printed with its added latency over its pooled baseline; returned as
+        (baseline, target) points."""
         rounds = self.settings.paired_rounds
         warmup, window = self.settings.paired_warmup_s, self.settings.window_s / rounds
-        pooled_target, pooled_baseline = Measurement(0.0), Measurement(0.0)
-        quietest: dict[str, float] = {}
+        pooled = [(Measurement(0.0), Measurement(0.0), dict[str, float]()) for _ in pairs]
         for _ in range(rounds):
-            pooled_baseline.add(self.measure(baseline, warmup, window))
-            measured = self.measure(target, warmup, window)
-            pooled_target.add(measured)
-            for name, us in measured.point(target, len(target.payloads)).cpu_us_per_request.items():
-                quietest[name] = min(quietest.get(name, math.inf), us)
-        reference = pooled_baseline.point(baseline, len(baseline.payloads))
-        point = pooled_target.point(target, len(target.payloads))
-        point.quietest_round_cpu_us = quietest
-        point.over(reference)
-        print(_row(point), flush=True)
-        return reference, point
+            for (target, baseline), (pooled_target, pooled_baseline, quietest) in zip(pairs, pooled):
+                pooled_baseline.add(self.measure(baseline, warmup, window))
+                measured = self.measure(target, warmup, window)
+                pooled_target.add(measured)
+                for name, us in measured.point(target, len(target.payloads)).cpu_us_per_request.items():
+                    quietest[name] = min(quietest.get(name, math.inf), us)
+        results = []
+        for (target, baseline), (pooled_target, pooled_baseline, quietest) in zip(pairs, pooled):
+            reference = pooled_baseline.point(baseline, len(baseline.payloads))
+            point = pooled_target.point(target, len(target.payloads))
+            point.quietest_round_cpu_us = quietest
+            point.over(reference)
+            print(_row(point), flush=True)
+            results.append((reference, point))
+        return results
 
 
 @dataclass
@@ -999,7 +1006,8 @@ def main() -> int:
                         if n == 1:
                             # One session's added latency is the gateway's own cost: measured in
                             # rounds alternating with the baseline (its figures are in the JSON).
-                            points.append(bench.paired(target, baseline_target(1))[1])
+                            [(_, point)] = bench.paired((target, baseline_target(1)))
+                            points.append(point)
                         else:
                             # With more sessions, latency is queueing: compare requests/s and CPU.
                             points.append(bench.point(target, baseline[n]))
