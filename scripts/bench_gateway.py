@@ -40,7 +40,8 @@ first call (its prompt already seen by the gateway, as when another session of t
 harness sent it) and of the session's last call (extending the calls before it), each measured on
 its own, and for Claude Code call 40 of its session carried on past the recording (each call echoes
 the reply before it and adds a tool's output), which must cost about what its call 3 costs, which
-adds as much: a later call pays for what it adds, not for the conversation before it; at 64
+adds as much: a later call pays for what it adds, not for the conversation before it (the two are
+measured together, in alternating rounds, so the machine's drift does not enter their ratio); at 64
 sessions, requests/s beside LiteLLM on the sessions whose dialect LiteLLM's proxy translates here
 (Anthropic Messages, Chat Completions).
 
