@@ -361,7 +361,6 @@ class BodyDecoder:
                 if len(self._unmatched) > MAX_UNMATCHED:
                     self._unmatched.popitem(last=False)
 
-
     def _remember_conversation(
         self, raw: bytes, body: dict[str, Any], conversations: KnownConversations, spliced: _Substitution | None
     ) -> None:
@@ -382,13 +381,15 @@ class BodyDecoder:
                 text = orjson.dumps(items)[1:-1]
         except orjson.JSONEncodeError:
             return
+        if len(text) > MAX_CONVERSATION_BYTES:
+            return
         place = _Place(member, first_item=True)
         lead = place.lead()
         at = raw.find(lead)
+        if at == -1:
+            return
         start = at + len(lead)
         end = start + len(text)
-        if at == -1 or len(text) > MAX_CONVERSATION_BYTES:
-            return
         if raw[end : end + 1] != b"]" or not raw.startswith(text, start):
             return  # written otherwise than orjson writes it: read in full next time
         if known is not None:

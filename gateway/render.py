@@ -212,4 +212,3 @@ def _mismatch(
     if prior.conversation.tools != conversation.tools:
         return TOOLS_CHANGED
     return None
-

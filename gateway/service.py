@@ -16,24 +16,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from gateway.sampling import SamplingPolicy
-from gateway.sessions import (
-    HISTORY_FROM_PROTO,
-    Draining,
-    SessionExists,
-    SessionStore,
-    UnknownSession,
-)
+from gateway.sessions import HISTORY_FROM_PROTO, Draining, SessionExists, SessionStore, UnknownSession
 from polar.codec import length_delimited
 from polar.credentials import OPERATOR, TRAINER
-from polar.grpc_server import (
-    InvalidArgument,
-    add_servicer,
-    bind,
-    callers,
-    new_server,
-    set_serving,
-    status_codes,
-)
+from polar.grpc_server import InvalidArgument, add_servicer, bind, callers, new_server, set_serving, status_codes
 from polar.v1 import gateway_pb2, gateway_pb2_grpc
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name

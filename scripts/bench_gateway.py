@@ -157,7 +157,7 @@ SESSIONS = (1, 64, 256)
 # Sessions a replayed harness's first (or last) call is sent to in turn: each receives a few dozen
 # calls in a window, far below [gateway] max_session_body_bytes.
 CALL_POINT_SESSIONS = 32
-# The call of a long session measured beside the recorded later call: Claude Code's recorded session
+# The call of a long session measured beside its call 3: Claude Code's recorded session
 # carried on (an echo of each reply and a user turn with a tool's output, ~150 tokens a call), so that
 # its conversation is twice its first call's text and its prompt 25k tokens, within the tiny model's 32k.
 LONG_SESSION_CALLS = 40
@@ -590,11 +590,7 @@ def _replay_rules(sessions: Sequence[RecordedSession]) -> list[dict]:
 def _render_ms(gateway: str, key: str, issued: creds.Credentials | None, skip: int = 0) -> tuple[float, float]:
     """The median render time (ms) of the session's calls rendered fresh, and of those that extend
     an earlier call; past its first `skip` calls."""
-    # Each record holds its request body: hundreds of harness-sized ones pass gRPC's 4 MiB default.
-    options = [("grpc.max_receive_message_length", -1)]
-    with creds.channel(gateway, creds.OPERATOR, issued, options) as channel:
-        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-        calls = sorted(stub.GetSession(gateway_pb2.GetSessionRequest(key=key)).calls, key=lambda c: c.call_id)[skip:]
+    calls = _session_calls(gateway, key, issued)[skip:]
     fresh = [c.timings.render_seconds * 1000 for c in calls if not c.extends_call_id]
     extending = [c.timings.render_seconds * 1000 for c in calls if c.extends_call_id]
     return _percentile(fresh, 50), _percentile(extending, 50)
@@ -794,10 +790,16 @@ def _check_reply(session: RecordedSession, status: int, reply: bytes) -> None:
 
 def _last_prompt(gateway: str, key: str, issued: creds.Credentials | None) -> tuple[int, ...]:
     """The prompt ids of the session's last call, from its record."""
+    return tuple(_session_calls(gateway, key, issued)[-1].prompt_token_ids)
+
+
+def _session_calls(gateway: str, key: str, issued: creds.Credentials | None) -> list[common_pb2.CallRecord]:
+    """The session's call records, in call order."""
+    # Each record holds its request body: hundreds of harness-sized ones pass gRPC's 4 MiB default.
     options = [("grpc.max_receive_message_length", -1)]
     with creds.channel(gateway, creds.OPERATOR, issued, options) as channel:
         calls = gateway_pb2_grpc.GatewayServiceStub(channel).GetSession(gateway_pb2.GetSessionRequest(key=key)).calls
-    return tuple(max(calls, key=lambda call: call.call_id).prompt_token_ids)
+    return sorted(calls, key=lambda call: call.call_id)
 
 
 # ------------------------------------------------------------------------------------- the bench
