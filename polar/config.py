@@ -79,6 +79,9 @@ class InferenceConfig:
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda; or "float32", "bfloat16", ...
     max_batch_size: Positive = 64  # most sequences decoded in one step
     script: str = ""  # scripted engine only: path of its JSON script
+    # torch engine only, a test fixture: a JSON script of replies the engine emits instead of sampling,
+    # each token recorded with the model's own logprob (format: polar/inference/engines/forced.py)
+    forced_replies: str = ""
     # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
     # resumes), so versions keep counting across a resumed run.
     policy_version: Count = 0
