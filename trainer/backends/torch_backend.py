@@ -2,9 +2,9 @@
 
 The model is the Hugging Face class itself, so its parameter names are the ones the inference
 servers and checkpoints use. Packed micro-batches (one row of several traces, `position_ids`
-restarting at each trace) rely on transformers building a block-diagonal causal mask from the
-position ids, so traces in one row never attend to each other; padded ones pass their attention
-mask. Logits are computed only at the positions that have a trainable target (`logits_to_keep`),
+restarting at each trace) are attended to one trace at a time (`packed_attention`: causal, no mask
+built), so traces in one row never attend to each other; padded rows hold one trace each, their
+padding after it. Logits are computed only at the positions that have a trainable target (`logits_to_keep`),
 since prompts are most of a trace and the output layer is the widest matrix of a small model.
 
 Mixed precision: the parameters, their gradients and AdamW's state are always fp32; the forward and
@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from trainer.backends.base import Backend, BackendError, UpdateResult
+from trainer.backends.packed_attention import ATTENTION
 from trainer.batches import MicroBatch
 from trainer.grpo import LossConfig, token_logprobs
 
@@ -68,7 +69,7 @@ class TorchBackend(Backend):
         self.dtype = resolve_dtype(options.dtype, self.device)  # of the computation; parameters stay fp32
         self.options = options
         transformers_logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32, attn_implementation="sdpa")
+        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32, attn_implementation=ATTENTION)
         self.model.to(self.device).train()
         self.model.config.use_cache = False
         if options.gradient_checkpointing:
@@ -105,13 +106,12 @@ class TorchBackend(Backend):
         rows, length = batch.input_ids.shape
         # Positions with a trainable target in any row: the only ones whose logits are needed.
         keep = batch.loss_mask.any(dim=0).nonzero().squeeze(-1)  # [P]
-        packed = rows == 1
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             output = model(
                 input_ids=batch.input_ids,
                 position_ids=batch.position_ids,
-                # Packed rows: transformers derives the per-trace causal mask from position_ids.
-                attention_mask=None if packed else batch.attention_mask,
+                # Each trace is attended to alone, found by its position ids restarting at 0.
+                attention_mask=None,
                 logits_to_keep=keep,
                 use_cache=False,
             )
