@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from gateway.chat_format import get_chat_format
 from gateway.conversation import Conversation, Message, ToolCall, ToolSpec
+from polar.config import InferenceConfig
 from polar.inference.engines.base import (
     EngineOptions,
     FinishReason,
@@ -27,6 +28,8 @@ from polar.inference.engines.forced import ForcedReplies, ForcedRepliesError
 from polar.inference.engines.torch_engine import TorchEngine
 from polar.inference.models import resolve_model
 from polar.inference.sampling import processed_logprobs
+from polar.inference.server import serve_inference
+from polar.service import ServiceError
 from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 from trainer.batches import TrainSequence, pack
 from trainer.grpo import LossConfig
@@ -113,6 +116,12 @@ def test_a_bad_script_is_refused_naming_the_entry(tokenizer, tmp_path: Path) -> 
         path.write_text(text)
         with pytest.raises(ForcedRepliesError, match=message.replace("(", r"\(").replace("[", r"\[")):
             ForcedReplies.load(path, tokenizer)
+
+
+def test_forced_replies_need_the_torch_engine(tmp_path: Path) -> None:
+    config = InferenceConfig(engine="scripted", script=str(tmp_path / "s.json"), forced_replies=str(tmp_path / "f.json"))
+    with pytest.raises(ServiceError, match="forced_replies needs the torch engine, not 'scripted'"):
+        asyncio.run(serve_inference(config, ready=lambda port, detail: None))
 
 
 @pytest.fixture(scope="module")
