@@ -5,10 +5,10 @@ each step trains on a group of two sessions of every one of them. Two runs: Pi i
 (1.5k-token prompts), and Codex, Claude Code, Qwen Code and Gemini CLI (9k to 21k tokens a prompt,
 which a CPU prefills and trains on far more slowly: attention is quadratic in them). Starting the stack
 costs about a minute on two cores, so each run covers several CLIs rather than one. The torch engine forces the replies
-(polar/inference/engines/forced.py): the first call writes the session's id into note.txt with the
+(polar/inference/engines/forced.py): the first call writes its workspace's path into note.txt with the
 CLI's own shell tool, found by its name in the prompt's tools, the second reads it back, the third
 answers; every forced token carries the model's own logprob, so the trainer's steps are real ones. The evaluator reads note.txt from the workspace: 1 for the group's first session, 0.5 for
-the second when the file holds that session's id, 0 without it, so each group has a learning signal
+the second when the file names the session's own workspace, 0 without it, so each group has a learning signal
 (and a session whose tool call never ran would show in the reward). Each session must have at least
 three calls with a tool result in the chain, every released trace must pass `polar verify`, each step
 must push its weights as the next policy version the inference server reports, and neither a harness
@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 2
 GROUP_SIZE = 2
 # Measured on 2 shared CPU cores: the Pi run takes about 2 minutes, the long-prompt run about N.
-RUN_TIMEOUT_S = {"pi": 600, "long-prompts": 1800}
-FINAL = "Done: note.txt holds this session's id."
+RUN_TIMEOUT_S = {"pi": 600, "long-prompts": 2400}
+FINAL = "Done: note.txt holds this workspace's path."
 # Every CLI dialect: each preset's own, and Pi's four.
 D = common_pb2
 HARNESSES = {
@@ -54,9 +54,10 @@ HARNESSES = {
     "pi-anthropic": ("pi", D.DIALECT_ANTHROPIC_MESSAGES),
     "pi-gemini": ("pi", D.DIALECT_GOOGLE_GENERATE_CONTENT),
 }
-# The reward, from the workspace: the file the first tool call wrote must hold this session's id.
+# The reward, from the workspace: the file the first tool call wrote must name the session's own
+# workspace (each session has its own); then 1 for the group's first session and 0.5 for the second.
 EVALUATOR = (
-    'if [ "$(cat note.txt 2>/dev/null)" = "$POLAR_SESSION_ID" ]; then '
+    'if [ "$(cat note.txt 2>/dev/null)" = "$(pwd -P)" ]; then '
     'case "$POLAR_SESSION_ID" in *.0) echo 1 ;; *) echo 0.5 ;; esac; else echo 0; fi'
 )
 
@@ -72,14 +73,14 @@ def test_every_cli_dialect_is_covered() -> None:
 
 
 def forced_script() -> dict:
-    """Call 1 writes the session id with the CLI's shell tool (the one its tools offer), call 2 reads
+    """Call 1 writes the workspace's path with the CLI's shell tool (the one its tools offer), call 2 reads
     it, call 3 answers; a call that offers no tools (a side call: a title, a next-speaker check) or
     comes later gets "Done."."""
     replies = []
     shells = {preset.shell_tool for preset in PRESETS.values() if preset.shell_tool is not None}
     for shell in sorted(shells, key=lambda tool: tool.name):
         offered = re.escape('{"type": "function", "function": {"name": ' + json.dumps(shell.name))  # in <tools>
-        for turn, command in enumerate(('echo "$POLAR_SESSION_ID" > note.txt', "cat note.txt")):
+        for turn, command in enumerate(("pwd -P > note.txt", "cat note.txt")):
             call = "<tool_call>\n" + json.dumps(shell.call(command)) + "\n</tool_call>"
             replies.append({"turn": turn, "prompt_regex": offered, "text": call})
     replies.append({"turn": 2, "prompt_regex": "<tools>", "text": FINAL})
@@ -96,13 +97,14 @@ def write_run(tmp_path: Path, harnesses: list[str], harness_bin: Path) -> Path:
     tasks = [
         {
             "taskId": name,
-            "instruction": "Write your session id into note.txt with the shell, then read it back.",
+            "instruction": "Write the working directory's path into note.txt with the shell, then read it back.",
             "groupSize": GROUP_SIZE,
             "harness": {"preset": preset, "dialect": D.Dialect.Name(dialect)},
             "evaluator": {"kind": "command", "command": EVALUATOR},
             # Untruncated sampling: a forced token outside a top-k or nucleus set would have logprob -inf.
             "sampling": {"temperature": 1.0, "topP": 1.0, "topK": 0, "maxTokensPerCall": 96},
-            "timeoutSeconds": 300,
+            # Claude Code's and Qwen Code's calls prefill 20k tokens each: minutes on a shared CPU.
+            "timeoutSeconds": 1200,
             "metadata": {"harness": name},
         }
         for name, (preset, dialect) in HARNESSES.items()

@@ -65,20 +65,23 @@ def call(id_: str, command: str) -> ToolCall:
     return ToolCall(id_, "bash", {"command": command})
 
 
-def session_prompts(hermes) -> list[list[int]]:
-    """The prompts of a three-call session: the instruction, then each tool result."""
-    messages = [Message("system", "You are an agent."), Message("user", "Write hi into note.txt, then read it.")]
-    steps = [
+def session_conversation(steps: int) -> tuple[Message, ...]:
+    """The instruction and the first `steps` messages after it: the write, its result, the read, its result."""
+    after = (
         Message("assistant", tool_calls=(call("a", "echo hi > note.txt"),)),
         Message("tool", "", tool_call_id="a"),
         Message("assistant", tool_calls=(call("b", "cat note.txt"),)),
         Message("tool", "hi", tool_call_id="b"),
+    )
+    return (Message("user", "Write hi into note.txt, then read it."), *after[:steps])
+
+
+def session_prompts(hermes) -> list[list[int]]:
+    """The prompts of a three-call session: the instruction, then each tool result."""
+    return [
+        hermes.render_prompt(Conversation((Message("system", "You are an agent."), *session_conversation(steps)), tools=(BASH,)))
+        for steps in (0, 2, 4)
     ]
-    prompts = []
-    for count in (0, 2, 4):
-        conversation = Conversation(tuple(messages + steps[:count]), tools=(BASH,))
-        prompts.append(hermes.render_prompt(conversation))
-    return prompts
 
 
 def reply_text(replies: ForcedReplies, tokenizer, prompt: list[int]) -> str:
@@ -93,10 +96,18 @@ def test_each_call_of_a_session_gets_its_reply_and_side_calls_the_fallback(token
     # A side call (a title, a summary) offers no tools: it gets the fallback, as does a call past the script.
     title = Conversation((Message("system", "Write a title."), Message("user", "Write hi into note.txt.")))
     assert reply_text(replies, tokenizer, hermes.render_prompt(title)) == FALLBACK
-    later = Conversation((*[Message("user", "go")], Message("assistant", "x"), Message("user", "again"),
-                          Message("assistant", "y"), Message("user", "more"), Message("assistant", "z"),
-                          Message("user", "<tool_response>")), tools=(BASH,))  # fmt: skip
+    later = Conversation(
+        (*session_conversation(4), Message("assistant", tool_calls=(call("c", "ls"),)), Message("tool", "note.txt")),
+        tools=(BASH,),
+    )
     assert reply_text(replies, tokenizer, hermes.render_prompt(later)) == FALLBACK
+    # A conversation the harness opened with an exchange of its own (Qwen Code's context turn)
+    # counts its turns from the instruction.
+    opened = Conversation(
+        (Message("user", "Here is the context."), Message("assistant", "Got it."), *session_conversation(2)),
+        tools=(BASH,),
+    )
+    assert reply_text(replies, tokenizer, hermes.render_prompt(opened)) == READ
     # The default fallback.
     assert reply_text(ForcedReplies({"replies": []}, tokenizer), tokenizer, hermes.render_prompt(title)) == "Done."
 

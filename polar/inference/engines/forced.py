@@ -20,8 +20,10 @@ Script format (a JSON file)::
 
 A reply's conditions, each optional (a reply with none always matches):
 
-- ``turn``: the number of assistant turns already in the prompt, i.e. the call's place in its
-  conversation (0 for a harness's first call, 1 after one model turn and its tool result, ...);
+- ``turn``: the number of assistant turns since the prompt's last user turn that is not a tool result
+  (the instruction), i.e. the call's place in its task: 0 for the first call on an instruction, 1
+  after one model turn and its tool result, ... (counting every assistant turn would not do: Qwen
+  Code opens its conversations with a user-and-model exchange of its own before the instruction);
 - ``prompt_regex``: found in the decoded prompt (e.g. ``<tools>``: the call offers tools, which a
   CLI's side calls such as Claude Code's title generation do not);
 - ``last_message_regex``: found in the decoded last turn before the reply (the instruction, a tool
@@ -46,6 +48,9 @@ from typing import Any
 
 IM_START = "<|im_start|>"
 END_OF_TURN = "<|im_end|>"
+ASSISTANT = "assistant\n"
+TOOL_RESULT = "user\n<tool_response>"  # how the hermes format renders a tool result
+ROLE_TOKENS = 8  # tokens of a turn's start decoded to tell what it is
 DEFAULT_FALLBACK = "Done."
 _CONDITIONS = ("turn", "prompt_regex", "last_message_regex")
 
@@ -71,7 +76,6 @@ class ForcedReplies:
         if IM_START not in vocab or END_OF_TURN not in vocab:
             raise ForcedRepliesError(f"forced replies need a ChatML tokenizer ({IM_START}, {END_OF_TURN})")
         self._im_start, self._end_of_turn = vocab[IM_START], vocab[END_OF_TURN]
-        self._assistant = tuple(tokenizer.encode("assistant\n", add_special_tokens=False))
         unknown = set(script) - {"replies", "fallback"}
         if unknown:
             raise ForcedRepliesError(f"unknown key {sorted(unknown)[0]!r} (known: replies, fallback)")
@@ -106,9 +110,7 @@ class ForcedReplies:
     def reply(self, prompt: Sequence[int]) -> tuple[int, ...]:
         """The token ids to force for this prompt (the first matching reply's, else the fallback's)."""
         starts = [i for i, token in enumerate(prompt) if token == self._im_start]
-        # Turns are `<|im_start|>role\n...`; the last one opened is the generation prompt.
-        turns = [tuple(prompt[start + 1 : start + 1 + len(self._assistant)]) for start in starts[:-1]]
-        assistant_turns = sum(role == self._assistant for role in turns)
+        assistant_turns = self._turn(prompt, starts)
         text = last_message = None  # decoded once, when a condition needs them
         for reply in self._replies:
             if reply.turn is not None and reply.turn != assistant_turns:
@@ -126,6 +128,19 @@ class ForcedReplies:
                     continue
             return reply.token_ids
         return self._fallback.token_ids
+
+
+    def _turn(self, prompt: Sequence[int], starts: list[int]) -> int:
+        """Assistant turns after the last user turn that is not a tool result. Turns are
+        `<|im_start|>role\n...`; the last one opened is the generation prompt."""
+        count = 0
+        for start in reversed(starts[:-1]):
+            head = self._tokenizer.decode(prompt[start + 1 : start + 1 + ROLE_TOKENS])
+            if head.startswith(ASSISTANT):
+                count += 1
+            elif head.startswith("user") and not head.startswith(TOOL_RESULT):
+                break
+        return count
 
 
 def _regex(entry: Mapping[str, Any], key: str, where: str) -> re.Pattern[str] | None:
