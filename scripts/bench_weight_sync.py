@@ -63,16 +63,20 @@ def model_folder(shape: str, dtype: torch.dtype, device: str, tokenizer: Path, o
     return weights
 
 
-def start_server(folder: Path, device: str, baseline: bool) -> tuple[subprocess.Popen, str]:
+def start_server(folder: Path, device: str, baseline: bool) -> subprocess.Popen:
     command = [sys.executable, __file__, "--serve-model", str(folder), "--device", device]
     if baseline:
         command.append("--serve-baseline")
-    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))})
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path})
+
+
+def address_of(process: subprocess.Popen) -> str:
+    """The port the server prints once it serves."""
     line = process.stdout.readline()
     if not line.startswith("port "):
-        process.kill()
         raise SystemExit(f"the inference server did not start: {line!r}")
-    return process, f"127.0.0.1:{line.split()[1]}"
+    return f"127.0.0.1:{line.split()[1]}"
 
 
 def serve(folder: str, device: str, baseline: bool) -> None:
@@ -169,11 +173,9 @@ def main() -> None:
             cases = {"cuda_ipc": ("auto", False), "stream": ("stream", False)}
         else:
             cases = {"stream": ("stream", False), "stream (before)": ("stream", True)}
-        addresses = {}
-        for name, (_, baseline) in cases.items():
-            process, address = start_server(work / shape, args.device, baseline)
-            servers.append(process)
-            addresses[name] = address
+        # The servers start together, each in a process of its own.
+        servers = [start_server(work / shape, args.device, baseline) for _, baseline in cases.values()]
+        addresses = {name: address_of(process) for name, process in zip(cases, servers)}
         times: dict[str, list[float]] = {name: [] for name in cases}
         used: dict[str, str] = {}
         for name, (transport, _) in cases.items():  # warm-up: allocations, handles, first connection

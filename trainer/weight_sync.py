@@ -273,10 +273,16 @@ class InferencePool:
             tensor_count=len(tensors), note=note, update_id=update_id, buffers=[sharing.share(b) for b in buffers]
         )
 
+        failed: list[BaseException] = []
+
         def requests() -> Iterator[inference_pb2.UpdateWeightsSharedRequest]:
             yield inference_pb2.UpdateWeightsSharedRequest(header=header)
-            with torch.cuda.device(device):  # gRPC reads this iterator on a thread of its own
-                yield from bucket_messages(tensors, buffers, free)
+            try:
+                with torch.cuda.device(device):  # gRPC reads this iterator on a thread of its own
+                    yield from bucket_messages(tensors, buffers, free)
+            except Exception as exc:  # gRPC would only cancel the call: the cause is raised below
+                failed.append(exc)
+                raise
 
         stub = self._stubs[index]
         result = None
@@ -286,6 +292,10 @@ class InferencePool:
                     result = response.result
                 else:
                     free.put(response.buffer_released)
+        except grpc.RpcError:
+            if failed:
+                raise failed[0] from None
+            raise
         finally:
             free.put(None)  # a stream that ended early must not leave the iterator waiting
         if result is None:
