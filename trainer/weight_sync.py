@@ -124,7 +124,7 @@ def bucket_messages(
         done, total, shape = 0, flat.numel(), list(tensor.shape)
         while True:
             if offset >= size:
-                torch.cuda.current_stream(buffers[index].device).synchronize()
+                _copied(buffers[index])
                 yield _bucket(index, pieces)
                 index = free.get()
                 if index is None:
@@ -138,8 +138,14 @@ def bucket_messages(
             if done == total:
                 break
     if pieces:
-        torch.cuda.current_stream(buffers[index].device).synchronize()
+        _copied(buffers[index])
         yield _bucket(index, pieces)
+
+
+def _copied(buffer: torch.Tensor) -> None:
+    """Wait for the copies into `buffer`: the server reads it as soon as it hears of the bucket."""
+    if buffer.device.type == "cuda":
+        torch.cuda.current_stream(buffer.device).synchronize()
 
 
 def _bucket(index: int, pieces: list) -> inference_pb2.UpdateWeightsSharedRequest:
