@@ -154,6 +154,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     # Client-streaming.
     async def UpdateWeights(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> inference_pb2.UpdateWeightsResponse:
         async with self._receiving:
+            self._staged = None  # its tensors are the buffers this update is written into
             receiver = WeightsReceiver(self._engine.parameter_specs(), self._staging)
             problem: WeightUpdateError | None = None
             async for raw in request_iterator:
@@ -181,6 +182,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[inference_pb2.UpdateWeightsSharedResponse]:
         device = sharing.require_cuda(self._engine.description.device)
         async with self._receiving:
+            self._staged = None  # a staged update is replaced by this one, whatever its outcome
             if self._device_staging is None:
                 self._device_staging = Staging(device)
             receiver = WeightsReceiver(self._engine.parameter_specs(), self._device_staging)
@@ -208,7 +210,6 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             return inference_pb2.UpdateWeightsResponse(
                 policy_version=self._engine.policy_version, bytes_received=receiver.bytes_received, staged=True
             )
-        self._staged = None  # replaced by this update
         return await self._apply(tensors, staging, receiver.bytes_received)
 
     async def _apply(self, tensors: dict, staging: Staging, bytes_received: int) -> inference_pb2.UpdateWeightsResponse:

@@ -1,7 +1,8 @@
 """The trainer's weight sync (trainer/weight_sync.py) against real inference servers on loopback
 ports, the tiny model on the CPU: a server that dies mid-transfer leaves the trainer with an error
 naming it and every other server on the old version, serving; a sync started during a generation
-waits for it (Pause), so the generation's tokens are all of the old version."""
+waits for it (Pause), so the generation's tokens are all of the old version; a staged update is applied
+only by its commit, and dropped by the next update."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from polar.inference.engines import EngineOptions, create_engine
 from polar.inference.server import start_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from trainer.weight_sync import InferencePool, WeightSyncError
+from trainer.weight_sync import InferencePool, WeightSyncError, tensor_messages
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -119,3 +120,31 @@ async def test_a_sync_during_a_generation_waits_for_it_and_the_next_one_sees_the
     assert pushed_at >= generated_at and result.policy_version == 1
     assert result.bytes_sent == sum(t.numel() * 4 for t in weights.values())
     assert (await server.greedy())[1] == {1}
+
+
+async def test_a_staged_update_is_applied_only_by_its_commit_and_dropped_by_the_next_update(servers):
+    server = servers[0]
+    before = await server.greedy()
+    send = server.channel.stream_unary(
+        "/polar.v1.InferenceService/UpdateWeights", response_deserializer=inference_pb2.UpdateWeightsResponse.FromString
+    )
+    weights = new_weights(server, seed=3)
+    staged = await send(iter(list(tensor_messages(weights.items(), note="a", update_id="a"))))
+    assert staged.staged and staged.policy_version == 0
+    assert await server.greedy() == (before[0], {0})  # held, not applied
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await server.stub.CommitWeights(inference_pb2.CommitWeightsRequest(update_id="b"))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "'a' is staged" in caught.value.details()
+    # A later update that fails half-way has overwritten the buffers "a" was staged in: "a" is gone.
+    half = list(tensor_messages(new_weights(server, seed=4).items(), note="c", update_id="c"))
+    with pytest.raises(grpc.aio.AioRpcError):
+        await send(iter(half[: len(half) // 2]))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await server.stub.CommitWeights(inference_pb2.CommitWeightsRequest(update_id="a"))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert await server.greedy() == (before[0], {0})
+    await send(iter(list(tensor_messages(weights.items(), note="a", update_id="a"))))
+    committed = (await server.stub.CommitWeights(inference_pb2.CommitWeightsRequest(update_id="a"))).result
+    assert committed.policy_version == 1 and committed.tensors_updated == len(weights) and not committed.staged
+    after, versions = await server.greedy()
+    assert after != before[0] and versions == {1}
