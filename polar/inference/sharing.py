@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from polar.inference.engines.base import WeightUpdateError
+from polar.inference.weights import Header, WeightsReceiver
 from polar.v1 import inference_pb2
 
 CUDA_IPC = "cuda_ipc"
@@ -89,21 +90,19 @@ def open_buffer(described: inference_pb2.CudaIpcBuffer) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=f"cuda:{described.device}").set_(storage)
 
 
-def open_header(message: inference_pb2.UpdateWeightsSharedRequest, receiver, device: torch.device) -> list[torch.Tensor]:
+def open_header(message: inference_pb2.UpdateWeightsSharedRequest, receiver: WeightsReceiver, device: torch.device) -> list[torch.Tensor]:
     """The first message of an UpdateWeightsShared stream: its header to `receiver`, its buffers opened."""
     if message.WhichOneof("payload") != "header":
         raise WeightUpdateError("the first message of the stream must be a header")
     header = message.header
     if not header.buffers:
         raise WeightUpdateError("the header shares no buffer")
-    from polar.inference.weights import Header
-
     receiver.header(Header(header.tensor_count, header.note, header.update_id))
     with torch.cuda.device(device):
         return [open_buffer(b) for b in header.buffers]
 
 
-def copy_bucket(message: inference_pb2.UpdateWeightsSharedRequest, receiver, buffers: list[torch.Tensor]) -> int:
+def copy_bucket(message: inference_pb2.UpdateWeightsSharedRequest, receiver: WeightsReceiver, buffers: list[torch.Tensor]) -> int:
     """Copy one bucket's tensors out of its buffer into the staged tensors; return the buffer's
     index once the copies are done (the trainer may then write it again)."""
     if message.WhichOneof("payload") != "bucket":
