@@ -209,12 +209,13 @@ class InferencePool:
         for channel in self._channels:
             channel.close()
 
-    def model_infos(self, timeout_s: float = 60.0) -> list[inference_pb2.ModelInfo]:
-        """Each server's ModelInfo, waiting up to timeout_s for servers still starting."""
+    def model_infos(self, timeout_s: float = 60.0, wait_for_ready: bool = True) -> list[inference_pb2.ModelInfo]:
+        """Each server's ModelInfo, waiting up to timeout_s for servers still starting (or, without
+        wait_for_ready, failing at once for a server that is not there)."""
         infos = []
         for address, stub in zip(self.addresses, self._stubs):
             try:
-                response = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True)
+                response = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
             except grpc.RpcError as exc:
                 raise WeightSyncError(f"inference server {address}: GetModelInfo failed: {exc.code().name}: {exc.details()}") from None
             infos.append(response.model_info)
@@ -227,7 +228,7 @@ class InferencePool:
         ipc = self.transport == "auto" and bool(here) and torch.cuda.is_available()
         return [
             sharing.CUDA_IPC if ipc and sharing.CUDA_IPC in info.weight_transports and info.host_id == here else sharing.STREAM
-            for info in self.model_infos()
+            for info in self.model_infos(wait_for_ready=False)
         ]
 
     def push(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], note: str) -> SyncResult:
