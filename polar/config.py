@@ -242,6 +242,11 @@ class TrainerConfig:
     keep_checkpoints: Positive = 2  # newest checkpoints kept in the run folder
     seed: Count = 0  # dataset order and initialisation
     cpu_threads: Count = 0  # torch threads on a CPU; 0 = torch's default
+    # how weights reach each inference server: "auto" = the fastest it offers (CUDA IPC for a GPU server on
+    # this machine, else the gRPC stream); "stream" = always the gRPC stream
+    weight_sync: Literal["auto", "stream"] = "auto"
+    # CUDA IPC: MiB of each of the two GPU buffers the weights pass through (the trainer's extra GPU memory)
+    weight_sync_bucket_mb: Positive = 256
     eval_samples: Positive = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
 
 

@@ -187,7 +187,9 @@ class TrainingRun:
             self.state = TrainerState(base_model=config.model, model=self.backend.model_description)
         self.model_name = model_name(config.model)
         self.rollout = RolloutLink(rollout_address)
-        self.inference = InferencePool(inference_addresses)
+        self.inference = InferencePool(
+            inference_addresses, transport=config.weight_sync, bucket_bytes=config.weight_sync_bucket_mb << 20
+        )
         self.started = time.monotonic()
         self.step_timings = {"wait": 0.0, "train": 0.0, "sync": 0.0}
 
@@ -375,7 +377,9 @@ class TrainingRun:
             "seconds_rollout_wait": seconds_wait,
             "seconds_train": seconds_train,
             "seconds_weight_sync": sync.seconds,
-            "weight_sync_gbps": sync.bytes_sent / sync.seconds / 1e9 if sync.seconds > 0 else 0.0,
+            "weight_sync_gbps": sync.gb_per_s,
+            "weight_sync_bytes": sync.bytes_sent,
+            "weight_sync_transport": sync.transport,  # "stream", "cuda_ipc", or both joined by "+"
             "elapsed_s": elapsed,
             # Which groups the step took (trained on, then dropped), so a resumed run can be checked
             # to neither repeat nor skip one.

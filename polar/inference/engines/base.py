@@ -153,6 +153,13 @@ class Engine(abc.ABC):
         Raises WeightUpdateError (and changes nothing) for unknown names or wrong shapes.
         """
 
+    async def apply_staged(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Apply an update the server staged (each tensor in its parameter's shape and dtype), as
+        update_weights does; return the new version. An engine may take a staged tensor's memory
+        as its parameter's instead of copying it; it then puts the memory that tensor replaced
+        into `tensors` under the same name, for the server to stage the next update in."""
+        return await self.update_weights(tensors)
+
 
 @dataclass
 class EngineOptions:

@@ -187,6 +187,9 @@ def _end(seq: _Sequence, reason: FinishReason, error: str = "") -> GenerationEnd
 class _Update:
     tensors: dict[str, torch.Tensor]
     future: asyncio.Future
+    # Staged tensors whose memory becomes the parameters' (the replaced memory goes back into
+    # `tensors`); else each is copied into its parameter.
+    swap: bool = False
 
 
 class TorchEngine(Engine):
@@ -321,6 +324,18 @@ class TorchEngine(Engine):
             self._wake.notify()
         return await update.future
 
+    async def apply_staged(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Staged tensors on the model's device become the parameters (no copy), unless CUDA graphs
+        captured the parameters' addresses; any others are copied in, between two steps."""
+        check_weight_update(tensors, self.parameter_specs())
+        swap = all(t.device == self.device for t in tensors.values()) and not self._runner.cuda_graphs
+        update = _Update(tensors, asyncio.get_running_loop().create_future(), swap=swap)
+        self._ensure_worker()
+        with self._wake:
+            self._updates.append(update)
+            self._wake.notify()
+        return await update.future
+
     def _prepare_update(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Cast and move off the worker, so the worker only copies between two steps."""
         return {name: t.detach().to(self.device, self.dtype) for name, t in tensors.items()}
@@ -400,7 +415,13 @@ class TorchEngine(Engine):
             try:
                 with torch.no_grad():
                     for name, tensor in update.tensors.items():
-                        self._parameters[name].copy_(tensor)
+                        parameter = self._parameters[name]
+                        if update.swap:
+                            update.tensors[name], parameter.data = parameter.data, tensor
+                        else:
+                            parameter.copy_(tensor)
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
             except Exception as error:  # noqa: BLE001 - a device failure, reported to the caller
                 loop.call_soon_threadsafe(_resolve, update.future, None, error)
                 continue
