@@ -4,7 +4,8 @@
     make sure the inference servers serve the trainer's weights as its policy version
     for each step:
         submit dataset tasks so that groups_per_step + groups_ahead groups are in flight
-        take groups_per_step groups from the results stream (stale ones dropped or kept)
+        take groups_per_step groups from the results stream (stale ones dropped or kept), screen
+            them (trainer/screening.py: traces too long to train on, forks, failed calls, counted)
         advantages per group, token weights per trace, packed micro-batches
         updates_per_step optimizer updates
         Pause -> UpdateWeights -> Resume on every inference server: the next policy version
@@ -41,6 +42,7 @@ from trainer.batches import TrainSequence, pack
 from trainer.checkpoints import TrainerState, check_compatible, checkpoints_folder, latest_checkpoint, save_checkpoint
 from trainer.metrics import PLOT_FILE, MetricsLog, Progress, plot_rewards
 from trainer.rollout_link import Dataset, Group, GroupStream, RolloutLink
+from trainer.screening import Screener
 from trainer.weight_sync import InferencePool
 
 log = logging.getLogger("polar.trainer")
@@ -71,6 +73,7 @@ class StepBatch:
     stale_dropped: list[str]  # task ids of the groups dropped as too stale
     truncated_skipped: int
     max_staleness: int
+    counts: dict[str, int]  # what screening counted (trainer/screening.py)
 
 
 def stale_lag(group: Group, policy_version: int) -> int:
@@ -190,12 +193,14 @@ class TrainingRun:
         self.inference = InferencePool(inference_addresses)
         self.started = time.monotonic()
         self.step_timings = {"wait": 0.0, "train": 0.0, "sync": 0.0}
+        self.progress = Progress(config.steps, out)
+        self.screener = Screener(config.max_tokens_per_microbatch, config.too_long, self._warn)
 
     # -- the run -------------------------------------------------------------------------------------
 
     def run(self) -> TrainerState:
         """Train until `steps` steps are done or `stop` is set; returns the final state."""
-        progress = Progress(self.config.steps, self.out)
+        progress = self.progress
         metrics = MetricsLog(self.run_dir, self.state.step)
         stream = None
         try:
@@ -231,6 +236,10 @@ class TrainingRun:
             self.rollout.close()
             self.inference.close()
         return self.state
+
+    def _warn(self, message: str) -> None:
+        log.warning("%s", message)
+        self.progress.note(f"warning: {message}")
 
     def _align_inference(self, progress: Progress) -> None:
         """Make every inference server serve the trainer's weights as the trainer's policy version."""
@@ -283,6 +292,8 @@ class TrainingRun:
             check_faithful(group)
             lag_max = max(lag_max, stale_lag(group, self.state.policy_version))
             groups.append(group)
+        screened = self.screener.screen(groups)
+        groups = screened.groups
         rewards_per_group = [np.array([t.reward for t in g.trajectories], dtype=np.float64) for g in groups]
         advantages = [
             grpo.group_advantages(
@@ -310,6 +321,7 @@ class TrainingRun:
             stale_dropped=dropped,
             truncated_skipped=skipped,
             max_staleness=lag_max,
+            counts=screened.counts,
         )
 
     def _step(self, stream: GroupStream, existing: set[str]) -> dict[str, float]:
@@ -371,6 +383,7 @@ class TrainingRun:
             "groups_stale_dropped": len(batch.stale_dropped),
             "traces_truncated_skipped": batch.truncated_skipped,
             "staleness_max": batch.max_staleness,
+            **batch.counts,
             "trajectories": batch.trajectories,
             "seconds_rollout_wait": seconds_wait,
             "seconds_train": seconds_train,
