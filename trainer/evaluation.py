@@ -184,4 +184,8 @@ def comparison_table(reports: list[tuple[str, dict]]) -> str:
         rows.append((shown, *(f"{report[key]:.3f}" for _, report in reports)))
     rows.append(("held-out tasks", *(str(report["tasks"]) for _, report in reports)))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join("  " + "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows)
+    lines = []
+    for row in rows:  # names to the left, numbers to the right
+        cells = [cell.rjust(width) if i else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths))]
+        lines.append("  " + "  ".join(cells))
+    return "\n".join(lines)

@@ -584,7 +584,8 @@ def _harness_outcome(
     if calls and calls[0].prompt_too_long:
         # Nothing the harness does after it can fit: a compaction needs a call over the same prompt.
         # The session fails with the reason, never as a harness crash, and is not dispatched again.
-        return common_pb2.SESSION_OUTCOME_FAILED, f"the harness's first call does not fit the model's context: {calls[0].error}"
+        reason = f"the harness's first call does not fit the model's context: {calls[0].error}"
+        return common_pb2.SESSION_OUTCOME_FAILED, reason
     if result.timed_out:
         return (
             common_pb2.SESSION_OUTCOME_TIMED_OUT,
