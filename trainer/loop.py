@@ -71,6 +71,7 @@ class StepBatch:
     sequences_per_update: list[list[TrainSequence]]
     degenerate_groups: int
     stale_dropped: list[str]  # task ids of the groups dropped as too stale
+    too_long_dropped: list[str]  # task ids of the groups left out for a trace too long to train on
     truncated_skipped: int
     max_staleness: int
     counts: dict[str, int]  # what screening counted (trainer/screening.py)
@@ -238,7 +239,6 @@ class TrainingRun:
         return self.state
 
     def _warn(self, message: str) -> None:
-        log.warning("%s", message)
         self.progress.note(f"warning: {message}")
 
     def _align_inference(self, progress: Progress) -> None:
@@ -319,6 +319,7 @@ class TrainingRun:
             sequences_per_update=per_update,
             degenerate_groups=int(degenerate),
             stale_dropped=dropped,
+            too_long_dropped=screened.dropped,
             truncated_skipped=skipped,
             max_staleness=lag_max,
             counts=screened.counts,
@@ -393,7 +394,7 @@ class TrainingRun:
             # Which groups the step took (trained on, then dropped), so a resumed run can be checked
             # to neither repeat nor skip one.
             "task_ids": [g.trajectories[0].task_id for g in batch.groups],
-            "task_ids_dropped": batch.stale_dropped,
+            "task_ids_dropped": batch.stale_dropped + batch.too_long_dropped,
         }
         with self.status_lock:
             self.last_metrics = row

@@ -61,6 +61,7 @@ class Screened:
 
     groups: list[Group]
     counts: dict[str, int] = field(default_factory=dict)
+    dropped: list[str] = field(default_factory=list)  # task ids of the groups left out whole
 
 
 class Screener:
@@ -76,14 +77,16 @@ class Screener:
 
     def screen(self, groups: Sequence[Group]) -> Screened:
         counts: Counter[str] = Counter(dict.fromkeys(SCREEN_KEYS, 0))
-        kept = []
+        kept, dropped = [], []
         for group in groups:
             for trajectory in group.trajectories:
                 self._count(trajectory, counts)
             screened = self._fitting(group, counts)
-            if screened is not None:
+            if screened is None:
+                dropped.append(group.trajectories[0].task_id)
+            else:
                 kept.append(screened)
-        return Screened(kept, dict(counts))
+        return Screened(kept, dict(counts), dropped)
 
     def _count(self, trajectory: common_pb2.Trajectory, counts: Counter[str]) -> None:
         for reason, forks in trajectory.stats.forks.items():

@@ -1,5 +1,6 @@
 """`polar train` on sessions that fork: a harness that compacts its history on its own, and one that
-compacts after the gateway refused a prompt longer than the model's context ("prompt is too long").
+compacts after the gateway refused a prompt longer than the model's context ("prompt is too long");
+beside them, a harness whose very first call is too long, which fails and is warned about.
 
 The whole real stack on the tiny model (its context cut to 4,096 tokens so that a prompt past it is
 cheap to send), a harness on the official Anthropic SDK (tests/fixtures/train_tiny/compacting_agent.py),
@@ -55,7 +56,7 @@ def write_config(tmp_path: Path, model: Path) -> Path:
             "sampling": {"temperature": 1.0},
             "timeoutSeconds": 120,
         }
-        for mode in ("compact", "overflow")
+        for mode in ("compact", "overflow", "first")
     ]
     tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
     config = tmp_path / "train.toml"
@@ -80,7 +81,7 @@ model = "{model}"
 device = "cpu"
 dataset = "{tasks}"
 steps = 1
-groups_per_step = 2
+groups_per_step = 3
 groups_ahead = 0
 lr = 1e-3
 """
@@ -110,17 +111,27 @@ def test_compacted_and_refused_sessions_train_and_fork_into_separate_traces(tmp_
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr
+    # Warned once, before the step, though both sessions of the task failed so.
+    warnings = [line for line in result.stdout.splitlines() if "first call does not fit" in line]
+    assert len(warnings) == 1 and "warning: task train-" in warnings[0], result.stdout[-3000:]
+    assert "prompt is 6" in warnings[0] and f"the model's context holds {CONTEXT}" in warnings[0]
 
     [row] = read_metrics(run_dir / "metrics.jsonl")
     assert all(key in row for key in SCREEN_KEYS)
-    assert row["groups"] == 2 and row["trainable_tokens"] > 0 and row["policy_version"] == 1
-    assert row["forks_compaction"] == 4  # every session of both groups compacted once
-    assert row["calls_prompt_too_long"] == 2 and row["sessions_first_call_too_long"] == 0
+    assert row["groups"] == 3 and row["trainable_tokens"] > 0 and row["policy_version"] == 1
+    assert row["forks_compaction"] == 4  # every session of the two groups that could compact did once
+    assert row["calls_prompt_too_long"] == 4 and row["sessions_first_call_too_long"] == 2
     assert row["traces_too_long"] == 0 and row["groups_too_long_dropped"] == 0
 
     trajectories = released(run_dir)
-    assert len(trajectories) == 4
+    assert len(trajectories) == 6
     for trajectory in trajectories:
+        if trajectory.metadata["dataset_task"] == "first":
+            assert trajectory.outcome == common_pb2.SESSION_OUTCOME_FAILED and trajectory.attempt == 1
+            assert trajectory.error.startswith("the harness's first call does not fit the model's context")
+            [call] = trajectory.calls
+            assert call.prompt_too_long and not trajectory.traces
+            continue
         assert trajectory.outcome == common_pb2.SESSION_OUTCOME_COMPLETED, trajectory.error
         first, compacted = trajectory.traces
         assert (first.fork_reason, compacted.fork_reason) == ("", "compaction")

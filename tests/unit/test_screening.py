@@ -50,7 +50,7 @@ def test_a_group_holding_a_trace_past_the_budget_leaves_the_step_whole_by_defaul
     fits = Group("1", [chain("a", 10), chain("b", 20)])
     holds_long = Group("2", [chain("c", 10, "t2"), chain("d", 150, "t2"), chain("e", 120, "t2")])
     screened = screen.screen([fits, holds_long])
-    assert screened.groups == [fits]
+    assert screened.groups == [fits] and screened.dropped == ["t2"]
     counts = screened.counts
     assert (counts["traces_too_long"], counts["groups_too_long_dropped"], counts["sessions_too_long_dropped"]) == (2, 1, 0)
     [warning] = warnings
