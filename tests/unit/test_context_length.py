@@ -9,6 +9,7 @@ message must carry the numbers in the API's own words, which harnesses read to c
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import anthropic
 import httpx2
@@ -24,9 +25,12 @@ from gateway.dialects import anthropic as anthropic_dialect
 from gateway.dialects import gemini as gemini_dialect
 from gateway.dialects import openai_chat, openai_responses
 from gateway.dialects.base import ContextLengthError, ErrorKind
+from polar.inference.models import TINY_CONTEXT_LENGTH
+from polar.trajectory import read_session
 
 PROMPT = 32_819  # Claude Code's first call, started in a git checkout
 CONTEXT = 32_768  # what the tiny model held then
+SESSIONS = Path(__file__).resolve().parent.parent / "fixtures" / "sessions"
 
 
 def refusal() -> ContextLengthError:
@@ -40,6 +44,15 @@ def transport(dialect) -> httpx2.Client:
     """An HTTP client whose every request is answered with the dialect's body for the refusal."""
     status, body = dialect.error_response(refusal())
     return httpx2.Client(transport=httpx2.MockTransport(lambda request: httpx2.Response(status, json=body)))
+
+
+@pytest.mark.parametrize("harness", ["claude-code", "codex", "gemini-cli", "pi", "qwen-code"])
+def test_the_default_model_holds_every_harness_s_first_call_with_room_to_spare(harness):
+    calls, _ = read_session(SESSIONS / f"{harness}.json.zst")
+    first = len(calls[0].prompt_ids)  # recorded with the tiny model's tokenizer
+    # Half the context is left for the conversation, even for Claude Code started in a git checkout.
+    assert first <= PROMPT < TINY_CONTEXT_LENGTH // 2
+    context_room(first, TINY_CONTEXT_LENGTH)
 
 
 def test_a_prompt_that_fills_the_context_leaves_no_room_and_one_token_less_fits():
