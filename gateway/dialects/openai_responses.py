@@ -518,8 +518,6 @@ def _render(request: DialectRequest, result: DialectResult) -> dict[str, Any]:
 # Stream
 # ---------------------------------------------------------------------------------------------------
 
-# The error codes of a failed response: OpenAI's own where one fits, `context_length_exceeded` as Codex
-# matches it.
 def _context_words(error: ContextLengthError) -> tuple[str, str]:
     """(message, param) of the Responses API's context-length error, in its words, with the numbers."""
     return (
@@ -529,6 +527,8 @@ def _context_words(error: ContextLengthError) -> tuple[str, str]:
     )
 
 
+# The error codes of a failed response: OpenAI's own where one fits, `context_length_exceeded` as Codex
+# matches it.
 _FAILED_CODES = {
     ErrorKind.CONTEXT_LENGTH: "context_length_exceeded",
     ErrorKind.INVALID_REQUEST: "invalid_prompt",
