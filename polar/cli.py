@@ -265,14 +265,23 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="TOML file: [trainer] heldout, eval_samples, pass_threshold, ...")
     parser.add_argument("--checkpoint", help="a checkpoint folder (RUN_DIR/checkpoints/step-N) or a model folder")
     parser.add_argument("--out", default="eval.json", help="the report as JSON (default: %(default)s)")
+    parser.add_argument(
+        "--run-dir",
+        help="a run folder: evaluate its base model and latest checkpoint into DIR/eval/ and draw DIR/eval.png",
+    )
 
 
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from polar.train import evaluate
+    from polar.train import evaluate, evaluate_run
 
-    return evaluate(load_config(args.config), Path(args.checkpoint) if args.checkpoint else None, Path(args.out))
+    config = load_config(args.config)
+    if args.run_dir:
+        if args.checkpoint:
+            raise CliError("--run-dir evaluates the run's own base model and latest checkpoint: leave out --checkpoint")
+        return evaluate_run(config, Path(args.run_dir))
+    return evaluate(config, Path(args.checkpoint) if args.checkpoint else None, Path(args.out))
 
 
 # --------------------------------------------------------------------------------------- verify

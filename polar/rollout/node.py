@@ -444,7 +444,7 @@ class Node:
             finally:
                 store.close(session.session_id)
             await self._calls_settled(session)
-        return HarnessRun(*_harness_outcome(result, task, len(session.records)), result)
+        return HarnessRun(*_harness_outcome(result, task, session.in_order()), result)
 
     async def _calls_settled(self, session: Session) -> None:
         """Wait until calls still in flight when the harness ended are recorded (they abort when
@@ -574,10 +574,18 @@ def _too_large(trajectory: common_pb2.Trajectory, why: str) -> common_pb2.Trajec
     return failed
 
 
-def _harness_outcome(result: ProcessResult, task: rollout_pb2.Task, calls: int) -> tuple[int, str]:
-    """How RUNNING ended, from the harness's result: (SessionOutcome, error text)."""
+def _harness_outcome(
+    result: ProcessResult, task: rollout_pb2.Task, calls: list[common_pb2.CallRecord]
+) -> tuple[int, str]:
+    """How RUNNING ended, from the harness's result and its calls (in arrival order): (SessionOutcome,
+    error text)."""
     if result.cancelled:
         return common_pb2.SESSION_OUTCOME_CANCELLED, "cancelled while the harness ran"
+    if calls and calls[0].prompt_too_long:
+        # Nothing the harness does after it can fit: a compaction needs a call over the same prompt.
+        # The session fails with the reason, never as a harness crash, and is not dispatched again.
+        reason = f"the harness's first call does not fit the model's context: {calls[0].error}"
+        return common_pb2.SESSION_OUTCOME_FAILED, reason
     if result.timed_out:
         return (
             common_pb2.SESSION_OUTCOME_TIMED_OUT,
@@ -585,7 +593,7 @@ def _harness_outcome(result: ProcessResult, task: rollout_pb2.Task, calls: int) 
         )
     if result.exit_code != 0:
         return common_pb2.SESSION_OUTCOME_FAILED, f"the harness exited with code {result.exit_code}"
-    if calls == 0:
+    if not calls:
         return common_pb2.SESSION_OUTCOME_FAILED, "the harness exited without calling the model"
     return common_pb2.SESSION_OUTCOME_COMPLETED, ""
 
