@@ -147,3 +147,30 @@ def test_layout_of_pieces():
     assert layout.ancestors == ((), ((0, 3),), ((0, 3),), ((0, 3), (5, 9)), ())
     with pytest.raises(ValueError, match="does not come before"):
         TreeLayout.from_pieces([3, 2], [1, -1])
+
+
+def test_share_prefixes_is_a_validated_trainer_key(tmp_path):
+    from polar.config import ConfigError, load_config
+
+    config = tmp_path / "train.toml"
+    assert load_config().trainer.share_prefixes is True
+    config.write_text("[trainer]\nshare_prefixes = false\n")
+    assert load_config(config).trainer.share_prefixes is False
+    config.write_text('[trainer]\nshare_prefixes = "yes"\n')
+    with pytest.raises(ConfigError, match="share_prefixes"):
+        load_config(config)
+
+
+def test_step_metrics_count_tokens_computed_and_represented():
+    from trainer.metrics import sharing_metrics
+
+    sequences = forest(0, VOCAB, system=100, groups=[(40, 3)], tail=(5, 10), truncation=False)
+    for s in sequences:
+        s.loss_mask[:141] = False
+        s.loss_mask[141:] = True
+    shared = pack(sequences, 1000, share_prefixes=True)
+    row = sharing_metrics([shared, pack(sequences, 1000)])
+    represented = 2 * sum(len(s) for s in sequences)
+    assert row["tokens_represented"] == represented
+    assert row["tokens_computed"] == represented - 2 * 140
+    assert row["prefix_saving"] == pytest.approx(2 * 140 / represented)
