@@ -146,7 +146,7 @@ def tree_backend(tmp_path_factory):
     return MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32", cpu_threads=1))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(sequences=forests(vocab=300, max_system=30, truncation=False))
 def test_tp1_a_tree_computes_what_the_traces_compute_alone(tree_backend, sequences):
     assert_same_computation(tree_backend, sequences, max_tokens=120, min_saving=1)
