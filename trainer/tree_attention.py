@@ -63,6 +63,13 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     """Attention of one stream: query [heads, T, d], key and value [kv_heads, T, d] (kv_heads divides
     heads) -> [heads, T, d]."""
     gqa = query.shape[0] != key.shape[0]
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        # What autocast does for scaled_dot_product_attention, done here once: the lower-right
+        # CausalBias checks its inputs' dtypes before autocast would see the call (transformers'
+        # Qwen3 hands over fp32 queries and keys, after their norm, with bf16 values).
+        dtype = torch.get_autocast_dtype(device)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     outputs = []
     for (start, end), ancestors in zip(layout.spans, layout.ancestors):
         q = query[None, :, start:end]  # [1, heads, n, d]
