@@ -9,9 +9,12 @@ the cost is what the tree holds: a shared prefix's queries are computed once, ea
 attend over prefix + branch. The alternative, one call over the whole row with an [L, L] mask, costs
 L^2 whatever the tree, which on a 20k-token prompt is most of the work sharing is meant to save.
 
-On a GPU both forms run fused kernels without a materialised mask (is_causal, and the lower-right
-CausalBias: flash or memory-efficient attention); on a CPU the lower-right mask of a piece is
-materialised, [n, m + n] booleans, per call.
+On a GPU a root piece runs the fused causal kernels, and a piece below others passes its mask as a
+lower-right CausalBias, which SDPA hands to a fused kernel where one takes it (flash attention, or
+memory-efficient attention, which takes no GQA) and materialises otherwise; which kernel ran has not
+been profiled. On a CPU the lower-right mask of a piece is materialised, [n, m + n] booleans, per call.
+FlexAttention over one block mask per row would be the other way to run the tree on a GPU; it is not
+used.
 
 Both backends use it: the torch backend through transformers' attention interface (registered as
 ``TREE_ATTENTION``, the row's layout passed as the ``tree_layout`` keyword of the model's forward),
