@@ -232,10 +232,13 @@ class TrainerConfig:
     advantage_scale: Literal["std", "none"] = "std"  # "std": (r - mean) / std within the group; "none": r - mean
     leave_one_out: bool = False  # baseline = the mean of the group's other rewards
     loss_aggregation: Literal["token", "session"] = "token"  # "token": every trainable token weighs the same; "session": each session's mean
-    max_tokens_per_microbatch: Positive = 8192  # tokens in one forward pass; a longer trace is left out (too_long)
+    max_tokens_per_microbatch: Positive = 8192  # tokens computed in one forward pass; a longer trace is left out (too_long)
     # a trace longer than max_tokens_per_microbatch: "group" leaves its whole GRPO group out of the step,
     # "session" only its session (the group's advantages taken over the rest); counted and warned either way
     too_long: Literal["group", "session"] = "group"
+    # pack traces that begin with the same prompt (a CLI's system prompt, a group's instruction) as a tree
+    # whose shared prompt is computed once: the same logprobs, loss and gradients, less work
+    share_prefixes: bool = True
     max_staleness: Count = 1  # most policy versions a group's oldest token may lag the trainer
     stale_groups: Literal["drop", "keep"] = "drop"  # groups past max_staleness: dropped, or kept (importance-weighted)
     train_truncated: bool = True  # train on traces with a call that a sampling cap cut short

@@ -40,7 +40,7 @@ from trainer import grpo
 from trainer.backends.base import Backend, UpdateAborted
 from trainer.batches import TrainSequence, pack
 from trainer.checkpoints import TrainerState, check_compatible, checkpoints_folder, latest_checkpoint, save_checkpoint
-from trainer.metrics import PLOT_FILE, MetricsLog, Progress, plot_rewards
+from trainer.metrics import PLOT_FILE, MetricsLog, Progress, plot_rewards, sharing_metrics
 from trainer.rollout_link import Dataset, Group, GroupStream, RolloutLink
 from trainer.screening import Screener
 from trainer.weight_sync import InferencePool
@@ -338,7 +338,10 @@ class TrainingRun:
         loss_config = grpo.LossConfig(
             clip_low=config.clip_low, clip_high=config.clip_high, importance_cap=config.importance_cap, kl_coef=config.kl_coef
         )
-        micro_batches = [pack(sequences, config.max_tokens_per_microbatch) for sequences in batch.sequences_per_update]
+        micro_batches = [
+            pack(sequences, config.max_tokens_per_microbatch, share_prefixes=config.share_prefixes)
+            for sequences in batch.sequences_per_update
+        ]
         results = []
         with self.model_lock:
             # The policy at the start of the step, for the clipped ratio of every update after the first.
@@ -381,6 +384,7 @@ class TrainingRun:
             "policy_version": self.state.policy_version,
             "tokens": sum(r.tokens for r in results),
             "trainable_tokens": sum(r.trainable_tokens for r in results),
+            **sharing_metrics(micro_batches),
             "groups": len(batch.groups),
             "groups_degenerate": batch.degenerate_groups,
             "groups_stale_dropped": len(batch.stale_dropped),

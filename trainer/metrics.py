@@ -40,6 +40,19 @@ PLOT_FILE = "reward.png"
 BAR_WIDTH = 24
 
 
+def sharing_metrics(micro_batches) -> dict[str, float]:
+    """What shared-prefix packing saved in a step's micro-batches (a list per update): tokens the
+    model computed, tokens the traces hold (a shared prompt counted once per trace), and the share of
+    those not computed."""
+    computed = sum(batch.tokens for batches in micro_batches for batch in batches)
+    represented = sum(batch.represented_tokens for batches in micro_batches for batch in batches)
+    return {
+        "tokens_computed": computed,
+        "tokens_represented": represented,
+        "prefix_saving": 1 - computed / represented if represented else 0.0,
+    }
+
+
 class MetricsLog:
     """Appends step metrics to metrics.jsonl and TensorBoard."""
 
