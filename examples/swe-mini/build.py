@@ -96,11 +96,14 @@ def expected_commits() -> dict[str, str]:
     return commits
 
 
-def build_all(root: Path) -> dict[str, str]:
-    """Every repository under root/polar-mini, skipping those already at their base commit."""
+def build_all(root: Path, names: list[str] | None = None) -> dict[str, str]:
+    """Every repository (or those named) under root/polar-mini, skipping those already at their
+    base commit; {name: its commit}."""
     expected = expected_commits() if INSTANCES.exists() else {}
     built = {}
     for source in sorted(SOURCES.iterdir()):
+        if names is not None and source.name not in names:
+            continue
         destination = root / OWNER / source.name
         if expected.get(source.name) and _head(destination) == expected[source.name]:
             built[source.name] = expected[source.name]

@@ -31,7 +31,7 @@ from pathlib import Path
 from polar.rollout.process import ProcessStartError, exit_text
 from polar.rollout.runtimes.base import Runtime, RuntimeFailure, RuntimeProvider
 from polar.swe.changes import DEFAULT_MAX_BYTES, ChangeRefused, git_env, workspace_change
-from polar.swe.grading import Grade, files_in_patch, grade, parse_pytest_log, test_files
+from polar.swe.grading import Grade, files_in_patch, files_to_test, grade, parse_pytest_log
 from polar.v1 import rollout_pb2
 
 DEFAULT_TEST_COMMAND = "python -m pytest -rA -p no:cacheprovider {files}"
@@ -105,7 +105,7 @@ async def _grade_in(
         return SweEvaluation(0.0, "", f"the test patch does not apply: {problem}", metadata)
 
     ids = [*tests.fail_to_pass, *tests.pass_to_pass]
-    command = (tests.test_command or DEFAULT_TEST_COMMAND).replace("{files}", shlex.join(test_files(tests.test_patch, ids)))
+    command = (tests.test_command or DEFAULT_TEST_COMMAND).replace("{files}", shlex.join(files_to_test(tests.test_patch, ids)))
     env = fresh.command_env(_python_first(fresh))
     try:
         result = await fresh.run(["sh", "-c", command], env=env, timeout_s=timeout_s, output_limit=TEST_LOG_LIMIT)

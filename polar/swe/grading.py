@@ -1,7 +1,7 @@
 """Grading a SWE-style task from its test log: pure functions, no processes.
 
     files_in_patch(patch)                 the files a unified diff (git format) touches
-    test_files(test_patch, ids)           what the test command runs: the test patch's files and the
+    files_to_test(test_patch, ids)           what the test command runs: the test patch's files and the
                                           files named by the test ids
     parse_pytest_log(log)                 {test id: status} from pytest's `-rA` summary or `-v` lines
     grade(fail_to_pass, pass_to_pass, results)   the reward, the counts and why
@@ -55,7 +55,7 @@ def _unquote(name: str) -> str:
     return raw.encode("latin-1").decode("utf-8", "replace")
 
 
-def test_files(test_patch: str, test_ids: Iterable[str]) -> list[str]:
+def files_to_test(test_patch: str, test_ids: Iterable[str]) -> list[str]:
     """The files the test command runs: those the test patch touches that look like tests (a
     `test` in the name), then each id's file (the part before "::"), each once, in order."""
     files: dict[str, None] = {}
