@@ -34,6 +34,9 @@ SOURCES = HERE / "sources"
 INSTANCES = HERE / "instances.jsonl"
 OWNER = "polar-mini"
 DATE = "2025-01-01T00:00:00+00:00"
+# The repositories need no pytest plugin, and loading those of the node's environment (hypothesis,
+# anyio, ...) costs more than the tests themselves.
+TEST_COMMAND = "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 python -m pytest -rA -p no:cacheprovider {files}"
 IDENTITY = {
     "GIT_AUTHOR_NAME": "Polar Examples",
     "GIT_AUTHOR_EMAIL": "examples@polar.invalid",
@@ -168,6 +171,7 @@ def instance(name: str, checkout: Path, base_commit: str) -> dict:
         "test_patch": tests,
         "FAIL_TO_PASS": json.dumps(fail_to_pass),
         "PASS_TO_PASS": json.dumps(pass_to_pass),
+        "test_cmd": TEST_COMMAND,
         "created_at": DATE,
         "version": "1.0",
         "environment_setup_commit": base_commit,
