@@ -14,8 +14,8 @@ are only read) and no user or system configuration. What it leaves out:
 - symbolic links and nested repositories (git writes them as links and gitlinks): a link could make
   a later write land outside the copy, and no task needs one.
 
-A change of more than `max_bytes` is refused (`ChangeRefused`), as is one that git cannot read in
-time. What was left out is reported, so a session's metadata says why a change did less than the
+A change of more than `max_bytes` or MAX_FILES files is refused (`ChangeRefused`), as is one that git
+cannot read in time. What was left out is reported, so a session's metadata says why a change did less than the
 agent wrote.
 """
 
@@ -36,6 +36,7 @@ CACHE_FOLDERS = ("__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache")
 DEFAULT_MAX_BYTES = 1 << 20
 GIT_TIMEOUT_S = 120.0
 READ_CAP = 64 << 20  # the most any other git output here is read
+MAX_FILES = 5000  # changed files in one change; more is refused (each is an argument to git)
 # Modes git records for a symbolic link and for a nested repository (a gitlink).
 _LINK_MODES = ("120000", "160000")
 
@@ -88,6 +89,8 @@ async def workspace_change(
         kept, dropped = split_raw(raw.decode("utf-8", "surrogateescape"), frozenset(test_files))
         if not kept:
             return Change(b"", tuple(dropped))
+        if len(kept) > MAX_FILES:
+            raise ChangeRefused(f"the change touches {len(kept)} files, more than {MAX_FILES}")
         pathspecs = [f":(literal){path}" for path in kept]
         diff = ["diff", "--cached", "--binary", "--no-renames", "--full-index", "HEAD", "--", *pathspecs]
         patch = await run(diff, limit=max_bytes)
@@ -120,8 +123,15 @@ def run_git(
     cap = READ_CAP if limit is None else limit
     with tempfile.TemporaryFile(dir=stderr_dir) as errors:
         try:
+            # The fresh copy's files may belong to another user (a container's root): git would
+            # refuse the repository as of dubious ownership, though only the node made it.
             process = subprocess.Popen(
-                ["git", *arguments], cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=errors
+                ["git", "-c", "safe.directory=*", *arguments],
+                cwd=cwd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=errors,
             )
         except OSError as exc:
             raise ChangeRefused(f"git {arguments[0]}: cannot start: {exc}") from exc

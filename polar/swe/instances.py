@@ -316,11 +316,15 @@ def import_tasks(path: Path, options: ImportOptions) -> list[rollout_pb2.Task]:
     for instance in instances:
         task_id = task_id_for(instance.instance_id)
         if task_id in ids:
-            raise InstanceError(f"{path}: instances {ids[task_id]!r} and {instance.instance_id!r} give the same task id {task_id!r}")
+            raise InstanceError(
+                f"{path}: instances {ids[task_id]!r} and {instance.instance_id!r} give the same task id {task_id!r}"
+            )
         ids[task_id] = instance.instance_id
     if options.local is not None:
         problems = missing_checkouts(instances, options.local)
         if problems:
             listed = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-            raise InstanceError(f"{len(problems)} of {len(instances)} repositories are not ready under {options.local}: {listed}")
+            raise InstanceError(
+                f"{len(problems)} of {len(instances)} repositories are not ready under {options.local}: {listed}"
+            )
     return [to_task(instance, options) for instance in instances]

@@ -94,7 +94,8 @@ def _expect(result: SweEvaluation | None, wanted: float, label: str, problems: l
         problems.append(f"{label}: {result.error}")
     elif result.reward != wanted:
         why = result.metadata.get("swe_reason", "")
-        counts = f"FAIL_TO_PASS {result.metadata.get('swe_fail_to_pass', '?')}, PASS_TO_PASS {result.metadata.get('swe_pass_to_pass', '?')}"
+        f2p, p2p = (result.metadata.get(f"swe_{key}", "?") for key in ("fail_to_pass", "pass_to_pass"))
+        counts = f"FAIL_TO_PASS {f2p}, PASS_TO_PASS {p2p}"
         problems.append(f"{label}: reward {result.reward:g}, not {wanted:g} ({counts}{'; ' + why if why else ''})")
 
 
@@ -125,7 +126,8 @@ def report(results: Sequence[OracleResult], out: TextIO) -> None:
     print(f"{'task':<{width}}  gold  empty  seconds  verdict", file=out)
     for result in results:
         verdict = "ok" if result.ok else "BROKEN"
-        print(f"{result.task_id:<{width}}  {shown(result.gold):>4}  {shown(result.empty):>5}  {result.seconds:7.1f}  {verdict}", file=out)
+        row = f"{result.task_id:<{width}}  {shown(result.gold):>4}  {shown(result.empty):>5}  {result.seconds:7.1f}"
+        print(f"{row}  {verdict}", file=out)
     broken = [result for result in results if not result.ok]
     for result in broken:
         print(f"\n{result.task_id} ({result.instance_id}):", file=out)

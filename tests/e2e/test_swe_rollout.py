@@ -72,7 +72,8 @@ def run_and_export(config: Path, tasks: Path, tmp_path: Path) -> list[dict]:
     """`polar up --submit`, until every group is released; the exported trajectories."""
     with spawned() as start:
         up, lines = start("up", "--config", str(config), "--submit", str(tasks))
-        rollout = lines.wait_for(r"^polar up: every group released; export them with .* --rollout (\S+)`", timeout=RUN_TIMEOUT_S).group(1)
+        released = r"^polar up: every group released; export them with .* --rollout (\S+)`"
+        rollout = lines.wait_for(released, timeout=RUN_TIMEOUT_S).group(1)
         exported = run("results", "--export", "-", "--rollout", rollout)
         up.send_signal(signal.SIGINT)
         assert up.wait(timeout=30) == 0
