@@ -3,9 +3,9 @@ without trusting anything in the workspace.
 
 The workspace's own `.git` is the agent's to edit (its config could name a program git would run,
 its refs could point anywhere, its index could hide files), so git never reads it here: the diff is
-taken against the `.git` of a fresh copy of the task (made by the node, at the base commit), with
-the workspace as the work tree, a private index, a private object folder (the fresh copy's objects
-are only read) and no user or system configuration. What it leaves out:
+taken with the `.git` of a fresh copy of the task (made by the node, at the base commit), from the
+fresh copy's files to the workspace's, with a private index, a private object folder (the fresh
+copy's objects are only read) and no user or system configuration. What it leaves out:
 
 - harness config folders (`.pi/`, `.codex/`, `.claude/`, `.gemini/`, `.qwen/`) and caches
   (`__pycache__/`, `.pytest_cache/`), which a harness writes and no fix needs;
@@ -65,34 +65,48 @@ def git_env(home: Path) -> dict[str, str]:
 
 
 async def workspace_change(
-    workspace: Path, base_git_dir: Path, test_files: Sequence[str], *, max_bytes: int = DEFAULT_MAX_BYTES
+    workspace: Path, fresh_workspace: Path, test_files: Sequence[str], *, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> Change:
-    """The change from `base_git_dir`'s HEAD (the fresh copy's `.git`) to the files in `workspace`,
-    less what the module docstring lists. Raises ChangeRefused."""
+    """The change from the files of `fresh_workspace` (a fresh copy of the task, its `.git` at the
+    base commit, prepared as the agent's was) to those of `workspace`, less what the module
+    docstring lists. Raises ChangeRefused."""
+    base_git_dir = fresh_workspace / ".git"
     with tempfile.TemporaryDirectory(prefix="polar-change-") as scratch:
         scratch_path = Path(scratch)
         env = {
             **git_env(scratch_path),
             "PATH": os.environ.get("PATH", os.defpath),
             "GIT_DIR": str(base_git_dir),
-            "GIT_WORK_TREE": str(workspace),
             "GIT_INDEX_FILE": str(scratch_path / "index"),
             "GIT_OBJECT_DIRECTORY": str(scratch_path / "objects"),
             "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(base_git_dir / "objects"),
         }
         (scratch_path / "objects").mkdir()
         excluded = [f":(exclude,glob)**/{folder}/**" for folder in (*HARNESS_FOLDERS, *CACHE_FOLDERS)]
-        run = functools.partial(asyncio.to_thread, run_git, env=env, cwd=workspace, stderr_dir=scratch_path)
-        await run(["read-tree", "HEAD"])
-        await run(["add", "--all", "--", ".", *excluded])
-        raw = await run(["diff", "--cached", "--raw", "-z", "--no-renames", "HEAD"])
+
+        def git(arguments: list[str], tree: Path, limit: int | None = None):
+            tree_env = {**env, "GIT_WORK_TREE": str(tree)}
+            return asyncio.to_thread(run_git, arguments, env=tree_env, cwd=tree, stderr_dir=scratch_path, limit=limit)
+
+        async def snapshot(tree: Path) -> None:
+            """The private index := every file of `tree` (less the exclusions)."""
+            await git(["read-tree", "HEAD"], tree)
+            await git(["add", "--all", "--", ".", *excluded], tree)
+
+        # The base is the fresh copy as its prepare steps left it (files they made included), so the
+        # change applies to it exactly.
+        await snapshot(fresh_workspace)
+        base = (await git(["write-tree"], fresh_workspace)).decode().strip()
+        await snapshot(workspace)
+        run = functools.partial(git, tree=workspace)
+        raw = await run(["diff", "--cached", "--raw", "-z", "--no-renames", base])
         kept, dropped = split_raw(raw.decode("utf-8", "surrogateescape"), frozenset(test_files))
         if not kept:
             return Change(b"", tuple(dropped))
         if len(kept) > MAX_FILES:
             raise ChangeRefused(f"the change touches {len(kept)} files, more than {MAX_FILES}")
         pathspecs = [f":(literal){path}" for path in kept]
-        diff = ["diff", "--cached", "--binary", "--no-renames", "--full-index", "HEAD", "--", *pathspecs]
+        diff = ["diff", "--cached", "--binary", "--no-renames", "--full-index", base, "--", *pathspecs]
         patch = await run(diff, limit=max_bytes)
     return Change(patch, tuple(dropped))
 

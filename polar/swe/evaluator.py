@@ -89,9 +89,8 @@ async def _grade_in(
 
     test_patch_files = files_in_patch(tests.test_patch)
     try:
-        change = await workspace_change(
-            workspace, fresh.workspace / ".git", test_patch_files, max_bytes=tests.max_patch_bytes or DEFAULT_MAX_BYTES
-        )
+        max_bytes = tests.max_patch_bytes or DEFAULT_MAX_BYTES
+        change = await workspace_change(workspace, fresh.workspace, test_patch_files, max_bytes=max_bytes)
     except ChangeRefused as exc:
         return zero(f"the change was not graded: {exc}")
     metadata["swe_patch"] = _bounded(change.patch.decode("utf-8", "replace"), KEPT_PATCH_CHARS, head=True)
@@ -105,7 +104,8 @@ async def _grade_in(
         return SweEvaluation(0.0, "", f"the test patch does not apply: {problem}", metadata)
 
     ids = [*tests.fail_to_pass, *tests.pass_to_pass]
-    command = (tests.test_command or DEFAULT_TEST_COMMAND).replace("{files}", shlex.join(files_to_test(tests.test_patch, ids)))
+    files = shlex.join(files_to_test(tests.test_patch, ids))
+    command = (tests.test_command or DEFAULT_TEST_COMMAND).replace("{files}", files)
     env = fresh.command_env(_python_first(fresh))
     try:
         result = await fresh.run(["sh", "-c", command], env=env, timeout_s=timeout_s, output_limit=TEST_LOG_LIMIT)

@@ -174,3 +174,13 @@ async def test_the_workspace_has_no_later_history(tasks, provider) -> None:
         assert log.stdout.split() == [task.runtime.revision]
     finally:
         await runtime.close()
+
+
+async def test_files_the_prepare_steps_make_are_not_the_agent_s_change(tasks, provider) -> None:
+    # An editable install leaves untracked files in the repository; the fresh copy has them too.
+    task = rollout_pb2.Task()
+    task.CopyFrom(tasks["stack"])
+    task.runtime.prepare.append("mkdir -p containers.egg-info && echo built > containers.egg-info/PKG-INFO")
+    reward, log, metadata = await graded(task, provider, gold(task))
+    assert reward == 1.0, log
+    assert "egg-info" not in metadata["swe_patch"]
