@@ -459,7 +459,7 @@ class Node:
     async def _postrun(self, run: SessionRun, runtime: Runtime | None, harness: HarnessRun) -> common_pb2.Trajectory:
         task = run.assignment.task
         outcome, errors = harness.outcome, [harness.error] if harness.error else []
-        reward, evaluator_output = 0.0, ""
+        reward, evaluator_output, evaluator_metadata = 0.0, "", {}
         harness_ran = harness.result is not None
         if runtime is not None and harness_ran and outcome != common_pb2.SESSION_OUTCOME_CANCELLED:
             evaluation = await evaluate(
@@ -468,8 +468,9 @@ class Node:
                 task=task,
                 session_id=run.session_id,
                 output_limit=self.config.harness_output_limit,
+                provider=self.providers.get(task.runtime.kind),
             )
-            reward, evaluator_output = evaluation.reward, evaluation.output
+            reward, evaluator_output, evaluator_metadata = evaluation.reward, evaluation.output, evaluation.metadata
             if evaluation.error:
                 errors.append(f"evaluator: {evaluation.error}")
                 if outcome == common_pb2.SESSION_OUTCOME_COMPLETED:
@@ -500,6 +501,7 @@ class Node:
         trajectory.min_policy_version = min(versions, default=0)
         trajectory.max_policy_version = max(versions, default=0)
         trajectory.metadata.update(task.metadata)
+        trajectory.metadata.update(evaluator_metadata)
         trajectory.attempt = run.assignment.attempt + 1
         if harness.result is not None:
             trajectory.harness_exit_code = harness.result.exit_code

@@ -43,28 +43,50 @@ class HarnessSpec(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class RuntimeSpec(_message.Message):
-    __slots__ = ("kind", "template", "prepare", "image")
+    __slots__ = ("kind", "template", "prepare", "image", "revision")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     kind: str
     template: str
     prepare: _containers.RepeatedScalarFieldContainer[str]
     image: str
-    def __init__(self, kind: _Optional[str] = ..., template: _Optional[str] = ..., prepare: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ...) -> None: ...
+    revision: str
+    def __init__(self, kind: _Optional[str] = ..., template: _Optional[str] = ..., prepare: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class EvaluatorSpec(_message.Message):
-    __slots__ = ("kind", "command", "callable", "timeout_seconds")
+    __slots__ = ("kind", "command", "callable", "timeout_seconds", "swe")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     CALLABLE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     command: str
     callable: str
     timeout_seconds: float
-    def __init__(self, kind: _Optional[str] = ..., command: _Optional[str] = ..., callable: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    swe: SweTests
+    def __init__(self, kind: _Optional[str] = ..., command: _Optional[str] = ..., callable: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., swe: _Optional[_Union[SweTests, _Mapping]] = ...) -> None: ...
+
+class SweTests(_message.Message):
+    __slots__ = ("instance_id", "test_patch", "fail_to_pass", "pass_to_pass", "test_command", "gold_patch", "max_patch_bytes")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TEST_PATCH_FIELD_NUMBER: _ClassVar[int]
+    FAIL_TO_PASS_FIELD_NUMBER: _ClassVar[int]
+    PASS_TO_PASS_FIELD_NUMBER: _ClassVar[int]
+    TEST_COMMAND_FIELD_NUMBER: _ClassVar[int]
+    GOLD_PATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    test_patch: str
+    fail_to_pass: _containers.RepeatedScalarFieldContainer[str]
+    pass_to_pass: _containers.RepeatedScalarFieldContainer[str]
+    test_command: str
+    gold_patch: str
+    max_patch_bytes: int
+    def __init__(self, instance_id: _Optional[str] = ..., test_patch: _Optional[str] = ..., fail_to_pass: _Optional[_Iterable[str]] = ..., pass_to_pass: _Optional[_Iterable[str]] = ..., test_command: _Optional[str] = ..., gold_patch: _Optional[str] = ..., max_patch_bytes: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("task_id", "instruction", "group_size", "harness", "runtime", "evaluator", "builder", "timeout_seconds", "priority", "metadata", "sampling")
