@@ -13,7 +13,7 @@ Measured, with all streams of a point started together:
   once, and the server sends what its engine produced while the previous message was being sent
   as one message: the tok/msg column says how many tokens a message carried.
 
-`--prefix-cache compare` measures the torch engine's prefix cache instead: 32 sessions of one CLI
+`--prefix-cache compare` measures the torch engine's prefix cache instead: 32 sessions (--quick: 4) of one CLI
 (--harness, default pi) start at once, each with that CLI's recorded first prompt (its system prompt
 and tools, tests/fixtures/sessions) and an instruction of its own, against one server with the cache
 and one without (--models, default smollm2-135m), in alternating rounds. Each round's instructions
@@ -137,6 +137,9 @@ def _parse_args() -> argparse.Namespace:
         "--prefix-cache", choices=("compare",), help="measure the prefix cache: sessions of one CLI with and without it"
     )
     parser.add_argument("--harness", default="pi", choices=HARNESSES, help="--prefix-cache: whose recorded prompt (default: %(default)s)")
+    parser.add_argument("--sessions", type=int, help=f"--prefix-cache: sessions at once (default: {PREFIX_SESSIONS}, "
+                        f"--quick {QUICK_PREFIX_SESSIONS})")
+    parser.add_argument("--rounds", type=int, help="--prefix-cache: rounds on each server, the first cold (default: 2, --quick 1)")
     parser.add_argument("--out", help="JSON report path (default: bench-results/inference.json, "
                         "with --prefix-cache compare: bench-results/inference-prefix-cache.json)")
     args = parser.parse_args()
@@ -256,6 +259,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "sessions"
 HARNESSES = ("pi", "codex", "gemini-cli", "qwen-code", "claude-code")
 PREFIX_MODEL = "smollm2-135m"
 PREFIX_SESSIONS = 32
+QUICK_PREFIX_SESSIONS = 4  # SmolLM2 prefills a few hundred tokens/s on 2 cores: 4 x 1.5k is a minute's work
 PREFIX_CACHE_MIB = InferenceConfig().prefix_cache_mib  # the default
 
 
@@ -280,7 +284,9 @@ def _prefix_cache_main(args: argparse.Namespace, machine: dict) -> int:
 
     from polar.inference.models import resolve_model
 
-    sessions, rounds, max_tokens = (8, 1, 4) if args.quick else (PREFIX_SESSIONS, 3, 32)
+    sessions = args.sessions or (QUICK_PREFIX_SESSIONS if args.quick else PREFIX_SESSIONS)
+    rounds = args.rounds or (1 if args.quick else 2)
+    max_tokens = 4 if args.quick else 32
     model = args.models[0]
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
     recorded, at = _recorded_first_prompt(args.harness, tokenizer)

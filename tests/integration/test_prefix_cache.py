@@ -189,18 +189,22 @@ def test_a_weight_update_invalidates_the_cache():
 
         # A sequence running when the weights change stores nothing afterwards: its keys and values
         # were computed (in part) with the old weights.
-        long = request(recorded_prompts("pi")[1], max_tokens=40)
+        prompt = recorded_prompts("pi")[1]
 
         async def update_midway():
-            updated = False
-            async for item in engine.generate(long):
-                if isinstance(item, TokenChunk) and not updated:
-                    await engine.update_weights({"model.norm.weight": torch.full((64,), 1.5)})
-                    updated = True
+            tokens = []
+            async for item in engine.generate(request(prompt, max_tokens=40)):
+                if isinstance(item, TokenChunk):
+                    if not tokens:
+                        await engine.update_weights({"model.norm.weight": torch.full((64,), 1.5)})
+                    tokens += item.token_ids
+            return tokens
 
-        asyncio.run(update_midway())
-        assert run(engine, long)[2].cached_prompt_tokens == 0
-        assert run(engine, long)[2].cached_prompt_tokens == reusable(len(long.prompt_token_ids))
+        stale = asyncio.run(update_midway())
+        assert run(engine, request(prompt, max_tokens=1))[2].cached_prompt_tokens == 0
+        # The prompt's blocks are cached again, with the new weights; what the sequence decoded is not.
+        extended = request(prompt + tuple(stale) + (2,), max_tokens=1)
+        assert run(engine, extended)[2].cached_prompt_tokens == len(prompt) // BLOCK_TOKENS * BLOCK_TOKENS
     finally:
         asyncio.run(engine.stop())
 
