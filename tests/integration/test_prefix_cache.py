@@ -93,6 +93,7 @@ def reusable(prompt_tokens: int) -> int:
     return (prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SAMPLINGS)
 def test_a_recorded_session_gives_what_an_engine_without_the_cache_gives(cached, uncached, name):
     # Each CLI's second call extends its first call's prompt and recorded output.
@@ -121,6 +122,7 @@ def test_a_call_that_extends_an_earlier_output_reuses_the_output_too(cached, unc
     assert result[2].cached_prompt_tokens == reusable(len(prompt) + len(tokens))
 
 
+@pytest.mark.slow
 def test_sequences_that_share_a_prompt_while_they_run(uncached):
     engine = make_engine()  # cold: nothing of this prompt is cached yet
     try:
@@ -143,6 +145,7 @@ def test_sequences_that_share_a_prompt_while_they_run(uncached):
         asyncio.run(engine.stop())
 
 
+@pytest.mark.slow
 def test_eviction_under_a_small_budget_keeps_results_equal(uncached):
     engine = make_engine(prefix_cache_mib=1)  # tiny's blocks: 1 MiB holds 2,048 positions
     try:
@@ -171,6 +174,7 @@ def full_forward_logprobs(model, prompt, tokens, sampling: SamplingConfig) -> to
     return processed.gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 
+@pytest.mark.slow
 def test_a_weight_update_invalidates_the_cache():
     engine = make_engine()
     try:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from polar.inference.engines.prefix_cache import BLOCK_TOKENS, BlockIndex, block_keys
 
-SETTINGS = settings(max_examples=200, deadline=None)
+SETTINGS = settings(max_examples=100, deadline=None)
 # Few distinct ids, so that drawn sequences often share prefixes.
 tokens = st.lists(st.integers(0, 3), max_size=6 * BLOCK_TOKENS)
 
