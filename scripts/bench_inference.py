@@ -13,13 +13,14 @@ Measured, with all streams of a point started together:
   once, and the server sends what its engine produced while the previous message was being sent
   as one message: the tok/msg column says how many tokens a message carried.
 
-`--prefix-cache compare` measures the torch engine's prefix cache instead: 32 sessions (--quick: 4) of one CLI
-(--harness, default pi) start at once, each with that CLI's recorded first prompt (its system prompt
-and tools, tests/fixtures/sessions) and an instruction of its own, against one server with the cache
-and one without (--models, default smollm2-135m), in alternating rounds. Each round's instructions
-are new: the cached server's first round computes the CLI's prompt once (cold), later rounds find
-it cached by earlier sessions (warm). Reported: time to first token (median and worst of the
-sessions), tokens/s (all sampled tokens over the time to the last one) and prompt tokens reused.
+`--prefix-cache compare` measures the torch engine's prefix cache instead: 32 sessions (--quick:
+4) of one CLI (--harness, default pi) start at once, each with that CLI's recorded first prompt (its
+system prompt and tools, tests/fixtures/sessions) and an instruction of its own, against one server
+with the cache and one without (--models, default smollm2-135m), in alternating rounds. Each
+round's instructions are new: the cached server's first round computes the CLI's prompt once
+(cold), later rounds find it cached by earlier sessions (warm). Reported: time to first token
+(median and worst of the sessions), tokens/s (all sampled tokens over the time to the last one) and
+the share of prompt tokens reused.
 
     python scripts/bench_inference.py --quick              # under a minute on 2 CPU cores
     python scripts/bench_inference.py --device cuda        # on a GPU machine
@@ -131,17 +132,30 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="short windows: the whole run in under a minute")
     parser.add_argument("--device", default="cpu", help="device of the torch engine: cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--dtype", default="auto", help="torch engine dtype (default: auto)")
-    parser.add_argument("--models", nargs="+", help=f"torch engine models (default: {' '.join(TORCH_MODELS)}; "
-                        f"with --prefix-cache compare: {PREFIX_MODEL})")
+    parser.add_argument(
+        "--models",
+        nargs="+",
+        help=f"torch engine models (default: {' '.join(TORCH_MODELS)}; with --prefix-cache compare: {PREFIX_MODEL})",
+    )
     parser.add_argument(
         "--prefix-cache", choices=("compare",), help="measure the prefix cache: sessions of one CLI with and without it"
     )
-    parser.add_argument("--harness", default="pi", choices=HARNESSES, help="--prefix-cache: whose recorded prompt (default: %(default)s)")
-    parser.add_argument("--sessions", type=int, help=f"--prefix-cache: sessions at once (default: {PREFIX_SESSIONS}, "
-                        f"--quick {QUICK_PREFIX_SESSIONS})")
-    parser.add_argument("--rounds", type=int, help="--prefix-cache: rounds on each server, the first cold (default: 2, --quick 1)")
-    parser.add_argument("--out", help="JSON report path (default: bench-results/inference.json, "
-                        "with --prefix-cache compare: bench-results/inference-prefix-cache.json)")
+    parser.add_argument(
+        "--harness", default="pi", choices=HARNESSES, help="--prefix-cache: whose recorded prompt (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        help=f"--prefix-cache: sessions at once (default: {PREFIX_SESSIONS}, --quick {QUICK_PREFIX_SESSIONS})",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="--prefix-cache: rounds on each server, the first cold (default: 2, --quick 1)"
+    )
+    parser.add_argument(
+        "--out",
+        help="JSON report path (default: bench-results/inference.json; with --prefix-cache compare: "
+        "bench-results/inference-prefix-cache.json)",
+    )
     args = parser.parse_args()
     compare = args.prefix_cache == "compare"
     args.models = args.models or ([PREFIX_MODEL] if compare else list(TORCH_MODELS))
