@@ -14,7 +14,7 @@ Measured, with all streams of a point started together:
   as one message: the tok/msg column says how many tokens a message carried.
 
 `--prefix-cache compare` measures the torch engine's prefix cache instead: 32 sessions (--quick:
-4) of one CLI (--harness, default pi) start at once, each with that CLI's recorded first prompt (its
+8) of one CLI (--harness, default pi) start at once, each with that CLI's recorded first prompt (its
 system prompt and tools, tests/fixtures/sessions) and an instruction of its own, against one server
 with the cache and one without (--models, default smollm2-135m), in alternating rounds. Each
 round's instructions are new: the cached server's first round computes the CLI's prompt once
@@ -273,7 +273,7 @@ FIXTURES = ROOT / "tests" / "fixtures" / "sessions"
 HARNESSES = ("pi", "codex", "gemini-cli", "qwen-code", "claude-code")
 PREFIX_MODEL = "smollm2-135m"
 PREFIX_SESSIONS = 32
-QUICK_PREFIX_SESSIONS = 4  # SmolLM2 prefills a few hundred tokens/s on 2 cores: 4 x 1.5k is a minute's work
+QUICK_PREFIX_SESSIONS = 8  # fewer, and the time without the cache is too close to one prefill to tell apart
 PREFIX_CACHE_MIB = InferenceConfig().prefix_cache_mib  # the default
 
 
