@@ -270,6 +270,7 @@ class _Call:
     policy_version: int | None = None
     last_policy_version: int = 0
     queue_seconds: float = 0.0
+    cached_prompt_tokens: int = 0  # of the prompt, tokens the engine took from its prefix cache
     engine_finish: int = 0
     result: DialectResult | None = None
     response_body: bytes = b""
@@ -286,6 +287,7 @@ class _Call:
         if message.finish_reason:
             self.engine_finish = message.finish_reason
             self.queue_seconds = message.queue_seconds
+            self.cached_prompt_tokens = message.usage.cached_prompt_tokens
         return self.output.add(message.token_ids, message.logprobs)
 
     def finish(self) -> tuple[list[ParseEvent], DialectResult]:
@@ -326,7 +328,9 @@ class _Call:
                 queue_seconds=self.queue_seconds,
             ),
             usage=common_pb2.Usage(
-                prompt_tokens=self.rendered.token_count, completion_tokens=len(self.output.token_ids)
+                prompt_tokens=self.rendered.token_count,
+                completion_tokens=len(self.output.token_ids),
+                cached_prompt_tokens=self.cached_prompt_tokens,
             ),
             stream=self.request.stream,
             sampling=self.sampling,

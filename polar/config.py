@@ -78,6 +78,10 @@ class InferenceConfig:
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda; or "float32", "bfloat16", ...
     max_batch_size: Positive = 64  # most sequences decoded in one step
+    # torch engine only: MiB of keys and values kept of computed prompts (and outputs), so that a
+    # later call starting with the same tokens (a CLI's system prompt, a session's history) computes
+    # only the rest; least recently used evicted first; 0 = no prefix cache
+    prefix_cache_mib: Count = 1024
     script: str = ""  # scripted engine only: path of its JSON script
     # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
     # resumes), so versions keep counting across a resumed run.

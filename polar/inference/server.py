@@ -309,6 +309,7 @@ async def _relay(
             last = messages.pop() if messages else inference_pb2.GenerateResponse(policy_version=policy_version)
             last.finish_reason = end.finish_reason.value
             last.usage.prompt_tokens, last.usage.completion_tokens = end.prompt_tokens, end.completion_tokens
+            last.usage.cached_prompt_tokens = end.cached_prompt_tokens
             last.queue_seconds = end.queue_seconds
         for message in messages:
             await context.write(message)
@@ -397,6 +398,7 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         device=config.device,
         dtype=config.dtype,
         max_batch_size=config.max_batch_size,
+        prefix_cache_mib=config.prefix_cache_mib,
         script=config.script,
         policy_version=config.policy_version,
     )

@@ -93,12 +93,14 @@ class CallTimings(_message.Message):
     def __init__(self, received_unix_ns: _Optional[int] = ..., render_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class CallRecord(_message.Message):
     __slots__ = ("call_id", "session_id", "dialect", "model", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "finish_reason", "policy_version", "last_policy_version", "extends_call_id", "forced_token_count", "aborted", "error", "request_body", "response_body", "timings", "usage", "stream", "sampling", "truncated", "bodies_dropped", "prompt_too_long")

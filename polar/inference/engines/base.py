@@ -69,6 +69,7 @@ class GenerationEnd:
     completion_tokens: int
     queue_seconds: float  # from submission until the first decode step
     error: str = ""  # set with FinishReason.ERROR
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the engine's prefix cache, not computed
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,9 @@ class EngineOptions:
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
     max_batch_size: int = 64  # most sequences decoded in one step
+    # torch engine: MiB of keys and values of computed token blocks kept for later calls that start
+    # with the same tokens (polar/inference/engines/prefix_cache.py); 0 = no prefix cache
+    prefix_cache_mib: int = 1024
     script: str = ""  # scripted engine: path of its JSON script
     # Version the loaded weights are served as: a trainer checkpoint's, so that versions keep counting
     # across a resumed run instead of starting again at 0.

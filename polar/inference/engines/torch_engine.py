@@ -7,6 +7,14 @@ in chunks and does not stall the others for long), runs one decode forward for e
 has a sampled token, then samples one token for each of those and for each prompt that finished
 prefilling. Each sequence gets its tokens through its own asyncio queue, one TokenChunk per step.
 
+The prefix cache (prefix_cache.py; `EngineOptions.prefix_cache_mib`, default 1024, 0 = off) keeps the
+keys and values of the token blocks sequences computed, prompts and outputs, so that a prompt
+starting with them (a CLI's system prompt, a session's earlier call) computes only the rest: before
+its prefill chunk, a sequence takes the cached blocks that continue what its slot holds, and one
+whose next block an earlier sequence of the step is computing waits a step for it, rather than
+computing it too. A weight update empties the cache. A call's GenerationEnd says how many prompt
+tokens it took from the cache.
+
 Settings in EngineOptions.extra: `prefill_chunk_tokens` (default 2048); `cpu_threads`, torch's
 process-wide intra-op thread count, set only when the model runs on the CPU (default: one less than
 the usable cores, at least 1: with all of them, torch's spinning workers starve the event loop and the
@@ -42,6 +50,7 @@ from polar.inference.engines.base import (
     check_weight_update,
 )
 from polar.inference.engines.llama import DecoderRunner
+from polar.inference.engines.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixLease
 from polar.inference.sampling import new_generator, sample_next_tokens, to_device
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
@@ -111,6 +120,7 @@ class _Sequence:
     stop_ids: frozenset[int]
     submitted: float
     prompt: torch.Tensor | None = None  # on the model's device, from admission on
+    prefix: PrefixLease | None = None  # its part in the prefix cache, from admission on (None: no cache)
     slot: int = -1
     cached: int = 0  # positions of this slot holding keys and values
     last_token: int = -1  # sampled but not yet in the cache; -1 until the first token
@@ -180,6 +190,7 @@ def _end(seq: _Sequence, reason: FinishReason, error: str = "") -> GenerationEnd
         completion_tokens=seq.completion,
         queue_seconds=seq.queue_seconds,
         error=error,
+        cached_prompt_tokens=seq.prefix.reused_tokens if seq.prefix is not None else 0,
     )
 
 
@@ -222,6 +233,16 @@ class TorchEngine(Engine):
         except OSError:  # no generation_config.json
             generation_eos = []
         self._parameters = dict(self.model.named_parameters())  # tied weights appear once
+        self._prefix = None
+        if options.prefix_cache_mib > 0:
+            self._prefix = PrefixCache(
+                self._runner.cache,
+                layers=len(self._runner.decoder.layers),
+                kv_heads=self._runner.kv_heads,
+                head_dim=self._runner.head_dim,
+                device=self.device,
+                budget_bytes=options.prefix_cache_mib << 20,
+            )
         self.description = self._describe(options.model, folder, tokenizer, generation_eos)
 
         self._version = options.policy_version
@@ -394,6 +415,8 @@ class TorchEngine(Engine):
             self._finish(seq, reason, outbox, error)
             return
         seq.prompt = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long, device=self.device)
+        if self._prefix is not None:
+            seq.prefix = self._prefix.begin(seq.request.prompt_token_ids)
 
     def _admission_problem(self, request: GenerationRequest) -> tuple[FinishReason, str] | None:
         """What prevents sampling at all; the servicer validates requests, the engine stays safe."""
@@ -425,6 +448,10 @@ class TorchEngine(Engine):
             except Exception as error:  # noqa: BLE001 - a device failure, reported to the caller
                 loop.call_soon_threadsafe(_resolve, update.future, None, error)
                 continue
+            finally:
+                # Keys and values computed with other weights would give other logprobs.
+                if self._prefix is not None:
+                    self._prefix.clear()
             self._version += 1
             loop.call_soon_threadsafe(_resolve, update.future, self._version)
 
@@ -470,6 +497,8 @@ class TorchEngine(Engine):
                 continue
             for seq, _, end in group:
                 seq.cached = end
+                if seq.prefix is not None:
+                    self._prefix.store(seq.prefix, seq.slot, end)
             done = [row for row, (seq, _, _) in enumerate(group) if not seq.prefilling]
             prefilled += [group[row][0] for row in done]
             if done:
@@ -478,12 +507,22 @@ class TorchEngine(Engine):
 
     def _prefill_chunks(self) -> list[tuple[_Sequence, int, int]]:
         """The prompt positions [start, end) each prefilling sequence advances by this step: in
-        admission order, until prefill_chunk_tokens are spent (the last one may stop mid-prompt)."""
+        admission order, until prefill_chunk_tokens are spent (the last one may stop mid-prompt).
+
+        With the prefix cache, a sequence first takes the cached blocks that continue its prompt,
+        and one whose next block an earlier sequence is computing waits for it to be cached."""
         budget = self.prefill_chunk_tokens
         chunks = []
+        computing: set[bytes] = set()  # keys of the blocks this step's earlier chunks work towards
         for seq in self._admitted:
             if budget <= 0:
                 break
+            if seq.prefilling and seq.prefix is not None:
+                seq.cached = self._prefix.take(seq.prefix, seq.slot, seq.cached)
+                ahead = seq.prefix.keys[seq.cached // BLOCK_TOKENS :]
+                if ahead and ahead[0] in computing:
+                    continue
+                computing.update(ahead)
             if seq.prefilling:
                 end = min(seq.prompt_tokens, seq.cached + budget)
                 chunks.append((seq, seq.cached, end))
@@ -512,6 +551,8 @@ class TorchEngine(Engine):
             return None
         for seq in decoding:
             seq.cached += 1
+            if seq.prefix is not None:
+                seq.prefix.tokens.append(seq.last_token)
         return logits
 
     def _sample(self, batch: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -543,10 +584,16 @@ class TorchEngine(Engine):
             self._finish(seq, reason, outbox)
 
     def _finish(self, seq: _Sequence, reason: FinishReason, outbox: _Outbox, error: str = "") -> None:
-        self._release(seq)
+        self._release(seq, keep=reason is not FinishReason.ERROR)
         outbox.put(seq, _end(seq, reason, error))
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: _Sequence, keep: bool = True) -> None:
+        """Free the sequence's slot; `keep`: offer what it computed to the prefix cache first (a
+        failed step may have left its slot half-written)."""
+        if seq.prefix is not None:
+            if keep:
+                self._prefix.store(seq.prefix, seq.slot, seq.cached)
+            self._prefix.release(seq.prefix)
         with self._wake:
             self._slots[seq.slot] = None
             self._admitted.remove(seq)
