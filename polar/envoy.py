@@ -322,8 +322,8 @@ def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_
 
     if config.xds_address:
         where = f"upstreams from the control plane {config.xds_address.strip('{}')} (node {config.node_id})"
-        detail = f"harness base URL {{base_url}}; {where}; admin {{admin}}"
-        return ENVOY.spec(config, detail=detail)
+        to = f" -> gateway {gateway_http}" if gateway_http else ""
+        return ENVOY.spec(config, detail=f"harness base URL {{base_url}}{to}; {where}; admin {{admin}}")
     detail = f"harness base URL {{base_url}} -> gateway {gateway_http}; admin {{admin}}"
     return ENVOY.spec(config, detail=detail, inference=list(inference_endpoints), gateway=gateway_http)
 

@@ -59,15 +59,17 @@ class Membership:
 
     def __init__(
         self, heartbeat_interval_s: float, timeout_s: float, cache: SnapshotCache | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.monotonic, warm_up_s: float | None = None,
     ) -> None:  # fmt: skip
+        """`warm_up_s`: how long after `start` Envoys are first told anything (None: two heartbeat
+        intervals; 0: at once, without `start`)."""
         self.heartbeat_interval_s = heartbeat_interval_s
         self.timeout_s = timeout_s
         self._clock = clock
         self._members: dict[str, Member] = {}
         self.discovery = AggregatedDiscovery(cache or SnapshotCache(), self.resources_for)
-        self.warm_up_s = 2 * heartbeat_interval_s
-        self._warm = False
+        self.warm_up_s = 2 * heartbeat_interval_s if warm_up_s is None else warm_up_s
+        self._warm = self.warm_up_s == 0
         self._reaper: asyncio.Task | None = None
 
     # -- what Envoys are told -------------------------------------------------------------------
@@ -149,9 +151,9 @@ class Membership:
 
     # -- the dead-upstream check -----------------------------------------------------------------
 
-    def start(self, warm_up: bool = True) -> None:
-        """Check for dead upstreams from now on; tell Envoys after the warm-up (at once without)."""
-        self._reaper = asyncio.create_task(self._reap(warm_up), name="xds dead-upstream check")
+    def start(self) -> None:
+        """Check for dead upstreams from now on; tell Envoys once the warm-up is over."""
+        self._reaper = asyncio.create_task(self._reap(), name="xds dead-upstream check")
 
     async def stop(self) -> None:
         if self._reaper is not None:
@@ -159,9 +161,8 @@ class Membership:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
 
-    async def _reap(self, warm_up: bool) -> None:
-        if warm_up:
-            await asyncio.sleep(self.warm_up_s)
+    async def _reap(self) -> None:
+        await asyncio.sleep(self.warm_up_s)
         self._warm = True
         self.discovery.publish()
         while True:

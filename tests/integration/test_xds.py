@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
@@ -21,6 +23,7 @@ from polar.rollout.server import RunningRollout, start_rollout_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from polar.xds.member import RECONNECT_OPTIONS, UpstreamMember
 from polar.xds.snapshot import ENDPOINT_TYPE, INFERENCE_CLUSTER, Upstream, assignments
+from polar_cli import run, spawned
 
 pytestmark = pytest.mark.anyio
 
@@ -266,3 +269,69 @@ async def test_envoy_keeps_serving_while_the_control_plane_restarts_then_acknowl
                 await member.leave()
         finally:
             await proxy_context.__aexit__(None, None, None)
+
+
+# --- two machines ---------------------------------------------------------------------------------
+
+
+def _stack_toml(path, host: str, reply: str, tmp_path) -> str:
+    tmp_path.mkdir(exist_ok=True)
+    script_file = tmp_path / f"script-{host}.json"
+    script_file.write_text(json.dumps({"cycle": True, "outputs": [{"text": reply}]}))
+    path.write_text(
+        f'[rollout]\nhost = "{host}"\nport = 0\nstore = "{tmp_path / "rollout.db"}"\n'
+        f'[inference]\nhost = "{host}"\nengine = "scripted"\nscript = "{script_file}"\nport = 0\n'
+        f'[gateway]\nhost = "{host}"\nport = 0\ngrpc_port = 0\n'
+        f'[envoy]\nhost = "{host}"\nharness_port = 0\ninference_port = 0\nadmin_port = 0\naccess_log = "{tmp_path / "access.log"}"\n'
+    )
+    return str(path)
+
+
+def _chat(base_url: str, key: str) -> str:
+    request = urllib.request.Request(
+        f"{base_url}/v1/chat/completions",
+        data=json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "Hi"}]}).encode(),
+        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=WAIT_SECONDS) as response:
+        return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+@pytest.mark.slow
+def test_an_inference_server_on_another_address_joins_a_running_stack_and_leaves_it(tmp_path):
+    """Machine A (127.0.0.2) runs the stack; machine B (127.0.0.3) starts only an inference server
+    against A's rollout server (`polar up --role inference`); A's Envoy sends sessions to both, and
+    none to B once B has stopped, with no failed call."""
+    with spawned() as start:
+        a, a_lines = start("up", "--config", _stack_toml(tmp_path / "a.toml", "127.0.0.2", "from A", tmp_path))
+        rollout = a_lines.wait_for(r"^  rollout\s+(\S+)").group(1)
+        base_url = a_lines.wait_for(r"^  envoy .* harness base URL (http://\S+) ").group(1)
+        gateway = a_lines.wait_for(r"^  node\s+(\S+)").group(1)
+        b, b_lines = start(
+            "up", "--role", "inference", "--rollout", rollout,
+            "--config", _stack_toml(tmp_path / "b.toml", "127.0.0.3", "from B", tmp_path / "b"),
+        )  # fmt: skip
+        b_lines.wait_for(r"^  inference\s+127\.0\.0\.3:")
+        try:
+            status = run("status", "--rollout", rollout)
+            assert status.returncode == 0, status.stderr
+            joined = [line for line in status.stdout.splitlines() if line.startswith("inference-")]
+            assert len(joined) == 2 and any("127.0.0.3:" in line for line in joined)
+            [envoy_row] = [line for line in status.stdout.splitlines() if line.startswith("polar-envoy ")]
+            _, connected, version, acknowledged, _ = envoy_row.split()
+            assert connected == "yes" and version == acknowledged
+
+            keys = [run("session", "open", "--gateway", gateway).stdout.split()[-1] for _ in range(24)]
+            replies = {_chat(base_url, key) for key in keys}
+            assert replies == {"from A", "from B"}
+            b.send_signal(signal.SIGINT)
+            assert b.wait(timeout=30) == 0
+            # B left gracefully: every later call, of any session, is A's.
+            assert {_chat(base_url, key) for key in keys} == {"from A"}
+            status = run("status", "--rollout", rollout)
+            assert not any("127.0.0.3:" in line for line in status.stdout.splitlines() if line.startswith("inference-"))
+        finally:
+            for process in (b, a):
+                if process.poll() is None:
+                    process.send_signal(signal.SIGINT)
+                    process.wait(timeout=30)
