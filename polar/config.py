@@ -112,9 +112,9 @@ class EnvoyConfig:
     max_request_bytes: int = 32 * 1024 * 1024  # larger harness request bodies get 413
     health_check_interval_s: float = 2.0  # gRPC health checks of each inference server
     workers: int = 2  # Envoy worker threads; 0 = one per CPU core
-    # The control plane (HOST:PORT of the rollout server, or `polar serve xds`) Envoy learns the
-    # inference servers and gateways from over ADS, as they join and leave; "" = the fixed
-    # --inference and --gateway addresses
+    # The control plane (HOST:PORT of a rollout server) Envoy learns the inference servers and
+    # gateways from over ADS, as they join and leave; "" = in `polar up`, its own rollout server; in
+    # `polar serve envoy`, the fixed --inference and --gateway addresses instead
     xds_address: str = ""
     # This Envoy's name to the control plane: gateways that join for it (a node's own gateway) are
     # its gateway_http endpoints; every Envoy gets every inference server

@@ -134,7 +134,7 @@ def _load_assignment(cluster: str, endpoints: list[tuple[str, int]]) -> str:
 
 
 def _xds_cluster(control_plane: list[tuple[str, int]], config: EnvoyConfig) -> dict:
-    """The cluster of the control plane itself: gRPC (HTTP/2) to the rollout server or `polar serve xds`."""
+    """The cluster of the control plane itself: gRPC (HTTP/2) to the rollout server."""
     return {
         "name": XDS_CLUSTER,
         "type": _cluster_type(control_plane),

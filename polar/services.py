@@ -50,7 +50,7 @@ ENVOY = Service(
         Flag("--gateway", "gateway", "the gateway's HTTP address; not with --xds", {"metavar": "HOST:PORT"}),
         Flag(
             "--xds", "xds_address",
-            "the control plane (the rollout server, or `polar serve xds`): inference servers and gateways as they join",
+            "the control plane (a rollout server): Envoy learns inference servers and gateways from it as they join",
             {"default": "", "metavar": "HOST:PORT"},
         ),
     ),

@@ -22,11 +22,13 @@ import logging
 import grpc
 
 from polar import credentials
+from polar.service import ServiceError
 from polar.v1 import rollout_pb2, rollout_pb2_grpc
 
 log = logging.getLogger("polar.xds.member")
 
 CALL_TIMEOUT_S = 5.0
+JOIN_TIMEOUT_S = 30.0  # a starting service waits this long for the rollout server to answer its join
 # Longest a leaving upstream waits for every Envoy to acknowledge its draining (they answer within
 # milliseconds; a stack's services get 10 s to stop, the streams in flight need the rest).
 DRAIN_TIMEOUT_S = 3.0
@@ -39,6 +41,7 @@ RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reco
 class UpstreamMember:
     def __init__(self, rollout_address: str, cluster: str, address: str, envoy: str = "") -> None:
         self.cluster, self.address, self.envoy = cluster, address, envoy
+        self._address = rollout_address
         self._channel = grpc.aio.insecure_channel(rollout_address, options=RECONNECT_OPTIONS)
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
         self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
@@ -47,9 +50,17 @@ class UpstreamMember:
         self._draining = False
         self._beats: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        """Join (a refused join, e.g. a bad address, raises grpc.RpcError) and beat in the background."""
-        await self._join()
+    async def start(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Join, waiting up to timeout_s for the rollout server, and beat in the background.
+        ServiceError saying why when it cannot join (unreachable, or the join refused)."""
+        try:
+            await self._join(wait_s=timeout_s)
+        except grpc.RpcError as exc:
+            await self._channel.close()
+            raise ServiceError(
+                f"cannot join Envoy's control plane at {self._address} as {self.cluster} {self.address}:"
+                f" {exc.code().name}: {exc.details()}"
+            ) from None
         self._beats = asyncio.create_task(self._beat_forever(), name=f"{self.cluster} upstream heartbeat")
 
     async def drain(self, timeout_s: float = DRAIN_TIMEOUT_S) -> bool:
@@ -57,9 +68,9 @@ class UpstreamMember:
         self._draining = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            with contextlib.suppress(grpc.RpcError):
-                if (await self._beat()).drain_acknowledged:
+        while (remaining := deadline - loop.time()) > 0:
+            with contextlib.suppress(grpc.RpcError, TimeoutError):
+                if (await asyncio.wait_for(self._beat(), remaining)).drain_acknowledged:
                     return True
             await asyncio.sleep(DRAIN_POLL_S)
         log.warning("not every Envoy acknowledged that %s %s drains within %g s", self.cluster, self.address, timeout_s)
@@ -77,9 +88,11 @@ class UpstreamMember:
                 await self._stub.UpstreamHeartbeat(request, timeout=CALL_TIMEOUT_S, metadata=self._credential)
         await self._channel.close()
 
-    async def _join(self) -> None:
+    async def _join(self, wait_s: float = CALL_TIMEOUT_S) -> None:
         request = rollout_pb2.JoinUpstreamRequest(cluster=self.cluster, address=self.address, envoy=self.envoy)
-        response = await self._stub.JoinUpstream(request, timeout=CALL_TIMEOUT_S, metadata=self._credential)
+        response = await self._stub.JoinUpstream(
+            request, timeout=wait_s, metadata=self._credential, wait_for_ready=True
+        )
         self._id, self._secret = response.upstream_id, response.upstream_secret
         self._interval = response.heartbeat_interval_seconds or self._interval
         log.info("joined the control plane's %s cluster as %s (%s)", self.cluster, self._id, self.address)

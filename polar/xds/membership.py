@@ -156,6 +156,7 @@ class Membership:
         self._reaper = asyncio.create_task(self._reap(), name="xds dead-upstream check")
 
     async def stop(self) -> None:
+        self.discovery.close()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):

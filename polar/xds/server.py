@@ -58,7 +58,7 @@ class AggregatedDiscovery(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.cache = cache
         self._resources_for = resources_for
         self.envoys: dict[str, EnvoyState] = {}
-        self.acknowledged = asyncio.Event()  # set (and replaced) whenever an Envoy acknowledges or refuses
+        self._streams: set[asyncio.Queue] = set()  # each open stream's queue
 
     def publish(self) -> None:
         """Every known Envoy's snapshot made again from `resources_for` (a stream is pushed only
@@ -71,6 +71,7 @@ class AggregatedDiscovery(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
         queue: asyncio.Queue = asyncio.Queue()
+        self._streams.add(queue)
         tasks = [asyncio.create_task(_read(request_iterator, queue))]
         envoy: EnvoyState | None = None
         try:
@@ -86,6 +87,7 @@ class AggregatedDiscovery(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
                 if response is not None:
                     yield _message(response)
         finally:
+            self._streams.discard(queue)
             for task in tasks:
                 task.cancel()
             for task in tasks:
@@ -121,10 +123,13 @@ class AggregatedDiscovery(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         if kind == NACK:
             rejected = envoy.rules.types[request.type_url].rejected
             log.warning("Envoy %s rejected %s version %s: %s", envoy.node_id, request.type_url, rejected, error)
-        if request.response_nonce:
-            self.acknowledged.set()
-            self.acknowledged = asyncio.Event()
         return response
+
+    def close(self) -> None:
+        """End every open stream now (the server is stopping; Envoys reconnect to its successor and
+        keep their endpoints meanwhile) rather than holding the server's graceful stop."""
+        for queue in self._streams:
+            queue.put_nowait(_ENDED)
 
     async def _watch(self, node_id: str, queue: asyncio.Queue) -> None:
         while True:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
-import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -23,7 +27,7 @@ from polar.rollout.server import RunningRollout, start_rollout_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from polar.xds.member import RECONNECT_OPTIONS, UpstreamMember
 from polar.xds.snapshot import ENDPOINT_TYPE, INFERENCE_CLUSTER, Upstream, assignments
-from polar_cli import run, spawned
+from polar_cli import POLAR, Lines
 
 pytestmark = pytest.mark.anyio
 
@@ -136,6 +140,16 @@ def health_flags(proxy: envoy.RunningEnvoy) -> dict[str, str]:
 
 async def server_of(target: str, session: str, tokens_of: dict[int, str]) -> str:
     return tokens_of[(await generate(target, session))[0]]
+
+
+def test_a_control_plane_config_passes_envoy_validation_and_carries_the_node_credential():
+    text = envoy.render_config(EnvoyConfig(xds_address="127.0.0.1:50070", node_id="edge-1"), xds_token="ab" * 32)
+    envoy.validate(text)
+    assert text.count("type: EDS") == 2 and '"id": "edge-1"' in text and f"Bearer {'ab' * 32}" in text
+    with pytest.raises(ValueError, match="not HOST:PORT"):
+        envoy.render_config(EnvoyConfig(xds_address="nowhere"))
+    with pytest.raises(ValueError, match="at least one inference server endpoint, or a control plane"):
+        envoy.render_config(EnvoyConfig())
 
 
 async def test_an_endpoint_joining_at_run_time_takes_calls_within_a_second(tmp_path):
@@ -274,64 +288,143 @@ async def test_envoy_keeps_serving_while_the_control_plane_restarts_then_acknowl
 # --- two machines ---------------------------------------------------------------------------------
 
 
-def _stack_toml(path, host: str, reply: str, tmp_path) -> str:
-    tmp_path.mkdir(exist_ok=True)
-    script_file = tmp_path / f"script-{host}.json"
+@dataclass(frozen=True)
+class Machine:
+    host: str  # the address its services bind and advertise
+    prefix: tuple[str, ...]  # what runs a command on it: `ip netns exec NS`, or nothing (loopback)
+
+
+@contextlib.contextmanager
+def two_machines() -> Iterator[tuple[Machine, Machine]]:
+    """Two machines: network namespaces joined by a veth pair (10.47.0.1 and 10.47.0.2, reachable
+    only from each other) where this process may make them, else two loopback addresses."""
+    names = [f"polar-{os.getpid()}-{side}" for side in "ab"]
+    made = []
+    try:
+        for name in names:
+            subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True, timeout=10)
+            made.append(name)
+        a, b = names
+        commands = [
+            ["ip", "link", "add", "veth-a", "netns", a, "type", "veth", "peer", "name", "veth-b", "netns", b],
+            *(["ip", "-n", ns, "link", "set", "lo", "up"] for ns in names),
+            ["ip", "-n", a, "addr", "add", "10.47.0.1/24", "dev", "veth-a"],
+            ["ip", "-n", b, "addr", "add", "10.47.0.2/24", "dev", "veth-b"],
+            ["ip", "-n", a, "link", "set", "veth-a", "up"],
+            ["ip", "-n", b, "link", "set", "veth-b", "up"],
+        ]
+        for command in commands:
+            subprocess.run(command, check=True, capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        for name in made:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+        yield Machine("127.0.0.2", ()), Machine("127.0.0.3", ())
+        return
+    try:
+        yield Machine("10.47.0.1", ("ip", "netns", "exec", a)), Machine("10.47.0.2", ("ip", "netns", "exec", b))
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+
+
+@contextlib.contextmanager
+def started_on() -> Iterator:
+    """A function that starts a `polar` command on a machine with piped output; whatever still runs
+    at the end of the block is killed."""
+    started: list[subprocess.Popen] = []
+
+    def start(machine: Machine, *args: str) -> tuple[subprocess.Popen, Lines]:
+        # `ip netns exec` execs the command itself: the process is polar's, and takes its signals.
+        process = subprocess.Popen(
+            [*machine.prefix, *POLAR, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        started.append(process)
+        return process, Lines(process.stdout, errors=lambda: process.stderr.read() if process.poll() is not None else "")
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def _stack_toml(folder, host: str, reply: str) -> str:
+    folder.mkdir(exist_ok=True)
+    script_file = folder / "script.json"
     script_file.write_text(json.dumps({"cycle": True, "outputs": [{"text": reply}]}))
+    path = folder / "stack.toml"
     path.write_text(
-        f'[rollout]\nhost = "{host}"\nport = 0\nstore = "{tmp_path / "rollout.db"}"\n'
+        f'[rollout]\nhost = "{host}"\nport = 0\nstore = "{folder / "rollout.db"}"\n'
         f'[inference]\nhost = "{host}"\nengine = "scripted"\nscript = "{script_file}"\nport = 0\n'
         f'[gateway]\nhost = "{host}"\nport = 0\ngrpc_port = 0\n'
-        f'[envoy]\nhost = "{host}"\nharness_port = 0\ninference_port = 0\nadmin_port = 0\naccess_log = "{tmp_path / "access.log"}"\n'
+        f'[envoy]\nhost = "{host}"\nharness_port = 0\ninference_port = 0\nadmin_port = 0\naccess_log = "{folder / "access.log"}"\n'
     )
     return str(path)
 
 
-def _chat(base_url: str, key: str) -> str:
+# Run on machine A: one chat call per session key, the replies' texts, one per line.
+CHAT = """
+import json, sys, urllib.request
+base_url, keys = sys.argv[1], sys.argv[2:]
+for key in keys:
     request = urllib.request.Request(
-        f"{base_url}/v1/chat/completions",
+        base_url + "/v1/chat/completions",
         data=json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "Hi"}]}).encode(),
-        headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"},
+        headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(request, timeout=WAIT_SECONDS) as response:
-        return json.loads(response.read())["choices"][0]["message"]["content"]
+    with urllib.request.urlopen(request, timeout=15) as response:
+        print(json.loads(response.read())["choices"][0]["message"]["content"])
+"""
 
 
 @pytest.mark.slow
-def test_an_inference_server_on_another_address_joins_a_running_stack_and_leaves_it(tmp_path):
-    """Machine A (127.0.0.2) runs the stack; machine B (127.0.0.3) starts only an inference server
-    against A's rollout server (`polar up --role inference`); A's Envoy sends sessions to both, and
-    none to B once B has stopped, with no failed call."""
-    with spawned() as start:
-        a, a_lines = start("up", "--config", _stack_toml(tmp_path / "a.toml", "127.0.0.2", "from A", tmp_path))
+def test_an_inference_server_on_another_machine_joins_a_running_stack_and_leaves_it(tmp_path):
+    """Machine A runs the stack; machine B starts only an inference server against A's rollout server
+    (`polar up --role inference`); A's Envoy sends sessions to both, and none to B once B has
+    stopped, with no failed call."""
+    with two_machines() as (a, b), started_on() as start:
+
+        def on(machine: Machine, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*machine.prefix, *POLAR, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, **kwargs
+            )
+
+        def chat(keys: list[str]) -> list[str]:
+            done = subprocess.run(
+                [*a.prefix, sys.executable, "-c", CHAT, base_url, *keys], capture_output=True, text=True, timeout=120
+            )
+            assert done.returncode == 0, done.stderr
+            return done.stdout.split("\n")[:-1]
+
+        up_a, a_lines = start(a, "up", "--config", _stack_toml(tmp_path / "a", a.host, "from A"))
         rollout = a_lines.wait_for(r"^  rollout\s+(\S+)").group(1)
         base_url = a_lines.wait_for(r"^  envoy .* harness base URL (http://\S+) ").group(1)
         gateway = a_lines.wait_for(r"^  node\s+(\S+)").group(1)
-        b, b_lines = start(
-            "up", "--role", "inference", "--rollout", rollout,
-            "--config", _stack_toml(tmp_path / "b.toml", "127.0.0.3", "from B", tmp_path / "b"),
-        )  # fmt: skip
-        b_lines.wait_for(r"^  inference\s+127\.0\.0\.3:")
+        up_b, b_lines = start(
+            b, "up", "--role", "inference", "--rollout", rollout, "--config", _stack_toml(tmp_path / "b", b.host, "from B")
+        )
+        b_lines.wait_for(rf"^  inference\s+{re.escape(b.host)}:")
         try:
-            status = run("status", "--rollout", rollout)
+            status = on(a, "status", "--rollout", rollout)
             assert status.returncode == 0, status.stderr
             joined = [line for line in status.stdout.splitlines() if line.startswith("inference-")]
-            assert len(joined) == 2 and any("127.0.0.3:" in line for line in joined)
+            assert len(joined) == 2 and any(f"{b.host}:" in line for line in joined)
             [envoy_row] = [line for line in status.stdout.splitlines() if line.startswith("polar-envoy ")]
             _, connected, version, acknowledged, _ = envoy_row.split()
             assert connected == "yes" and version == acknowledged
 
-            keys = [run("session", "open", "--gateway", gateway).stdout.split()[-1] for _ in range(24)]
-            replies = {_chat(base_url, key) for key in keys}
-            assert replies == {"from A", "from B"}
-            b.send_signal(signal.SIGINT)
-            assert b.wait(timeout=30) == 0
+            keys = [on(a, "session", "open", "--gateway", gateway).stdout.split()[-1] for _ in range(24)]
+            assert set(chat(keys)) == {"from A", "from B"}
+            up_b.send_signal(signal.SIGINT)
+            assert up_b.wait(timeout=30) == 0
             # B left gracefully: every later call, of any session, is A's.
-            assert {_chat(base_url, key) for key in keys} == {"from A"}
-            status = run("status", "--rollout", rollout)
-            assert not any("127.0.0.3:" in line for line in status.stdout.splitlines() if line.startswith("inference-"))
+            assert set(chat(keys)) == {"from A"}
+            status = on(a, "status", "--rollout", rollout)
+            assert not any(f"{b.host}:" in line for line in status.stdout.splitlines() if line.startswith("inference-"))
         finally:
-            for process in (b, a):
+            for process in (up_b, up_a):
                 if process.poll() is None:
                     process.send_signal(signal.SIGINT)
                     process.wait(timeout=30)
