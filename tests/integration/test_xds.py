@@ -34,6 +34,7 @@ pytestmark = pytest.mark.anyio
 WAIT_SECONDS = 15.0
 HEARTBEAT_S = 0.2  # the rollout server's heartbeat interval: upstreams beat every 0.1 s
 ENVOY_ID = "polar-envoy-test"
+STACK_START_S = 180.0  # `polar up` of a whole stack, started in a test beside others
 STREAMED = list(range(30, 50))  # prompt [9]: 20 tokens, 50 ms apart (a 1 s stream)
 
 
@@ -364,18 +365,26 @@ def _stack_toml(folder, host: str, reply: str) -> str:
     return str(path)
 
 
-# Run on machine A: one chat call per session key, the replies' texts, one per line.
-CHAT = """
+# Run on machine A: `open GATEWAY N` opens N sessions as the operator and prints their keys; `chat
+# BASE_URL KEY...` makes one chat call per key through Envoy and prints the replies, one per line.
+ON_A = """
 import json, sys, urllib.request
-base_url, keys = sys.argv[1], sys.argv[2:]
-for key in keys:
-    request = urllib.request.Request(
-        base_url + "/v1/chat/completions",
-        data=json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "Hi"}]}).encode(),
-        headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(request, timeout=15) as response:
-        print(json.loads(response.read())["choices"][0]["message"]["content"])
+from polar import credentials
+from polar.v1 import gateway_pb2, gateway_pb2_grpc
+if sys.argv[1] == "open":
+    with credentials.channel(sys.argv[2], credentials.OPERATOR, credentials.for_commands()) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        for _ in range(int(sys.argv[3])):
+            print(stub.OpenSession(gateway_pb2.OpenSessionRequest(), timeout=15).session.key)
+else:
+    for key in sys.argv[3:]:
+        request = urllib.request.Request(
+            sys.argv[2] + "/v1/chat/completions",
+            data=json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "Hi"}]}).encode(),
+            headers={"Authorization": "Bearer " + key, "Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=15) as response:
+            print(json.loads(response.read())["choices"][0]["message"]["content"])
 """
 
 
@@ -391,21 +400,20 @@ def test_an_inference_server_on_another_machine_joins_a_running_stack_and_leaves
                 [*machine.prefix, *POLAR, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, **kwargs
             )
 
-        def chat(keys: list[str]) -> list[str]:
-            done = subprocess.run(
-                [*a.prefix, sys.executable, "-c", CHAT, base_url, *keys], capture_output=True, text=True, timeout=120
-            )
+        def on_a(*args: str) -> list[str]:
+            done = subprocess.run([*a.prefix, sys.executable, "-c", ON_A, *args], capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr
             return done.stdout.split("\n")[:-1]
 
         up_a, a_lines = start(a, "up", "--config", _stack_toml(tmp_path / "a", a.host, "from A"))
-        rollout = a_lines.wait_for(r"^  rollout\s+(\S+)").group(1)
+        # Bounded generously: four services start on a machine other tests load too.
+        rollout = a_lines.wait_for(r"^  rollout\s+(\S+)", timeout=STACK_START_S).group(1)
         base_url = a_lines.wait_for(r"^  envoy .* harness base URL (http://\S+) ").group(1)
         gateway = a_lines.wait_for(r"^  node\s+(\S+)").group(1)
         up_b, b_lines = start(
             b, "up", "--role", "inference", "--rollout", rollout, "--config", _stack_toml(tmp_path / "b", b.host, "from B")
         )
-        b_lines.wait_for(rf"^  inference\s+{re.escape(b.host)}:")
+        b_lines.wait_for(rf"^  inference\s+{re.escape(b.host)}:", timeout=STACK_START_S)
         try:
             status = on(a, "status", "--rollout", rollout)
             assert status.returncode == 0, status.stderr
@@ -415,12 +423,12 @@ def test_an_inference_server_on_another_machine_joins_a_running_stack_and_leaves
             _, connected, version, acknowledged, _ = envoy_row.split()
             assert connected == "yes" and version == acknowledged
 
-            keys = [on(a, "session", "open", "--gateway", gateway).stdout.split()[-1] for _ in range(24)]
-            assert set(chat(keys)) == {"from A", "from B"}
+            keys = on_a("open", gateway, "24")
+            assert set(on_a("chat", base_url, *keys)) == {"from A", "from B"}
             up_b.send_signal(signal.SIGINT)
             assert up_b.wait(timeout=30) == 0
             # B left gracefully: every later call, of any session, is A's.
-            assert set(chat(keys)) == {"from A"}
+            assert set(on_a("chat", base_url, *keys)) == {"from A"}
             status = on(a, "status", "--rollout", rollout)
             assert not any(f"{b.host}:" in line for line in status.stdout.splitlines() if line.startswith("inference-"))
         finally:
