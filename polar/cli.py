@@ -231,14 +231,14 @@ def _up(args: argparse.Namespace) -> int:
     from polar.rollout.watch import submit_and_follow
 
     # The file is checked before anything starts: a bad line should not cost a stack start-up.
-    tasks = read_tasks(args.submit) if args.submit else None
-    config = load_config(args.config)
     if args.role != "all" and not args.rollout:
         raise CliError(f"--role {args.role} joins a rollout server on another machine: give --rollout HOST:PORT")
     if args.role == "all" and args.rollout:
         raise CliError("--rollout names the rollout server a machine of --role inference or node joins")
-    if tasks is not None and args.role != "all":
+    if args.submit and args.role != "all":
         raise CliError("--submit needs the whole stack (--role all); submit to a remote one with `polar submit --rollout`")
+    tasks = read_tasks(args.submit) if args.submit else None
+    config = load_config(args.config)
     if tasks is None:
         return run_stack(config, role=args.role, rollout=args.rollout)
 

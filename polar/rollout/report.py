@@ -102,9 +102,9 @@ def render_nodes(nodes: Sequence[rollout_pb2.NodeInfo]) -> str:
 
 def render_envoys(response: rollout_pb2.ListUpstreamsResponse) -> str:
     """Envoy's upstreams (cluster, address, draining) and each Envoy with the endpoint version it
-    acknowledged against the version it should have."""
+    acknowledged against the version it should have; "" when there are none."""
     if not response.upstreams and not response.envoys:
-        return "no Envoy upstreams joined and no Envoy connected to the control plane"
+        return ""  # a rollout server no Envoy or upstream has used: nothing to show
     rows = [["upstream", "cluster", "address", "envoy", "state", "heartbeat"]]
     for u in response.upstreams:
         state = "draining" if u.draining else "serving"

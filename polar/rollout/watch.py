@@ -23,7 +23,7 @@ def show_status(address: str, task_ids: list[str], watch: bool = False, interval
         nodes, tasks = client.fetch_status(stub, address, task_ids)
         if not watch:
             envoys = render_envoys(client.fetch_upstreams(stub, address))
-            print(render_nodes(nodes) + "\n\n" + envoys + "\n\n" + render_status(tasks))
+            print("\n\n".join(part for part in (render_nodes(nodes), envoys, render_status(tasks)) if part))
             return
         last_totals = None
         while True:

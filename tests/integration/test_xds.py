@@ -27,7 +27,7 @@ from polar.rollout.server import RunningRollout, start_rollout_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from polar.xds.member import RECONNECT_OPTIONS, UpstreamMember
 from polar.xds.snapshot import ENDPOINT_TYPE, INFERENCE_CLUSTER, Upstream, assignments
-from polar_cli import POLAR, Lines
+from polar_cli import POLAR, Lines, assert_one_line_error, run
 
 pytestmark = pytest.mark.anyio
 
@@ -386,6 +386,14 @@ else:
         with urllib.request.urlopen(request, timeout=15) as response:
             print(json.loads(response.read())["choices"][0]["message"]["content"])
 """
+
+
+def test_a_machines_share_needs_the_rollout_server_it_joins(tmp_path):
+    assert_one_line_error(run("up", "--role", "node"), "--role node", "--rollout HOST:PORT")
+    assert_one_line_error(run("up", "--rollout", "127.0.0.1:1"), "--role inference or node")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("")
+    assert_one_line_error(run("up", "--role", "inference", "--rollout", "127.0.0.1:1", "--submit", str(tasks)), "--submit")
 
 
 @pytest.mark.slow
