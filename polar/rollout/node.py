@@ -139,9 +139,12 @@ class Node:
         gateway: RunningGateway,
         providers: dict[str, RuntimeProvider],
         rollout_address: str,
+        gateway_address: str = "",
     ) -> None:
         self.config = config
         self.gateway = gateway
+        # Where other machines reach its GatewayService (told at registration); "" = the gateway's own.
+        self.gateway_address = gateway_address or gateway.grpc_address
         self.providers = providers
         self.rollout_address = rollout_address
         self.init = Pool("init", config.init_workers)
@@ -252,7 +255,7 @@ class Node:
     async def _register(self) -> None:
         response = await self._stub.RegisterNode(
             rollout_pb2.RegisterNodeRequest(
-                gateway_address=self.gateway.grpc_address,
+                gateway_address=self.gateway_address,
                 base_url=self.gateway.base_url,
                 pools=self.pool_status(),
                 runtimes=sorted(self.providers),
@@ -654,11 +657,12 @@ async def start_node(
             isolation,
             running_gateway.base_url,
         )
-        pools = Node(node, running_gateway, providers, node.rollout_address)
+        host = gateway.advertise_host or gateway.host
+        pools = Node(node, running_gateway, providers, node.rollout_address, advertised(host, running_gateway.grpc_port))
         pools.start()
         await pools.wait_registered(register_timeout_s)
         # The Envoy in front of this node (its node id) learns the gateway from the control plane.
-        http = advertised(gateway.advertise_host or gateway.host, running_gateway.http_port)
+        http = advertised(host, running_gateway.http_port)
         member = UpstreamMember(node.rollout_address, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id)
         await member.start()
     except BaseException:
