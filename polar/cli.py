@@ -34,7 +34,7 @@ import polar
 from polar.config import GatewayConfig, RolloutConfig, load_config
 from polar.service import ServiceError, join_host_port
 from polar.services import SERVICES
-from polar.stack import run_stack
+from polar.stack import ROLES, run_stack
 
 
 class CliError(Exception):
@@ -303,6 +303,12 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
         "--submit", metavar="TASKS.jsonl",
         help="once the stack serves, submit these tasks and print their progress until every group is released",
     )  # fmt: skip
+    parser.add_argument(
+        "--role", choices=ROLES, default="all",
+        help="this machine's share of a stack on several: all (the whole stack), inference (an inference server"
+        " joining --rollout's control plane), node (Envoy and a gateway node working for --rollout)",
+    )  # fmt: skip
+    parser.add_argument("--rollout", default="", metavar="HOST:PORT", help="the rollout server to join (with --role)")
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -310,10 +316,16 @@ def _up(args: argparse.Namespace) -> int:
     from polar.rollout.watch import submit_and_follow
 
     # The file is checked before anything starts: a bad line should not cost a stack start-up.
+    if args.role != "all" and not args.rollout:
+        raise CliError(f"--role {args.role} joins a rollout server on another machine: give --rollout HOST:PORT")
+    if args.role == "all" and args.rollout:
+        raise CliError("--rollout names the rollout server a machine of --role inference or node joins")
+    if args.submit and args.role != "all":
+        raise CliError("--submit needs the whole stack (--role all); submit to a remote one with `polar submit --rollout`")
     tasks = read_tasks(args.submit) if args.submit else None
     config = load_config(args.config)
     if tasks is None:
-        return run_stack(config)
+        return run_stack(config, role=args.role, rollout=args.rollout)
 
     def follow(addresses: dict[str, str]) -> None:
         threading.Thread(target=submit_and_follow, args=(addresses["rollout"], tasks), daemon=True).start()

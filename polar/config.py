@@ -86,6 +86,12 @@ class InferenceConfig:
     # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
     # resumes), so versions keep counting across a resumed run.
     policy_version: Count = 0
+    # HOST:PORT where Envoy (on this or another machine) reaches this server; "" = host:port (a
+    # wildcard host: this machine's name). Told to the control plane when it joins.
+    advertise_address: str = ""
+    # the rollout server whose control plane this server joins, so every Envoy sends to it within a
+    # second and stops when it leaves; "" = none (Envoy's --inference names it)
+    rollout_address: str = ""
 
 
 @dataclass
@@ -110,6 +116,13 @@ class EnvoyConfig:
     max_request_bytes: int = 32 * 1024 * 1024  # larger harness request bodies get 413
     health_check_interval_s: float = 2.0  # gRPC health checks of each inference server
     workers: int = 2  # Envoy worker threads; 0 = one per CPU core
+    # The control plane (HOST:PORT of a rollout server) Envoy learns the inference servers and
+    # gateways from over ADS, as they join and leave; "" = in `polar up`, its own rollout server; in
+    # `polar serve envoy`, the fixed --inference and --gateway addresses instead
+    xds_address: str = ""
+    # This Envoy's name to the control plane: gateways that join for it (a node's own gateway) are
+    # its gateway_http endpoints; every Envoy gets every inference server
+    node_id: str = "polar-envoy"
 
 
 @dataclass
@@ -129,6 +142,9 @@ class GatewayConfig:
     inference_address: str = ""
     tokenizer: str = ""  # Hugging Face tokenizer folder; "" = the one the inference server names
     base_url: str = ""  # the URL harnesses are given; "" = the gateway's own (`polar up`: Envoy's harness listener)
+    # the host other machines (Envoy, the rollout server) reach this gateway's listeners at; "" =
+    # host (a wildcard host: this machine's name)
+    advertise_host: str = ""
     # A generation, first token to last, taking longer is abandoned as hung (the call fails and is
     # recorded as such). Raise it for slow models that write long answers.
     generate_timeout_s: Seconds = 900.0
@@ -194,6 +210,9 @@ class NodeConfig:
     # processes; "network" also leaves only the harness URL reachable; "auto" = "namespace" where this
     # machine allows it, else "none" (and `polar up` says that harnesses can read the credentials)
     harness_isolation: Literal["auto", "namespace", "network", "none"] = "auto"
+    # The Envoy in front of this node (its [envoy] node_id): the control plane tells that Envoy to
+    # forward harness requests to this node's gateway
+    envoy_node_id: str = "polar-envoy"
 
 
 @dataclass

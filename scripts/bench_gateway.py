@@ -1127,7 +1127,7 @@ def _check_microseconds(issued: creds.Credentials) -> float:
     from polar.grpc_server import CallerCheck
     from polar.inference.server import SERVICE_NAME, InferenceServicer
 
-    check = CallerCheck(SERVICE_NAME, InferenceServicer.roles, issued)
+    check = CallerCheck({SERVICE_NAME: InferenceServicer.roles}, issued)
     metadata = (("x-polar-session", "s-bench"), *issued.metadata(creds.NODE), ("user-agent", "grpc-python"))
     return interceptor_microseconds(check, CallDetails(f"/{SERVICE_NAME}/Generate", metadata))
 

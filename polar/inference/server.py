@@ -34,8 +34,10 @@ from polar.config import InferenceConfig
 from polar.credentials import NODE, OPERATOR, TRAINER
 from polar.grpc_server import bind, callers, new_server, serve_until_stopped, set_serving, status_codes
 from polar.read_ahead import ReadAhead
-from polar.service import Ready, ServiceError, join_host_port
+from polar.service import Ready, ServiceError, advertised, join_host_port
 from polar.v1 import inference_pb2, inference_pb2_grpc
+from polar.xds.member import UpstreamMember
+from polar.xds.snapshot import INFERENCE_CLUSTER
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 # Weight chunks are sent whole in one message; 64 MiB leaves room for large chunks of big tensors.
@@ -377,12 +379,23 @@ async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[gr
     return server, port
 
 
-async def serve(engine: Engine, address: str, on_ready: Callable[[int], None] | None = None) -> None:
-    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine."""
+async def serve(
+    engine: Engine, address: str, on_ready: Callable[[int], None] | None = None, join: Callable[[int], UpstreamMember] | None = None
+) -> None:
+    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine. With `join`
+    (the bound port -> its membership), the server joins Envoy's control plane once it serves, and
+    leaves it gracefully: draining until every Envoy acknowledged, its streams finishing, then gone."""
     server, port = await start_server(engine, address)
+    member = join(port) if join is not None else None
+    if member is not None:
+        await member.start()
 
     async def stop() -> None:
+        if member is not None:
+            await member.drain()
         await server.stop(STOP_GRACE_SECONDS)
+        if member is not None:
+            await member.leave()
         await engine.stop()
 
     await serve_until_stopped(port, stop, on_ready)
@@ -408,9 +421,12 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         where = f", {d.device}" if d.device else ""
         ready(port, f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}")
 
+    def join(port: int) -> UpstreamMember:
+        return UpstreamMember(config.rollout_address, INFERENCE_CLUSTER, advertised(config.host, port, config.advertise_address))
+
     try:
         engine = create_engine(config.engine, options)
-        await serve(engine, join_host_port(config.host, config.port), on_ready)
+        await serve(engine, join_host_port(config.host, config.port), on_ready, join if config.rollout_address else None)
     except ModuleNotFoundError as exc:
         # Engines import their framework lazily (vLLM only when started); vLLM lives in its own
         # environment because its pins would constrain the main one.

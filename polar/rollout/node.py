@@ -59,10 +59,12 @@ from polar.rollout.runtimes import (
     spec_key,
 )
 from polar.rollout.templates import parse_sources
-from polar.service import Ready
+from polar.service import Ready, advertised
 from polar.trajectory import build, session_trajectory, verify, views_from_protos
 from polar.trajectory.records import TrajectoryError
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from polar.xds.member import UpstreamMember
+from polar.xds.snapshot import GATEWAY_CLUSTER
 
 log = logging.getLogger("polar.rollout.node")
 
@@ -137,9 +139,12 @@ class Node:
         gateway: RunningGateway,
         providers: dict[str, RuntimeProvider],
         rollout_address: str,
+        gateway_address: str = "",
     ) -> None:
         self.config = config
         self.gateway = gateway
+        # Where other machines reach its GatewayService (told at registration); "" = the gateway's own.
+        self.gateway_address = gateway_address or gateway.grpc_address
         self.providers = providers
         self.rollout_address = rollout_address
         self.init = Pool("init", config.init_workers)
@@ -250,7 +255,7 @@ class Node:
     async def _register(self) -> None:
         response = await self._stub.RegisterNode(
             rollout_pb2.RegisterNodeRequest(
-                gateway_address=self.gateway.grpc_address,
+                gateway_address=self.gateway_address,
                 base_url=self.gateway.base_url,
                 pools=self.pool_status(),
                 runtimes=sorted(self.providers),
@@ -607,6 +612,7 @@ class RunningNode:
     gateway: RunningGateway
     node: Node
     _work_root: Path | None  # a temporary folder of our own, removed at stop
+    member: UpstreamMember | None = None  # the gateway's HTTP listener in Envoy's control plane
     _stopped: bool = False
 
     async def stop(self) -> None:
@@ -615,6 +621,8 @@ class RunningNode:
             return
         self._stopped = True
         await self.node.stop()
+        if self.member is not None:
+            await self.member.leave()
         await self.gateway.stop()
         if self._work_root is not None:
             shutil.rmtree(self._work_root, ignore_errors=True)
@@ -645,6 +653,7 @@ async def start_node(
             shutil.rmtree(own_root, ignore_errors=True)
         raise
     pools: Node | None = None
+    member: UpstreamMember | None = None
     try:
         # The docker check may wait seconds for an engine, the namespace probe a second: off the event
         # loop, which serves the gateway.
@@ -658,17 +667,24 @@ async def start_node(
             isolation,
             running_gateway.base_url,
         )
-        pools = Node(node, running_gateway, providers, node.rollout_address)
+        host = gateway.advertise_host or gateway.host
+        pools = Node(node, running_gateway, providers, node.rollout_address, advertised(host, running_gateway.grpc_port))
         pools.start()
         await pools.wait_registered(register_timeout_s)
+        # The Envoy in front of this node (its node id) learns the gateway from the control plane.
+        http = advertised(host, running_gateway.http_port)
+        member = UpstreamMember(node.rollout_address, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id)
+        await member.start()
     except BaseException:
         if pools is not None:
             await pools.stop()
+        if member is not None:
+            await member.leave()
         await running_gateway.stop()
         if own_root is not None:
             shutil.rmtree(own_root, ignore_errors=True)
         raise
-    return RunningNode(running_gateway, pools, own_root)
+    return RunningNode(running_gateway, pools, own_root, member)
 
 
 async def serve_node(

@@ -367,3 +367,87 @@ class ListNodesResponse(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class JoinUpstreamRequest(_message.Message):
+    __slots__ = ("cluster", "address", "envoy")
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENVOY_FIELD_NUMBER: _ClassVar[int]
+    cluster: str
+    address: str
+    envoy: str
+    def __init__(self, cluster: _Optional[str] = ..., address: _Optional[str] = ..., envoy: _Optional[str] = ...) -> None: ...
+
+class JoinUpstreamResponse(_message.Message):
+    __slots__ = ("upstream_id", "upstream_secret", "heartbeat_interval_seconds")
+    UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_SECRET_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    upstream_id: str
+    upstream_secret: str
+    heartbeat_interval_seconds: float
+    def __init__(self, upstream_id: _Optional[str] = ..., upstream_secret: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class UpstreamHeartbeatRequest(_message.Message):
+    __slots__ = ("upstream_id", "upstream_secret", "draining", "gone")
+    UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_SECRET_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    upstream_id: str
+    upstream_secret: str
+    draining: bool
+    gone: bool
+    def __init__(self, upstream_id: _Optional[str] = ..., upstream_secret: _Optional[str] = ..., draining: _Optional[bool] = ..., gone: _Optional[bool] = ...) -> None: ...
+
+class UpstreamHeartbeatResponse(_message.Message):
+    __slots__ = ("rejoin", "drain_acknowledged")
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
+    rejoin: bool
+    drain_acknowledged: bool
+    def __init__(self, rejoin: _Optional[bool] = ..., drain_acknowledged: _Optional[bool] = ...) -> None: ...
+
+class ListUpstreamsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpstreamInfo(_message.Message):
+    __slots__ = ("upstream_id", "cluster", "address", "envoy", "draining", "seconds_since_heartbeat")
+    UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENVOY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    upstream_id: str
+    cluster: str
+    address: str
+    envoy: str
+    draining: bool
+    seconds_since_heartbeat: float
+    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., envoy: _Optional[str] = ..., draining: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+
+class EnvoyInfo(_message.Message):
+    __slots__ = ("node_id", "connected", "version", "acknowledged_version", "rejected_version", "error")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    connected: bool
+    version: str
+    acknowledged_version: str
+    rejected_version: str
+    error: str
+    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., version: _Optional[str] = ..., acknowledged_version: _Optional[str] = ..., rejected_version: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListUpstreamsResponse(_message.Message):
+    __slots__ = ("upstreams", "envoys")
+    UPSTREAMS_FIELD_NUMBER: _ClassVar[int]
+    ENVOYS_FIELD_NUMBER: _ClassVar[int]
+    upstreams: _containers.RepeatedCompositeFieldContainer[UpstreamInfo]
+    envoys: _containers.RepeatedCompositeFieldContainer[EnvoyInfo]
+    def __init__(self, upstreams: _Optional[_Iterable[_Union[UpstreamInfo, _Mapping]]] = ..., envoys: _Optional[_Iterable[_Union[EnvoyInfo, _Mapping]]] = ...) -> None: ...
