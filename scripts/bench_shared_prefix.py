@@ -19,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.batches import TrainSequence, pack
+from trainer.batches import pack
+
+from trainer.sequences import TrainSequence
 from trainer.grpo import LossConfig
 
 SESSIONS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "sessions"

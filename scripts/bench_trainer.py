@@ -51,7 +51,8 @@ import torch
 
 from polar.rollout.tasks import parse_task_lines
 from bench_shared_prefix import CLIS, bench_harness, bench_shared_prefix, print_header
-from trainer.batches import TrainSequence, pack, pad
+from trainer.batches import pack, pad
+from trainer.sequences import TrainSequence
 from trainer.grpo import LossConfig
 from trainer.metrics import read_metrics
 

@@ -12,7 +12,9 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from trainer.batches import MicroBatch, TrainSequence, pack
+from trainer.batches import MicroBatch, pack
+
+from trainer.sequences import TrainSequence
 from trainer.grpo import LossConfig, policy_loss
 
 LOSS = LossConfig(clip_low=0.2, clip_high=0.28, importance_cap=2.0)

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from polar.inference.sampling import to_device
+from trainer.prefix_tree import plain_units, shared_units
+from trainer.sequences import Piece, TrainSequence
 
 
 # A shared stretch is given a piece of its own only when it saves at least this many computed tokens:
@@ -47,37 +49,6 @@ MIN_SAVING = 64
 
 class TraceTooLongError(ValueError):
     """A sequence does not fit in one micro-batch."""
-
-
-@dataclass(frozen=True, eq=False)
-class TrainSequence:
-    """One trace, ready to lay out: its tokens and, per token, what the loss needs of it."""
-
-    name: str  # "trajectory_id/trace_id", for errors
-    token_ids: np.ndarray  # int64 [T]
-    loss_mask: np.ndarray  # bool or uint8 [T]: 1 where the token was sampled and is trained on
-    behaviour_logprobs: np.ndarray  # float32 [T]: the engine's logprob of each sampled token, 0 elsewhere
-    advantage: float  # the session's advantage
-    token_weight: float  # the trace's coefficient from trace_token_weights
-    temperature: np.ndarray  # float32 [T]: what each token was sampled with; 1.0 where mask 0
-    top_p: np.ndarray  # float32 [T]; 1.0 where mask 0
-    top_k: np.ndarray  # int32 [T]; 0 where mask 0
-
-    def __post_init__(self) -> None:
-        length = len(self.token_ids)
-        per_token = ("loss_mask", "behaviour_logprobs", "temperature", "top_p", "top_k")
-        for name in per_token:
-            if len(getattr(self, name)) != length:
-                raise ValueError(f"{self.name}: {name} has {len(getattr(self, name))} values for {length} tokens")
-        if length and self.loss_mask[0]:
-            raise ValueError(f"{self.name}: the first token is trainable, but a trace starts with a prompt")
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def trainable_tokens(self) -> int:
-        return int(np.count_nonzero(self.loss_mask))
 
 
 @dataclass
@@ -134,25 +105,6 @@ class MicroBatch:
         moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Tokens ``start:end`` of one sequence, laid out as one stretch of a row.
-
-    A leaf (``trains``) carries its sequence's targets from ``start`` on; a shared piece holds prompt
-    tokens only and predicts nothing. ``parent``: the index, among its tree's pieces, of the piece
-    holding the tokens just before ``start`` (-1 when ``start`` is 0).
-    """
-
-    sequence: TrainSequence
-    start: int
-    end: int
-    parent: int = -1
-    trains: bool = True
-
-    def __len__(self) -> int:
-        return self.end - self.start
 
 
 def _row_arrays(pieces: Sequence[Piece], length: int) -> dict[str, np.ndarray]:
@@ -239,7 +191,6 @@ def pack(sequences: Sequence[TrainSequence], max_tokens: int, *, share_prefixes:
     that share nothing are then placed as above, by computed size. Where nothing is shared the result
     is exactly the layout without sharing.
     """
-    from trainer.prefix_tree import plain_units, shared_units
 
     kept = _trainable_fitting(sequences, max_tokens)
     units = shared_units(kept, max_tokens, min_saving) if share_prefixes else plain_units(kept)

@@ -38,7 +38,8 @@ from polar.trajectory import BuiltTrace, verify, views_from_protos
 from polar.v1 import common_pb2
 from trainer import grpo
 from trainer.backends.base import Backend, UpdateAborted
-from trainer.batches import TrainSequence, pack
+from trainer.batches import pack
+from trainer.sequences import TrainSequence
 from trainer.checkpoints import TrainerState, check_compatible, checkpoints_folder, latest_checkpoint, save_checkpoint
 from trainer.metrics import PLOT_FILE, MetricsLog, Progress, plot_rewards, sharing_metrics
 from trainer.rollout_link import Dataset, Group, GroupStream, RolloutLink

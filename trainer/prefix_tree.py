@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trainer.batches import Piece, TrainSequence
+from trainer.sequences import Piece, TrainSequence
 
 
 def sharable_length(sequence: TrainSequence) -> int:

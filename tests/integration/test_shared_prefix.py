@@ -20,7 +20,9 @@ from megatron_fixtures import LR, WEIGHT_MAX_STEPS, WEIGHT_MEAN_STEPS, save_tiny
 from prefix_fixtures import LOSS, assert_same_computation, forests
 
 from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
-from trainer.batches import TrainSequence, pack
+from trainer.batches import pack
+
+from trainer.sequences import TrainSequence
 
 SESSIONS = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"
 
