@@ -14,7 +14,9 @@
     events ──dialect's StreamRenderer──▶ SSE bytes, sent at once   (or, unstreamed, render_response)
     one CallRecord appended to the session, whatever happened once the prompt went to the engine: the
         request as sent, the sampling the engine was asked for, and `truncated` when a limit the
-        harness did not ask for (the task's cap or budget, the context) ended the generation
+        harness did not ask for (the task's cap or budget, the context) ended the generation; a prompt
+        over the context is recorded too (`prompt_too_long`, nothing sampled), so that what the
+        harness sends after the error (compacted history) reads as the new branch it is
 
 Errors: everything below the edge raises `GatewayError`; `Gateway.call` turns it into the dialect's
 error reply (or, once a stream has started, the renderer's in-stream error and terminator). An
@@ -46,6 +48,7 @@ from tokenizers import Tokenizer
 from gateway.chat_format import ChatFormat
 from gateway.dialects.base import (
     CallInfo,
+    ContextLengthError,
     Dialect,
     DialectRequest,
     DialectResult,
@@ -229,14 +232,10 @@ def finish_kind(engine_finish: int, *, stop_sequence: str | None, context_bound:
 
 
 def context_room(prompt_tokens: int, context_length: int) -> int:
-    """Tokens the context leaves for the output after the prompt; CONTEXT_LENGTH when none."""
+    """Tokens the context leaves for the output after the prompt; ContextLengthError when none."""
     left = context_length - prompt_tokens
     if left < 1:
-        raise GatewayError(
-            ErrorKind.CONTEXT_LENGTH,
-            f"the prompt is {prompt_tokens} tokens; the model's context holds {context_length} "
-            "(prompt and output together)",
-        )
+        raise ContextLengthError(prompt_tokens, context_length)
     return left
 
 
@@ -271,6 +270,7 @@ class _Call:
     policy_version: int | None = None
     last_policy_version: int = 0
     queue_seconds: float = 0.0
+    cached_prompt_tokens: int = 0  # of the prompt, tokens the engine took from its prefix cache
     engine_finish: int = 0
     result: DialectResult | None = None
     response_body: bytes = b""
@@ -287,6 +287,7 @@ class _Call:
         if message.finish_reason:
             self.engine_finish = message.finish_reason
             self.queue_seconds = message.queue_seconds
+            self.cached_prompt_tokens = message.usage.cached_prompt_tokens
         return self.output.add(message.token_ids, message.logprobs)
 
     def finish(self) -> tuple[list[ParseEvent], DialectResult]:
@@ -327,7 +328,9 @@ class _Call:
                 queue_seconds=self.queue_seconds,
             ),
             usage=common_pb2.Usage(
-                prompt_tokens=self.rendered.token_count, completion_tokens=len(self.output.token_ids)
+                prompt_tokens=self.rendered.token_count,
+                completion_tokens=len(self.output.token_ids),
+                cached_prompt_tokens=self.cached_prompt_tokens,
             ),
             stream=self.request.stream,
             sampling=self.sampling,
@@ -432,12 +435,12 @@ class Gateway:
         rendered = render_request(
             self.chat_format, request.conversation, session.prior_calls, history=session.history
         )
-        sampling, limit = effective_sampling(
-            request.sampling,
-            session.sampling,
-            session.sampled_tokens,
-            context_room(rendered.token_count, self.model.context_length),
-        )
+        try:
+            room = context_room(rendered.token_count, self.model.context_length)
+        except ContextLengthError as exc:
+            self._record_refused(session, dialect, request, raw, rendered, exc, received_ns, started)
+            raise
+        sampling, limit = effective_sampling(request.sampling, session.sampling, session.sampled_tokens, room)
         forced_text = ""
         if rendered.forced_token_count:
             forced_text = self.chat_format.forced_opening_text(request.conversation.tool_choice)
@@ -464,6 +467,41 @@ class Gateway:
             started=started,
             render_seconds=time.perf_counter() - started,
         )
+
+    def _record_refused(
+        self,
+        session: Session,
+        dialect: Dialect,
+        request: DialectRequest,
+        raw: bytes,
+        rendered: RenderedPrompt,
+        error: ContextLengthError,
+        received_ns: int,
+        started: float,
+    ) -> None:
+        """A prompt over the context is recorded though nothing was generated: the session then shows
+        why the harness's next request (compacted, or its retry) follows, and a session that could not
+        fit its first call says so (CallRecord.prompt_too_long)."""
+        record = common_pb2.CallRecord(
+            call_id=session.begin_call(),
+            session_id=session.session_id,
+            dialect=dialect.record_dialect,
+            model=request.model,
+            finish_reason=common_pb2.FINISH_REASON_ERROR,
+            extends_call_id=rendered.extends_call_id,
+            forced_token_count=rendered.forced_token_count,
+            error=error.message,
+            timings=common_pb2.CallTimings(
+                received_unix_ns=received_ns,
+                render_seconds=time.perf_counter() - started,
+                total_seconds=time.perf_counter() - started,
+            ),
+            usage=common_pb2.Usage(prompt_tokens=rendered.token_count),
+            stream=request.stream,
+            prompt_too_long=True,
+        )
+        reply = self.error_reply(dialect, error)
+        self.store.record(session, record, None, RecordParts(rendered.packed_ids, raw, reply.body))
 
     def _generate_request(self, call: _Call) -> bytes:
         """The serialized request for the engine.

@@ -6,6 +6,8 @@
     polar serve rollout     the RolloutService: tasks in, sessions out to nodes, GRPO groups released
     polar serve node        a gateway plus the pools that run sessions for a rollout server
     polar session open|show|close   recording sessions on a gateway (keys, call records)
+    polar tasks import swe  SWE-style dataset instances (SWE-bench, SWE-Gym, R2E-Gym) as a task file
+    polar tasks oracle      each SWE-style task's gold patch must score 1 and no change 0
     polar submit            tasks from a JSON Lines file, all or none
     polar status            the tasks' sessions per state, rewards, released groups (--watch: live)
     polar results           released groups exported as JSON Lines, resumable from a cursor
@@ -32,7 +34,7 @@ import polar
 from polar.config import GatewayConfig, RolloutConfig, load_config
 from polar.service import ServiceError, join_host_port
 from polar.services import SERVICES
-from polar.stack import run_stack
+from polar.stack import ROLES, run_stack
 
 
 class CliError(Exception):
@@ -209,6 +211,89 @@ def _results(args: argparse.Namespace) -> int:
     return export_results(args.rollout, args.export, args.cursor, args.follow)
 
 
+# ---------------------------------------------------------------------------------------- tasks
+
+
+def _tasks_import_arguments(parser: argparse.ArgumentParser) -> None:
+    from polar.swe.instances import FLAVORS
+
+    parser.add_argument("source", choices=("swe",), help="what the file holds: swe (SWE-style repository instances)")
+    parser.add_argument("file", metavar="FILE", help="instances: JSON Lines, a JSON array, or Parquet (.parquet, needs pyarrow)")
+    parser.add_argument("--flavor", required=True, choices=FLAVORS, help="the dataset's field names and Docker image rule")
+    parser.add_argument(
+        "--local", metavar="DIR",
+        help="no Docker: DIR/<owner>/<name> is a git checkout of each instance's repo, used at its base commit",
+    )  # fmt: skip
+    parser.add_argument("--image-template", default="", help="Docker image name with {instance_id} (default: the flavor's rule)")
+    parser.add_argument("--preset", default="pi", help="harness preset of every task (default: %(default)s)")
+    parser.add_argument("--group-size", type=int, default=1, help="sessions per task, one GRPO group (default: %(default)s)")
+    parser.add_argument("--timeout", type=_positive_float, default=1800.0, help="seconds the harness may run (default: %(default)s)")
+    parser.add_argument(
+        "--test-timeout", type=_positive_float, default=600.0, help="seconds the tests may run when grading (default: %(default)s)"
+    )
+    parser.add_argument("--test-command", default="", help="test command with {files} (default: the instance's, else pytest -rA)")
+    parser.add_argument("--hints", action="store_true", help="add the instance's hints to the instruction")
+    parser.add_argument("--sampling", default="", metavar="JSON", help='every task\'s sampling, e.g. \'{"maxTokensPerCall": 512}\'')
+    parser.add_argument("--out", default="-", metavar="TASKS.jsonl", help="where to write the tasks (default: stdout)")
+
+
+def _tasks_import(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from google.protobuf import json_format
+
+    from polar.swe.instances import ImportOptions, import_tasks
+
+    try:
+        sampling = json.loads(args.sampling) if args.sampling else {}
+    except json.JSONDecodeError as exc:
+        raise CliError(f"--sampling is not JSON: {exc}") from None
+    if not 1 <= args.group_size <= 4096:
+        raise CliError(f"--group-size must be between 1 and 4096, not {args.group_size}")
+    options = ImportOptions(
+        flavor=args.flavor,
+        local=Path(args.local) if args.local else None,
+        image_template=args.image_template,
+        preset=args.preset,
+        group_size=args.group_size,
+        timeout_s=args.timeout,
+        evaluator_timeout_s=args.test_timeout,
+        hints=args.hints,
+        test_command=args.test_command,
+        sampling=sampling,
+    )
+    if options.local is not None and not options.local.is_dir():
+        raise CliError(f"--local {args.local}: no such folder")
+    try:
+        tasks = import_tasks(Path(args.file), options)
+    except json_format.ParseError as exc:
+        raise CliError(f"--sampling: {exc}") from None
+    lines = "".join(json.dumps(json_format.MessageToDict(task), ensure_ascii=False) + "\n" for task in tasks)
+    if args.out == "-":
+        sys.stdout.write(lines)
+    else:
+        Path(args.out).write_text(lines, encoding="utf-8")
+        print(f"polar tasks import: {len(tasks)} tasks written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _tasks_oracle_arguments(parser: argparse.ArgumentParser) -> None:
+    from polar.swe.oracle import default_jobs
+
+    parser.add_argument("file", metavar="TASKS.jsonl", help="a task file (made by `polar tasks import swe`)")
+    parser.add_argument("--jobs", type=int, default=default_jobs(), help="tasks checked at once (default: %(default)s)")
+
+
+def _tasks_oracle(args: argparse.Namespace) -> int:
+    from polar.rollout.client import read_tasks
+    from polar.swe.oracle import oracle_command
+
+    if args.jobs < 1:
+        raise CliError(f"--jobs must be at least 1, not {args.jobs}")
+    return oracle_command(read_tasks(args.file), args.jobs)
+
+
 # ------------------------------------------------------------------------------------------- up
 
 
@@ -218,6 +303,12 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
         "--submit", metavar="TASKS.jsonl",
         help="once the stack serves, submit these tasks and print their progress until every group is released",
     )  # fmt: skip
+    parser.add_argument(
+        "--role", choices=ROLES, default="all",
+        help="this machine's share of a stack on several: all (the whole stack), inference (an inference server"
+        " joining --rollout's control plane), node (Envoy and a gateway node working for --rollout)",
+    )  # fmt: skip
+    parser.add_argument("--rollout", default="", metavar="HOST:PORT", help="the rollout server to join (with --role)")
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -225,10 +316,16 @@ def _up(args: argparse.Namespace) -> int:
     from polar.rollout.watch import submit_and_follow
 
     # The file is checked before anything starts: a bad line should not cost a stack start-up.
+    if args.role != "all" and not args.rollout:
+        raise CliError(f"--role {args.role} joins a rollout server on another machine: give --rollout HOST:PORT")
+    if args.role == "all" and args.rollout:
+        raise CliError("--rollout names the rollout server a machine of --role inference or node joins")
+    if args.submit and args.role != "all":
+        raise CliError("--submit needs the whole stack (--role all); submit to a remote one with `polar submit --rollout`")
     tasks = read_tasks(args.submit) if args.submit else None
     config = load_config(args.config)
     if tasks is None:
-        return run_stack(config)
+        return run_stack(config, role=args.role, rollout=args.rollout)
 
     def follow(addresses: dict[str, str]) -> None:
         threading.Thread(target=submit_and_follow, args=(addresses["rollout"], tasks), daemon=True).start()
@@ -265,14 +362,23 @@ def _eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", help="TOML file: [trainer] heldout, eval_samples, pass_threshold, ...")
     parser.add_argument("--checkpoint", help="a checkpoint folder (RUN_DIR/checkpoints/step-N) or a model folder")
     parser.add_argument("--out", default="eval.json", help="the report as JSON (default: %(default)s)")
+    parser.add_argument(
+        "--run-dir",
+        help="a run folder: evaluate its base model and latest checkpoint into DIR/eval/ and draw DIR/eval.png",
+    )
 
 
 def _eval(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from polar.train import evaluate
+    from polar.train import evaluate, evaluate_run
 
-    return evaluate(load_config(args.config), Path(args.checkpoint) if args.checkpoint else None, Path(args.out))
+    config = load_config(args.config)
+    if args.run_dir:
+        if args.checkpoint:
+            raise CliError("--run-dir evaluates the run's own base model and latest checkpoint: leave out --checkpoint")
+        return evaluate_run(config, Path(args.run_dir))
+    return evaluate(config, Path(args.checkpoint) if args.checkpoint else None, Path(args.out))
 
 
 # --------------------------------------------------------------------------------------- verify
@@ -304,6 +410,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("session", "open"), "open a recording session on a gateway and print its key", _session_open_arguments, _session_open),
     Command(("session", "show"), "print a session and its call records", _session_show_arguments, _session_show),
     Command(("session", "close"), "close a session (its key is refused from then on)", _session_key_arguments, _session_close),
+    Command(("tasks", "import"), "convert dataset instances into a task file", _tasks_import_arguments, _tasks_import),
+    Command(("tasks", "oracle"), "check SWE-style tasks: gold patch scores 1, no change 0", _tasks_oracle_arguments, _tasks_oracle),
     Command(("submit",), "submit the tasks of a JSON Lines file (all or none) and print their ids", _submit_arguments, _submit),
     Command(("status",), "show each task's sessions per state, its reward and whether it was released", _status_arguments, _status),
     Command(("results",), "export released groups as JSON Lines and print the cursor to resume from", _results_arguments, _results),
@@ -314,7 +422,11 @@ COMMANDS: tuple[Command, ...] = (
     Command(("version",), "print the installed version", lambda parser: None, _version),
 )
 
-GROUP_HELP = {"serve": "run one service in the foreground", "session": "open, show and close gateway sessions"}
+GROUP_HELP = {
+    "serve": "run one service in the foreground",
+    "session": "open, show and close gateway sessions",
+    "tasks": "import dataset instances as tasks and check them",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -78,6 +78,10 @@ class InferenceConfig:
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
     dtype: str = "auto"  # "auto" = float32 on cpu, bfloat16 on cuda; or "float32", "bfloat16", ...
     max_batch_size: Positive = 64  # most sequences decoded in one step
+    # torch engine only: MiB of keys and values kept of computed prompts (and outputs), so that a
+    # later call starting with the same tokens (a CLI's system prompt, a session's history) computes
+    # only the rest; least recently used evicted first; 0 = no prefix cache
+    prefix_cache_mib: Count = 1024
     script: str = ""  # scripted engine only: path of its JSON script
     # torch engine only, a test fixture: a JSON script of replies the engine emits instead of sampling,
     # each token recorded with the model's own logprob (format: polar/inference/engines/forced.py)
@@ -85,6 +89,12 @@ class InferenceConfig:
     # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
     # resumes), so versions keep counting across a resumed run.
     policy_version: Count = 0
+    # HOST:PORT where Envoy (on this or another machine) reaches this server; "" = host:port (a
+    # wildcard host: this machine's name). Told to the control plane when it joins.
+    advertise_address: str = ""
+    # the rollout server whose control plane this server joins, so every Envoy sends to it within a
+    # second and stops when it leaves; "" = none (Envoy's --inference names it)
+    rollout_address: str = ""
 
 
 @dataclass
@@ -109,6 +119,13 @@ class EnvoyConfig:
     max_request_bytes: int = 32 * 1024 * 1024  # larger harness request bodies get 413
     health_check_interval_s: float = 2.0  # gRPC health checks of each inference server
     workers: int = 2  # Envoy worker threads; 0 = one per CPU core
+    # The control plane (HOST:PORT of a rollout server) Envoy learns the inference servers and
+    # gateways from over ADS, as they join and leave; "" = in `polar up`, its own rollout server; in
+    # `polar serve envoy`, the fixed --inference and --gateway addresses instead
+    xds_address: str = ""
+    # This Envoy's name to the control plane: gateways that join for it (a node's own gateway) are
+    # its gateway_http endpoints; every Envoy gets every inference server
+    node_id: str = "polar-envoy"
 
 
 @dataclass
@@ -128,6 +145,9 @@ class GatewayConfig:
     inference_address: str = ""
     tokenizer: str = ""  # Hugging Face tokenizer folder; "" = the one the inference server names
     base_url: str = ""  # the URL harnesses are given; "" = the gateway's own (`polar up`: Envoy's harness listener)
+    # the host other machines (Envoy, the rollout server) reach this gateway's listeners at; "" =
+    # host (a wildcard host: this machine's name)
+    advertise_host: str = ""
     # A generation, first token to last, taking longer is abandoned as hung (the call fails and is
     # recorded as such). Raise it for slow models that write long answers.
     generate_timeout_s: Seconds = 900.0
@@ -193,6 +213,9 @@ class NodeConfig:
     # processes; "network" also leaves only the harness URL reachable; "auto" = "namespace" where this
     # machine allows it, else "none" (and `polar up` says that harnesses can read the credentials)
     harness_isolation: Literal["auto", "namespace", "network", "none"] = "auto"
+    # The Envoy in front of this node (its [envoy] node_id): the control plane tells that Envoy to
+    # forward harness requests to this node's gateway
+    envoy_node_id: str = "polar-envoy"
 
 
 @dataclass
@@ -235,7 +258,13 @@ class TrainerConfig:
     advantage_scale: Literal["std", "none"] = "std"  # "std": (r - mean) / std within the group; "none": r - mean
     leave_one_out: bool = False  # baseline = the mean of the group's other rewards
     loss_aggregation: Literal["token", "session"] = "token"  # "token": every trainable token weighs the same; "session": each session's mean
-    max_tokens_per_microbatch: Positive = 8192  # tokens packed into one forward pass; a longer trace is an error naming it
+    max_tokens_per_microbatch: Positive = 8192  # tokens computed in one forward pass; a longer trace is left out (too_long)
+    # a trace longer than max_tokens_per_microbatch: "group" leaves its whole GRPO group out of the step,
+    # "session" only its session (the group's advantages taken over the rest); counted and warned either way
+    too_long: Literal["group", "session"] = "group"
+    # pack traces that begin with the same prompt (a CLI's system prompt, a group's instruction) as a tree
+    # whose shared prompt is computed once: the same logprobs, loss and gradients, less work
+    share_prefixes: bool = True
     max_staleness: Count = 1  # most policy versions a group's oldest token may lag the trainer
     stale_groups: Literal["drop", "keep"] = "drop"  # groups past max_staleness: dropped, or kept (importance-weighted)
     train_truncated: bool = True  # train on traces with a call that a sampling cap cut short
@@ -245,6 +274,11 @@ class TrainerConfig:
     keep_checkpoints: Positive = 2  # newest checkpoints kept in the run folder
     seed: Count = 0  # dataset order and initialisation
     cpu_threads: Count = 0  # torch threads on a CPU; 0 = torch's default
+    # how weights reach each inference server: "auto" = the fastest it offers (CUDA IPC for a GPU server on
+    # this machine, else the gRPC stream); "stream" = always the gRPC stream
+    weight_sync: Literal["auto", "stream"] = "auto"
+    # CUDA IPC: MiB of each of the two GPU buffers the weights pass through (the trainer's extra GPU memory)
+    weight_sync_bucket_mb: Positive = 256
     eval_samples: Positive = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
 
 

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from polar import credentials
 from polar.children import dying_with_parent
 from polar.config import EnvoyConfig
 from polar.service import Ready, ServiceError, ServiceSpec, connectable, join_host_port
@@ -45,6 +46,7 @@ READY_POLL_SECONDS = 0.05
 STARTUP_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 VALIDATE_REASON_CHARS = 600
+XDS_CLUSTER = "xds"  # the control plane's cluster in the bootstrap
 
 
 class EnvoyError(ServiceError):
@@ -67,17 +69,37 @@ def envoy_binary() -> Path:
     return path
 
 
-def render_config(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> str:
-    """The Envoy configuration (YAML) for these upstreams: inference servers and the gateway's HTTP
-    port, each "host:port" ("[v6]:port" for IPv6)."""
-    if not inference_endpoints:
-        raise ValueError("Envoy needs at least one inference server endpoint")
-    inference = [_split_endpoint(e) for e in inference_endpoints]
-    gateway = [_split_endpoint(gateway_http)]
+def render_config(
+    config: EnvoyConfig, inference_endpoints: Sequence[str] = (), gateway_http: str = "", xds_token: str = ""
+) -> str:
+    """The Envoy configuration (YAML). Without `config.xds_address`, for these upstreams: inference
+    servers and the gateway's HTTP port, each "host:port" ("[v6]:port" for IPv6). With it, both
+    clusters learn their endpoints from that control plane over ADS (polar.xds), as node
+    `config.node_id`, sending `xds_token` (the node role's credential; "" = none) with the stream."""
     for name in ("harness_port", "inference_port", "admin_port"):
         _check_port(getattr(config, name), name)
     if config.max_request_bytes <= 0:
         raise ValueError(f"max_request_bytes must be > 0, not {config.max_request_bytes}")
+    if not config.node_id:
+        raise ValueError("node_id must not be empty: the control plane tells each Envoy apart by it")
+    if config.xds_address:
+        control_plane = [_split_endpoint(config.xds_address)]
+        eds = json.dumps({"service_name": "{cluster}", "eds_config": {"ads": {}, "resource_api_version": "V3"}})
+        gateway_type = inference_type = "EDS"
+        gateway_endpoints = f"eds_cluster_config: {eds.replace('{cluster}', 'gateway_http')}"
+        inference_endpoints = f"eds_cluster_config: {eds.replace('{cluster}', 'inference')}"
+        xds_cluster = "- " + json.dumps(_xds_cluster(control_plane, config))
+        dynamic_resources = "dynamic_resources: " + json.dumps(_ads_config(xds_token))
+    else:
+        if not inference_endpoints:
+            raise ValueError("Envoy needs at least one inference server endpoint, or a control plane (xds_address)")
+        if not gateway_http:
+            raise ValueError("Envoy needs the gateway's HTTP address, or a control plane (xds_address)")
+        inference = [_split_endpoint(e) for e in inference_endpoints]
+        gateway = [_split_endpoint(gateway_http)]
+        gateway_type, gateway_endpoints = _cluster_type(gateway), _load_assignment("gateway_http", gateway)
+        inference_type, inference_endpoints = _cluster_type(inference), _load_assignment("inference", inference)
+        xds_cluster = dynamic_resources = ""
     access_log = "/dev/stdout" if config.access_log == "-" else str(Path(config.access_log).resolve())
     if config.admin_socket:
         # `running` puts the socket in its scratch folder; mode 0600 (384): this user only.
@@ -85,6 +107,9 @@ def render_config(config: EnvoyConfig, inference_endpoints: Sequence[str], gatew
     else:
         admin_address = {"socket_address": {"address": "127.0.0.1", "port_value": config.admin_port}}
     return string.Template(TEMPLATE.read_text()).substitute(
+        node=json.dumps({"id": config.node_id, "cluster": "polar"}),
+        dynamic_resources=dynamic_resources,
+        xds_cluster=xds_cluster,
         host=json.dumps(config.host),
         harness_port=config.harness_port,
         inference_port=config.inference_port,
@@ -95,11 +120,46 @@ def render_config(config: EnvoyConfig, inference_endpoints: Sequence[str], gatew
         connect_timeout=_duration(config.connect_timeout_s, allow_zero=False),
         health_check_interval=_duration(config.health_check_interval_s, allow_zero=False),
         max_request_bytes=config.max_request_bytes,
-        gateway_cluster_type=_cluster_type(gateway),
-        gateway_endpoints=_lb_endpoints(gateway),
-        inference_cluster_type=_cluster_type(inference),
-        inference_endpoints=_lb_endpoints(inference),
+        gateway_cluster_type=gateway_type,
+        gateway_endpoints=gateway_endpoints,
+        inference_cluster_type=inference_type,
+        inference_endpoints=inference_endpoints,
     )
+
+
+def _load_assignment(cluster: str, endpoints: list[tuple[str, int]]) -> str:
+    # JSON is YAML flow syntax, so it drops into the template whatever the indentation.
+    assignment = {"cluster_name": cluster, "endpoints": [{"lb_endpoints": json.loads(_lb_endpoints(endpoints))}]}
+    return f"load_assignment: {json.dumps(assignment)}"
+
+
+def _xds_cluster(control_plane: list[tuple[str, int]], config: EnvoyConfig) -> dict:
+    """The cluster of the control plane itself: gRPC (HTTP/2) to the rollout server."""
+    return {
+        "name": XDS_CLUSTER,
+        "type": _cluster_type(control_plane),
+        "connect_timeout": _duration(config.connect_timeout_s, allow_zero=False),
+        "load_assignment": {"cluster_name": XDS_CLUSTER, "endpoints": [{"lb_endpoints": json.loads(_lb_endpoints(control_plane))}]},
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+    }
+
+
+def _ads_config(token: str) -> dict:
+    grpc_service: dict = {
+        # Reconnect soon after a control plane restart (Envoy's own back-off grows to 30 s).
+        "envoy_grpc": {
+            "cluster_name": XDS_CLUSTER,
+            "retry_policy": {"retry_back_off": {"base_interval": "0.1s", "max_interval": "1s"}},
+        }
+    }
+    if token:
+        grpc_service["initial_metadata"] = [{"key": "authorization", "value": f"Bearer {token}"}]
+    return {"ads_config": {"api_type": "GRPC", "transport_api_version": "V3", "grpc_services": [grpc_service]}}
 
 
 def validate(config_text: str) -> None:
@@ -162,11 +222,12 @@ def running(config_text: str, workers: int = 0, startup_timeout_s: float = START
 
 @contextlib.asynccontextmanager
 async def running_async(
-    config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str
+    config: EnvoyConfig, inference_endpoints: Sequence[str] = (), gateway_http: str = ""
 ) -> AsyncIterator[RunningEnvoy]:
     """`running` for asyncio programs (tests, benchmarks) that serve Envoy's upstreams themselves:
     Envoy starts and stops in a worker thread, so this event loop answers its health checks
-    meanwhile. Ports 0 in config are picked by Envoy; the result has them."""
+    meanwhile (or, with `config.xds_address`, its control plane). Ports 0 in config are picked by
+    Envoy; the result has them."""
     text = render_config(config, inference_endpoints, gateway_http)
     with contextlib.ExitStack() as stack:
         envoy = await asyncio.to_thread(stack.enter_context, running(text, workers=config.workers))
@@ -255,9 +316,14 @@ def _stop(process: subprocess.Popen) -> None:
 def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_http: str) -> ServiceSpec:
     """`polar serve envoy` as a service of the stack. Its readiness port is the inference listener's,
     so the supervisor's health check reaches an inference server through Envoy; it also reports
-    `base_url` (the harness listener's) and `admin`, bound by Envoy where the config says 0."""
+    `base_url` (the harness listener's) and `admin`, bound by Envoy where the config says 0. With
+    `config.xds_address` the upstreams come from that control plane instead of the arguments."""
     from polar.services import ENVOY
 
+    if config.xds_address:
+        where = f"upstreams from the control plane {config.xds_address.strip('{}')} (node {config.node_id})"
+        to = f" -> gateway {gateway_http}" if gateway_http else ""
+        return ENVOY.spec(config, detail=f"harness base URL {{base_url}}{to}; {where}; admin {{admin}}")
     detail = f"harness base URL {{base_url}} -> gateway {gateway_http}; admin {{admin}}"
     return ENVOY.spec(config, detail=detail, inference=list(inference_endpoints), gateway=gateway_http)
 
@@ -266,10 +332,20 @@ class _Stop(Exception):
     """SIGTERM reached `polar serve envoy`."""
 
 
-def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str], gateway: str) -> None:
+def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str] | None = None, gateway: str | None = None) -> None:
     """`polar serve envoy`: Envoy in the foreground until SIGINT/SIGTERM, between the gateway's HTTP
-    address and these inference servers; a failure of Envoy raises EnvoyError."""
-    text = render_config(config, inference, gateway)
+    address and these inference servers, or those its control plane names (`config.xds_address`);
+    a failure of Envoy raises EnvoyError."""
+    if config.xds_address and (inference or gateway):
+        raise EnvoyError("--inference and --gateway are fixed upstreams; with --xds the control plane names them")
+    if not config.xds_address and not (inference and gateway):
+        raise EnvoyError("Envoy needs --inference (one or more) and --gateway, or a control plane (--xds HOST:PORT)")
+    issued = credentials.of_process()
+    token = issued.tokens[credentials.NODE] if issued is not None else ""
+    try:
+        text = render_config(config, inference or (), gateway or "", xds_token=token)
+    except ValueError as exc:
+        raise EnvoyError(str(exc)) from None
 
     def stop(signum: int, frame: object) -> None:
         raise _Stop
@@ -278,10 +354,13 @@ def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str], gateway: 
     try:
         with running(text, workers=config.workers) as envoy:
             host = config.host
-            servers = f"{len(inference)} inference server{'s' if len(inference) > 1 else ''}"
+            if config.xds_address:
+                upstreams = f"the upstreams of control plane {config.xds_address} (node {config.node_id})"
+            else:
+                upstreams = f"{len(inference)} inference server{'s' if len(inference) > 1 else ''}"
             line = (
-                f"envoy: harness http://{join_host_port(host, envoy.harness_port)} -> gateway {gateway}; "
-                f"inference {join_host_port(host, envoy.inference_port)} -> {servers}; admin {envoy.admin}"
+                f"envoy: harness http://{join_host_port(host, envoy.harness_port)} -> gateway {gateway or 'from the control plane'}; "
+                f"inference {join_host_port(host, envoy.inference_port)} -> {upstreams}; admin {envoy.admin}"
             )
             base_url = "http://" + join_host_port(connectable(host), envoy.harness_port)
             ready(envoy.inference_port, line, base_url=base_url, admin=envoy.admin)

@@ -43,6 +43,7 @@ def new_server(
     max_message_bytes: int = 0,
     max_receive_bytes: int = 0,
     credentials: creds.Credentials | None = _UNSET,
+    more_services: Mapping[str, Mapping[str, frozenset[str]]] | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     """A grpc.aio server with health checking and reflection for `service_name` (a full name, e.g.
     "polar.v1.RolloutService"); `max_message_bytes` > 0 raises both message limits to it, and
@@ -52,7 +53,8 @@ def new_server(
     carry a role's token (else UNAUTHENTICATED) and that role must be among `roles[rpc]` (the
     servicer's `callers` table; an rpc not in it is no role's: PERMISSION_DENIED). Health checking
     and reflection stay open. Without credentials every caller is served (`polar serve NAME` alone
-    says so when it is ready)."""
+    says so when it is ready). `more_services` are further services of the same server, each by its
+    full name with its servicer's `callers` table, checked the same way."""
     if credentials is _UNSET:
         credentials = creds.of_process()
     # gRPC sets SO_REUSEPORT by default: a second server on a taken port would silently share its
@@ -64,13 +66,14 @@ def new_server(
         options.append(("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes))
     interceptors = []
     if credentials is not None:
-        interceptors.append(CallerCheck(service_name, roles or {}, credentials))
+        interceptors.append(CallerCheck({service_name: roles or {}, **(more_services or {})}, credentials))
     else:
         log.info("%s serves every caller: no credentials ($%s unset)", service_name, creds.ENV_VAR)
     server = grpc.aio.server(options=options, interceptors=interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    names = (service_name, *(more_services or {}), health.SERVICE_NAME, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
     return server, health_servicer
 
 
@@ -194,12 +197,14 @@ OPEN_SERVICES = frozenset({health.SERVICE_NAME, reflection.SERVICE_NAME, "grpc.r
 
 
 class CallerCheck(grpc.aio.ServerInterceptor):
-    """Every call of `service_name` carries a role's token (`authorization: Bearer <token>`) and
-    that role may call the rpc; health checking and reflection are open to all."""
+    """Every call of the `services` (full name -> the roles of each rpc) carries a role's token
+    (`authorization: Bearer <token>`) and that role may call the rpc; health checking and
+    reflection are open to all."""
 
-    def __init__(self, service_name: str, roles: Mapping[str, frozenset[str]], credentials: creds.Credentials) -> None:
-        self._service = service_name
-        self._roles = {f"/{service_name}/{rpc}": allowed for rpc, allowed in roles.items()}
+    def __init__(self, services: Mapping[str, Mapping[str, frozenset[str]]], credentials: creds.Credentials) -> None:
+        self._roles = {
+            f"/{service}/{rpc}": allowed for service, roles in services.items() for rpc, allowed in roles.items()
+        }
         self._credentials = credentials
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
@@ -214,18 +219,18 @@ class CallerCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None  # an unknown method: grpc answers UNIMPLEMENTED
-        rpc = method.rpartition("/")[2]
+        service, _, rpc = method[1:].rpartition("/")
         if role is None:
             why = "no credential" if authorization is None else "a credential this stack did not issue"
             return _refusal(
                 handler,
                 grpc.StatusCode.UNAUTHENTICATED,
-                f"{self._service}.{rpc} was called with {why}: send the metadata `{creds.HEADER}: Bearer <token>`"
+                f"{service}.{rpc} was called with {why}: send the metadata `{creds.HEADER}: Bearer <token>`"
                 f" with your role's token from {self._credentials.folder}/<node|trainer|operator> (`polar up`"
                 f" writes them; `polar` commands read ${creds.ENV_VAR} or {creds.default_folder()})",
             )
         who = ", ".join(sorted(allowed or ())) or "no role"
-        return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, f"{self._service}.{rpc} is for {who}, not the {role}")
+        return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, f"{service}.{rpc} is for {who}, not the {role}")
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:

@@ -223,6 +223,14 @@ def connectable(host: str) -> str:
     return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
 
 
+def advertised(host: str, port: int, advertise_address: str = "") -> str:
+    """Where other machines reach a server bound to host:port: its `advertise_address` when given,
+    else host:port, a wildcard host standing for this machine's name."""
+    if advertise_address:
+        return advertise_address
+    return join_host_port(socket.gethostname() if host in ("0.0.0.0", "::", "") else host, port)
+
+
 def join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -30,16 +30,29 @@ _ROLLOUT = Flag(
 INFERENCE = Service(
     "inference", "serve a model over gRPC (InferenceService)",
     (InferenceConfig,), INFERENCE_SERVICE, "polar.inference.server:serve_inference",
+    flags=(
+        Flag(
+            "--rollout", "rollout_address",
+            "the rollout server whose control plane this server joins (Envoys send to it within a second); default: none",
+            {"default": "", "metavar": "HOST:PORT"},
+        ),
+    ),
 )  # fmt: skip
 ENVOY = Service(
     "envoy", "run Envoy in front of the gateway and the inference servers",
     (EnvoyConfig,), INFERENCE_SERVICE, "polar.envoy:serve",
     flags=(
         Flag(
-            "--inference", "inference", "an inference server; repeat for several (calls of one session stay on one server)",
-            {"action": "append", "required": True, "metavar": "HOST:PORT"},
+            "--inference", "inference",
+            "an inference server; repeat for several (calls of one session stay on one server); not with --xds",
+            {"action": "append", "metavar": "HOST:PORT"},
         ),
-        Flag("--gateway", "gateway", "the gateway's HTTP address", {"required": True, "metavar": "HOST:PORT"}),
+        Flag("--gateway", "gateway", "the gateway's HTTP address; not with --xds", {"metavar": "HOST:PORT"}),
+        Flag(
+            "--xds", "xds_address",
+            "the control plane (a rollout server): Envoy learns inference servers and gateways from it as they join",
+            {"default": "", "metavar": "HOST:PORT"},
+        ),
     ),
 )  # fmt: skip
 GATEWAY = Service(

@@ -88,31 +88,51 @@ class Service:
         return join_host_port(connectable(self.spec.host), self.port)
 
 
-def plan(config: StackConfig) -> list[ServiceSpec]:
+ROLES = ("all", "inference", "node")
+
+
+def plan(config: StackConfig, role: str = "all", rollout: str = "") -> list[ServiceSpec]:
     """The services `polar up` starts, in start order (each may depend on those before it).
 
-    The rollout server comes first, so the node can register as soon as it starts. Envoy stands in
-    front of the node's gateway (harnesses use its harness listener, whose URL Envoy reports) and
-    between that gateway and the inference server (its inference listener, unless [gateway]
-    inference_address names another address).
+    `role` is this machine's share of a stack spread over several, each joining the rollout server
+    at `rollout` (HOST:PORT, required unless role is "all"): "inference", an inference server that
+    joins its control plane; "node", an Envoy on that control plane and a gateway node behind it.
 
-    Envoy starts before the node and forwards to its gateway's HTTP port, so that port must be fixed
-    in `config`: `run_stack` binds it first and hands the node the socket."""
+    The rollout server comes first: it is also Envoy's control plane (polar.xds), which the
+    inference server joins once it serves and the node joins with its gateway's HTTP listener, so
+    Envoy learns both over ADS, and would learn any server started later. Envoy stands in front of
+    the node's gateway (harnesses use its harness listener, whose URL Envoy reports) and between that
+    gateway and the inference servers (its inference listener, unless [gateway] inference_address
+    names another address).
+
+    The gateway's HTTP port is fixed in `config` (`run_stack` binds it first and hands the node the
+    socket), so the endpoint table names it before the node starts."""
     gw = config.gateway
     if gw.port == 0:
         raise ValueError("the gateway's HTTP port must be fixed before planning (run_stack binds it)")
     inference = gateway_inference_address(dataclasses.replace(gw, inference_address=""), config.inference)
     gateway_http = join_host_port(connectable(gw.host), gw.port)
     gw = dataclasses.replace(gw, inference_address=gw.inference_address or "{envoy}")
-    node = dataclasses.replace(config.node, rollout_address=config.node.rollout_address or "{rollout}")
-    return [
-        rollout_spec(config.rollout),
-        inference_spec(config.inference),
-        envoy_spec(config.envoy, [inference], gateway_http),
-        dataclasses.replace(
+    if role not in ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if role != "all" and not rollout:
+        raise ValueError(f"a machine of role {role!r} joins a rollout server elsewhere: give its HOST:PORT (--rollout)")
+    rollout = rollout or "{rollout}"
+    control_plane = config.envoy.xds_address or rollout
+    node = dataclasses.replace(
+        config.node, rollout_address=config.node.rollout_address or rollout, envoy_node_id=config.envoy.node_id
+    )
+    inf = dataclasses.replace(config.inference, rollout_address=config.inference.rollout_address or control_plane)
+    specs = {
+        "rollout": rollout_spec(config.rollout),
+        "inference": inference_spec(inf),
+        "envoy": envoy_spec(dataclasses.replace(config.envoy, xds_address=control_plane), [inference], gateway_http),
+        "node": dataclasses.replace(
             node_spec(node, gw, config.inference, base_url=gw.base_url or "{envoy.base_url}"), takes_http_socket=True
         ),
-    ]
+    }
+    shares = {"all": list(specs), "inference": ["inference"], "node": ["envoy", "node"]}
+    return [specs[name] for name in shares[role]]
 
 
 def inference_spec(inf: InferenceConfig) -> ServiceSpec:
@@ -178,10 +198,12 @@ def run_stack(
     out: TextIO = sys.stdout,
     on_ready: Callable[[dict[str, str]], None] | None = None,
     jobs: Sequence[ServiceSpec] = (),
+    role: str = "all",
+    rollout: str = "",
 ) -> int:
     """Start every service, print the endpoint table, supervise until a stop signal or until a job
     finishes; return 0. `on_ready` gets each service's dial address once all serve (it must not
-    block: supervision waits). `jobs` start after the stack's own services, in order (`polar train`'s
+    block: supervision waits). `role` and `rollout`: this machine's share of the stack (`plan`). `jobs` start after the stack's own services, in order (`polar train`'s
     trainer); they may use their addresses ("{rollout}", ...).
 
     Raises StackError when a service fails to start or dies; every child is stopped either way.
@@ -202,7 +224,8 @@ def run_stack(
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with gateway_http:
-            specs = plan(dataclasses.replace(config, gateway=dataclasses.replace(gw, port=gateway_http.getsockname()[1])))
+            bound = dataclasses.replace(config, gateway=dataclasses.replace(gw, port=gateway_http.getsockname()[1]))
+            specs = plan(bound, role, rollout)
             for spec in [*specs, *jobs]:
                 child, ready_fd = _spawn(
                     spec, {c.spec.name: c for c in children}, gateway_http if spec.takes_http_socket else None

@@ -4,6 +4,8 @@
                                             the stack stops, with success, once the trainer is done
     polar eval CONFIG [--checkpoint DIR]    the stack serving a checkpoint (or the base model), the
                                             held-out tasks run through it, a table and a JSON file
+    polar eval CONFIG --run-dir DIR         the base model and the run's latest checkpoint, each once:
+                                            reports in DIR/eval/, a before/after table, DIR/eval.png
 
 A run folder holds everything a run needs to carry on after a stop: its rollout store (tasks
 submitted, results released), checkpoints, metrics.jsonl, TensorBoard events and reward.png. Run
@@ -160,4 +162,33 @@ def evaluate(config: StackConfig, checkpoint: Path | None, out: Path) -> int:
         return 130
     print(outcome["report"].table())
     print(f"polar eval: report in {out}")
+    return 0
+
+
+def evaluate_run(config: StackConfig, run_dir: Path) -> int:
+    """`polar eval --run-dir`: the base model (before training) and the run's latest checkpoint (after),
+    each evaluated once into RUN/eval/LABEL.json (a report already there is kept), then the
+    comparison of every report in the folder and RUN/eval.png."""
+    from trainer.checkpoints import latest_checkpoint
+    from trainer.evaluation import BASE_LABEL, EVAL_FOLDER, EVAL_PLOT, comparison_table, read_reports
+    from trainer.metrics import plot_evaluations
+
+    folder = run_dir / EVAL_FOLDER
+    wanted: list[tuple[str, Path | None]] = [(BASE_LABEL, None)]
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        wanted.append((f"step-{checkpoint.state.step}", checkpoint.path))
+    for label, path in wanted:
+        out = folder / f"{label}.json"
+        if out.is_file():
+            print(f"polar eval: {label}: already evaluated ({out})", flush=True)
+            continue
+        print(f"polar eval: {label}: evaluating {path or config.trainer.model}", flush=True)
+        code = evaluate(config, path, out)
+        if code:
+            return code
+    reports = read_reports(folder)
+    plot_evaluations(reports, run_dir / EVAL_PLOT)
+    print(comparison_table(reports))
+    print(f"polar eval: reports in {folder}, plot {run_dir / EVAL_PLOT}")
     return 0

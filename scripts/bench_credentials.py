@@ -99,7 +99,7 @@ def _point(what: str, rates: dict[str, list[tuple[float, float]]]) -> dict:
 
 def _check_microseconds(issued: credentials.Credentials) -> float:
     """The interceptor's own time for an allowed call of the rollout server (the operator's)."""
-    check = CallerCheck("polar.v1.RolloutService", RolloutServicer.roles, issued)
+    check = CallerCheck({"polar.v1.RolloutService": RolloutServicer.roles}, issued)
     metadata = issued.metadata(credentials.OPERATOR) + (("user-agent", "grpc-python"),)
     return interceptor_microseconds(check, CallDetails("/polar.v1.RolloutService/GetTaskStatus", metadata))
 

@@ -159,7 +159,7 @@ SESSIONS = (1, 64, 256)
 CALL_POINT_SESSIONS = 32
 # The call of a long session measured beside its call 3: Claude Code's recorded session
 # carried on (an echo of each reply and a user turn with a tool's output, ~150 tokens a call), so that
-# its conversation is twice its first call's text and its prompt 25k tokens, within the tiny model's 32k.
+# its conversation is twice its first call's text and its prompt 25k tokens, within the tiny model's 128k.
 LONG_SESSION_CALLS = 40
 LONG_TURN_TEXT = (
     "$ sed -n 1,5p src/parser.py\n"
@@ -1127,7 +1127,7 @@ def _check_microseconds(issued: creds.Credentials) -> float:
     from polar.grpc_server import CallerCheck
     from polar.inference.server import SERVICE_NAME, InferenceServicer
 
-    check = CallerCheck(SERVICE_NAME, InferenceServicer.roles, issued)
+    check = CallerCheck({SERVICE_NAME: InferenceServicer.roles}, issued)
     metadata = (("x-polar-session", "s-bench"), *issued.metadata(creds.NODE), ("user-agent", "grpc-python"))
     return interceptor_microseconds(check, CallDetails(f"/{SERVICE_NAME}/Generate", metadata))
 

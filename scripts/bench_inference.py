@@ -13,8 +13,18 @@ Measured, with all streams of a point started together:
   once, and the server sends what its engine produced while the previous message was being sent
   as one message: the tok/msg column says how many tokens a message carried.
 
+`--prefix-cache compare` measures the torch engine's prefix cache instead: 32 sessions (--quick:
+8) of one CLI (--harness, default pi) start at once, each with that CLI's recorded first prompt (its
+system prompt and tools, tests/fixtures/sessions) and an instruction of its own, against one server
+with the cache and one without (--models, default smollm2-135m), in alternating rounds. Each
+round's instructions are new: the cached server's first round computes the CLI's prompt once
+(cold), later rounds find it cached by earlier sessions (warm). Reported: time to first token
+(median and worst of the sessions), tokens/s (all sampled tokens over the time to the last one) and
+the share of prompt tokens reused.
+
     python scripts/bench_inference.py --quick              # under a minute on 2 CPU cores
     python scripts/bench_inference.py --device cuda        # on a GPU machine
+    python scripts/bench_inference.py --prefix-cache compare [--quick]
 
 Prints a table and writes JSON (default bench-results/inference.json).
 """
@@ -75,6 +85,8 @@ class Point:
 def main() -> int:
     args = _parse_args()
     machine = _machine(args.device)
+    if args.prefix_cache == "compare":
+        return _prefix_cache_main(args, machine)
     # Torch points: one call per stream, capped in time. --quick keeps calls short and caps tight
     # so that the whole run stays under a minute however slow the engine is.
     max_tokens, cap = (8, 4.0) if args.quick else (128, 120.0)
@@ -120,11 +132,36 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="short windows: the whole run in under a minute")
     parser.add_argument("--device", default="cpu", help="device of the torch engine: cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--dtype", default="auto", help="torch engine dtype (default: auto)")
-    parser.add_argument("--models", nargs="+", default=list(TORCH_MODELS), help="torch engine models (default: %(default)s)")
     parser.add_argument(
-        "--out", default=str(ROOT / "bench-results" / "inference.json"), help="JSON report path (default: %(default)s)"
+        "--models",
+        nargs="+",
+        help=f"torch engine models (default: {' '.join(TORCH_MODELS)}; with --prefix-cache compare: {PREFIX_MODEL})",
     )
-    return parser.parse_args()
+    parser.add_argument(
+        "--prefix-cache", choices=("compare",), help="measure the prefix cache: sessions of one CLI with and without it"
+    )
+    parser.add_argument(
+        "--harness", default="pi", choices=HARNESSES, help="--prefix-cache: whose recorded prompt (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--sessions",
+        type=int,
+        help=f"--prefix-cache: sessions at once (default: {PREFIX_SESSIONS}, --quick {QUICK_PREFIX_SESSIONS})",
+    )
+    parser.add_argument(
+        "--rounds", type=int, help="--prefix-cache: rounds on each server, the first cold (default: 2, --quick 1)"
+    )
+    parser.add_argument(
+        "--out",
+        help="JSON report path (default: bench-results/inference.json; with --prefix-cache compare: "
+        "bench-results/inference-prefix-cache.json)",
+    )
+    args = parser.parse_args()
+    compare = args.prefix_cache == "compare"
+    args.models = args.models or ([PREFIX_MODEL] if compare else list(TORCH_MODELS))
+    default_out = "inference-prefix-cache.json" if compare else "inference.json"
+    args.out = args.out or str(ROOT / "bench-results" / default_out)
+    return args
 
 
 def _scripted_script(tokens_per_message: int) -> dict:
@@ -228,6 +265,182 @@ async def _run_point(
     await asyncio.gather(*(stream() for _ in range(streams)))
     seconds = work.seconds if work.calls is None or loop.time() >= end else last - start
     return tokens, messages, seconds, first_token
+
+
+# ------------------------------------------------------------------------ the prefix cache compared
+
+FIXTURES = ROOT / "tests" / "fixtures" / "sessions"
+HARNESSES = ("pi", "codex", "gemini-cli", "qwen-code", "claude-code")
+PREFIX_MODEL = "smollm2-135m"
+PREFIX_SESSIONS = 32
+QUICK_PREFIX_SESSIONS = 8  # fewer, and the time without the cache is too close to one prefill to tell apart
+PREFIX_CACHE_MIB = InferenceConfig().prefix_cache_mib  # the default
+
+
+@dataclass(frozen=True)
+class PrefixRound:
+    """One round: every session's first call started at once, on the server with or without the cache."""
+
+    prefix_cache: bool
+    round: int  # rounds alternate which server goes first
+    warm: bool  # the cached server held the CLI's prompt from an earlier round's sessions
+    sessions: int
+    prompt_tokens: int  # all sessions' prompts together
+    cached_prompt_tokens: int  # of those, taken from the server's prefix cache (Usage.cached_prompt_tokens)
+    first_token_ms_p50: float  # from a call's start to its first token, median over the sessions
+    first_token_ms_max: float
+    seconds: float  # from the start of the round until its last token
+    tokens_per_s: float  # sampled tokens of all sessions over `seconds`
+
+
+def _prefix_cache_main(args: argparse.Namespace, machine: dict) -> int:
+    from transformers import AutoTokenizer
+
+    from polar.inference.models import resolve_model
+
+    sessions = args.sessions or (QUICK_PREFIX_SESSIONS if args.quick else PREFIX_SESSIONS)
+    rounds = args.rounds or (1 if args.quick else 2)
+    max_tokens = 4 if args.quick else 32
+    model = args.models[0]
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+    recorded, at = _recorded_first_prompt(args.harness, tokenizer)
+    configs = {
+        cache: InferenceConfig(
+            engine="torch", model=model, port=0, device=args.device, dtype=args.dtype,
+            max_batch_size=sessions, prefix_cache_mib=PREFIX_CACHE_MIB if cache else 0,
+        )
+        for cache in (False, True)
+    }  # fmt: skip
+    with (
+        running(inference_spec(configs[False]), STARTUP_TIMEOUT_S, stop_timeout_s=10.0) as without,
+        running(inference_spec(configs[True]), STARTUP_TIMEOUT_S, stop_timeout_s=10.0) as with_cache,
+    ):
+        servers = {False: f"127.0.0.1:{without.port}", True: f"127.0.0.1:{with_cache.port}"}
+        results, device = asyncio.run(
+            _prefix_rounds(servers, recorded, at, tokenizer, sessions, rounds, max_tokens)
+        )
+    _print_prefix_table(results, machine, args.harness, model, device, len(recorded))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "quick": args.quick, "harness": args.harness, "model": model, "device": device,
+        "recorded_prompt_tokens": len(recorded), "max_tokens": max_tokens, "prefix_cache_mib": PREFIX_CACHE_MIB,
+        "load_average_1min": os.getloadavg()[0],
+    }  # fmt: skip
+    report = {"machine": machine, "settings": settings, "rounds": [asdict(r) for r in results],
+              "first_token_speedup": _prefix_speedups(results)}  # fmt: skip
+    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+def _recorded_first_prompt(harness: str, tokenizer) -> tuple[list[int], int]:
+    """The prompt ids of the CLI's first recorded call, and the position where its last user turn's
+    text begins (after the turn's header): where each session's own instruction goes."""
+    from polar.trajectory.session_file import read_trajectory
+
+    calls = sorted(read_trajectory(FIXTURES / f"{harness}.json.zst").calls, key=lambda call: call.call_id)
+    prompt = list(calls[0].prompt_token_ids)
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    turns = [i for i, token in enumerate(prompt) if token == start and tokenizer.decode(prompt[i + 1 : i + 3]).startswith("user")]
+    if not turns:
+        raise SystemExit(f"the first recorded {harness} prompt has no user turn")
+    at = turns[-1] + 1
+    while "\n" not in tokenizer.decode(prompt[turns[-1] + 1 : at]):
+        at += 1
+    return prompt, at
+
+
+async def _prefix_rounds(
+    servers: dict[bool, str], recorded: list[int], at: int, tokenizer, sessions: int, rounds: int, max_tokens: int
+) -> tuple[list[PrefixRound], str]:
+    channels = {cache: grpc.aio.insecure_channel(address) for cache, address in servers.items()}
+    try:
+        stubs = {cache: inference_pb2_grpc.InferenceServiceStub(channel) for cache, channel in channels.items()}
+        info = (await stubs[True].GetModelInfo(inference_pb2.GetModelInfoRequest())).model_info
+        # Warm-up: the first calls pay for lazy initialisation; a prompt of its own, so nothing is cached.
+        warm_up = [recorded[0]] + tokenizer.encode("Warm up.") + [recorded[0]]
+        for stub in stubs.values():
+            await _prefix_calls(stub, [warm_up], 2)
+        results = []
+        for r in range(rounds):
+            prompts = [
+                recorded[:at] + tokenizer.encode(f"Session {r}-{i}: ") + recorded[at:] for i in range(sessions)
+            ]
+            for cache in (False, True) if r % 2 == 0 else (True, False):
+                started = time.perf_counter()
+                first, tokens, last, cached = await _prefix_calls(stubs[cache], prompts, max_tokens)
+                seconds = max(last) - started
+                results.append(
+                    PrefixRound(
+                        prefix_cache=cache, round=r, warm=cache and r > 0, sessions=sessions,
+                        prompt_tokens=sum(map(len, prompts)), cached_prompt_tokens=cached,
+                        first_token_ms_p50=statistics.median(first) * 1000, first_token_ms_max=max(first) * 1000,
+                        seconds=seconds, tokens_per_s=tokens / seconds,
+                    )
+                )  # fmt: skip
+        return results, info.device
+    finally:
+        for channel in channels.values():
+            await channel.close()
+
+
+async def _prefix_calls(
+    stub: inference_pb2_grpc.InferenceServiceStub, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[float], int, list[float], int]:
+    """One Generate per prompt, all at once: each call's seconds to its first token, the tokens
+    sampled, when each call's last token came (perf_counter), the prompt tokens the server reused."""
+
+    async def call(i: int, prompt: list[int]) -> tuple[float, int, float, int]:
+        sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        started = time.perf_counter()
+        first, tokens, last, cached = 0.0, 0, 0.0, 0
+        async for response in stub.Generate(inference_pb2.GenerateRequest(prompt_token_ids=prompt, sampling=sampling)):
+            now = time.perf_counter()
+            if response.token_ids:
+                first = first or now - started
+                tokens += len(response.token_ids)
+                last = now
+            cached = response.usage.cached_prompt_tokens or cached
+        return first, tokens, last, cached
+
+    done = await asyncio.gather(*(call(i, prompt) for i, prompt in enumerate(prompts)))
+    return [d[0] for d in done], sum(d[1] for d in done), [d[2] for d in done], sum(d[3] for d in done)
+
+
+def _prefix_speedups(results: list[PrefixRound]) -> dict[str, float | None]:
+    """Time to first token (median) without the cache over with it, paired by round: the cold round
+    and the median of the warm ones."""
+    by_round: dict[int, dict[bool, PrefixRound]] = {}
+    for r in results:
+        by_round.setdefault(r.round, {})[r.prefix_cache] = r
+    ratios = {r: pair[False].first_token_ms_p50 / pair[True].first_token_ms_p50 for r, pair in by_round.items()}
+    warm = [ratio for r, ratio in ratios.items() if r > 0]
+    return {"cold": ratios.get(0), "warm": statistics.median(warm) if warm else None}
+
+
+def _print_prefix_table(results: list[PrefixRound], machine: dict, harness: str, model: str, device: str, prompt: int) -> None:
+    cores = f"{machine['cpu']} ({machine['cpu_cores']} cores)"
+    print(f"\nmachine: {cores}{', ' + machine['card'] if machine['card'] else ''}")
+    sessions = results[0].sessions
+    print(f"{sessions} sessions of {harness}'s recorded first prompt ({prompt:,} tokens) each with its own "
+          f"instruction, all at once; {model} on {device}")  # fmt: skip
+    header = ("round", "prefix cache", "1st tok p50 ms", "1st tok max ms", "tokens/s", "prompt reused")
+    rows = [header]
+    for r in results:
+        state = ("on, warm" if r.warm else "on, cold") if r.prefix_cache else "off"
+        rows.append(
+            (
+                str(r.round), state, f"{r.first_token_ms_p50:,.0f}", f"{r.first_token_ms_max:,.0f}",
+                f"{r.tokens_per_s:.1f}", f"{r.cached_prompt_tokens / r.prompt_tokens:.0%}",
+            )
+        )  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    speedups = _prefix_speedups(results)
+    parts = [f"{kind} {ratio:.1f}×" for kind, ratio in speedups.items() if ratio is not None]
+    print(f"time to first token (median), without the cache over with it, same round: {', '.join(parts)}")
 
 
 def _json_point(point: Point) -> dict:

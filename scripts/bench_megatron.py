@@ -52,7 +52,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer.batches import TrainSequence, pack  # noqa: E402
+from trainer.batches import pack  # noqa: E402
+
+from trainer.sequences import TrainSequence  # noqa: E402
 from trainer.grpo import LossConfig  # noqa: E402
 
 SKIPPED = "skipped"  # a point's error when the machine lacks its GPUs: not a failure

@@ -14,12 +14,26 @@ Measures, in one run:
   micro-batch: MFU = (6 * parameters * tokens + 6 * layers * hidden * sum over traces of len^2 / 2
   [causal attention, forward and backward]) / seconds / peak bf16 FLOP/s of the card (--peak-tflops).
 
+With --shared-prefix compare (scripts/bench_shared_prefix.py), instead: trainer time per step (one
+optimizer update, gradient checkpointing on) with and without shared-prefix packing, on steps of
+groups of 8 sessions shaped like each CLI's (its recorded first prompt from tests/fixtures/sessions,
+then turns of sampled tokens and tool results of log-normal lengths), and on sessions that share
+nothing; the two layouts alternate, round by round, and the best time of each counts. With
+--harness PRESET: a group of the preset's recorded session and seven more with its calls' replies
+redrawn, rebuilt by prefix merging and per request; per builder, with and without sharing: tokens
+packed, the share of them trained, trainer tokens/s.
+
 Targets: packed >= 2x padded on the example's traces; weight sync >= 1 GB/s; the trainer idle under
-30% of a run's wall clock.
+30% of a run's wall clock; sharing >= 4x less trainer time on Claude Code-shaped groups, >= 2x on
+Pi-shaped ones, no slower where nothing is shared.
 
     python scripts/bench_trainer.py --quick                     # under a minute on 2 CPU cores
     python scripts/bench_trainer.py --run-dir runs/train        # after `polar train examples/train.toml`
     python scripts/bench_trainer.py --device cuda --model smollm2-135m
+    python scripts/bench_trainer.py --shared-prefix compare [--quick]   # --quick: Pi-shaped and nothing
+                                                                # shared, SmolLM2's shape cut to 4 layers
+    python scripts/bench_trainer.py --harness claude-code
+    python scripts/bench_trainer.py --shared-prefix compare --backend megatron --shape qwen3-4b --device cuda
 """
 
 from __future__ import annotations
@@ -36,7 +50,9 @@ import numpy as np
 import torch
 
 from polar.rollout.tasks import parse_task_lines
-from trainer.batches import TrainSequence, pack, pad
+from bench_shared_prefix import CLIS, bench_harness, bench_shared_prefix, print_header
+from trainer.batches import pack, pad
+from trainer.sequences import TrainSequence
 from trainer.grpo import LossConfig
 from trainer.metrics import read_metrics
 
@@ -217,8 +233,18 @@ def main() -> None:
         "--random-init", action="store_true",
         help="the model's architecture and tokenizer with random weights (speed does not depend on them)",
     )  # fmt: skip
+    parser.add_argument("--shared-prefix", choices=("compare",), help="time steps with and without shared prefixes")
+    parser.add_argument("--harness", choices=CLIS, help="a preset's recorded session as the trainer packs it")
+    parser.add_argument("--clis", default=",".join((*CLIS, "none")), help="--shared-prefix: the CLI shapes to run")
+    parser.add_argument("--groups", type=int, default=2, help="--shared-prefix: groups (tasks) per step")
+    parser.add_argument("--layers", type=int, default=0, help="the model's shape cut to this many layers (random weights)")
+    parser.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="--shared-prefix, --harness")
+    parser.add_argument("--shape", choices=("qwen3-4b",), help="a random model of this shape instead of --model")
     parser.add_argument("--out", type=Path, default=Path("bench-results/trainer.json"))
     args = parser.parse_args()
+    if args.shared_prefix or args.harness:
+        sharing_main(args)
+        return
 
     from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
@@ -254,6 +280,66 @@ def main() -> None:
     if "mfu" in results:
         mfu = results["mfu"]
         print(f"  {mfu['card']}: {mfu['tokens_per_s']:.0f} tokens/s, MFU {100 * mfu['mfu']:.1f}% (8k packed tokens)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"  figures in {args.out}")
+
+
+def sharing_model(args) -> str:
+    """The model folder the sharing benches train: --model, or a random one of --shape, or of
+    --model's shape cut to --layers (--quick: 4) layers."""
+    import tempfile
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from polar.inference.models import resolve_model
+
+    if args.shape:
+        from bench_megatron import QWEN3_4B, _copy_tokenizer_stub, _make_model_folder
+
+        folder = Path(tempfile.mkdtemp(prefix="bench-trainer-")) / args.shape
+        _make_model_folder(dict(QWEN3_4B), folder)
+        _copy_tokenizer_stub(folder)
+        return str(folder)
+    layers = args.layers or (4 if args.quick else 0)
+    if not layers:
+        return args.model
+    source = resolve_model(args.model)
+    config = AutoConfig.from_pretrained(source)
+    config.num_hidden_layers = layers
+    folder = Path(tempfile.mkdtemp(prefix="bench-trainer-")) / f"{Path(source).name}-{layers}-layers"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source).save_pretrained(folder)
+    return str(folder)
+
+
+def sharing_main(args) -> None:
+    """--shared-prefix compare and --harness PRESET."""
+    model = sharing_model(args)
+    if args.backend == "megatron":
+        from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
+
+        backend = MegatronBackend(MegatronBackendOptions(
+            model=model, lr=1e-6, recompute="full" if torch.cuda.is_available() else "none",
+            fused_swiglu=torch.cuda.is_available(), fused_rope=torch.cuda.is_available()))
+    else:
+        from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
+
+        backend = TorchBackend(TorchBackendOptions(model=model, device=args.device, lr=1e-6, gradient_checkpointing=True))
+    card = torch.cuda.get_device_name() if backend.device.type == "cuda" else platform.processor() or platform.machine()
+    results: dict = {"model": args.shape or args.model, "layers": backend.model_description["num_hidden_layers"],
+                     "backend": args.backend, "device": str(backend.device), "card": card,
+                     "threads": torch.get_num_threads()}  # fmt: skip
+    rounds = 1 if args.quick else 2
+    print(f"trainer benchmark, shared prefixes: {results['model']} ({results['layers']} layers) through the "
+          f"{args.backend} backend on {card} ({results['threads']} threads)")
+    if args.shared_prefix:
+        clis = ["pi", "none"] if args.quick else args.clis.split(",")
+        groups, turns = (1, (1, 2)) if args.quick else (args.groups, (1, 4))
+        print_header()
+        results["shared_prefix"] = bench_shared_prefix(backend, clis, groups, turns, rounds)
+    if args.harness:
+        results["harness"] = {args.harness: bench_harness(backend, args.harness, rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"  figures in {args.out}")

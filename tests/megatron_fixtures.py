@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer.batches import TrainSequence, pack
+from trainer.batches import pack
+
+from trainer.sequences import TrainSequence
 from trainer.grpo import LossConfig
 
 LOSS = LossConfig(clip_low=0.2, clip_high=0.28, importance_cap=2.0)

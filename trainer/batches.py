@@ -19,6 +19,14 @@ against (the padded positions cost compute and teach nothing).
 
 Both layouts drop sequences with no trainable token: they add nothing to the gradient, only compute.
 The caller counts them if it reports them (``sequence.trainable_tokens == 0``).
+
+Shared prefixes (``pack(..., share_prefixes=True)``, trainer/prefix_tree.py chooses them): traces of a
+micro-batch that begin with the same prompt are laid out as a tree of *pieces*. A piece is a stretch
+of one row; it attends causally to itself and fully to its ancestor pieces (``MicroBatch.parents``),
+and its position ids continue from its parent's, so every token sees exactly the context it has in
+its own trace. A shared piece (the CLI's system prompt, a group's instruction) is computed once and
+its gradient is the sum over the branches below it. A plain sequence is a root piece with no
+children: the layout without sharing is the tree where every piece is a root.
 """
 
 from __future__ import annotations
@@ -30,41 +38,17 @@ import numpy as np
 import torch
 
 from polar.inference.sampling import to_device
+from trainer.prefix_tree import plain_units, shared_units
+from trainer.sequences import Piece, TrainSequence
+
+
+# A shared stretch is given a piece of its own only when it saves at least this many computed tokens:
+# each piece costs the backends one more attention call per layer.
+MIN_SAVING = 64
 
 
 class TraceTooLongError(ValueError):
     """A sequence does not fit in one micro-batch."""
-
-
-@dataclass(frozen=True, eq=False)
-class TrainSequence:
-    """One trace, ready to lay out: its tokens and, per token, what the loss needs of it."""
-
-    name: str  # "trajectory_id/trace_id", for errors
-    token_ids: np.ndarray  # int64 [T]
-    loss_mask: np.ndarray  # bool or uint8 [T]: 1 where the token was sampled and is trained on
-    behaviour_logprobs: np.ndarray  # float32 [T]: the engine's logprob of each sampled token, 0 elsewhere
-    advantage: float  # the session's advantage
-    token_weight: float  # the trace's coefficient from trace_token_weights
-    temperature: np.ndarray  # float32 [T]: what each token was sampled with; 1.0 where mask 0
-    top_p: np.ndarray  # float32 [T]; 1.0 where mask 0
-    top_k: np.ndarray  # int32 [T]; 0 where mask 0
-
-    def __post_init__(self) -> None:
-        length = len(self.token_ids)
-        per_token = ("loss_mask", "behaviour_logprobs", "temperature", "top_p", "top_k")
-        for name in per_token:
-            if len(getattr(self, name)) != length:
-                raise ValueError(f"{self.name}: {name} has {len(getattr(self, name))} values for {length} tokens")
-        if length and self.loss_mask[0]:
-            raise ValueError(f"{self.name}: the first token is trainable, but a trace starts with a prompt")
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def trainable_tokens(self) -> int:
-        return int(np.count_nonzero(self.loss_mask))
 
 
 @dataclass
@@ -82,12 +66,29 @@ class MicroBatch:
     temperature: torch.Tensor  # float32 [R, L]; 1 where loss_mask is False
     top_p: torch.Tensor  # float32 [R, L]; 1 where loss_mask is False
     top_k: torch.Tensor  # int64 [R, L]; 0 where loss_mask is False
-    sequence_lengths: list[list[int]]  # per row, the lengths of its sequences in order
+    sequence_lengths: list[list[int]]  # per row, the lengths of its pieces (sequences, or parts of a tree) in order
+    # Per row, each piece's parent: the index of the piece it continues, in the same row; -1 for a
+    # root. None: every piece is a root (no sharing).
+    parents: list[list[int]] | None = None
+    shared_tokens: int = 0  # tokens computed once for several traces, beyond the first: represented - computed
 
     @property
     def tokens(self) -> int:
-        """Real (non-padding) tokens."""
+        """Real (non-padding) tokens: the tokens the model computes."""
         return sum(sum(row) for row in self.sequence_lengths)
+
+    @property
+    def represented_tokens(self) -> int:
+        """Tokens of the traces this micro-batch holds, counting a shared prefix once per trace."""
+        return self.tokens + self.shared_tokens
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.parents is not None and any(parent >= 0 for row in self.parents for parent in row)
+
+    def row_parents(self, row: int) -> list[int]:
+        """The parent of each piece of ``row`` (-1 for a root)."""
+        return self.parents[row] if self.parents is not None else [-1] * len(self.sequence_lengths[row])
 
     @property
     def trainable_tokens(self) -> int:
@@ -101,12 +102,13 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> MicroBatch:
         """The same micro-batch with every tensor on ``device`` (copies queued without a host sync)."""
         device = torch.device(device)
-        moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self) if f.name != "sequence_lengths"}
+        moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
 
 
-def _row_arrays(sequences: Sequence[TrainSequence], length: int) -> dict[str, np.ndarray]:
-    """One row [L] holding ``sequences`` back to back, then padding up to ``length`` positions."""
+def _row_arrays(pieces: Sequence[Piece], length: int) -> dict[str, np.ndarray]:
+    """One row [L] holding ``pieces`` back to back, then padding up to ``length`` positions."""
     row = {
         "input_ids": np.zeros(length, np.int64),
         "position_ids": np.arange(length, dtype=np.int64),  # padding continues its row's positions
@@ -120,33 +122,43 @@ def _row_arrays(sequences: Sequence[TrainSequence], length: int) -> dict[str, np
         "top_p": np.ones(length, np.float32),
         "top_k": np.zeros(length, np.int64),
     }
-    start = 0
-    for sequence in sequences:
-        end = start + len(sequence)
-        inputs = slice(start, end)
-        predicting = slice(start, end - 1)  # position i predicts token i + 1 of the sequence
-        mask = sequence.loss_mask[1:].astype(bool)  # [T - 1]
-        row["input_ids"][inputs] = sequence.token_ids
-        row["position_ids"][inputs] = np.arange(len(sequence))
-        row["attention_mask"][inputs] = 1
-        row["targets"][predicting] = sequence.token_ids[1:]
-        row["loss_mask"][predicting] = mask
-        row["behaviour_logprobs"][predicting] = np.where(mask, sequence.behaviour_logprobs[1:], 0)
-        row["advantages"][predicting] = np.where(mask, sequence.advantage, 0)
-        row["token_weights"][predicting] = np.where(mask, sequence.token_weight, 0)
-        row["temperature"][predicting] = np.where(mask, sequence.temperature[1:], 1)
-        row["top_p"][predicting] = np.where(mask, sequence.top_p[1:], 1)
-        row["top_k"][predicting] = np.where(mask, sequence.top_k[1:], 0)
-        start = end
+    at = 0
+    for piece in pieces:
+        sequence, first, last = piece.sequence, piece.start, piece.end
+        end = at + len(piece)
+        row["input_ids"][at:end] = sequence.token_ids[first:last]
+        row["position_ids"][at:end] = np.arange(first, last)  # a piece continues its parent's positions
+        row["attention_mask"][at:end] = 1
+        if piece.trains:
+            predicting = slice(at, end - 1)  # position i predicts token i + 1 of the sequence
+            targets = slice(first + 1, last)
+            mask = sequence.loss_mask[targets].astype(bool)  # [n - 1]
+            row["targets"][predicting] = sequence.token_ids[targets]
+            row["loss_mask"][predicting] = mask
+            row["behaviour_logprobs"][predicting] = np.where(mask, sequence.behaviour_logprobs[targets], 0)
+            row["advantages"][predicting] = np.where(mask, sequence.advantage, 0)
+            row["token_weights"][predicting] = np.where(mask, sequence.token_weight, 0)
+            row["temperature"][predicting] = np.where(mask, sequence.temperature[targets], 1)
+            row["top_p"][predicting] = np.where(mask, sequence.top_p[targets], 1)
+            row["top_k"][predicting] = np.where(mask, sequence.top_k[targets], 0)
+        at = end
     return row
 
 
-def _micro_batch(rows: Sequence[Sequence[TrainSequence]]) -> MicroBatch:
-    """R rows of sequences -> one MicroBatch, every row padded to the longest."""
-    length = max(sum(len(sequence) for sequence in row) for row in rows)
+def _micro_batch(rows: Sequence[Sequence[Piece]]) -> MicroBatch:
+    """R rows of pieces -> one MicroBatch, every row padded to the longest."""
+    length = max(sum(len(piece) for piece in row) for row in rows)
     arrays = [_row_arrays(row, length) for row in rows]
     tensors = {name: torch.from_numpy(np.stack([a[name] for a in arrays])) for name in arrays[0]}  # [R, L] each
-    return MicroBatch(**tensors, sequence_lengths=[[len(sequence) for sequence in row] for row in rows])
+    parents = [[piece.parent for piece in row] for row in rows]
+    represented = sum(len(piece.sequence) for row in rows for piece in row if piece.trains)
+    computed = sum(len(piece) for row in rows for piece in row)
+    return MicroBatch(
+        **tensors,
+        sequence_lengths=[[len(piece) for piece in row] for row in rows],
+        parents=parents if any(p >= 0 for row in parents for p in row) else None,
+        shared_tokens=represented - computed,
+    )
 
 
 def _trainable_fitting(sequences: Sequence[TrainSequence], max_tokens: int) -> list[TrainSequence]:
@@ -163,24 +175,36 @@ def _trainable_fitting(sequences: Sequence[TrainSequence], max_tokens: int) -> l
     return sorted(kept, key=len, reverse=True)  # a stable sort: deterministic
 
 
-def pack(sequences: Sequence[TrainSequence], max_tokens: int) -> list[MicroBatch]:
-    """First-fit-decreasing into rows of at most ``max_tokens`` real tokens; one row per micro-batch.
+def pack(sequences: Sequence[TrainSequence], max_tokens: int, *, share_prefixes: bool = False,
+         min_saving: int = MIN_SAVING) -> list[MicroBatch]:
+    """First-fit-decreasing into rows of at most ``max_tokens`` computed tokens; one row per micro-batch.
 
     Each micro-batch is one [1, L] row with no padding. Sequences are placed longest first, each into
     the first row with room for it, so the result depends only on the input. A sequence longer than
     ``max_tokens`` raises TraceTooLongError rather than being split: its later tokens were sampled in
     the context of its earlier ones, and a piece without that context would be trained on a different
     distribution from the one the engine sampled. Sequences with no trainable token are dropped.
+
+    ``share_prefixes``: sequences that begin with the same prompt are first grouped into trees
+    (trainer/prefix_tree.py: a shared stretch saving fewer than ``min_saving`` tokens is not worth a
+    piece of its own), each tree at most ``max_tokens`` computed tokens; the trees and the sequences
+    that share nothing are then placed as above, by computed size. Where nothing is shared the result
+    is exactly the layout without sharing.
     """
-    rows: list[list[TrainSequence]] = []
+
+    kept = _trainable_fitting(sequences, max_tokens)
+    units = shared_units(kept, max_tokens, min_saving) if share_prefixes else plain_units(kept)
+    rows: list[list[Piece]] = []
     room: list[int] = []  # free positions of each row
-    for sequence in _trainable_fitting(sequences, max_tokens):
-        index = next((i for i, free in enumerate(room) if free >= len(sequence)), len(rows))
+    for unit in units:  # largest first
+        size = sum(len(piece) for piece in unit)
+        index = next((i for i, free in enumerate(room) if free >= size), len(rows))
         if index == len(rows):
             rows.append([])
             room.append(max_tokens)
-        rows[index].append(sequence)
-        room[index] -= len(sequence)
+        offset = len(rows[index])
+        rows[index].extend(replace(piece, parent=piece.parent + offset if piece.parent >= 0 else -1) for piece in unit)
+        room[index] -= size
     return [_micro_batch([row]) for row in rows]
 
 
@@ -198,4 +222,4 @@ def pad(sequences: Sequence[TrainSequence], max_tokens: int) -> list[MicroBatch]
             batches[-1].append(sequence)  # the first sequence of a batch is its longest: L
         else:
             batches.append([sequence])
-    return [_micro_batch([[sequence] for sequence in batch]) for batch in batches]
+    return [_micro_batch([[Piece(sequence, 0, len(sequence))] for sequence in batch]) for batch in batches]

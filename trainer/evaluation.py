@@ -4,6 +4,12 @@ Each held-out task runs twice: once greedily (one session, temperature 0) and on
 k = eval_samples sessions at the task's own sampling. A session passes when its reward reaches
 pass_threshold. pass@k is the unbiased estimator 1 - C(n - c, k) / C(n, k) over the n sessions of
 which c passed (with n = k it is "any of the k passed").
+
+A run's evaluations (`polar eval --run-dir RUN`) live in its folder, one report per model:
+
+    RUN/eval/base.json      the base model, before training
+    RUN/eval/step-N.json    the checkpoint of step N
+    RUN/eval.png            greedy pass@1, sampled pass@1 and pass@k of each, beside reward.png
 """
 
 from __future__ import annotations
@@ -138,3 +144,48 @@ def evaluate(config: TrainerConfig, rollout_address: str, model: str, stop: thre
 def write_report(report: EvalReport, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(asdict(report), indent=2) + "\n")
+
+
+EVAL_FOLDER = "eval"
+EVAL_PLOT = "eval.png"
+BASE_LABEL = "base"
+# What a comparison shows of each report: (row name, report key).
+MEASURES = (("greedy pass@1", "greedy_pass_at_1"), ("sampled pass@1", "sampled_pass_at_1"), ("pass@k", "pass_at_k"))
+
+
+def label_step(label: str) -> int:
+    """The training step a report's label names: 0 for the base model, N for "step-N"."""
+    if label == BASE_LABEL:
+        return 0
+    prefix, _, number = label.partition("-")
+    if prefix != "step" or not number.isdigit():
+        raise ValueError(f"an evaluation is labelled {BASE_LABEL!r} or 'step-N', not {label!r}")
+    return int(number)
+
+
+def read_reports(folder: Path) -> list[tuple[str, dict]]:
+    """The reports of a run's eval folder as (label, report), base first, then by step."""
+    reports = []
+    for path in folder.glob("*.json"):
+        try:
+            step = label_step(path.stem)
+        except ValueError:
+            continue  # not one of the run's reports
+        reports.append((step, path.stem, json.loads(path.read_text())))
+    return [(label, report) for _, label, report in sorted(reports)]
+
+
+def comparison_table(reports: list[tuple[str, dict]]) -> str:
+    """One row per measure, one column per report (before training, then after each checkpoint)."""
+    k = {report["k"] for _, report in reports}
+    rows = [("", *(label for label, _ in reports))]
+    for name, key in MEASURES:
+        shown = name if key != "pass_at_k" else f"pass@{'/'.join(map(str, sorted(k)))}"
+        rows.append((shown, *(f"{report[key]:.3f}" for _, report in reports)))
+    rows.append(("held-out tasks", *(str(report["tasks"]) for _, report in reports)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:  # names to the left, numbers to the right
+        cells = [cell.rjust(width) if i else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths))]
+        lines.append("  " + "  ".join(cells))
+    return "\n".join(lines)

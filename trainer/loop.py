@@ -4,7 +4,8 @@
     make sure the inference servers serve the trainer's weights as its policy version
     for each step:
         submit dataset tasks so that groups_per_step + groups_ahead groups are in flight
-        take groups_per_step groups from the results stream (stale ones dropped or kept)
+        take groups_per_step groups from the results stream (stale ones dropped or kept), screen
+            them (trainer/screening.py: traces too long to train on, forks, failed calls, counted)
         advantages per group, token weights per trace, packed micro-batches
         updates_per_step optimizer updates
         Pause -> UpdateWeights -> Resume on every inference server: the next policy version
@@ -37,10 +38,12 @@ from polar.trajectory import BuiltTrace, verify, views_from_protos
 from polar.v1 import common_pb2
 from trainer import grpo
 from trainer.backends.base import Backend, UpdateAborted
-from trainer.batches import TrainSequence, pack
+from trainer.batches import pack
+from trainer.sequences import TrainSequence
 from trainer.checkpoints import TrainerState, check_compatible, checkpoints_folder, latest_checkpoint, save_checkpoint
-from trainer.metrics import PLOT_FILE, MetricsLog, Progress, plot_rewards
+from trainer.metrics import PLOT_FILE, MetricsLog, Progress, plot_rewards, sharing_metrics
 from trainer.rollout_link import Dataset, Group, GroupStream, RolloutLink
+from trainer.screening import Screener
 from trainer.weight_sync import InferencePool
 
 log = logging.getLogger("polar.trainer")
@@ -69,8 +72,10 @@ class StepBatch:
     sequences_per_update: list[list[TrainSequence]]
     degenerate_groups: int
     stale_dropped: list[str]  # task ids of the groups dropped as too stale
+    too_long_dropped: list[str]  # task ids of the groups left out for a trace too long to train on
     truncated_skipped: int
     max_staleness: int
+    counts: dict[str, int]  # what screening counted (trainer/screening.py)
 
 
 def stale_lag(group: Group, policy_version: int) -> int:
@@ -187,15 +192,19 @@ class TrainingRun:
             self.state = TrainerState(base_model=config.model, model=self.backend.model_description)
         self.model_name = model_name(config.model)
         self.rollout = RolloutLink(rollout_address)
-        self.inference = InferencePool(inference_addresses)
+        self.inference = InferencePool(
+            inference_addresses, transport=config.weight_sync, bucket_bytes=config.weight_sync_bucket_mb << 20
+        )
         self.started = time.monotonic()
         self.step_timings = {"wait": 0.0, "train": 0.0, "sync": 0.0}
+        self.progress = Progress(config.steps, out)
+        self.screener = Screener(config.max_tokens_per_microbatch, config.too_long, self._warn)
 
     # -- the run -------------------------------------------------------------------------------------
 
     def run(self) -> TrainerState:
         """Train until `steps` steps are done or `stop` is set; returns the final state."""
-        progress = Progress(self.config.steps, self.out)
+        progress = self.progress
         metrics = MetricsLog(self.run_dir, self.state.step)
         stream = None
         try:
@@ -231,6 +240,9 @@ class TrainingRun:
             self.rollout.close()
             self.inference.close()
         return self.state
+
+    def _warn(self, message: str) -> None:
+        self.progress.note(f"warning: {message}")
 
     def _align_inference(self, progress: Progress) -> None:
         """Make every inference server serve the trainer's weights as the trainer's policy version."""
@@ -283,6 +295,8 @@ class TrainingRun:
             check_faithful(group)
             lag_max = max(lag_max, stale_lag(group, self.state.policy_version))
             groups.append(group)
+        screened = self.screener.screen(groups)
+        groups = screened.groups
         rewards_per_group = [np.array([t.reward for t in g.trajectories], dtype=np.float64) for g in groups]
         advantages = [
             grpo.group_advantages(
@@ -308,8 +322,10 @@ class TrainingRun:
             sequences_per_update=per_update,
             degenerate_groups=int(degenerate),
             stale_dropped=dropped,
+            too_long_dropped=screened.dropped,
             truncated_skipped=skipped,
             max_staleness=lag_max,
+            counts=screened.counts,
         )
 
     def _step(self, stream: GroupStream, existing: set[str]) -> dict[str, float]:
@@ -323,7 +339,10 @@ class TrainingRun:
         loss_config = grpo.LossConfig(
             clip_low=config.clip_low, clip_high=config.clip_high, importance_cap=config.importance_cap, kl_coef=config.kl_coef
         )
-        micro_batches = [pack(sequences, config.max_tokens_per_microbatch) for sequences in batch.sequences_per_update]
+        micro_batches = [
+            pack(sequences, config.max_tokens_per_microbatch, share_prefixes=config.share_prefixes)
+            for sequences in batch.sequences_per_update
+        ]
         results = []
         with self.model_lock:
             # The policy at the start of the step, for the clipped ratio of every update after the first.
@@ -366,21 +385,25 @@ class TrainingRun:
             "policy_version": self.state.policy_version,
             "tokens": sum(r.tokens for r in results),
             "trainable_tokens": sum(r.trainable_tokens for r in results),
+            **sharing_metrics(micro_batches),
             "groups": len(batch.groups),
             "groups_degenerate": batch.degenerate_groups,
             "groups_stale_dropped": len(batch.stale_dropped),
             "traces_truncated_skipped": batch.truncated_skipped,
             "staleness_max": batch.max_staleness,
+            **batch.counts,
             "trajectories": batch.trajectories,
             "seconds_rollout_wait": seconds_wait,
             "seconds_train": seconds_train,
             "seconds_weight_sync": sync.seconds,
-            "weight_sync_gbps": sync.bytes_sent / sync.seconds / 1e9 if sync.seconds > 0 else 0.0,
+            "weight_sync_gbps": sync.gb_per_s,
+            "weight_sync_bytes": sync.bytes_sent,
+            "weight_sync_transport": sync.transport,  # "stream", "cuda_ipc", or both joined by "+"
             "elapsed_s": elapsed,
             # Which groups the step took (trained on, then dropped), so a resumed run can be checked
             # to neither repeat nor skip one.
             "task_ids": [g.trajectories[0].task_id for g in batch.groups],
-            "task_ids_dropped": batch.stale_dropped,
+            "task_ids_dropped": batch.stale_dropped + batch.too_long_dropped,
         }
         with self.status_lock:
             self.last_metrics = row

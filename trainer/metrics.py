@@ -4,6 +4,7 @@ the progress line.
     RUN_DIR/metrics.jsonl   one JSON object per step (STEP_KEYS at least), appended as steps end
     RUN_DIR/tensorboard/    the same numbers as TensorBoard scalars (tensorboardX event files)
     RUN_DIR/reward.png      reward and pass rate per step, drawn when the run ends
+    RUN_DIR/eval.png        held-out pass rates before and after training (`polar eval --run-dir`)
 
 A rerun that resumes from a checkpoint first drops the lines of steps after that checkpoint, so the
 file holds each step once, as the run that kept it computed it.
@@ -37,6 +38,19 @@ STEP_KEYS = (
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "reward.png"
 BAR_WIDTH = 24
+
+
+def sharing_metrics(micro_batches) -> dict[str, float]:
+    """What shared-prefix packing saved in a step's micro-batches (a list per update): tokens the
+    model computed, tokens the traces hold (a shared prompt counted once per trace), and the share of
+    those not computed."""
+    computed = sum(batch.tokens for batches in micro_batches for batch in batches)
+    represented = sum(batch.represented_tokens for batches in micro_batches for batch in batches)
+    return {
+        "tokens_computed": computed,
+        "tokens_represented": represented,
+        "prefix_saving": 1 - computed / represented if represented else 0.0,
+    }
 
 
 class MetricsLog:
@@ -102,6 +116,33 @@ def plot_rewards(rows: list[dict], out: Path) -> None:
     axes.grid(alpha=0.3)
     axes.legend(loc="lower right")
     axes.set_title("polar train")
+    figure.tight_layout()
+    figure.savefig(out)
+    plt.close(figure)
+
+
+def plot_evaluations(reports: list[tuple[str, dict]], out: Path) -> None:
+    """Greedy pass@1, sampled pass@1 and pass@k of each evaluation (label, report), as grouped bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from trainer.evaluation import MEASURES
+
+    figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
+    width = 0.8 / max(1, len(reports))
+    for index, (label, report) in enumerate(reports):
+        positions = [m + (index - (len(reports) - 1) / 2) * width for m in range(len(MEASURES))]
+        values = [report[key] for _, key in MEASURES]
+        bars = axes.bar(positions, values, width, label=label)
+        axes.bar_label(bars, fmt="%.2f", fontsize=8)
+    k = reports[-1][1]["k"] if reports else 0
+    axes.set_xticks(range(len(MEASURES)), [name if key != "pass_at_k" else f"pass@{k}" for name, key in MEASURES])
+    axes.set_ylim(0, 1.1)
+    axes.grid(axis="y", alpha=0.3)
+    axes.legend(loc="upper left")
+    axes.set_title("polar eval: held-out tasks")
     figure.tight_layout()
     figure.savefig(out)
     plt.close(figure)

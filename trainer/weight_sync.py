@@ -1,17 +1,29 @@
 """Weight sync: the trainer's new weights onto every inference server, as one policy version.
 
-    Pause (every server, at once)  ->  UpdateWeights (streamed, per server)  ->  Resume (every server)
+    Pause (every server)  ->  transfer, staged (per server)  ->  CommitWeights (every server)  ->  Resume
 
 Pause lets the generations in flight finish and holds new ones, so no call mixes two versions within
-one step; UpdateWeights streams each tensor in chunks straight from the backend's parameters (one
-tensor in flight at a time, never a second copy of the model); Resume runs whatever happened, so a
-failed update never leaves a server holding its calls. Every server must then report the same
-version, which becomes the trainer's policy version.
+one step. Each server then receives the whole update staged, not applied, over the fastest transport
+it offers (GetModelInfo's weight_transports):
+
+* "cuda_ipc" (a server on this machine with its engine on a GPU): the tensors pass through two GPU
+  buffers of `bucket_bytes` that the server opens by CUDA IPC handle: the trainer fills one while
+  the server copies the other out (UpdateWeightsShared), so the trainer's extra GPU memory is two
+  buckets whatever the model's size;
+* "stream" (any server): UpdateWeights, each tensor streamed in chunks straight from the backend's
+  parameters (one tensor in flight at a time, never a second copy of the model).
+
+Only when every server holds the update does each commit it, so a server that fails mid-transfer
+leaves all of them on the old version, and the trainer with an error naming it. Resume runs whatever
+happened, so a failed update never leaves a server holding its calls. Every server must then report
+the same version, which becomes the trainer's policy version.
 """
 
 from __future__ import annotations
 
+import queue
 import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,12 +32,17 @@ import grpc
 import torch
 
 from polar import credentials
+from polar.inference import sharing
+from polar.inference.weights import byte_view
 from polar.v1 import inference_pb2, inference_pb2_grpc
 
 CHUNK_BYTES = 16 * 1024 * 1024  # the inference server accepts messages up to 64 MiB
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 RPC_TIMEOUT_S = 600.0  # a pause waits for the longest generation in flight
 UPDATE_WEIGHTS = "/polar.v1.InferenceService/UpdateWeights"
 WIRE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+TRANSPORTS = ("auto", sharing.STREAM)
+_PIECE_ALIGN = 256  # bytes: each piece starts aligned in its bucket
 
 
 class WeightSyncError(RuntimeError):
@@ -33,13 +50,42 @@ class WeightSyncError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class ServerSync:
+    address: str
+    transport: str  # "cuda_ipc" or "stream"
+    seconds: float  # this server's transfer, staged
+
+
+@dataclass(frozen=True)
 class SyncResult:
     policy_version: int  # the version every server now serves
     bytes_sent: int  # per server
-    seconds: float
+    seconds: float  # the whole sync: pause, transfers, commits, resume
+    servers: tuple[ServerSync, ...] = ()
+
+    @property
+    def transport(self) -> str:
+        """The transports used, joined: "stream", "cuda_ipc", or "cuda_ipc+stream"."""
+        return "+".join(sorted({s.transport for s in self.servers}))
+
+    @property
+    def gb_per_s(self) -> float:
+        """Model bytes over the whole sync's seconds."""
+        return self.bytes_sent / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str) -> Iterator[bytes]:
+def _sized(named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    return named_tensors if isinstance(named_tensors, Sized) else list(named_tensors)
+
+
+def _wire(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
+    wire = WIRE_DTYPES.get(tensor.dtype)
+    if wire is None:
+        tensor, wire = tensor.float(), "float32"
+    return tensor.detach().contiguous(), wire
+
+
+def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str = "") -> Iterator[bytes]:
     """An UpdateWeights stream, serialized: the header, then each tensor's bytes in chunks of
     CHUNK_BYTES, each an UpdateWeightsRequest exactly as protobuf would serialize it.
 
@@ -49,17 +95,61 @@ def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str
     is listed first; a sized one (the megatron backend's, which gathers each layer from its ranks as
     it goes) is streamed as it comes, never held whole.
     """
-    tensors = named_tensors if isinstance(named_tensors, Sized) else list(named_tensors)
-    header = inference_pb2.WeightsHeader(tensor_count=len(tensors), note=note)
+    tensors = _sized(named_tensors)
+    header = inference_pb2.WeightsHeader(tensor_count=len(tensors), note=note, update_id=update_id)
     yield inference_pb2.UpdateWeightsRequest(header=header).SerializeToString()
     for name, tensor in tensors:
-        wire = WIRE_DTYPES.get(tensor.dtype)
-        if wire is None:
-            tensor, wire = tensor.float(), "float32"
-        data = memoryview(tensor.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy())  # no copy on the CPU
+        tensor, wire = _wire(tensor)
+        data = memoryview(byte_view(tensor.cpu()).numpy())  # no copy on the CPU
         shape = list(tensor.shape)
         for offset in range(0, max(len(data), 1), CHUNK_BYTES):
             yield chunk_message(name, wire, shape, offset, data[offset : offset + CHUNK_BYTES])
+
+
+def bucket_messages(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], buffers: Sequence[torch.Tensor], free: queue.Queue
+) -> Iterator[inference_pb2.UpdateWeightsSharedRequest]:
+    """The buckets of an UpdateWeightsShared stream: the tensors copied into `buffers` (flat uint8,
+    on the GPU), a tensor larger than the room left split into pieces. Before filling a buffer it
+    takes its index from `free` (None there ends the stream); each bucket is yielded once the copies
+    into it are done."""
+    index = free.get()
+    if index is None:
+        return
+    size = buffers[0].numel()
+    offset, pieces = 0, []
+    for name, tensor in named_tensors:
+        tensor, wire = _wire(tensor)
+        flat = byte_view(tensor)
+        done, total, shape = 0, flat.numel(), list(tensor.shape)
+        while True:
+            if offset >= size:
+                _copied(buffers[index])
+                yield _bucket(index, pieces)
+                index = free.get()
+                if index is None:
+                    return
+                offset, pieces = 0, []
+            length = min(size - offset, total - done)
+            buffers[index][offset : offset + length].copy_(flat[done : done + length], non_blocking=True)
+            pieces.append(inference_pb2.SharedTensor(name=name, dtype=wire, shape=shape, offset=offset, tensor_offset=done, size_bytes=length))
+            offset = min(size, -(-(offset + length) // _PIECE_ALIGN) * _PIECE_ALIGN)
+            done += length
+            if done == total:
+                break
+    if pieces:
+        _copied(buffers[index])
+        yield _bucket(index, pieces)
+
+
+def _copied(buffer: torch.Tensor) -> None:
+    """Wait for the copies into `buffer`: the server reads it as soon as it hears of the bucket."""
+    if buffer.device.type == "cuda":
+        torch.cuda.current_stream(buffer.device).synchronize()
+
+
+def _bucket(index: int, pieces: list) -> inference_pb2.UpdateWeightsSharedRequest:
+    return inference_pb2.UpdateWeightsSharedRequest(bucket=inference_pb2.SharedBucket(buffer=index, tensors=pieces))
 
 
 def chunk_message(name: str, dtype: str, shape: list[int], offset: int, data: memoryview) -> bytes:
@@ -88,12 +178,21 @@ def _varint(value: int) -> bytes:
 
 
 class InferencePool:
-    """gRPC channels to every inference server the trainer keeps in sync."""
+    """gRPC channels to every inference server the trainer keeps in sync.
 
-    def __init__(self, addresses: Sequence[str]) -> None:
+    `transport`: "auto" takes the fastest transport each server offers, "stream" always streams.
+    `bucket_bytes`: the size of each of the two GPU buffers of the "cuda_ipc" transport."""
+
+    def __init__(self, addresses: Sequence[str], transport: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if not addresses:
             raise ValueError("the trainer needs at least one inference server address")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"weight sync transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if bucket_bytes < _PIECE_ALIGN:
+            raise ValueError(f"bucket_bytes = {bucket_bytes} must be at least {_PIECE_ALIGN}")
         self.addresses = list(addresses)
+        self.transport = transport
+        self.bucket_bytes = bucket_bytes
         own = credentials.of_process()
         self._channels = [
             credentials.channel(a, credentials.TRAINER, own, options=[("grpc.max_send_message_length", -1)])
@@ -110,38 +209,105 @@ class InferencePool:
         for channel in self._channels:
             channel.close()
 
-    def model_infos(self, timeout_s: float = 60.0) -> list[inference_pb2.ModelInfo]:
-        """Each server's ModelInfo, waiting up to timeout_s for servers still starting."""
+    def model_infos(self, timeout_s: float = 60.0, wait_for_ready: bool = True) -> list[inference_pb2.ModelInfo]:
+        """Each server's ModelInfo, waiting up to timeout_s for servers still starting (or, without
+        wait_for_ready, failing at once for a server that is not there)."""
         infos = []
         for address, stub in zip(self.addresses, self._stubs):
             try:
-                response = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=True)
+                response = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
             except grpc.RpcError as exc:
                 raise WeightSyncError(f"inference server {address}: GetModelInfo failed: {exc.code().name}: {exc.details()}") from None
             infos.append(response.model_info)
         return infos
 
+    def transports(self) -> list[str]:
+        """The transport each server will be sent the weights over: "cuda_ipc" where the server
+        offers it, runs on this machine and this process has CUDA (and `transport` is "auto")."""
+        here = sharing.host_id()
+        ipc = self.transport == "auto" and bool(here) and torch.cuda.is_available()
+        return [
+            sharing.CUDA_IPC if ipc and sharing.CUDA_IPC in info.weight_transports and info.host_id == here else sharing.STREAM
+            for info in self.model_infos(wait_for_ready=False)
+        ]
+
     def push(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], note: str) -> SyncResult:
-        """Pause every server, stream `weights()` to each, resume them all; the new common version."""
+        """Pause every server, stage `weights()` on each, commit on all, resume them all; the new
+        common version. `weights()` is called once per server."""
         started = time.perf_counter()
+        update_id = uuid.uuid4().hex
+        chosen = self.transports()
+        transfers: list[ServerSync] = []
+        sent = 0
         with ThreadPoolExecutor(max_workers=len(self._stubs)) as pool:
             try:
                 list(pool.map(self._pause, self.addresses, self._stubs))
-                responses = []
-                for address, update in zip(self.addresses, self._updates):
+                for index, (address, transport) in enumerate(zip(self.addresses, chosen)):
+                    began = time.perf_counter()
                     try:
-                        responses.append(update(tensor_messages(weights(), note), timeout=RPC_TIMEOUT_S))
+                        if transport == sharing.CUDA_IPC:
+                            response = self._send_shared(index, weights(), note, update_id)
+                        else:
+                            response = self._updates[index](tensor_messages(weights(), note, update_id), timeout=RPC_TIMEOUT_S)
                     except grpc.RpcError as exc:
                         raise WeightSyncError(
-                            f"inference server {address} refused the weights: {exc.code().name}: {exc.details()}"
+                            f"inference server {address} failed while receiving the weights ({transport}): "
+                            f"{exc.code().name}: {exc.details()}; no server was switched to them"
                         ) from None
+                    sent = response.bytes_received
+                    transfers.append(ServerSync(address, transport, time.perf_counter() - began))
+                responses = list(pool.map(self._commit, self.addresses, self._stubs, [update_id] * len(self._stubs)))
             finally:
                 list(pool.map(self._resume, self.addresses, self._stubs))
         versions = {r.policy_version for r in responses}
         if len(versions) != 1:
             listed = ", ".join(f"{a}: {r.policy_version}" for a, r in zip(self.addresses, responses))
             raise WeightSyncError(f"inference servers disagree on the policy version after the update ({listed})")
-        return SyncResult(versions.pop(), responses[0].bytes_received, time.perf_counter() - started)
+        return SyncResult(versions.pop(), sent, time.perf_counter() - started, tuple(transfers))
+
+    def _send_shared(
+        self, index: int, weights: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str
+    ) -> inference_pb2.UpdateWeightsResponse:
+        """UpdateWeightsShared through two buffers: the server's answer for each bucket frees its
+        buffer for the next one."""
+        tensors = _sized(weights)
+        device = torch.device("cuda", torch.cuda.current_device())
+        buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        free: queue.Queue = queue.Queue()
+        for buffer_index in range(len(buffers)):
+            free.put(buffer_index)
+        header = inference_pb2.SharedWeightsHeader(
+            tensor_count=len(tensors), note=note, update_id=update_id, buffers=[sharing.share(b) for b in buffers]
+        )
+
+        failed: list[BaseException] = []
+
+        def requests() -> Iterator[inference_pb2.UpdateWeightsSharedRequest]:
+            yield inference_pb2.UpdateWeightsSharedRequest(header=header)
+            try:
+                with torch.cuda.device(device):  # gRPC reads this iterator on a thread of its own
+                    yield from bucket_messages(tensors, buffers, free)
+            except Exception as exc:  # gRPC would only cancel the call: the cause is raised below
+                failed.append(exc)
+                raise
+
+        stub = self._stubs[index]
+        result = None
+        try:
+            for response in stub.UpdateWeightsShared(requests(), timeout=RPC_TIMEOUT_S):
+                if response.WhichOneof("payload") == "result":
+                    result = response.result
+                else:
+                    free.put(response.buffer_released)
+        except grpc.RpcError:
+            if failed:
+                raise failed[0] from None
+            raise
+        finally:
+            free.put(None)  # a stream that ended early must not leave the iterator waiting
+        if result is None:
+            raise WeightSyncError(f"inference server {self.addresses[index]} ended the shared update without a result")
+        return result
 
     @staticmethod
     def _pause(address: str, stub) -> None:
@@ -149,6 +315,15 @@ class InferencePool:
             stub.Pause(inference_pb2.PauseRequest(), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise WeightSyncError(f"inference server {address}: Pause failed: {exc.code().name}: {exc.details()}") from None
+
+    @staticmethod
+    def _commit(address: str, stub, update_id: str) -> inference_pb2.UpdateWeightsResponse:
+        try:
+            return stub.CommitWeights(inference_pb2.CommitWeightsRequest(update_id=update_id), timeout=RPC_TIMEOUT_S).result
+        except grpc.RpcError as exc:
+            raise WeightSyncError(
+                f"inference server {address}: CommitWeights failed: {exc.code().name}: {exc.details()}"
+            ) from None
 
     @staticmethod
     def _resume(address: str, stub) -> None:

@@ -52,6 +52,7 @@ from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, To
 from gateway.dialects.base import (
     ByIdentity,
     CallInfo,
+    ContextLengthError,
     ConversationFold,
     Dialect,
     DialectRequest,
@@ -479,7 +480,10 @@ _TOO_LONG = "prompt is too long"
 def _error_body(error: GatewayError) -> tuple[int, dict[str, Any]]:
     status, kind = _ERRORS[error.kind]
     message = error.message
-    if error.kind is ErrorKind.CONTEXT_LENGTH and not message.startswith(_TOO_LONG):
+    if isinstance(error, ContextLengthError):
+        # The API's own words: Claude Code reads the gap between the two numbers to compact.
+        message = f"{_TOO_LONG}: {error.prompt_tokens} tokens > {error.max_prompt_tokens} maximum"
+    elif error.kind is ErrorKind.CONTEXT_LENGTH and not message.startswith(_TOO_LONG):
         message = f"{_TOO_LONG}: {message}"
     if error.param:
         message = f"{error.param}: {message}"

@@ -61,6 +61,26 @@ class GatewayError(Exception):
         self.param = param  # the offending field, in the dialect's own path notation, when known
 
 
+class ContextLengthError(GatewayError):
+    """The prompt does not fit the served model's context. Each dialect words it as its API does, with
+    both numbers: clients read them (Claude Code takes the gap from "N tokens > M maximum" to decide
+    how much history to drop)."""
+
+    def __init__(self, prompt_tokens: int, context_length: int) -> None:
+        super().__init__(
+            ErrorKind.CONTEXT_LENGTH,
+            f"the prompt is {prompt_tokens} tokens; the model's context holds {context_length} "
+            "(prompt and output together)",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.context_length = context_length
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt that fits: the context less the one token an output needs at least."""
+        return self.context_length - 1
+
+
 class FinishKind(enum.Enum):
     """Why the output ended, as the dialects need to tell it."""
 

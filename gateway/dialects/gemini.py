@@ -59,6 +59,7 @@ from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, To
 from gateway.dialects.base import (
     ByIdentity,
     CallInfo,
+    ContextLengthError,
     ConversationFold,
     Dialect,
     DialectRequest,
@@ -533,7 +534,12 @@ def _usage(usage: Usage) -> dict[str, int]:
 def _error_body(error: GatewayError) -> tuple[int, dict[str, Any]]:
     code, status = _ERROR_STATUS[error.kind]
     message = error.message
-    if error.kind is ErrorKind.CONTEXT_LENGTH and not message.startswith(_CONTEXT_MESSAGE):
+    if isinstance(error, ContextLengthError):
+        message = (
+            f"The input token count ({error.prompt_tokens}) exceeds the maximum number of tokens allowed "
+            f"({error.max_prompt_tokens})."
+        )
+    elif error.kind is ErrorKind.CONTEXT_LENGTH and not message.startswith(_CONTEXT_MESSAGE):
         message = f"{_CONTEXT_MESSAGE}: {message}"
     body: dict[str, Any] = {"code": code, "message": message, "status": status}
     if error.param is not None and code == 400:

@@ -32,7 +32,7 @@ sends `{"error": …}` and `[DONE]`.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -41,6 +41,7 @@ from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, To
 from gateway.dialects.base import (
     ByIdentity,
     CallInfo,
+    ContextLengthError,
     ConversationFold,
     Dialect,
     DialectRequest,
@@ -175,6 +176,7 @@ def named_tool_choice(name: str, tools: tuple[ToolSpec, ...], param: str) -> Too
     return ToolChoice.function(name)
 
 
+ContextWords = Callable[[ContextLengthError], tuple[str, str]]
 _ERRORS: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.INVALID_REQUEST: (400, "invalid_request_error"),
     ErrorKind.UNSUPPORTED_CONTENT: (400, "invalid_request_error"),
@@ -198,17 +200,28 @@ def error_code(error: GatewayError) -> str | None:
     }.get(error.kind)
 
 
-def error_object(error: GatewayError) -> dict[str, Any]:
+def context_words(error: ContextLengthError) -> tuple[str, str]:
+    """(message, param) of Chat Completions' context-length error, in the API's words."""
+    return (
+        f"This model's maximum context length is {error.context_length} tokens. However, your messages "
+        f"resulted in {error.prompt_tokens} tokens. Please reduce the length of the messages.",
+        "messages",
+    )
+
+
+def error_object(error: GatewayError, words: ContextWords = context_words) -> dict[str, Any]:
+    """`words`: how this API words a context-length error (Chat's and Responses' differ)."""
+    message, param = words(error) if isinstance(error, ContextLengthError) else (error.message, error.param)
     return {
-        "message": error.message,
+        "message": message,
         "type": _ERRORS[error.kind][1],
-        "param": error.param,
+        "param": param,
         "code": error_code(error),
     }
 
 
-def error_response(error: GatewayError) -> tuple[int, dict[str, Any]]:
-    return _ERRORS[error.kind][0], {"error": error_object(error)}
+def error_response(error: GatewayError, words: ContextWords = context_words) -> tuple[int, dict[str, Any]]:
+    return _ERRORS[error.kind][0], {"error": error_object(error, words)}
 
 
 # ---------------------------------------------------------------------------------------------------

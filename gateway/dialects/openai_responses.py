@@ -55,6 +55,7 @@ from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, To
 from gateway.dialects.base import (
     ByIdentity,
     CallInfo,
+    ContextLengthError,
     ConversationFold,
     Dialect,
     DialectRequest,
@@ -517,6 +518,15 @@ def _render(request: DialectRequest, result: DialectResult) -> dict[str, Any]:
 # Stream
 # ---------------------------------------------------------------------------------------------------
 
+def _context_words(error: ContextLengthError) -> tuple[str, str]:
+    """(message, param) of the Responses API's context-length error, in its words, with the numbers."""
+    return (
+        f"Your input exceeds the context window of this model ({error.prompt_tokens} tokens; the context "
+        f"holds {error.context_length}). Please adjust your input and try again.",
+        "input",
+    )
+
+
 # The error codes of a failed response: OpenAI's own where one fits, `context_length_exceeded` as Codex
 # matches it.
 _FAILED_CODES = {
@@ -677,10 +687,10 @@ class _StreamRenderer(StreamRenderer):
 
     def error(self, error: GatewayError) -> list[bytes]:
         code = _FAILED_CODES.get(error.kind, "server_error")
-        failure = {**error_object(error), "code": code}
+        failure = {**error_object(error, _context_words), "code": code}
         return [
             *self.start(),
-            self._event("error", code=error_code(error) or code, message=error.message, param=error.param),
+            self._event("error", code=error_code(error) or code, message=failure["message"], param=failure["param"]),
             self._event("response.failed", response=self._response("failed", error=failure)),
         ]
 
@@ -699,7 +709,7 @@ class OpenAIResponsesDialect(Dialect):
         return _StreamRenderer(request, call)
 
     def error_response(self, error: GatewayError) -> tuple[int, dict[str, Any]]:
-        return error_response(error)
+        return error_response(error, _context_words)
 
 
 DIALECT = OpenAIResponsesDialect()

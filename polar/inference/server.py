@@ -6,6 +6,11 @@ those become gRPC status codes here, and only here:
 
     InvalidRequest     -> INVALID_ARGUMENT        UnknownModel -> NOT_FOUND
     WeightUpdateError  -> INVALID_ARGUMENT        engine failure during Generate -> INTERNAL
+    NothingStaged, SharingUnavailable -> FAILED_PRECONDITION
+
+UpdateWeights takes its messages serialized (no request deserializer): `weights` reads each chunk's
+bytes straight out of the received message into the staged tensor, which protobuf's parse would
+first copy. UpdateWeightsShared reads the tensors from GPU buffers the trainer shares (`sharing`).
 
 `serve_inference` is `polar serve inference`: the engine an `InferenceConfig` names, served until
 SIGINT or SIGTERM. `start_server` also serves gRPC health checking and server reflection (so grpcurl can list and call
@@ -23,13 +28,16 @@ import grpc
 
 from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightUpdateError
 from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
-from polar.inference.weights import WeightsAssembler
+from polar.inference import sharing
+from polar.inference.weights import Staging, WeightsReceiver
 from polar.config import InferenceConfig
 from polar.credentials import NODE, OPERATOR, TRAINER
 from polar.grpc_server import bind, callers, new_server, serve_until_stopped, set_serving, status_codes
 from polar.read_ahead import ReadAhead
-from polar.service import Ready, ServiceError, join_host_port
+from polar.service import Ready, ServiceError, advertised, join_host_port
 from polar.v1 import inference_pb2, inference_pb2_grpc
+from polar.xds.member import UpstreamMember
+from polar.xds.snapshot import INFERENCE_CLUSTER
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].full_name
 # Weight chunks are sent whole in one message; 64 MiB leaves room for large chunks of big tensors.
@@ -87,6 +95,10 @@ class EngineFailed(RuntimeError):
     """The engine failed during a generation (INTERNAL); the message says how."""
 
 
+class NothingStaged(RuntimeError):
+    """CommitWeights named an update that is not staged (FAILED_PRECONDITION)."""
+
+
 # Who may call what (polar.credentials): only the trainer and the operator change the weights or
 # hold generation.
 @callers(
@@ -94,6 +106,8 @@ class EngineFailed(RuntimeError):
         "Generate": (NODE, TRAINER, OPERATOR),
         "GetModelInfo": (NODE, TRAINER, OPERATOR),
         "UpdateWeights": (TRAINER, OPERATOR),
+        "UpdateWeightsShared": (TRAINER, OPERATOR),
+        "CommitWeights": (TRAINER, OPERATOR),
         "Pause": (TRAINER, OPERATOR),
         "Resume": (TRAINER, OPERATOR),
     }
@@ -104,6 +118,8 @@ class EngineFailed(RuntimeError):
         InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
         WeightUpdateError: grpc.StatusCode.INVALID_ARGUMENT,
         EngineFailed: grpc.StatusCode.INTERNAL,
+        NothingStaged: grpc.StatusCode.FAILED_PRECONDITION,
+        sharing.SharingUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
     }
 )
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -112,6 +128,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._gate = AdmissionGate()
+        # Updates are received one at a time, into tensors kept between them: the stream's in host
+        # memory, the shared GPU buffers' on the engine's device.
+        self._receiving = asyncio.Lock()
+        self._staging = Staging("cpu")
+        self._device_staging: Staging | None = None
+        self._staged: tuple[str, dict, Staging, int] | None = None  # update id, tensors, their staging, bytes
 
     # Server-streaming.
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -132,38 +154,91 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         await context.write(last)
 
     # Client-streaming.
-    async def UpdateWeights(
-        self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsRequest], context: grpc.aio.ServicerContext
-    ) -> inference_pb2.UpdateWeightsResponse:
-        assembler = WeightsAssembler(self._engine.parameter_specs())
-        problem: WeightUpdateError | None = None
-        async for message in request_iterator:
+    async def UpdateWeights(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> inference_pb2.UpdateWeightsResponse:
+        async with self._receiving:
+            self._staged = None  # its tensors are the buffers this update is written into
+            receiver = WeightsReceiver(self._engine.parameter_specs(), self._staging)
+            problem: WeightUpdateError | None = None
+            async for raw in request_iterator:
+                if problem is not None:
+                    # A status sent while the client is still writing reaches grpc clients as INTERNAL
+                    # ("Internal error from Core"), not as ours; so the rest of a bad stream is read
+                    # and dropped unchecked, and the status goes out once the client is done.
+                    continue
+                try:
+                    receiver.add(raw)
+                except WeightUpdateError as exc:
+                    problem = exc
+            if problem is None:
+                try:
+                    tensors = receiver.finish()
+                except WeightUpdateError as exc:
+                    problem = exc
             if problem is not None:
-                # A status sent while the client is still writing reaches grpc clients as INTERNAL
-                # ("Internal error from Core"), not as ours; so the rest of a bad stream is read
-                # and dropped unchecked, and the status goes out once the client is done.
-                continue
+                raise problem
+            return await self._staged_or_applied(receiver, tensors, self._staging)
+
+    # Bidirectional-streaming.
+    async def UpdateWeightsShared(
+        self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsSharedRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.UpdateWeightsSharedResponse]:
+        device = sharing.require_cuda(self._engine.description.device)
+        async with self._receiving:
+            self._staged = None  # a staged update is replaced by this one, whatever its outcome
+            if self._device_staging is None:
+                self._device_staging = Staging(device)
+            receiver = WeightsReceiver(self._engine.parameter_specs(), self._device_staging)
+            buffers = None
             try:
-                assembler.add(message)
-            except WeightUpdateError as exc:
-                problem = exc
-                assembler = WeightsAssembler({})  # frees the bytes received so far
-        if problem is None:
-            try:
-                tensors = assembler.finish()
-            except WeightUpdateError as exc:
-                problem = exc
-        if problem is not None:
-            raise problem
+                async for message in request_iterator:
+                    if buffers is None:
+                        buffers = sharing.open_header(message, receiver, device)
+                        continue
+                    released = sharing.copy_bucket(message, receiver, buffers)
+                    yield inference_pb2.UpdateWeightsSharedResponse(buffer_released=released)
+                if buffers is None:
+                    raise WeightUpdateError("the stream ended without a header")
+                tensors = receiver.finish()
+            finally:
+                del buffers  # the trainer's memory is let go before the call ends
+            result = await self._staged_or_applied(receiver, tensors, self._device_staging)
+        yield inference_pb2.UpdateWeightsSharedResponse(result=result)
+
+    async def _staged_or_applied(
+        self, receiver: WeightsReceiver, tensors: dict, staging: Staging
+    ) -> inference_pb2.UpdateWeightsResponse:
+        if receiver.update_id:
+            self._staged = (receiver.update_id, tensors, staging, receiver.bytes_received)
+            return inference_pb2.UpdateWeightsResponse(
+                policy_version=self._engine.policy_version, bytes_received=receiver.bytes_received, staged=True
+            )
+        return await self._apply(tensors, staging, receiver.bytes_received)
+
+    async def _apply(self, tensors: dict, staging: Staging, bytes_received: int) -> inference_pb2.UpdateWeightsResponse:
         started = time.perf_counter()
-        # The stream is complete, so the update must land whole even if the client now leaves.
-        version = await asyncio.shield(self._engine.update_weights(tensors))
+        count = len(tensors)
+        # The update is complete, so it must land whole even if the client now leaves.
+        version = await asyncio.shield(self._engine.apply_staged(tensors))
+        staging.put_back(tensors)
         return inference_pb2.UpdateWeightsResponse(
             policy_version=version,
-            tensors_updated=len(tensors),
-            bytes_received=assembler.bytes_received,
+            tensors_updated=count,
+            bytes_received=bytes_received,
             apply_seconds=time.perf_counter() - started,
         )
+
+    # Unary.
+    async def CommitWeights(
+        self, request: inference_pb2.CommitWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.CommitWeightsResponse:
+        async with self._receiving:
+            staged = self._staged
+            if staged is None or not request.update_id or staged[0] != request.update_id:
+                held = f"update {staged[0]!r} is" if staged else "no update is"
+                raise NothingStaged(f"no complete update {request.update_id!r} is staged here ({held} staged)")
+            self._staged = None
+            _, tensors, staging, bytes_received = staged
+            return inference_pb2.CommitWeightsResponse(result=await self._apply(tensors, staging, bytes_received))
 
     # Unary.
     async def Pause(self, request: inference_pb2.PauseRequest, context: grpc.aio.ServicerContext) -> inference_pb2.PauseResponse:
@@ -196,6 +271,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 parameter_count=d.parameter_count,
                 paused=self._gate.paused,
                 tokenizer_path=d.tokenizer_path,
+                weight_transports=sharing.transports(d.device),
+                host_id=sharing.host_id(),
             )
         )
 
@@ -234,6 +311,7 @@ async def _relay(
             last = messages.pop() if messages else inference_pb2.GenerateResponse(policy_version=policy_version)
             last.finish_reason = end.finish_reason.value
             last.usage.prompt_tokens, last.usage.completion_tokens = end.prompt_tokens, end.completion_tokens
+            last.usage.cached_prompt_tokens = end.cached_prompt_tokens
             last.queue_seconds = end.queue_seconds
         for message in messages:
             await context.write(message)
@@ -263,10 +341,37 @@ async def _close(stream: AsyncIterator[TokenChunk | GenerationEnd]) -> None:
         await aclose()
 
 
+class _RawUpdateWeights:
+    """A server as the generated add_InferenceServiceServicer_to_server sees it: UpdateWeights
+    hands its servicer each message as the bytes received."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self._server.add_generic_rpc_handlers(tuple(_RawUpdateWeightsHandler(h) for h in handlers))
+
+    def add_registered_method_handlers(self, service: str, handlers) -> None:
+        self._server.add_registered_method_handlers(service, {name: _raw_if_update(name, h) for name, h in handlers.items()})
+
+
+class _RawUpdateWeightsHandler(grpc.GenericRpcHandler):
+    def __init__(self, handler: grpc.GenericRpcHandler) -> None:
+        self._handler = handler
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._handler.service(handler_call_details)
+        return None if handler is None else _raw_if_update(handler_call_details.method.rsplit("/", 1)[-1], handler)
+
+
+def _raw_if_update(name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    return handler._replace(request_deserializer=None) if name == "UpdateWeights" else handler
+
+
 async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
     """Start the engine and a gRPC server for it on `address`; return the server and bound port."""
     server, health_servicer = new_server(SERVICE_NAME, InferenceServicer.roles, max_message_bytes=MAX_MESSAGE_BYTES)
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), server)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), _RawUpdateWeights(server))
     port = bind(server, address, "the inference server")
     await engine.start()
     await set_serving(health_servicer, SERVICE_NAME)
@@ -274,12 +379,23 @@ async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[gr
     return server, port
 
 
-async def serve(engine: Engine, address: str, on_ready: Callable[[int], None] | None = None) -> None:
-    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine."""
+async def serve(
+    engine: Engine, address: str, on_ready: Callable[[int], None] | None = None, join: Callable[[int], UpstreamMember] | None = None
+) -> None:
+    """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine. With `join`
+    (the bound port -> its membership), the server joins Envoy's control plane once it serves, and
+    leaves it gracefully: draining until every Envoy acknowledged, its streams finishing, then gone."""
     server, port = await start_server(engine, address)
+    member = join(port) if join is not None else None
+    if member is not None:
+        await member.start()
 
     async def stop() -> None:
+        if member is not None:
+            await member.drain()
         await server.stop(STOP_GRACE_SECONDS)
+        if member is not None:
+            await member.leave()
         await engine.stop()
 
     await serve_until_stopped(port, stop, on_ready)
@@ -295,6 +411,7 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         device=config.device,
         dtype=config.dtype,
         max_batch_size=config.max_batch_size,
+        prefix_cache_mib=config.prefix_cache_mib,
         script=config.script,
         policy_version=config.policy_version,
         extra={"forced_replies": config.forced_replies} if config.forced_replies else {},
@@ -307,9 +424,12 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         where = f", {d.device}" if d.device else ""
         ready(port, f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}")
 
+    def join(port: int) -> UpstreamMember:
+        return UpstreamMember(config.rollout_address, INFERENCE_CLUSTER, advertised(config.host, port, config.advertise_address))
+
     try:
         engine = create_engine(config.engine, options)
-        await serve(engine, join_host_port(config.host, config.port), on_ready)
+        await serve(engine, join_host_port(config.host, config.port), on_ready, join if config.rollout_address else None)
     except ModuleNotFoundError as exc:
         # Engines import their framework lazily (vLLM only when started); vLLM lives in its own
         # environment because its pins would constrain the main one.

@@ -81,6 +81,14 @@ def fetch_status(stub: rollout_pb2_grpc.RolloutServiceStub, address: str, task_i
     return list(nodes), list(tasks)
 
 
+def fetch_upstreams(stub: rollout_pb2_grpc.RolloutServiceStub, address: str) -> rollout_pb2.ListUpstreamsResponse:
+    """Envoy's upstreams and the Envoys of the control plane, with the versions they acknowledged."""
+    try:
+        return stub.ListUpstreams(rollout_pb2.ListUpstreamsRequest(), timeout=30)
+    except grpc.RpcError as exc:
+        raise rpc_error("ListUpstreams", address, exc) from None
+
+
 def export_results(address: str, export: str, cursor: str = "", follow: bool = False) -> int:
     """`polar results`: released groups written to `export` ("-": stdout) as JSON Lines, one
     Trajectory each, starting after `cursor`; until caught up, or with `follow` until Ctrl-C or

@@ -8,6 +8,9 @@ Kinds (EvaluatorSpec.kind):
             POLAR_SESSION_ID, POLAR_INSTRUCTION and POLAR_WORKSPACE.
 - "python"  "module:function", imported and called as function(workspace: Path, task) in a worker
             thread; it returns the reward.
+- "swe"     a repository task graded by its tests (EvaluatorSpec.swe; polar/swe/evaluator.py): the
+            workspace's diff applied to a fresh runtime of the task, then the test patch, then the
+            tests; its counts, patch and log go into the session's metadata.
 
 An evaluator that crashes (killed by a signal, raises), runs past its timeout, or gives something
 that is not a finite number yields reward 0.0 and an `error` saying so; `evaluate` never raises for
@@ -22,11 +25,12 @@ import importlib
 import math
 import numbers
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from polar.rollout.process import OUTPUT_LIMIT, ProcessStartError, exit_text
-from polar.rollout.runtimes.base import Runtime
+from polar.rollout.runtimes.base import Runtime, RuntimeProvider
+from polar.swe.evaluator import evaluate_swe
 from polar.v1 import rollout_pb2
 
 DEFAULT_TIMEOUT_S = 300.0  # EvaluatorSpec.timeout_seconds 0 means this
@@ -39,6 +43,7 @@ class Evaluation:
     reward: float
     output: str  # the command's output, capped ("" for Python evaluators)
     error: str  # "" unless the evaluator failed (then reward is 0.0)
+    metadata: dict[str, str] = field(default_factory=dict)  # added to the trajectory's metadata
 
 
 class _EvaluatorFailed(Exception):
@@ -52,11 +57,26 @@ async def evaluate(
     task: rollout_pb2.Task,
     session_id: str,
     output_limit: int = OUTPUT_LIMIT,
+    provider: RuntimeProvider | None = None,
 ) -> Evaluation:
-    """The session's reward per spec (see the module docstring); failures become Evaluation.error."""
+    """The session's reward per spec (see the module docstring); failures become Evaluation.error.
+    `provider` makes the fresh runtime a "swe" evaluator grades in (the session runtime's kind)."""
     timeout_s = spec.timeout_seconds or DEFAULT_TIMEOUT_S
     if spec.kind == "":
         return Evaluation(0.0, "", "")
+    if spec.kind == "swe":
+        if provider is None:
+            return Evaluation(0.0, "", "a swe evaluator needs the runtime provider to make a fresh copy")
+        result = await evaluate_swe(
+            spec.swe,
+            runtime_spec=task.runtime,
+            workspace=runtime.workspace,
+            provider=provider,
+            name=session_id,
+            timeout_s=timeout_s,
+            output_limit=output_limit,
+        )
+        return Evaluation(result.reward, result.log, result.error, result.metadata)
     if spec.kind == "command":
         return await _evaluate_command(spec.command, runtime, task, session_id, timeout_s, output_limit)
     if spec.kind == "python":

@@ -276,15 +276,17 @@ def prepare_launch(
     spec: rollout_pb2.HarnessSpec, ctx: HarnessContext, *, search_path: str = "", in_container: bool = False
 ) -> Launch:
     """The argv and environment that run `spec` for this session; writes the CLI's config files into
-    ctx.home. `search_path` (os.pathsep-joined folders, e.g. node_modules/.bin) is searched for the
-    program before PATH; spec.env is applied last, so a task can override anything. `in_container`:
+    ctx.home. `search_path` (os.pathsep-joined folders, e.g. node_modules/.bin; relative ones to this
+    process's working folder, not the workspace the harness starts in) is searched for the program
+    before PATH; spec.env is applied last, so a task can override anything. `in_container`:
     the harness runs in a container (the docker runtime), whose image has its own programs and PATH,
     so the program is not looked up here and PATH is left to the image."""
     preset = PRESETS.get(spec.preset)
     if preset is None:
         raise HarnessError(f"unknown harness preset {spec.preset!r} (known: {', '.join(PRESETS)})")
     ctx = replace(ctx, base_url=ctx.base_url.rstrip("/"))  # every dialect appends its own path
-    path = os.pathsep.join(part for part in (search_path, os.environ.get("PATH", "")) if part)
+    folders = [os.path.abspath(folder) for folder in search_path.split(os.pathsep) if folder]
+    path = os.pathsep.join(part for part in (*folders, os.environ.get("PATH", "")) if part)
     argv, preset_env = preset.build(spec, ctx)
     env = session_environment(ctx, path)
     if in_container:

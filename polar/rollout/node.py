@@ -59,10 +59,12 @@ from polar.rollout.runtimes import (
     spec_key,
 )
 from polar.rollout.templates import parse_sources
-from polar.service import Ready
+from polar.service import Ready, advertised
 from polar.trajectory import build, session_trajectory, verify, views_from_protos
 from polar.trajectory.records import TrajectoryError
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from polar.xds.member import UpstreamMember
+from polar.xds.snapshot import GATEWAY_CLUSTER
 
 log = logging.getLogger("polar.rollout.node")
 
@@ -137,9 +139,12 @@ class Node:
         gateway: RunningGateway,
         providers: dict[str, RuntimeProvider],
         rollout_address: str,
+        gateway_address: str = "",
     ) -> None:
         self.config = config
         self.gateway = gateway
+        # Where other machines reach its GatewayService (told at registration); "" = the gateway's own.
+        self.gateway_address = gateway_address or gateway.grpc_address
         self.providers = providers
         self.rollout_address = rollout_address
         self.init = Pool("init", config.init_workers)
@@ -250,7 +255,7 @@ class Node:
     async def _register(self) -> None:
         response = await self._stub.RegisterNode(
             rollout_pb2.RegisterNodeRequest(
-                gateway_address=self.gateway.grpc_address,
+                gateway_address=self.gateway_address,
                 base_url=self.gateway.base_url,
                 pools=self.pool_status(),
                 runtimes=sorted(self.providers),
@@ -444,7 +449,7 @@ class Node:
             finally:
                 store.close(session.session_id)
             await self._calls_settled(session)
-        return HarnessRun(*_harness_outcome(result, task, len(session.records)), result)
+        return HarnessRun(*_harness_outcome(result, task, session.in_order()), result)
 
     async def _calls_settled(self, session: Session) -> None:
         """Wait until calls still in flight when the harness ended are recorded (they abort when
@@ -459,7 +464,7 @@ class Node:
     async def _postrun(self, run: SessionRun, runtime: Runtime | None, harness: HarnessRun) -> common_pb2.Trajectory:
         task = run.assignment.task
         outcome, errors = harness.outcome, [harness.error] if harness.error else []
-        reward, evaluator_output = 0.0, ""
+        reward, evaluator_output, evaluator_metadata = 0.0, "", {}
         harness_ran = harness.result is not None
         if runtime is not None and harness_ran and outcome != common_pb2.SESSION_OUTCOME_CANCELLED:
             evaluation = await evaluate(
@@ -468,8 +473,9 @@ class Node:
                 task=task,
                 session_id=run.session_id,
                 output_limit=self.config.harness_output_limit,
+                provider=self.providers.get(task.runtime.kind),
             )
-            reward, evaluator_output = evaluation.reward, evaluation.output
+            reward, evaluator_output, evaluator_metadata = evaluation.reward, evaluation.output, evaluation.metadata
             if evaluation.error:
                 errors.append(f"evaluator: {evaluation.error}")
                 if outcome == common_pb2.SESSION_OUTCOME_COMPLETED:
@@ -500,6 +506,7 @@ class Node:
         trajectory.min_policy_version = min(versions, default=0)
         trajectory.max_policy_version = max(versions, default=0)
         trajectory.metadata.update(task.metadata)
+        trajectory.metadata.update(evaluator_metadata)
         trajectory.attempt = run.assignment.attempt + 1
         if harness.result is not None:
             trajectory.harness_exit_code = harness.result.exit_code
@@ -574,10 +581,18 @@ def _too_large(trajectory: common_pb2.Trajectory, why: str) -> common_pb2.Trajec
     return failed
 
 
-def _harness_outcome(result: ProcessResult, task: rollout_pb2.Task, calls: int) -> tuple[int, str]:
-    """How RUNNING ended, from the harness's result: (SessionOutcome, error text)."""
+def _harness_outcome(
+    result: ProcessResult, task: rollout_pb2.Task, calls: list[common_pb2.CallRecord]
+) -> tuple[int, str]:
+    """How RUNNING ended, from the harness's result and its calls (in arrival order): (SessionOutcome,
+    error text)."""
     if result.cancelled:
         return common_pb2.SESSION_OUTCOME_CANCELLED, "cancelled while the harness ran"
+    if calls and calls[0].prompt_too_long:
+        # Nothing the harness does after it can fit: a compaction needs a call over the same prompt.
+        # The session fails with the reason, never as a harness crash, and is not dispatched again.
+        reason = f"the harness's first call does not fit the model's context: {calls[0].error}"
+        return common_pb2.SESSION_OUTCOME_FAILED, reason
     if result.timed_out:
         return (
             common_pb2.SESSION_OUTCOME_TIMED_OUT,
@@ -585,7 +600,7 @@ def _harness_outcome(result: ProcessResult, task: rollout_pb2.Task, calls: int) 
         )
     if result.exit_code != 0:
         return common_pb2.SESSION_OUTCOME_FAILED, f"the harness exited with code {result.exit_code}"
-    if calls == 0:
+    if not calls:
         return common_pb2.SESSION_OUTCOME_FAILED, "the harness exited without calling the model"
     return common_pb2.SESSION_OUTCOME_COMPLETED, ""
 
@@ -597,6 +612,7 @@ class RunningNode:
     gateway: RunningGateway
     node: Node
     _work_root: Path | None  # a temporary folder of our own, removed at stop
+    member: UpstreamMember | None = None  # the gateway's HTTP listener in Envoy's control plane
     _stopped: bool = False
 
     async def stop(self) -> None:
@@ -605,6 +621,8 @@ class RunningNode:
             return
         self._stopped = True
         await self.node.stop()
+        if self.member is not None:
+            await self.member.leave()
         await self.gateway.stop()
         if self._work_root is not None:
             shutil.rmtree(self._work_root, ignore_errors=True)
@@ -635,6 +653,7 @@ async def start_node(
             shutil.rmtree(own_root, ignore_errors=True)
         raise
     pools: Node | None = None
+    member: UpstreamMember | None = None
     try:
         # The docker check may wait seconds for an engine, the namespace probe a second: off the event
         # loop, which serves the gateway.
@@ -648,17 +667,24 @@ async def start_node(
             isolation,
             running_gateway.base_url,
         )
-        pools = Node(node, running_gateway, providers, node.rollout_address)
+        host = gateway.advertise_host or gateway.host
+        pools = Node(node, running_gateway, providers, node.rollout_address, advertised(host, running_gateway.grpc_port))
         pools.start()
         await pools.wait_registered(register_timeout_s)
+        # The Envoy in front of this node (its node id) learns the gateway from the control plane.
+        http = advertised(host, running_gateway.http_port)
+        member = UpstreamMember(node.rollout_address, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id)
+        await member.start()
     except BaseException:
         if pools is not None:
             await pools.stop()
+        if member is not None:
+            await member.leave()
         await running_gateway.stop()
         if own_root is not None:
             shutil.rmtree(own_root, ignore_errors=True)
         raise
-    return RunningNode(running_gateway, pools, own_root)
+    return RunningNode(running_gateway, pools, own_root, member)
 
 
 async def serve_node(

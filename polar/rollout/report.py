@@ -100,6 +100,25 @@ def render_nodes(nodes: Sequence[rollout_pb2.NodeInfo]) -> str:
     return _columns(rows, left=(0, len(header) - 1))
 
 
+def render_envoys(response: rollout_pb2.ListUpstreamsResponse) -> str:
+    """Envoy's upstreams (cluster, address, draining) and each Envoy with the endpoint version it
+    acknowledged against the version it should have; "" when there are none."""
+    if not response.upstreams and not response.envoys:
+        return ""  # a rollout server no Envoy or upstream has used: nothing to show
+    rows = [["upstream", "cluster", "address", "envoy", "state", "heartbeat"]]
+    for u in response.upstreams:
+        state = "draining" if u.draining else "serving"
+        rows.append([u.upstream_id, u.cluster, u.address, u.envoy or "every", state, f"{u.seconds_since_heartbeat:.1f} s ago"])
+    lines = [_columns(rows, left=tuple(range(6)))] if response.upstreams else []
+    rows = [["envoy", "connected", "version", "acknowledged", "rejected"]]
+    for e in response.envoys:
+        rejected = f"{e.rejected_version}: {e.error}" if e.rejected_version else "-"
+        rows.append([e.node_id, "yes" if e.connected else "no", e.version or "-", e.acknowledged_version or "-", rejected])
+    if response.envoys:
+        lines.append(_columns(rows, left=tuple(range(5))))
+    return "\n\n".join(lines)
+
+
 def trajectory_lines(zstd_trajectories: bytes) -> list[str]:
     """A WatchResults batch as JSON Lines: one Trajectory per line in the protobuf JSON mapping.
     Fields at their zero value are written too, so a reward of 0 reads as 0, not as a missing key."""

@@ -44,6 +44,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from polar import codec
 from polar.config import RolloutConfig
@@ -75,6 +76,8 @@ from polar.rollout.store import (
 from polar.rollout.tasks import normalize_task, validate_task
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
+from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret
+from polar.xds.server import ADS_SERVICE, AggregatedDiscovery
 
 log = logging.getLogger("polar.rollout.server")
 
@@ -121,6 +124,9 @@ class _Wakeup:
         "RegisterNode": (NODE,),
         "Heartbeat": (NODE,),
         "ReportSession": (NODE,),
+        "JoinUpstream": (NODE,),
+        "UpstreamHeartbeat": (NODE,),
+        "ListUpstreams": (TRAINER, OPERATOR),
     }
 )
 @status_codes(
@@ -131,6 +137,8 @@ class _Wakeup:
         UnknownSession: grpc.StatusCode.NOT_FOUND,
         NotAssigned: grpc.StatusCode.FAILED_PRECONDITION,
         WrongNodeSecret: grpc.StatusCode.PERMISSION_DENIED,
+        BadUpstream: grpc.StatusCode.INVALID_ARGUMENT,
+        WrongUpstreamSecret: grpc.StatusCode.PERMISSION_DENIED,
     }
 )
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -144,6 +152,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         node_timeout_s: float,
         max_attempts: int,
         max_request_bytes: int = MAX_MESSAGE_BYTES,
+        membership: Membership | None = None,
     ) -> None:
         if not heartbeat_interval_s > 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
@@ -170,15 +179,19 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._heard: dict[str, float] = {node.node_id: started for node in store.nodes()}
         self._stopping = False
         self._reaper: asyncio.Task | None = None
+        # Envoy's upstreams and the control plane that tells Envoy about them (polar.xds).
+        self.membership = membership or Membership(heartbeat_interval_s, node_timeout_s)
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_dead_nodes(), name="rollout dead-node check")
+        self.membership.start()
 
     async def stop(self) -> None:
         """End waiting heartbeats (empty responses) and result streams (UNAVAILABLE) now."""
         self._stopping = True
         self._wake_polls()
         self._releases.wake()
+        await self.membership.stop()
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -389,6 +402,59 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._releases.wake()
         return rollout_pb2.ReportSessionResponse()
 
+    # Unary.
+    async def JoinUpstream(
+        self, request: rollout_pb2.JoinUpstreamRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.JoinUpstreamResponse:
+        upstream_id, secret = await self.membership.join(request.cluster, request.address, request.envoy)
+        return rollout_pb2.JoinUpstreamResponse(
+            upstream_id=upstream_id, upstream_secret=secret, heartbeat_interval_seconds=self._interval
+        )
+
+    # Unary.
+    async def UpstreamHeartbeat(
+        self, request: rollout_pb2.UpstreamHeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.UpstreamHeartbeatResponse:
+        try:
+            member = self.membership.heartbeat(
+                request.upstream_id, request.upstream_secret, draining=request.draining, gone=request.gone
+            )
+        except UnknownUpstream:
+            return rollout_pb2.UpstreamHeartbeatResponse(rejoin=not request.gone)
+        drained = member is None or (member.upstream.draining and self.membership.drain_acknowledged(member))
+        return rollout_pb2.UpstreamHeartbeatResponse(drain_acknowledged=drained)
+
+    # Unary.
+    async def ListUpstreams(
+        self, request: rollout_pb2.ListUpstreamsRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.ListUpstreamsResponse:
+        membership = self.membership
+        discovery = membership.discovery
+        return rollout_pb2.ListUpstreamsResponse(
+            upstreams=[
+                rollout_pb2.UpstreamInfo(
+                    upstream_id=m.upstream_id,
+                    cluster=m.upstream.cluster,
+                    address=join_host_port(m.upstream.host, m.upstream.port),
+                    envoy=m.upstream.envoy,
+                    draining=m.upstream.draining,
+                    seconds_since_heartbeat=membership.seconds_since_heartbeat(m),
+                )
+                for m in membership.members()
+            ],
+            envoys=[
+                rollout_pb2.EnvoyInfo(
+                    node_id=envoy.node_id,
+                    connected=envoy.connected,
+                    version=snapshot.version if (snapshot := discovery.cache.current(envoy.node_id)) else "",
+                    acknowledged_version=envoy.endpoints().accepted,
+                    rejected_version=envoy.endpoints().rejected,
+                    error=envoy.endpoints().error,
+                )
+                for envoy in discovery.envoys.values()
+            ],
+        )
+
     def _wake_polls(self) -> None:
         for poll in self._polls.values():
             poll.set()
@@ -529,8 +595,11 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
             RolloutServicer.roles,
             max_message_bytes=MAX_MESSAGE_BYTES,
             max_receive_bytes=config.max_request_bytes,
+            more_services={ADS_SERVICE: AggregatedDiscovery.roles},
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
+        # Envoy's control plane on the same port: Envoys point their ADS stream here.
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer.membership.discovery, server)
         port = bind(server, join_host_port(config.host, config.port), "the rollout server")
         await set_serving(health_servicer, SERVICE_NAME)
         await server.start()

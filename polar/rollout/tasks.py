@@ -24,7 +24,7 @@ from polar.v1 import common_pb2, rollout_pb2
 
 HARNESS_PRESETS = ("codex", "claude-code", "qwen-code", "gemini-cli", "pi", "command")
 RUNTIME_KINDS = ("local", "docker")
-EVALUATOR_KINDS = ("", "command", "python")  # "": no evaluator, every reward is 0
+EVALUATOR_KINDS = ("", "command", "python", "swe")  # "": no evaluator, every reward is 0
 # A GRPO group is a handful to a few hundred sessions; a typo's billion would be one endless transaction.
 MAX_GROUP_SIZE = 4096
 
@@ -134,6 +134,8 @@ def _runtime_problems(runtime: rollout_pb2.RuntimeSpec) -> list[str]:
         return ["runtime.image: required for runtime 'docker'"]
     if (problem := template_problem(runtime.template)) is not None:
         return [f"runtime.template: {problem}"]
+    if runtime.revision and not runtime.template:
+        return ["runtime.revision: needs a template (the git repository to check it out of)"]
     return []
 
 
@@ -146,6 +148,11 @@ def _evaluator_problems(evaluator: rollout_pb2.EvaluatorSpec) -> list[str]:
         problems.append("evaluator.command: required for evaluator 'command'")
     elif evaluator.kind == "python" and not PYTHON_CALLABLE.fullmatch(evaluator.callable):
         problems.append(f"evaluator.callable: {evaluator.callable!r} is not 'module:function'")
+    elif evaluator.kind == "swe":
+        if not evaluator.swe.fail_to_pass:
+            problems.append("evaluator.swe.fail_to_pass: at least one test is required")
+        if evaluator.swe.max_patch_bytes < 0:
+            problems.append(f"evaluator.swe.max_patch_bytes: must be >= 0, got {evaluator.swe.max_patch_bytes}")
     problems += _timeout_problems("evaluator.timeout_seconds", evaluator.timeout_seconds)
     return problems
 

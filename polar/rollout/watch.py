@@ -11,7 +11,7 @@ import sys
 import time
 
 from polar.rollout import client
-from polar.rollout.report import render_nodes, render_status, render_totals, summarize
+from polar.rollout.report import render_envoys, render_nodes, render_status, render_totals, summarize
 from polar.v1 import rollout_pb2, rollout_pb2_grpc
 
 
@@ -22,7 +22,8 @@ def show_status(address: str, task_ids: list[str], watch: bool = False, interval
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
         nodes, tasks = client.fetch_status(stub, address, task_ids)
         if not watch:
-            print(render_nodes(nodes) + "\n\n" + render_status(tasks))
+            envoys = render_envoys(client.fetch_upstreams(stub, address))
+            print("\n\n".join(part for part in (render_nodes(nodes), envoys, render_status(tasks)) if part))
             return
         last_totals = None
         while True:

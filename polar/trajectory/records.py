@@ -122,6 +122,7 @@ class CallView:
     error: str = ""
     sampling: SamplingParams | None = None  # None: not recorded
     truncated: bool = False  # cut by a limit the harness did not ask for (task's cap or budget, context)
+    prompt_too_long: bool = False  # refused before generation: the prompt does not fit the context
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt_ids", _frozen_array(self.prompt_ids, np.int32))
@@ -158,6 +159,7 @@ class CallView:
             error=record.error,
             sampling=_sampling_of(record),
             truncated=record.truncated,
+            prompt_too_long=record.prompt_too_long,
         )
 
     def to_proto(self, session_id: str = "") -> common_pb2.CallRecord:
@@ -177,6 +179,7 @@ class CallView:
             timings=common_pb2.CallTimings(received_unix_ns=self.received_unix_ns),
             sampling=self.sampling.to_proto() if self.sampling is not None else None,
             truncated=self.truncated,
+            prompt_too_long=self.prompt_too_long,
         )
 
 

@@ -95,15 +95,17 @@ class CallTimings(_message.Message):
     def __init__(self, received_unix_ns: _Optional[int] = ..., render_seconds: _Optional[float] = ..., time_to_first_token_seconds: _Optional[float] = ..., total_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class CallRecord(_message.Message):
-    __slots__ = ("call_id", "session_id", "dialect", "model", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "finish_reason", "policy_version", "last_policy_version", "extends_call_id", "forced_token_count", "aborted", "error", "request_body", "response_body", "timings", "usage", "stream", "sampling", "truncated", "bodies_dropped")
+    __slots__ = ("call_id", "session_id", "dialect", "model", "prompt_token_ids", "sampled_token_ids", "sampled_logprobs", "finish_reason", "policy_version", "last_policy_version", "extends_call_id", "forced_token_count", "aborted", "error", "request_body", "response_body", "timings", "usage", "stream", "sampling", "truncated", "bodies_dropped", "prompt_too_long")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     DIALECT_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,7 @@ class CallRecord(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     BODIES_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOO_LONG_FIELD_NUMBER: _ClassVar[int]
     call_id: str
     session_id: str
     dialect: Dialect
@@ -148,7 +151,8 @@ class CallRecord(_message.Message):
     sampling: SamplingParams
     truncated: bool
     bodies_dropped: bool
-    def __init__(self, call_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dialect: _Optional[_Union[Dialect, str]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., extends_call_id: _Optional[str] = ..., forced_token_count: _Optional[int] = ..., aborted: _Optional[bool] = ..., error: _Optional[str] = ..., request_body: _Optional[bytes] = ..., response_body: _Optional[bytes] = ..., timings: _Optional[_Union[CallTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stream: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., truncated: _Optional[bool] = ..., bodies_dropped: _Optional[bool] = ...) -> None: ...
+    prompt_too_long: bool
+    def __init__(self, call_id: _Optional[str] = ..., session_id: _Optional[str] = ..., dialect: _Optional[_Union[Dialect, str]] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., sampled_logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., policy_version: _Optional[int] = ..., last_policy_version: _Optional[int] = ..., extends_call_id: _Optional[str] = ..., forced_token_count: _Optional[int] = ..., aborted: _Optional[bool] = ..., error: _Optional[str] = ..., request_body: _Optional[bytes] = ..., response_body: _Optional[bytes] = ..., timings: _Optional[_Union[CallTimings, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., stream: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., truncated: _Optional[bool] = ..., bodies_dropped: _Optional[bool] = ..., prompt_too_long: _Optional[bool] = ...) -> None: ...
 
 class TraceSegment(_message.Message):
     __slots__ = ("kind", "start", "end", "call_id", "sampling")

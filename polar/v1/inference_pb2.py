@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from polar.v1 import common_pb2 as polar_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18polar/v1/inference.proto\x12\x08polar.v1\x1a\x15polar/v1/common.proto\"\xb0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.polar.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12 \n\x18message_interval_seconds\x18\x06 \x01(\x01\"\xb5\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.polar.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.polar.v1.Usage\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\"t\n\x14UpdateWeightsRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.polar.v1.WeightsHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.polar.v1.TensorChunkH\x00\x42\t\n\x07payload\"3\n\rWeightsHeader\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x05\x12\x0c\n\x04note\x18\x02 \x01(\t\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"w\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x17\n\x0ftensors_updated\x18\x02 \x01(\x05\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\"\x0e\n\x0cPauseRequest\" \n\rPauseResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x05\"\x0f\n\rResumeRequest\"\"\n\x0eResumeResponse\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x05\"\x15\n\x13GetModelInfoRequest\"?\n\x14GetModelInfoResponse\x12\'\n\nmodel_info\x18\x01 \x01(\x0b\x32\x13.polar.v1.ModelInfo\"\xaf\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x65nd_of_turn_token_id\x18\x04 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x05 \x01(\x05\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x17\n\x0fparameter_count\x18\x0c \x01(\x03\x12\x0e\n\x06paused\x18\r \x01(\x08\x12\x16\n\x0etokenizer_path\x18\x0e \x01(\t2\xf1\x02\n\x10InferenceService\x12\x43\n\x08Generate\x12\x19.polar.v1.GenerateRequest\x1a\x1a.polar.v1.GenerateResponse0\x01\x12R\n\rUpdateWeights\x12\x1e.polar.v1.UpdateWeightsRequest\x1a\x1f.polar.v1.UpdateWeightsResponse(\x01\x12\x38\n\x05Pause\x12\x16.polar.v1.PauseRequest\x1a\x17.polar.v1.PauseResponse\x12;\n\x06Resume\x12\x17.polar.v1.ResumeRequest\x1a\x18.polar.v1.ResumeResponse\x12M\n\x0cGetModelInfo\x12\x1d.polar.v1.GetModelInfoRequest\x1a\x1e.polar.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18polar/v1/inference.proto\x12\x08polar.v1\x1a\x15polar/v1/common.proto\"\xb0\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.polar.v1.SamplingParams\x12\x12\n\nsession_id\x18\x05 \x01(\t\x12 \n\x18message_interval_seconds\x18\x06 \x01(\x01\"\xb5\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.polar.v1.FinishReason\x12\x1e\n\x05usage\x18\x05 \x01(\x0b\x32\x0f.polar.v1.Usage\x12\x15\n\rqueue_seconds\x18\x06 \x01(\x01\"t\n\x14UpdateWeightsRequest\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x17.polar.v1.WeightsHeaderH\x00\x12&\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x15.polar.v1.TensorChunkH\x00\x42\t\n\x07payload\"F\n\rWeightsHeader\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x05\x12\x0c\n\x04note\x18\x02 \x01(\t\x12\x11\n\tupdate_id\x18\x03 \x01(\t\"W\n\x0bTensorChunk\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\x87\x01\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x17\n\x0ftensors_updated\x18\x02 \x01(\x05\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x03\x12\x15\n\rapply_seconds\x18\x04 \x01(\x01\x12\x0e\n\x06staged\x18\x05 \x01(\x08\")\n\x14\x43ommitWeightsRequest\x12\x11\n\tupdate_id\x18\x01 \x01(\t\"H\n\x15\x43ommitWeightsResponse\x12/\n\x06result\x18\x01 \x01(\x0b\x32\x1f.polar.v1.UpdateWeightsResponse\"\x82\x01\n\x1aUpdateWeightsSharedRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.polar.v1.SharedWeightsHeaderH\x00\x12(\n\x06\x62ucket\x18\x02 \x01(\x0b\x32\x16.polar.v1.SharedBucketH\x00\x42\t\n\x07payload\"v\n\x13SharedWeightsHeader\x12\x14\n\x0ctensor_count\x18\x01 \x01(\x05\x12\x0c\n\x04note\x18\x02 \x01(\t\x12\x11\n\tupdate_id\x18\x03 \x01(\t\x12(\n\x07\x62uffers\x18\x04 \x03(\x0b\x32\x17.polar.v1.CudaIpcBuffer\"\xc4\x01\n\rCudaIpcBuffer\x12\x0e\n\x06\x64\x65vice\x18\x01 \x01(\x05\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x12\n\nsize_bytes\x18\x03 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x1a\n\x12ref_counter_handle\x18\x05 \x01(\x0c\x12\x1a\n\x12ref_counter_offset\x18\x06 \x01(\x03\x12\x14\n\x0c\x65vent_handle\x18\x07 \x01(\x0c\x12\x1b\n\x13\x65vent_sync_required\x18\x08 \x01(\x08\"G\n\x0cSharedBucket\x12\x0e\n\x06\x62uffer\x18\x01 \x01(\x05\x12\'\n\x07tensors\x18\x02 \x03(\x0b\x32\x16.polar.v1.SharedTensor\"u\n\x0cSharedTensor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x0e\n\x06offset\x18\x04 \x01(\x03\x12\x15\n\rtensor_offset\x18\x05 \x01(\x03\x12\x12\n\nsize_bytes\x18\x06 \x01(\x03\"v\n\x1bUpdateWeightsSharedResponse\x12\x19\n\x0f\x62uffer_released\x18\x01 \x01(\x05H\x00\x12\x31\n\x06result\x18\x02 \x01(\x0b\x32\x1f.polar.v1.UpdateWeightsResponseH\x00\x42\t\n\x07payload\"\x0e\n\x0cPauseRequest\" \n\rPauseResponse\x12\x0f\n\x07\x64rained\x18\x01 \x01(\x05\"\x0f\n\rResumeRequest\"\"\n\x0eResumeResponse\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x05\"\x15\n\x13GetModelInfoRequest\"?\n\x14GetModelInfoResponse\x12\'\n\nmodel_info\x18\x01 \x01(\x0b\x32\x13.polar.v1.ModelInfo\"\xdb\x02\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\x05\x12\x15\n\reos_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x65nd_of_turn_token_id\x18\x04 \x01(\x05\x12\x14\n\x0c\x62os_token_id\x18\x05 \x01(\x05\x12\x15\n\rchat_template\x18\x06 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x0e\n\x06\x65ngine\x18\t \x01(\t\x12\r\n\x05\x64type\x18\n \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0b \x01(\t\x12\x17\n\x0fparameter_count\x18\x0c \x01(\x03\x12\x0e\n\x06paused\x18\r \x01(\x08\x12\x16\n\x0etokenizer_path\x18\x0e \x01(\t\x12\x19\n\x11weight_transports\x18\x0f \x03(\t\x12\x0f\n\x07host_id\x18\x10 \x01(\t2\xab\x04\n\x10InferenceService\x12\x43\n\x08Generate\x12\x19.polar.v1.GenerateRequest\x1a\x1a.polar.v1.GenerateResponse0\x01\x12R\n\rUpdateWeights\x12\x1e.polar.v1.UpdateWeightsRequest\x1a\x1f.polar.v1.UpdateWeightsResponse(\x01\x12\x66\n\x13UpdateWeightsShared\x12$.polar.v1.UpdateWeightsSharedRequest\x1a%.polar.v1.UpdateWeightsSharedResponse(\x01\x30\x01\x12P\n\rCommitWeights\x12\x1e.polar.v1.CommitWeightsRequest\x1a\x1f.polar.v1.CommitWeightsResponse\x12\x38\n\x05Pause\x12\x16.polar.v1.PauseRequest\x1a\x17.polar.v1.PauseResponse\x12;\n\x06Resume\x12\x17.polar.v1.ResumeRequest\x1a\x18.polar.v1.ResumeResponse\x12M\n\x0cGetModelInfo\x12\x1d.polar.v1.GetModelInfoRequest\x1a\x1e.polar.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,25 +39,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=424
   _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=540
   _globals['_WEIGHTSHEADER']._serialized_start=542
-  _globals['_WEIGHTSHEADER']._serialized_end=593
-  _globals['_TENSORCHUNK']._serialized_start=595
-  _globals['_TENSORCHUNK']._serialized_end=682
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=684
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=803
-  _globals['_PAUSEREQUEST']._serialized_start=805
-  _globals['_PAUSEREQUEST']._serialized_end=819
-  _globals['_PAUSERESPONSE']._serialized_start=821
-  _globals['_PAUSERESPONSE']._serialized_end=853
-  _globals['_RESUMEREQUEST']._serialized_start=855
-  _globals['_RESUMEREQUEST']._serialized_end=870
-  _globals['_RESUMERESPONSE']._serialized_start=872
-  _globals['_RESUMERESPONSE']._serialized_end=906
-  _globals['_GETMODELINFOREQUEST']._serialized_start=908
-  _globals['_GETMODELINFOREQUEST']._serialized_end=929
-  _globals['_GETMODELINFORESPONSE']._serialized_start=931
-  _globals['_GETMODELINFORESPONSE']._serialized_end=994
-  _globals['_MODELINFO']._serialized_start=997
-  _globals['_MODELINFO']._serialized_end=1300
-  _globals['_INFERENCESERVICE']._serialized_start=1303
-  _globals['_INFERENCESERVICE']._serialized_end=1672
+  _globals['_WEIGHTSHEADER']._serialized_end=612
+  _globals['_TENSORCHUNK']._serialized_start=614
+  _globals['_TENSORCHUNK']._serialized_end=701
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=704
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=839
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=841
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=882
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_start=884
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_end=956
+  _globals['_UPDATEWEIGHTSSHAREDREQUEST']._serialized_start=959
+  _globals['_UPDATEWEIGHTSSHAREDREQUEST']._serialized_end=1089
+  _globals['_SHAREDWEIGHTSHEADER']._serialized_start=1091
+  _globals['_SHAREDWEIGHTSHEADER']._serialized_end=1209
+  _globals['_CUDAIPCBUFFER']._serialized_start=1212
+  _globals['_CUDAIPCBUFFER']._serialized_end=1408
+  _globals['_SHAREDBUCKET']._serialized_start=1410
+  _globals['_SHAREDBUCKET']._serialized_end=1481
+  _globals['_SHAREDTENSOR']._serialized_start=1483
+  _globals['_SHAREDTENSOR']._serialized_end=1600
+  _globals['_UPDATEWEIGHTSSHAREDRESPONSE']._serialized_start=1602
+  _globals['_UPDATEWEIGHTSSHAREDRESPONSE']._serialized_end=1720
+  _globals['_PAUSEREQUEST']._serialized_start=1722
+  _globals['_PAUSEREQUEST']._serialized_end=1736
+  _globals['_PAUSERESPONSE']._serialized_start=1738
+  _globals['_PAUSERESPONSE']._serialized_end=1770
+  _globals['_RESUMEREQUEST']._serialized_start=1772
+  _globals['_RESUMEREQUEST']._serialized_end=1787
+  _globals['_RESUMERESPONSE']._serialized_start=1789
+  _globals['_RESUMERESPONSE']._serialized_end=1823
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1825
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1846
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1848
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1911
+  _globals['_MODELINFO']._serialized_start=1914
+  _globals['_MODELINFO']._serialized_end=2261
+  _globals['_INFERENCESERVICE']._serialized_start=2264
+  _globals['_INFERENCESERVICE']._serialized_end=2819
 # @@protoc_insertion_point(module_scope)

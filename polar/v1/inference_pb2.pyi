@@ -48,12 +48,14 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("tensor_count", "note")
+    __slots__ = ("tensor_count", "note", "update_id")
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     tensor_count: int
     note: str
-    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+    update_id: str
+    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data")
@@ -70,16 +72,102 @@ class TensorChunk(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UpdateWeightsResponse(_message.Message):
-    __slots__ = ("policy_version", "tensors_updated", "bytes_received", "apply_seconds")
+    __slots__ = ("policy_version", "tensors_updated", "bytes_received", "apply_seconds", "staged")
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_UPDATED_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     APPLY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
     policy_version: int
     tensors_updated: int
     bytes_received: int
     apply_seconds: float
-    def __init__(self, policy_version: _Optional[int] = ..., tensors_updated: _Optional[int] = ..., bytes_received: _Optional[int] = ..., apply_seconds: _Optional[float] = ...) -> None: ...
+    staged: bool
+    def __init__(self, policy_version: _Optional[int] = ..., tensors_updated: _Optional[int] = ..., bytes_received: _Optional[int] = ..., apply_seconds: _Optional[float] = ..., staged: _Optional[bool] = ...) -> None: ...
+
+class CommitWeightsRequest(_message.Message):
+    __slots__ = ("update_id",)
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    update_id: str
+    def __init__(self, update_id: _Optional[str] = ...) -> None: ...
+
+class CommitWeightsResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: UpdateWeightsResponse
+    def __init__(self, result: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ...) -> None: ...
+
+class UpdateWeightsSharedRequest(_message.Message):
+    __slots__ = ("header", "bucket")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    header: SharedWeightsHeader
+    bucket: SharedBucket
+    def __init__(self, header: _Optional[_Union[SharedWeightsHeader, _Mapping]] = ..., bucket: _Optional[_Union[SharedBucket, _Mapping]] = ...) -> None: ...
+
+class SharedWeightsHeader(_message.Message):
+    __slots__ = ("tensor_count", "note", "update_id", "buffers")
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    tensor_count: int
+    note: str
+    update_id: str
+    buffers: _containers.RepeatedCompositeFieldContainer[CudaIpcBuffer]
+    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ...) -> None: ...
+
+class CudaIpcBuffer(_message.Message):
+    __slots__ = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    handle: bytes
+    size_bytes: int
+    offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device: _Optional[int] = ..., handle: _Optional[bytes] = ..., size_bytes: _Optional[int] = ..., offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class SharedBucket(_message.Message):
+    __slots__ = ("buffer", "tensors")
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    buffer: int
+    tensors: _containers.RepeatedCompositeFieldContainer[SharedTensor]
+    def __init__(self, buffer: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[SharedTensor, _Mapping]]] = ...) -> None: ...
+
+class SharedTensor(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "offset", "tensor_offset", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    offset: int
+    tensor_offset: int
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class UpdateWeightsSharedResponse(_message.Message):
+    __slots__ = ("buffer_released", "result")
+    BUFFER_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    buffer_released: int
+    result: UpdateWeightsResponse
+    def __init__(self, buffer_released: _Optional[int] = ..., result: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()
@@ -112,7 +200,7 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model_info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "eos_token_ids", "end_of_turn_token_id", "bos_token_id", "chat_template", "context_length", "policy_version", "engine", "dtype", "device", "parameter_count", "paused", "tokenizer_path")
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "end_of_turn_token_id", "bos_token_id", "chat_template", "context_length", "policy_version", "engine", "dtype", "device", "parameter_count", "paused", "tokenizer_path", "weight_transports", "host_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +215,8 @@ class ModelInfo(_message.Message):
     PARAMETER_COUNT_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -141,4 +231,6 @@ class ModelInfo(_message.Message):
     parameter_count: int
     paused: bool
     tokenizer_path: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., end_of_turn_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., context_length: _Optional[int] = ..., policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., paused: _Optional[bool] = ..., tokenizer_path: _Optional[str] = ...) -> None: ...
+    weight_transports: _containers.RepeatedScalarFieldContainer[str]
+    host_id: str
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., end_of_turn_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., context_length: _Optional[int] = ..., policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., paused: _Optional[bool] = ..., tokenizer_path: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...

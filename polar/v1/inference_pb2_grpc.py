@@ -45,6 +45,16 @@ class InferenceServiceStub:
                 request_serializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsShared = channel.stream_stream(
+                '/polar.v1.InferenceService/UpdateWeightsShared',
+                request_serializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedResponse.FromString,
+                _registered_method=True)
+        self.CommitWeights = channel.unary_unary(
+                '/polar.v1.InferenceService/CommitWeights',
+                request_serializer=polar_dot_v1_dot_inference__pb2.CommitWeightsRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_inference__pb2.CommitWeightsResponse.FromString,
+                _registered_method=True)
         self.Pause = channel.unary_unary(
                 '/polar.v1.InferenceService/Pause',
                 request_serializer=polar_dot_v1_dot_inference__pb2.PauseRequest.SerializeToString,
@@ -97,6 +107,39 @@ class InferenceServiceServicer:
         once, between two decode steps, and the policy version goes up by one. A stream cut off half-way,
         an unknown name, a wrong shape or dtype changes nothing (INVALID_ARGUMENT, or CANCELLED for a
         client that went away).
+
+        With header.update_id set, the tensors are staged instead: held, not applied, and the response
+        says staged; CommitWeights with that id applies them. So a trainer can send an update to every
+        server first and commit only when all of them have it: a server that fails mid-transfer leaves
+        the others on the old version. A later update replaces a staged one that was never committed.
+
+        The server reads each chunk's bytes once, into memory of the parameter's dtype (the staged
+        tensor, which becomes the parameter where the engine allows, else is copied into it once).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateWeightsShared(self, request_iterator, context):
+        """Bidirectional-streaming. A weight update through GPU memory the trainer shares with this
+        server (CUDA IPC; same machine only; offered when ModelInfo.weight_transports lists
+        "cuda_ipc"). The first message is a header naming the shared buffers; then each message names
+        the tensors one buffer holds now (a bucket), and the server answers each bucket once it has
+        copied them out, so the trainer may refill that buffer. The tensors are staged on the server's
+        device and applied as UpdateWeights applies them: at once when the stream ends, or by
+        CommitWeights when header.update_id is set; the last response carries the outcome.
+        Errors: INVALID_ARGUMENT as UpdateWeights (unknown name, shape, dtype, bytes outside a buffer,
+        a bucket naming a buffer the header did not share), FAILED_PRECONDITION when the server cannot
+        open the buffers (no CUDA, another machine).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitWeights(self, request, context):
+        """Unary. Applies the update staged under update_id (UpdateWeights or UpdateWeightsShared with
+        header.update_id): every tensor at once, between two decode steps; the policy version goes up
+        by one. FAILED_PRECONDITION when no complete update is staged under that id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -136,6 +179,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'UpdateWeightsShared': grpc.stream_stream_rpc_method_handler(
+                    servicer.UpdateWeightsShared,
+                    request_deserializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedResponse.SerializeToString,
+            ),
+            'CommitWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitWeights,
+                    request_deserializer=polar_dot_v1_dot_inference__pb2.CommitWeightsRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_inference__pb2.CommitWeightsResponse.SerializeToString,
             ),
             'Pause': grpc.unary_unary_rpc_method_handler(
                     servicer.Pause,
@@ -208,6 +261,60 @@ class InferenceService:
             '/polar.v1.InferenceService/UpdateWeights',
             polar_dot_v1_dot_inference__pb2.UpdateWeightsRequest.SerializeToString,
             polar_dot_v1_dot_inference__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsShared(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/polar.v1.InferenceService/UpdateWeightsShared',
+            polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedRequest.SerializeToString,
+            polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polar.v1.InferenceService/CommitWeights',
+            polar_dot_v1_dot_inference__pb2.CommitWeightsRequest.SerializeToString,
+            polar_dot_v1_dot_inference__pb2.CommitWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

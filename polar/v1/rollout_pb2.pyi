@@ -45,28 +45,50 @@ class HarnessSpec(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., dialect: _Optional[_Union[_common_pb2.Dialect, str]] = ...) -> None: ...
 
 class RuntimeSpec(_message.Message):
-    __slots__ = ("kind", "template", "prepare", "image")
+    __slots__ = ("kind", "template", "prepare", "image", "revision")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
+    REVISION_FIELD_NUMBER: _ClassVar[int]
     kind: str
     template: str
     prepare: _containers.RepeatedScalarFieldContainer[str]
     image: str
-    def __init__(self, kind: _Optional[str] = ..., template: _Optional[str] = ..., prepare: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ...) -> None: ...
+    revision: str
+    def __init__(self, kind: _Optional[str] = ..., template: _Optional[str] = ..., prepare: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
 
 class EvaluatorSpec(_message.Message):
-    __slots__ = ("kind", "command", "callable", "timeout_seconds")
+    __slots__ = ("kind", "command", "callable", "timeout_seconds", "swe")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     CALLABLE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     command: str
     callable: str
     timeout_seconds: float
-    def __init__(self, kind: _Optional[str] = ..., command: _Optional[str] = ..., callable: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    swe: SweTests
+    def __init__(self, kind: _Optional[str] = ..., command: _Optional[str] = ..., callable: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., swe: _Optional[_Union[SweTests, _Mapping]] = ...) -> None: ...
+
+class SweTests(_message.Message):
+    __slots__ = ("instance_id", "test_patch", "fail_to_pass", "pass_to_pass", "test_command", "gold_patch", "max_patch_bytes")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TEST_PATCH_FIELD_NUMBER: _ClassVar[int]
+    FAIL_TO_PASS_FIELD_NUMBER: _ClassVar[int]
+    PASS_TO_PASS_FIELD_NUMBER: _ClassVar[int]
+    TEST_COMMAND_FIELD_NUMBER: _ClassVar[int]
+    GOLD_PATCH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PATCH_BYTES_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    test_patch: str
+    fail_to_pass: _containers.RepeatedScalarFieldContainer[str]
+    pass_to_pass: _containers.RepeatedScalarFieldContainer[str]
+    test_command: str
+    gold_patch: str
+    max_patch_bytes: int
+    def __init__(self, instance_id: _Optional[str] = ..., test_patch: _Optional[str] = ..., fail_to_pass: _Optional[_Iterable[str]] = ..., pass_to_pass: _Optional[_Iterable[str]] = ..., test_command: _Optional[str] = ..., gold_patch: _Optional[str] = ..., max_patch_bytes: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("task_id", "instruction", "group_size", "harness", "runtime", "evaluator", "builder", "timeout_seconds", "priority", "metadata", "sampling")
@@ -347,3 +369,87 @@ class ListNodesResponse(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[NodeInfo]
     def __init__(self, nodes: _Optional[_Iterable[_Union[NodeInfo, _Mapping]]] = ...) -> None: ...
+
+class JoinUpstreamRequest(_message.Message):
+    __slots__ = ("cluster", "address", "envoy")
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENVOY_FIELD_NUMBER: _ClassVar[int]
+    cluster: str
+    address: str
+    envoy: str
+    def __init__(self, cluster: _Optional[str] = ..., address: _Optional[str] = ..., envoy: _Optional[str] = ...) -> None: ...
+
+class JoinUpstreamResponse(_message.Message):
+    __slots__ = ("upstream_id", "upstream_secret", "heartbeat_interval_seconds")
+    UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_SECRET_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    upstream_id: str
+    upstream_secret: str
+    heartbeat_interval_seconds: float
+    def __init__(self, upstream_id: _Optional[str] = ..., upstream_secret: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+
+class UpstreamHeartbeatRequest(_message.Message):
+    __slots__ = ("upstream_id", "upstream_secret", "draining", "gone")
+    UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    UPSTREAM_SECRET_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
+    upstream_id: str
+    upstream_secret: str
+    draining: bool
+    gone: bool
+    def __init__(self, upstream_id: _Optional[str] = ..., upstream_secret: _Optional[str] = ..., draining: _Optional[bool] = ..., gone: _Optional[bool] = ...) -> None: ...
+
+class UpstreamHeartbeatResponse(_message.Message):
+    __slots__ = ("rejoin", "drain_acknowledged")
+    REJOIN_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
+    rejoin: bool
+    drain_acknowledged: bool
+    def __init__(self, rejoin: _Optional[bool] = ..., drain_acknowledged: _Optional[bool] = ...) -> None: ...
+
+class ListUpstreamsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UpstreamInfo(_message.Message):
+    __slots__ = ("upstream_id", "cluster", "address", "envoy", "draining", "seconds_since_heartbeat")
+    UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ENVOY_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    upstream_id: str
+    cluster: str
+    address: str
+    envoy: str
+    draining: bool
+    seconds_since_heartbeat: float
+    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., envoy: _Optional[str] = ..., draining: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+
+class EnvoyInfo(_message.Message):
+    __slots__ = ("node_id", "connected", "version", "acknowledged_version", "rejected_version", "error")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACKNOWLEDGED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    connected: bool
+    version: str
+    acknowledged_version: str
+    rejected_version: str
+    error: str
+    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., version: _Optional[str] = ..., acknowledged_version: _Optional[str] = ..., rejected_version: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+
+class ListUpstreamsResponse(_message.Message):
+    __slots__ = ("upstreams", "envoys")
+    UPSTREAMS_FIELD_NUMBER: _ClassVar[int]
+    ENVOYS_FIELD_NUMBER: _ClassVar[int]
+    upstreams: _containers.RepeatedCompositeFieldContainer[UpstreamInfo]
+    envoys: _containers.RepeatedCompositeFieldContainer[EnvoyInfo]
+    def __init__(self, upstreams: _Optional[_Iterable[_Union[UpstreamInfo, _Mapping]]] = ..., envoys: _Optional[_Iterable[_Union[EnvoyInfo, _Mapping]]] = ...) -> None: ...

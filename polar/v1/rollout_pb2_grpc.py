@@ -80,6 +80,21 @@ class RolloutServiceStub:
                 request_serializer=polar_dot_v1_dot_rollout__pb2.ListNodesRequest.SerializeToString,
                 response_deserializer=polar_dot_v1_dot_rollout__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
+        self.JoinUpstream = channel.unary_unary(
+                '/polar.v1.RolloutService/JoinUpstream',
+                request_serializer=polar_dot_v1_dot_rollout__pb2.JoinUpstreamRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_rollout__pb2.JoinUpstreamResponse.FromString,
+                _registered_method=True)
+        self.UpstreamHeartbeat = channel.unary_unary(
+                '/polar.v1.RolloutService/UpstreamHeartbeat',
+                request_serializer=polar_dot_v1_dot_rollout__pb2.UpstreamHeartbeatRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_rollout__pb2.UpstreamHeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ListUpstreams = channel.unary_unary(
+                '/polar.v1.RolloutService/ListUpstreams',
+                request_serializer=polar_dot_v1_dot_rollout__pb2.ListUpstreamsRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_rollout__pb2.ListUpstreamsResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -163,6 +178,33 @@ class RolloutServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinUpstream(self, request, context):
+        """Unary. An upstream of Envoy (an inference server, or a gateway's HTTP listener) joins the set
+        the control plane (the xDS server beside this service) tells Envoy about; every Envoy it is for
+        learns it within a second. Returns its id and the secret that proves it. INVALID_ARGUMENT for
+        an unknown cluster or an address that is not HOST:PORT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpstreamHeartbeat(self, request, context):
+        """Unary. An upstream's sign of life, and how it leaves: draining (Envoy sends it no new calls
+        while its streams finish), then gone. One silent for the node timeout is removed.
+        PERMISSION_DENIED, changing nothing, when the secret is not the one JoinUpstream issued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListUpstreams(self, request, context):
+        """Unary. The upstreams that joined, and every Envoy of the control plane with the version it
+        acknowledged.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -210,6 +252,21 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=polar_dot_v1_dot_rollout__pb2.ListNodesRequest.FromString,
                     response_serializer=polar_dot_v1_dot_rollout__pb2.ListNodesResponse.SerializeToString,
+            ),
+            'JoinUpstream': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinUpstream,
+                    request_deserializer=polar_dot_v1_dot_rollout__pb2.JoinUpstreamRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_rollout__pb2.JoinUpstreamResponse.SerializeToString,
+            ),
+            'UpstreamHeartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpstreamHeartbeat,
+                    request_deserializer=polar_dot_v1_dot_rollout__pb2.UpstreamHeartbeatRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_rollout__pb2.UpstreamHeartbeatResponse.SerializeToString,
+            ),
+            'ListUpstreams': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListUpstreams,
+                    request_deserializer=polar_dot_v1_dot_rollout__pb2.ListUpstreamsRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_rollout__pb2.ListUpstreamsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -456,6 +513,87 @@ class RolloutService:
             '/polar.v1.RolloutService/ListNodes',
             polar_dot_v1_dot_rollout__pb2.ListNodesRequest.SerializeToString,
             polar_dot_v1_dot_rollout__pb2.ListNodesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinUpstream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polar.v1.RolloutService/JoinUpstream',
+            polar_dot_v1_dot_rollout__pb2.JoinUpstreamRequest.SerializeToString,
+            polar_dot_v1_dot_rollout__pb2.JoinUpstreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpstreamHeartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polar.v1.RolloutService/UpstreamHeartbeat',
+            polar_dot_v1_dot_rollout__pb2.UpstreamHeartbeatRequest.SerializeToString,
+            polar_dot_v1_dot_rollout__pb2.UpstreamHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListUpstreams(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polar.v1.RolloutService/ListUpstreams',
+            polar_dot_v1_dot_rollout__pb2.ListUpstreamsRequest.SerializeToString,
+            polar_dot_v1_dot_rollout__pb2.ListUpstreamsResponse.FromString,
             options,
             channel_credentials,
             insecure,

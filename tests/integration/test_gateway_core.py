@@ -368,7 +368,15 @@ async def test_a_prompt_over_the_context_is_a_context_error_in_the_dialects_shap
     body = {"model": "m", "max_tokens": 10, "messages": [_user(long)]}
     async with http.post(real.base_url + "/v1/messages", json=body, headers={"x-api-key": key}) as response:
         assert response.status == 400 and (await response.json())["error"]["type"] == "invalid_request_error"
-    assert real.records(key) == []
+    # Both refusals are recorded, with the prompt and nothing sampled: what the harness sends next
+    # (its compacted history) reads as a new branch of the session.
+    records = real.records(key)
+    assert [r.call_id for r in records] == ["c0001", "c0002"]
+    for record in records:
+        assert record.prompt_too_long and record.finish_reason == common_pb2.FINISH_REASON_ERROR
+        assert not record.sampled_token_ids and len(record.prompt_token_ids) == record.usage.prompt_tokens > CLAMP_CONTEXT
+        assert record.error.startswith(f"the prompt is {record.usage.prompt_tokens} tokens")
+    assert b"context_length_exceeded" in records[0].response_body and b"prompt is too long" in records[1].response_body
 
 
 async def test_max_tokens_past_the_context_is_clamped_and_the_finish_says_so(real, http):

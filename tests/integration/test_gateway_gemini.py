@@ -9,6 +9,7 @@ opens its own session, so `records()` holds only its calls.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx2
@@ -285,7 +286,9 @@ async def test_a_prompt_over_the_context_reads_like_the_api():
             with pytest.raises(errors.ClientError) as caught:
                 await session.generate("word " * 200, stream=stream)
             assert (caught.value.code, caught.value.status) == (400, "INVALID_ARGUMENT")
-            assert caught.value.message.startswith("The input token count exceeds the maximum number of tokens")
+            assert re.fullmatch(
+                r"The input token count \(\d+\) exceeds the maximum number of tokens allowed \(63\)\.", caught.value.message
+            )
 
 
 async def test_inference_down_is_503_unavailable():

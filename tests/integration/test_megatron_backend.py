@@ -24,6 +24,9 @@ from megatron_fixtures import (  # noqa: E402
     torch_backend_run,
 )
 
+from hypothesis import given, settings  # noqa: E402
+from prefix_fixtures import assert_same_computation, forests, run_tree_job  # noqa: E402
+
 from trainer.backends.base import BackendError  # noqa: E402
 from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions, TruncatedSamplingError  # noqa: E402
 from trainer.grpo import LossConfig  # noqa: E402
@@ -131,3 +134,25 @@ def test_weight_sync_streams_the_gathered_weights_with_their_count_up_front(tmp_
     header = next(messages)
     names = {message.chunk.name for message in messages}
     assert header.header.tensor_count == len(weights) == len(names) == len(dict(backend.hf_weights()))
+
+
+# -------------------------------------------------------------------------------------------------
+# Shared prefixes: a tree of pieces computes what its traces compute one by one
+
+
+@pytest.fixture(scope="module")
+def tree_backend(tmp_path_factory):
+    folder = save_tiny_model(tmp_path_factory.mktemp("tree") / "model", "qwen3", False)
+    return MegatronBackend(MegatronBackendOptions(model=str(folder), dtype="float32", cpu_threads=1))
+
+
+@settings(max_examples=10, deadline=None)
+@given(sequences=forests(vocab=300, max_system=30, truncation=False))
+def test_tp1_a_tree_computes_what_the_traces_compute_alone(tree_backend, sequences):
+    assert_same_computation(tree_backend, sequences, max_tokens=120, min_saving=1)
+
+
+def test_tp2_on_gloo_a_tree_computes_what_the_traces_compute_alone(tmp_path):
+    folder = save_tiny_model(tmp_path / "model", "qwen2", True)
+    shared = run_tree_job(2, folder, tmp_path)
+    assert shared[0] == shared[1] > 0

@@ -185,6 +185,21 @@ async def test_a_harness_that_never_calls_the_model() -> None:
     assert len(trajectory.calls) == 0 and len(trajectory.traces) == 0
 
 
+async def test_a_harness_whose_first_call_does_not_fit_the_context_fails_with_that_reason() -> None:
+    async with running_rollout({**SCRIPT, "context_length": 16}) as rollout:
+        [task_id] = await rollout.submit(command_task(harness()))
+        [[trajectory]] = await rollout.groups(1)
+        status = await rollout.session_status(f"{task_id}.0")
+    assert trajectory.outcome == OUTCOME.SESSION_OUTCOME_FAILED
+    assert trajectory.error.startswith("the harness's first call does not fit the model's context: the prompt is ")
+    assert "the model's context holds 16" in trajectory.error
+    [call] = trajectory.calls
+    assert call.prompt_too_long and not call.sampled_token_ids and len(call.prompt_token_ids) > 16
+    assert len(trajectory.traces) == 0
+    assert trajectory.attempt == 1 and status.attempts == 1  # not dispatched again
+    assert status.state == rollout_pb2.SESSION_STATE_DONE and status.error == trajectory.error
+
+
 async def test_a_flooding_harness_is_capped_and_still_completes() -> None:
     async with running_rollout(SCRIPT) as rollout:
         await rollout.submit(command_task(harness("flood"), evaluator=FOUND_HELLO))

@@ -20,7 +20,7 @@ from polar.inference.engines.base import (
     WeightUpdateError,
 )
 from polar.inference.engines.torch_engine import TorchEngine
-from polar.inference.models import resolve_model
+from polar.inference.models import TINY_CONTEXT_LENGTH, resolve_model
 from polar.inference.sampling import processed_logprobs
 
 MAX_BATCH = 16
@@ -93,7 +93,7 @@ def test_description(engine):
     assert set(description.eos_token_ids) == {0, 2}  # <|endoftext|>, <|im_end|>
     assert description.end_of_turn_token_id == 2
     assert description.bos_token_id == 1
-    assert description.context_length == 32768
+    assert description.context_length == TINY_CONTEXT_LENGTH == 131072
     assert description.dtype == "float32" and description.device == "cpu"
     assert description.parameter_count == sum(p.numel() for p in engine.model.parameters())
     assert "<|im_start|>" in description.chat_template

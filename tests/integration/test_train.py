@@ -248,26 +248,36 @@ def test_a_bad_config_fails_before_anything_starts(tmp_path: Path) -> None:
     assert config.exists() and not (tmp_path / "r" / "rollout.db").exists()
 
 
-def test_polar_eval_scores_a_checkpoint_on_the_held_out_tasks(tmp_path: Path) -> None:
+def test_polar_eval_scores_a_run_before_and_after_training(tmp_path: Path) -> None:
     from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
     from trainer.checkpoints import TrainerState, save_checkpoint
 
     config = write_run(tmp_path, steps=1)
     heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text("".join(line for line in (tmp_path / "tasks.jsonl").read_text().splitlines(True)[:2]))
+    heldout.write_text((tmp_path / "tasks.jsonl").read_text().splitlines(True)[0])
     config.write_text(config.read_text() + f'heldout = "{heldout}"\neval_samples = 2\npass_threshold = 0.5\n')
+    run_dir = tmp_path / "run"
     backend = TorchBackend(TorchBackendOptions(model="tiny", device="cpu"))
-    checkpoint = save_checkpoint(tmp_path / "checkpoints", backend, TrainerState(step=3, base_model="tiny"), "tiny")
-    out = tmp_path / "eval.json"
+    save_checkpoint(run_dir / "checkpoints", backend, TrainerState(step=3, base_model="tiny"), "tiny")
     result = subprocess.run(
-        [*POLAR, "eval", str(config), "--checkpoint", str(checkpoint.path), "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [*POLAR, "eval", str(config), "--run-dir", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "greedy pass@1" in result.stdout and "pass@2" in result.stdout
-    report = json.loads(out.read_text())
-    assert report["tasks"] == 2 and report["k"] == 2 and report["model"].endswith("tiny")
-    for task in report["per_task"]:
-        assert len(task["sampled_rewards"]) == 2 and 0 <= task["greedy_reward"] <= 1
-        assert task["greedy_pass"] == (task["greedy_reward"] >= 0.5)
-    assert 0 <= report["greedy_pass_at_1"] <= 1 and report["sampled_pass_at_1"] <= report["pass_at_k"] <= 1
+    # Each evaluation's own table, then the two side by side.
+    assert result.stdout.count("greedy pass@1") == 3 and "pass@2" in result.stdout
+    assert "base" in result.stdout.splitlines()[-6] and "step-3" in result.stdout.splitlines()[-6]
+    reports = {label: json.loads((run_dir / "eval" / f"{label}.json").read_text()) for label in ("base", "step-3")}
+    assert reports["base"]["model"] == "tiny" and reports["step-3"]["model"].endswith("tiny")
+    for report in reports.values():
+        assert report["tasks"] == 1 and report["k"] == 2
+        for task in report["per_task"]:
+            assert len(task["sampled_rewards"]) == 2 and 0 <= task["greedy_reward"] <= 1
+            assert task["greedy_pass"] == (task["greedy_reward"] >= 0.5)
+        assert 0 <= report["greedy_pass_at_1"] <= 1 and report["sampled_pass_at_1"] <= report["pass_at_k"] <= 1
+    assert (run_dir / "eval.png").read_bytes().startswith(b"\x89PNG")
+    # Run again: both reports are kept, nothing is evaluated twice, the comparison is printed again.
+    again = subprocess.run(
+        [*POLAR, "eval", str(config), "--run-dir", str(run_dir)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert again.returncode == 0 and again.stdout.count("already evaluated") == 2, again.stdout + again.stderr
+    assert json.loads((run_dir / "eval" / "base.json").read_text()) == reports["base"]

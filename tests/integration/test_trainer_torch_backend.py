@@ -16,7 +16,8 @@ from polar.inference.engines import EngineOptions, create_engine
 from polar.inference.server import start_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
-from trainer.batches import TrainSequence, pack
+from trainer.batches import pack
+from trainer.sequences import TrainSequence
 from trainer.grpo import LossConfig
 from trainer.weight_sync import InferencePool
 

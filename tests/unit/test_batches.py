@@ -10,7 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainer.batches import MicroBatch, TraceTooLongError, TrainSequence, pack, pad
+from trainer.batches import MicroBatch, TraceTooLongError, pack, pad
+
+
+from trainer.sequences import TrainSequence
 
 VOCAB = 64
 

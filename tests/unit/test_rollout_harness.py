@@ -93,6 +93,14 @@ def test_cli_is_found_on_the_search_path_first(preset, ctx, bin_dir, tmp_path, m
     assert launch.env["PATH"].split(os.pathsep)[:2] == [str(bin_dir), str(elsewhere)]
 
 
+def test_a_relative_search_path_is_the_node_s_not_the_workspace_s(ctx, bin_dir, monkeypatch):
+    # The harness starts in its workspace: a relative folder on its PATH would be looked up there.
+    monkeypatch.chdir(bin_dir.parent)
+    launch = prepare_launch(rollout_pb2.HarnessSpec(preset="pi"), ctx, search_path=bin_dir.name)
+    assert launch.argv[0] == str(bin_dir / PROGRAMS["pi"])
+    assert launch.env["PATH"].split(os.pathsep)[0] == str(bin_dir)
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_environment_is_built_from_scratch(preset, ctx, bin_dir):
     launch = launch_for(preset, ctx, bin_dir, command=["sh", "-c", "true"])

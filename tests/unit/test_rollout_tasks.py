@@ -89,7 +89,7 @@ def test_a_good_task_has_no_problems():
         ({"instruction": "  "}, "instruction: required (empty)"),
         ({"runtime": {"kind": "vm"}}, "runtime.kind: unknown runtime 'vm' (known: local, docker)"),
         ({"runtime": {"kind": "docker"}}, "runtime.image: required for runtime 'docker'"),
-        ({"evaluator": {"kind": "llm"}}, "evaluator.kind: unknown evaluator 'llm' (known: '', 'command', 'python')"),
+        ({"evaluator": {"kind": "llm"}}, "evaluator.kind: unknown evaluator 'llm' (known: '', 'command', 'python', 'swe')"),
         ({"evaluator": {"kind": "command"}}, "evaluator.command: required for evaluator 'command'"),
         (
             {"evaluator": {"kind": "python", "callable": "score"}},

@@ -36,9 +36,18 @@ def test_the_node_is_given_envoys_harness_listener_as_its_base_url():
     assert _option(envoy.argv, "--harness-port") == "0"
     assert _option(node.argv, "--base-url") == "{envoy.base_url}"
     assert "harness base URL {base_url}" in envoy.detail
-    # Envoy forwards harness requests to the gateway port, which the supervisor binds for the node.
-    assert _option(envoy.argv, "--gateway") == "127.0.0.1:8001" and _option(node.argv, "--port") == "8001"
+    # The supervisor binds the gateway port for the node, which joins Envoy's control plane with it.
+    assert _option(node.argv, "--port") == "8001"
     assert node.takes_http_socket and not envoy.takes_http_socket
+
+
+def test_envoy_learns_its_upstreams_from_the_rollout_servers_control_plane():
+    _, inference, envoy, node = plan(StackConfig(envoy=EnvoyConfig(node_id="edge-1")))
+    assert _option(envoy.argv, "--xds") == "{rollout}" and _option(envoy.argv, "--node-id") == "edge-1"
+    assert "--inference" not in envoy.argv and "--gateway" not in envoy.argv
+    # The inference server joins it; the node's gateway joins it for this Envoy.
+    assert _option(inference.argv, "--rollout") == "{rollout}"
+    assert _option(node.argv, "--envoy-node-id") == "edge-1"
 
 
 def test_the_gateway_port_must_be_bound_before_planning():

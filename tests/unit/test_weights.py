@@ -1,4 +1,5 @@
-"""WeightsAssembler: chunked tensors are rebuilt exactly; bad or incomplete streams yield nothing."""
+"""WeightsReceiver: chunked tensors are rebuilt exactly from the serialized messages; bad or incomplete
+streams yield nothing; the wire reader reads what protobuf reads."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from polar.inference.engines.base import ParameterSpec, WeightUpdateError
-from polar.inference.weights import WeightsAssembler
+from polar.inference.weights import Chunk, Header, Staging, WeightsReceiver, parse_update_request
 from polar.v1 import inference_pb2
 
 SPECS = {
@@ -18,15 +19,15 @@ SPECS = {
 }
 
 
-def header(count: int, note: str = "") -> inference_pb2.UpdateWeightsRequest:
-    return inference_pb2.UpdateWeightsRequest(header=inference_pb2.WeightsHeader(tensor_count=count, note=note))
+def header(count: int, note: str = "") -> bytes:
+    return inference_pb2.UpdateWeightsRequest(header=inference_pb2.WeightsHeader(tensor_count=count, note=note)).SerializeToString()
 
 
-def chunk(name, data, offset=0, dtype="float32", shape=None) -> inference_pb2.UpdateWeightsRequest:
+def chunk(name, data, offset=0, dtype="float32", shape=None) -> bytes:
     shape = SPECS[name].shape if shape is None else shape
     return inference_pb2.UpdateWeightsRequest(
         chunk=inference_pb2.TensorChunk(name=name, dtype=dtype, shape=shape, offset=offset, data=data)
-    )
+    ).SerializeToString()
 
 
 def raw(tensor: torch.Tensor) -> bytes:
@@ -34,7 +35,7 @@ def raw(tensor: torch.Tensor) -> bytes:
 
 
 def assemble(messages) -> dict[str, torch.Tensor]:
-    assembler = WeightsAssembler(SPECS)
+    assembler = WeightsReceiver(SPECS, Staging())
     for message in messages:
         assembler.add(message)
     return assembler.finish()
@@ -43,7 +44,7 @@ def assemble(messages) -> dict[str, torch.Tensor]:
 def test_whole_tensors_round_trip_and_convert_to_the_parameter_dtype():
     embed = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     half = torch.tensor([[1.5, -2.0], [0.25, 8.0]], dtype=torch.float16)
-    assembler = WeightsAssembler(SPECS)
+    assembler = WeightsReceiver(SPECS, Staging())
     for message in (header(2, note="step 7"), chunk("embed.weight", raw(embed)), chunk("half.weight", raw(half), dtype="float16")):
         assembler.add(message)
     got = assembler.finish()
@@ -83,7 +84,7 @@ def test_any_gap_or_overlap_is_refused(data):
         )
     )
     buffer = bytes(range(size))
-    assembler = WeightsAssembler(SPECS)
+    assembler = WeightsReceiver(SPECS, Staging())
     assembler.add(header(1))
     covered: set[int] = set()
     try:
@@ -105,7 +106,7 @@ def test_any_gap_or_overlap_is_refused(data):
         ([chunk("norm.weight", bytes(20))], ["before the header"]),
         ([header(0)], ["tensor_count = 0"]),
         ([header(1), header(1)], ["second header"]),
-        ([inference_pb2.UpdateWeightsRequest()], ["neither a header nor a chunk"]),
+        ([b""], ["neither a header nor a chunk"]),
         ([header(1), chunk("lm_head.weight", bytes(20), shape=(5,))], ["unknown parameter", "'lm_head.weight'"]),
         ([header(1), chunk("norm.weight", bytes(24), shape=(6,))], ["'norm.weight'", "[6]", "[5]"]),
         ([header(1), chunk("norm.weight", bytes(40), dtype="float64")], ["'norm.weight'", "'float64'"]),
@@ -127,7 +128,7 @@ def test_any_gap_or_overlap_is_refused(data):
     ],
 )
 def test_bad_chunks_fail_as_they_arrive(messages, fragments):
-    assembler = WeightsAssembler(SPECS)
+    assembler = WeightsReceiver(SPECS, Staging())
     for message in messages[:-1]:
         assembler.add(message)
     with pytest.raises(WeightUpdateError) as caught:
@@ -145,10 +146,81 @@ def test_bad_chunks_fail_as_they_arrive(messages, fragments):
     ],
 )
 def test_a_stream_that_ends_early_yields_nothing(messages, fragments):
-    assembler = WeightsAssembler(SPECS)
+    assembler = WeightsReceiver(SPECS, Staging())
     for message in messages:
         assembler.add(message)
     with pytest.raises(WeightUpdateError) as caught:
         assembler.finish()
     for fragment in fragments:
         assert fragment in str(caught.value)
+
+
+_CHUNKS = st.builds(
+    inference_pb2.TensorChunk,
+    name=st.text(max_size=20),
+    dtype=st.sampled_from(["float32", "bfloat16", ""]),
+    shape=st.lists(st.integers(0, 2**40), max_size=4),
+    offset=st.integers(-(2**62), 2**62),
+    data=st.binary(max_size=64),
+)
+_HEADERS = st.builds(
+    inference_pb2.WeightsHeader,
+    tensor_count=st.integers(-(2**31), 2**31 - 1),
+    note=st.text(max_size=20),
+    update_id=st.text(max_size=10),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    payload=st.one_of(
+        _CHUNKS.map(lambda c: inference_pb2.UpdateWeightsRequest(chunk=c)),
+        _HEADERS.map(lambda h: inference_pb2.UpdateWeightsRequest(header=h)),
+    ),
+    unknown=st.binary(max_size=8).map(lambda b: bytes([15 << 3 | 2, len(b)]) + b),  # field 15, length-delimited
+    split_data=st.booleans(),
+)
+def test_the_wire_reader_reads_what_protobuf_reads(payload, unknown, split_data):
+    """Any message protobuf writes, with an unknown field added and (for a chunk) data given twice,
+    of which protobuf keeps the last: the reader sees the same fields, data as a slice."""
+    raw = payload.SerializeToString() + unknown
+    if split_data and payload.WhichOneof("payload") == "chunk":
+        # The chunk again, merged by protobuf into the first: the second data wins, shape appends.
+        raw += payload.SerializeToString()
+    expected = inference_pb2.UpdateWeightsRequest.FromString(raw)
+    got = parse_update_request(raw)
+    if expected.WhichOneof("payload") == "header":
+        h = expected.header
+        assert got == Header(h.tensor_count, h.note, h.update_id)
+    else:
+        c = expected.chunk
+        assert isinstance(got, Chunk)
+        assert (got.name, got.dtype, got.shape, got.offset, bytes(got.data)) == (c.name, c.dtype, tuple(c.shape), c.offset, c.data)
+
+
+def test_a_chunk_s_data_is_read_in_place():
+    raw = chunk("norm.weight", bytes(range(20)))
+    got = parse_update_request(raw)
+    assert got.data.obj is raw  # a view of the received message, not a copy
+
+
+@pytest.mark.parametrize("raw", [b"\x12\x05ab", b"\x12", b"\x0b", b"\x00\x01"])
+def test_malformed_messages_are_refused_with_a_reason(raw):
+    with pytest.raises(WeightUpdateError, match="not valid protobuf|wire type"):
+        parse_update_request(raw)
+
+
+def test_staged_buffers_are_reused_and_swapped_back():
+    staging = Staging()
+    first = WeightsReceiver(SPECS, staging)
+    first.add(header(1))
+    first.add(chunk("norm.weight", raw(torch.arange(5, dtype=torch.float32))))
+    staged = first.finish()["norm.weight"]
+    replaced = torch.zeros(5)
+    staging.put_back({"norm.weight": replaced})  # what an engine that swapped gives back
+    second = WeightsReceiver(SPECS, staging)
+    second.add(header(1))
+    second.add(chunk("norm.weight", raw(torch.ones(5))))
+    again = second.finish()["norm.weight"]
+    assert again.data_ptr() == replaced.data_ptr() and torch.equal(again, torch.ones(5))
+    assert torch.equal(staged, torch.arange(5, dtype=torch.float32))  # the first one's memory untouched

@@ -1,10 +1,12 @@
 """The torch backend: one process, CPU or one GPU, any Hugging Face causal LM.
 
 The model is the Hugging Face class itself, so its parameter names are the ones the inference
-servers and checkpoints use. Packed micro-batches (one row of several traces, `position_ids`
-restarting at each trace) are attended to one trace at a time (`packed_attention`: causal, no mask
-built), so traces in one row never attend to each other; padded rows hold one trace each, their
-padding after it. Logits are computed only at the positions that have a trainable target (`logits_to_keep`),
+servers and checkpoints use. Its attention is trainer.tree_attention's, registered with transformers:
+a packed micro-batch (one row of several traces, or of trees of pieces sharing a prompt) runs one
+causal attention per piece over the piece and its ancestors, so traces in one row never attend to each
+other and a shared prompt is computed once; a padded one (a trace per row, padding at its end) runs
+plain causal attention, which never reads the padding. transformers builds no [L, L] mask for an
+attention implementation it does not know. Logits are computed only at the positions that have a trainable target (`logits_to_keep`),
 since prompts are most of a trace and the output layer is the widest matrix of a small model.
 
 Mixed precision: the parameters, their gradients and AdamW's state are always fp32; the forward and
@@ -25,9 +27,9 @@ from pathlib import Path
 import torch
 
 from trainer.backends.base import Backend, BackendError, UpdateResult
-from trainer.backends.packed_attention import ATTENTION
 from trainer.batches import MicroBatch
 from trainer.grpo import LossConfig, token_logprobs
+from trainer.tree_attention import TREE_ATTENTION, TreeLayout, register_with_transformers
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ class TorchBackend(Backend):
         self.dtype = resolve_dtype(options.dtype, self.device)  # of the computation; parameters stay fp32
         self.options = options
         transformers_logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32, attn_implementation=ATTENTION)
+        register_with_transformers()
+        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32,
+                                                          attn_implementation=TREE_ATTENTION)
         self.model.to(self.device).train()
         self.model.config.use_cache = False
         if options.gradient_checkpointing:
@@ -106,14 +110,18 @@ class TorchBackend(Backend):
         rows, length = batch.input_ids.shape
         # Positions with a trainable target in any row: the only ones whose logits are needed.
         keep = batch.loss_mask.any(dim=0).nonzero().squeeze(-1)  # [P]
+        # A packed row: its pieces (traces, or trees of them); padded rows: plain causal attention.
+        layout = None
+        if rows == 1:
+            layout = [TreeLayout.from_pieces(batch.sequence_lengths[0], batch.row_parents(0), length)]
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype != torch.float32):
             output = model(
                 input_ids=batch.input_ids,
                 position_ids=batch.position_ids,
-                # Each trace is attended to alone, found by its position ids restarting at 0.
                 attention_mask=None,
                 logits_to_keep=keep,
                 use_cache=False,
+                tree_layout=layout,
             )
         logits = output.logits  # [R, P, V]
         selected = batch.loss_mask[:, keep]  # [R, P]

@@ -69,6 +69,7 @@ class GenerationEnd:
     completion_tokens: int
     queue_seconds: float  # from submission until the first decode step
     error: str = ""  # set with FinishReason.ERROR
+    cached_prompt_tokens: int = 0  # prompt tokens taken from the engine's prefix cache, not computed
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,13 @@ class Engine(abc.ABC):
         Raises WeightUpdateError (and changes nothing) for unknown names or wrong shapes.
         """
 
+    async def apply_staged(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Apply an update the server staged (each tensor in its parameter's shape and dtype), as
+        update_weights does; return the new version. An engine may take a staged tensor's memory
+        as its parameter's instead of copying it; it then puts the memory that tensor replaced
+        into `tensors` under the same name, for the server to stage the next update in."""
+        return await self.update_weights(tensors)
+
 
 @dataclass
 class EngineOptions:
@@ -162,6 +170,9 @@ class EngineOptions:
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     dtype: str = "auto"  # "auto": float32 on cpu, bfloat16 on cuda
     max_batch_size: int = 64  # most sequences decoded in one step
+    # torch engine: MiB of keys and values of computed token blocks kept for later calls that start
+    # with the same tokens (polar/inference/engines/prefix_cache.py); 0 = no prefix cache
+    prefix_cache_mib: int = 1024
     script: str = ""  # scripted engine: path of its JSON script
     # Version the loaded weights are served as: a trainer checkpoint's, so that versions keep counting
     # across a resumed run instead of starting again at 0.

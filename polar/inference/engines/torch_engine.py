@@ -7,6 +7,14 @@ in chunks and does not stall the others for long), runs one decode forward for e
 has a sampled token, then samples one token for each of those and for each prompt that finished
 prefilling. Each sequence gets its tokens through its own asyncio queue, one TokenChunk per step.
 
+The prefix cache (prefix_cache.py; `EngineOptions.prefix_cache_mib`, default 1024, 0 = off) keeps the
+keys and values of the token blocks sequences computed, prompts and outputs, so that a prompt
+starting with them (a CLI's system prompt, a session's earlier call) computes only the rest: before
+its prefill chunk, a sequence takes the cached blocks that continue what its slot holds, and one
+whose next block an earlier sequence of the step is computing waits a step for it, rather than
+computing it too. A weight update empties the cache. A call's GenerationEnd says how many prompt
+tokens it took from the cache.
+
 Settings in EngineOptions.extra: `prefill_chunk_tokens` (default 2048); `cpu_threads`, torch's
 process-wide intra-op thread count, set only when the model runs on the CPU (default: one less than
 the usable cores, at least 1: with all of them, torch's spinning workers starve the event loop and the
@@ -45,6 +53,7 @@ from polar.inference.engines.base import (
 )
 from polar.inference.engines.forced import ForcedReplies
 from polar.inference.engines.llama import DecoderRunner
+from polar.inference.engines.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixLease
 from polar.inference.sampling import new_generator, sample_next_tokens, to_device
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
@@ -114,6 +123,7 @@ class _Sequence:
     stop_ids: frozenset[int]
     submitted: float
     prompt: torch.Tensor | None = None  # on the model's device, from admission on
+    prefix: PrefixLease | None = None  # its part in the prefix cache, from admission on (None: no cache)
     slot: int = -1
     cached: int = 0  # positions of this slot holding keys and values
     last_token: int = -1  # sampled but not yet in the cache; -1 until the first token
@@ -184,6 +194,7 @@ def _end(seq: _Sequence, reason: FinishReason, error: str = "") -> GenerationEnd
         completion_tokens=seq.completion,
         queue_seconds=seq.queue_seconds,
         error=error,
+        cached_prompt_tokens=seq.prefix.reused_tokens if seq.prefix is not None else 0,
     )
 
 
@@ -191,6 +202,9 @@ def _end(seq: _Sequence, reason: FinishReason, error: str = "") -> GenerationEnd
 class _Update:
     tensors: dict[str, torch.Tensor]
     future: asyncio.Future
+    # Staged tensors whose memory becomes the parameters' (the replaced memory goes back into
+    # `tensors`); else each is copied into its parameter.
+    swap: bool = False
 
 
 class TorchEngine(Engine):
@@ -223,6 +237,16 @@ class TorchEngine(Engine):
         except OSError:  # no generation_config.json
             generation_eos = []
         self._parameters = dict(self.model.named_parameters())  # tied weights appear once
+        self._prefix = None
+        if options.prefix_cache_mib > 0:
+            self._prefix = PrefixCache(
+                self._runner.cache,
+                layers=len(self._runner.decoder.layers),
+                kv_heads=self._runner.kv_heads,
+                head_dim=self._runner.head_dim,
+                device=self.device,
+                budget_bytes=options.prefix_cache_mib << 20,
+            )
         self.description = self._describe(options.model, folder, tokenizer, generation_eos)
         script = options.extra.get("forced_replies", "")
         self._forced = ForcedReplies.load(script, tokenizer) if script else None
@@ -328,6 +352,18 @@ class TorchEngine(Engine):
             self._wake.notify()
         return await update.future
 
+    async def apply_staged(self, tensors: dict[str, torch.Tensor]) -> int:
+        """Staged tensors on the model's device become the parameters (no copy), unless CUDA graphs
+        captured the parameters' addresses; any others are copied in, between two steps."""
+        check_weight_update(tensors, self.parameter_specs())
+        swap = all(t.device == self.device for t in tensors.values()) and not self._runner.cuda_graphs
+        update = _Update(tensors, asyncio.get_running_loop().create_future(), swap=swap)
+        self._ensure_worker()
+        with self._wake:
+            self._updates.append(update)
+            self._wake.notify()
+        return await update.future
+
     def _prepare_update(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Cast and move off the worker, so the worker only copies between two steps."""
         return {name: t.detach().to(self.device, self.dtype) for name, t in tensors.items()}
@@ -386,6 +422,8 @@ class TorchEngine(Engine):
             self._finish(seq, reason, outbox, error)
             return
         seq.prompt = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long, device=self.device)
+        if self._prefix is not None:
+            seq.prefix = self._prefix.begin(seq.request.prompt_token_ids)
 
     def _admission_problem(self, request: GenerationRequest) -> tuple[FinishReason, str] | None:
         """What prevents sampling at all; the servicer validates requests, the engine stays safe."""
@@ -407,10 +445,20 @@ class TorchEngine(Engine):
             try:
                 with torch.no_grad():
                     for name, tensor in update.tensors.items():
-                        self._parameters[name].copy_(tensor)
+                        parameter = self._parameters[name]
+                        if update.swap:
+                            update.tensors[name], parameter.data = parameter.data, tensor
+                        else:
+                            parameter.copy_(tensor)
+                    if self.device.type == "cuda":
+                        torch.cuda.current_stream(self.device).synchronize()
             except Exception as error:  # noqa: BLE001 - a device failure, reported to the caller
                 loop.call_soon_threadsafe(_resolve, update.future, None, error)
                 continue
+            finally:
+                # Keys and values computed with other weights would give other logprobs.
+                if self._prefix is not None:
+                    self._prefix.clear()
             self._version += 1
             loop.call_soon_threadsafe(_resolve, update.future, self._version)
 
@@ -456,6 +504,8 @@ class TorchEngine(Engine):
                 continue
             for seq, _, end in group:
                 seq.cached = end
+                if seq.prefix is not None:
+                    self._prefix.store(seq.prefix, seq.slot, end)
             done = [row for row, (seq, _, _) in enumerate(group) if not seq.prefilling]
             prefilled += [group[row][0] for row in done]
             if done:
@@ -464,12 +514,22 @@ class TorchEngine(Engine):
 
     def _prefill_chunks(self) -> list[tuple[_Sequence, int, int]]:
         """The prompt positions [start, end) each prefilling sequence advances by this step: in
-        admission order, until prefill_chunk_tokens are spent (the last one may stop mid-prompt)."""
+        admission order, until prefill_chunk_tokens are spent (the last one may stop mid-prompt).
+
+        With the prefix cache, a sequence first takes the cached blocks that continue its prompt,
+        and one whose next block an earlier sequence is computing waits for it to be cached."""
         budget = self.prefill_chunk_tokens
         chunks = []
+        computing: set[bytes] = set()  # keys of the blocks this step's earlier chunks work towards
         for seq in self._admitted:
             if budget <= 0:
                 break
+            if seq.prefilling and seq.prefix is not None:
+                seq.cached = self._prefix.take(seq.prefix, seq.slot, seq.cached)
+                ahead = seq.prefix.keys[seq.cached // BLOCK_TOKENS :]
+                if ahead and ahead[0] in computing:
+                    continue
+                computing.update(ahead)
             if seq.prefilling:
                 end = min(seq.prompt_tokens, seq.cached + budget)
                 chunks.append((seq, seq.cached, end))
@@ -498,6 +558,8 @@ class TorchEngine(Engine):
             return None
         for seq in decoding:
             seq.cached += 1
+            if seq.prefix is not None:
+                seq.prefix.tokens.append(seq.last_token)
         return logits
 
     def _sample(self, batch: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -533,10 +595,16 @@ class TorchEngine(Engine):
             self._finish(seq, reason, outbox)
 
     def _finish(self, seq: _Sequence, reason: FinishReason, outbox: _Outbox, error: str = "") -> None:
-        self._release(seq)
+        self._release(seq, keep=reason is not FinishReason.ERROR)
         outbox.put(seq, _end(seq, reason, error))
 
-    def _release(self, seq: _Sequence) -> None:
+    def _release(self, seq: _Sequence, keep: bool = True) -> None:
+        """Free the sequence's slot; `keep`: offer what it computed to the prefix cache first (a
+        failed step may have left its slot half-written)."""
+        if seq.prefix is not None:
+            if keep:
+                self._prefix.store(seq.prefix, seq.slot, seq.cached)
+            self._prefix.release(seq.prefix)
         with self._wake:
             self._slots[seq.slot] = None
             self._admitted.remove(seq)

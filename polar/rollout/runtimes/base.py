@@ -97,7 +97,9 @@ class RuntimeProvider(abc.ABC):
         after removing whatever was made, when a step fails."""
         root = new_session_folder(self.work_root, name)
         try:
-            await fill_workspace(spec.template, root / "work", timeout_s=self.step_timeout_s, sources=self.templates)
+            await fill_workspace(
+                spec.template, root / "work", timeout_s=self.step_timeout_s, sources=self.templates, revision=spec.revision
+            )
         except BaseException:
             await asyncio.shield(asyncio.to_thread(remove_tree, root))
             raise
@@ -123,6 +125,8 @@ def spec_key(spec: rollout_pb2.RuntimeSpec) -> str:
     """A stable fingerprint of what makes two runtimes interchangeable (kind, template, prepare
     commands, image): prewarmed runtimes are matched to sessions by it."""
     fields = [spec.kind, spec.template, list(spec.prepare), spec.image]
+    if spec.revision:
+        fields.append(spec.revision)
     return hashlib.sha256(json.dumps(fields).encode()).hexdigest()[:16]
 
 
@@ -139,12 +143,20 @@ def new_session_folder(work_root: Path, name: str) -> Path:
 
 
 async def fill_workspace(
-    template: str, workspace: Path, *, timeout_s: float, sources: TemplateSources | None = None
+    template: str,
+    workspace: Path,
+    *,
+    timeout_s: float,
+    sources: TemplateSources | None = None,
+    revision: str = "",
 ) -> None:
     """Make workspace: empty (no template), a copy of a template folder, or a clone of a git
-    repository (a URL, or a local folder that is a repository: then only its committed files).
+    repository (a URL, or a local folder that is a repository: then only its committed files); with
+    `revision`, that commit of the repository alone, so no later commit (a task's fix) is in it.
     It must be one of `sources` (polar.rollout.templates.confine; None: anywhere)."""
     if not template:
+        if revision:
+            raise RuntimeFailure(f"revision {revision!r}: a revision needs a git repository as the template")
         workspace.mkdir()
         return
     try:
@@ -152,7 +164,13 @@ async def fill_workspace(
     except TemplateRefused as exc:
         raise RuntimeFailure(str(exc)) from None
     source = Path(allowed).expanduser() if sources is None else Path(allowed)
-    if not is_remote(allowed) and source.is_dir() and not (source / ".git").exists():
+    is_repository = is_remote(allowed) or (source / ".git").exists()
+    if revision:
+        if not is_repository:
+            raise RuntimeFailure(f"template {template!r}: revision {revision!r} needs a git repository, not a folder")
+        await _fetch_revision(template, allowed, revision, workspace, timeout_s)
+        return
+    if not is_repository and source.is_dir():
         try:
             await asyncio.to_thread(shutil.copytree, source, workspace, symlinks=True)
         except (OSError, shutil.Error) as exc:
@@ -163,6 +181,19 @@ async def fill_workspace(
     env = {**credentials.without(os.environ), "GIT_TERMINAL_PROMPT": "0"}
     argv = ["git", "clone", "--depth", "1", "--quiet", "--", allowed, str(workspace)]
     await checked_step(f"template {template!r}: git clone", argv, cwd=workspace.parent, env=env, timeout_s=timeout_s)
+
+
+async def _fetch_revision(template: str, source: str, revision: str, workspace: Path, timeout_s: float) -> None:
+    """workspace = a new repository holding only `revision` of `source`, checked out (detached)."""
+    env = {**credentials.without(os.environ), "GIT_TERMINAL_PROMPT": "0"}
+    workspace.mkdir()
+    step = f"template {template!r} at {revision!r}"
+    git = ["git", "-C", str(workspace)]
+    await checked_step(f"{step}: git init", [*git, "init", "--quiet"], cwd=workspace, env=env, timeout_s=timeout_s)
+    fetch = [*git, "fetch", "--quiet", "--depth", "1", "--no-tags", "--", source, revision]
+    await checked_step(f"{step}: git fetch", fetch, cwd=workspace, env=env, timeout_s=timeout_s)
+    checkout = [*git, "checkout", "--quiet", "--detach", "FETCH_HEAD"]
+    await checked_step(f"{step}: git checkout", checkout, cwd=workspace, env=env, timeout_s=timeout_s)
 
 
 async def run_prepare(runtime: Runtime, commands: Sequence[str], *, timeout_s: float) -> None:

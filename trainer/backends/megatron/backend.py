@@ -367,7 +367,9 @@ class MegatronBackend(Backend):
         """(logprobs [K] of the trainable targets, their flat indices [K] into [R * L])."""
         batch = batch.to(self.device)
         keep = batch.loss_mask.reshape(-1).nonzero().squeeze(-1)  # [K]
-        logits = selected_logits(model, batch.input_ids, batch.sequence_lengths, keep)  # [K, V/tp]
+        parents = [batch.row_parents(row) for row in range(len(batch.sequence_lengths))]
+        logits = selected_logits(model, batch.input_ids, batch.position_ids, batch.sequence_lengths, parents,
+                                 keep)  # [K, V/tp]
         values = vocab_parallel_logprobs(
             logits,
             batch.targets.reshape(-1)[keep],

@@ -7,13 +7,16 @@ without repeating the keys); Megatron's own `DotProductAttention` materialises t
 refuses packed sequences. The MLP computes SwiGLU with a hand-written backward that keeps less for
 it. TransformerEngine is not used, so the model runs wherever torch does.
 
-Packed rows use Megatron's "thd" layout: every sequence of every row becomes one stretch of a single
-token stream, described by cu_seqlens, and `SDPAttention` runs one causal attention per stretch.
-That is exact per-sequence attention with the flash kernel's memory use; the alternative, one call
-with a block-diagonal [T, T] mask, costs T^2 memory and rules the flash kernel out. A row's padding
-tail (padded layouts) is one more stretch whose outputs are never read.
+Packed rows use Megatron's "thd" layout: every piece of every row (a sequence, or a part of a tree of
+sequences sharing a prompt: trainer/batches.py) becomes one stretch of a single token stream,
+described by cu_seqlens, and `SDPAttention` runs trainer.tree_attention over it: one causal attention
+per stretch, over its ancestors' keys and its own. That is exact per-sequence attention with the
+flash kernel's memory use; the alternative, one call with a [T, T] mask, costs T^2 memory and rules
+the flash kernel out. A row's padding tail (padded layouts) is one more stretch whose outputs are
+never read.
 
-RoPE restarts at 0 for each stretch. Megatron's thd rotary path splits the stream into its
+RoPE takes each token's position in its own sequence (the micro-batch's position_ids: a piece
+continues its parent's). Megatron's thd rotary path splits the stream into its
 sequences and runs half a dozen kernels on each, for queries and keys, in every layer; instead the
 rotary cos / sin of every token are looked up once per forward (`RotaryPackedSeqParams`) and
 `SDPAttention` rotates the whole stream's queries and keys in one pass each (torch.compile'd on a GPU
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.backends.megatron.runtime import import_megatron
+from trainer.tree_attention import TreeLayout, tree_attention
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 VOCAB_MULTIPLE = 128  # each rank's vocabulary slice is padded to a multiple of this (tensor-core shapes)
@@ -229,10 +233,12 @@ def _rotary_params_class():
     @dataclass
     class RotaryPackedSeqParams(PackedSeqParams):
         """Megatron's packed-sequence parameters, with the rotary cos / sin [T, 1, d] of every token
-        of the stream (positions restarting at each sequence), in the activations' dtype."""
+        of the stream (each token at its position in its own sequence), in the activations' dtype,
+        and the stretches' tree (`tree`: each attends to its ancestors and itself)."""
 
         rotary_cos: torch.Tensor | None = None
         rotary_sin: torch.Tensor | None = None
+        tree: TreeLayout | None = None
 
     return RotaryPackedSeqParams
 
@@ -254,21 +260,14 @@ def _sdpa_attention_class(fused_rope: bool):
                 raise ValueError("attention bias is not supported by SDPAttention")
             if getattr(packed_seq_params, "rotary_cos", None) is None:
                 raise ValueError("SDPAttention needs packed sequences with their rotary tables (selected_logits)")
-            # thd: [t, heads, d]. Rotate the whole stream, then one causal attention per sequence.
+            # thd: [t, heads, d]. Rotate the whole stream, then one causal attention per stretch
+            # over its ancestors and itself.
             rotary = _fused_rotate() if fused_rope else rotate
             cos, sin = packed_seq_params.rotary_cos, packed_seq_params.rotary_sin
             query, key = rotary(query, cos, sin), rotary(key, cos, sin)
-            bounds = packed_seq_params.cu_seqlens_q.tolist()  # a CPU tensor: no device sync
-            parts = []
-            for start, end in zip(bounds[:-1], bounds[1:]):
-                q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # [1, heads, n, d]
-                parts.append(self._attend(q, k, v).squeeze(0).transpose(0, 1))  # [n, np, d]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [t, np, d]
-            return out.reshape(out.shape[0], -1)
-
-        def _attend(self, q, k, v):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale,
-                                                  enable_gqa=q.shape[1] != k.shape[1])
+            out = tree_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                                 packed_seq_params.tree, self.softmax_scale)  # [np, t, d]
+            return out.transpose(0, 1).reshape(out.shape[1], -1)
 
     return SDPAttention
 
@@ -311,43 +310,50 @@ def build_model(shape: ModelShape, tp_size: int, dtype: torch.dtype, device: tor
     return model.to(device)
 
 
-def packed_seq_params(model, sequence_lengths: list[list[int]], row_length: int, dtype: torch.dtype,
-                      device: torch.device):
-    """Packed-sequence parameters for rows laid end to end: each sequence, then each row's padding;
-    with the rotary tables of `model`'s RoPE for those positions.
+def packed_seq_params(model, sequence_lengths: list[list[int]], parents: list[list[int]],
+                      position_ids: torch.Tensor, dtype: torch.dtype):
+    """Packed-sequence parameters for rows laid end to end: each row's pieces, then its padding (a
+    stretch of its own); with the rotary tables of `model`'s RoPE at `position_ids` [R, L] and the
+    stretches' tree.
 
-    cu_seqlens stay on the CPU: SDPAttention reads them as Python ints.
+    cu_seqlens stay on the CPU: they and the tree are read as Python ints.
     """
-    lengths = []
-    for row in sequence_lengths:
+    rows, row_length = position_ids.shape
+    lengths, stretch_parents = [], []
+    for row, row_parents in zip(sequence_lengths, parents):
+        offset = len(lengths)
         lengths.extend(row)
+        stretch_parents.extend(parent + offset if parent >= 0 else -1 for parent in row_parents)
         if sum(row) < row_length:
             lengths.append(row_length - sum(row))
+            stretch_parents.append(-1)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
     longest = max(lengths)
-    positions = torch.cat([torch.arange(length) for length in lengths]).to(device)  # [T], from 0 in each
-    angles = model.rotary_pos_emb(longest, packed_seq=True)[positions].squeeze(1)  # [T, 1, d] fp32
+    positions = position_ids.reshape(-1)  # [T]
+    furthest = int(positions.max()) + 1
+    angles = model.rotary_pos_emb(furthest, packed_seq=True)[positions].squeeze(1)  # [T, 1, d] fp32
     return _rotary_params_class()(
         qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
         rotary_cos=angles.cos().to(dtype), rotary_sin=angles.sin().to(dtype),
+        tree=TreeLayout.from_pieces(lengths, stretch_parents),
     )
 
 
-def selected_logits(model, input_ids: torch.Tensor, sequence_lengths: list[list[int]], keep: torch.Tensor) -> torch.Tensor:
+def selected_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_lengths: list[list[int]],
+                    parents: list[list[int]], keep: torch.Tensor) -> torch.Tensor:
     """This rank's vocabulary slice of the logits at flat positions `keep` [K] -> [K, V / tp].
 
-    input_ids [R, L] on the model's device. The output layer runs only on the kept positions: prompts
-    are most of a trace, and the output layer is the widest matrix.
+    input_ids, position_ids [R, L] on the model's device; `sequence_lengths` and `parents`: each
+    row's pieces (MicroBatch). The output layer runs only on the kept positions: prompts are most of
+    a trace, and the output layer is the widest matrix.
     """
     rows, length = input_ids.shape
     tokens = input_ids.reshape(1, rows * length)  # [1, T]
     hidden = model.embedding(input_ids=tokens, position_ids=None)  # [T, 1, H]
-    params = packed_seq_params(model, sequence_lengths, length, hidden.dtype, hidden.device)
+    params = packed_seq_params(model, sequence_lengths, parents, position_ids, hidden.dtype)
     # No rotary_pos_emb: SDPAttention applies RoPE from params' tables.
     hidden = model.decoder(hidden_states=hidden, attention_mask=None, rotary_pos_emb=None, packed_seq_params=params)
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
     logits, _ = model.output_layer(hidden[keep], weight=weight)  # [K, 1, V/tp]
     return logits.squeeze(1)
-
-

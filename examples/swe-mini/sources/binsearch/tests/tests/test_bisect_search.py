@@ -1,0 +1,17 @@
+from searching.bisect_search import find
+
+
+def test_finds_the_first():
+    assert find([1, 3, 5, 7], 1) == 0
+
+
+def test_missing():
+    assert find([1, 3, 5, 7], 4) == -1
+
+
+def test_finds_the_last():
+    assert find([1, 3, 5, 7], 7) == 3
+
+
+def test_single_element():
+    assert find([2], 2) == 0

@@ -1,0 +1,12 @@
+"""Reading `key=value` settings."""
+
+
+def parse_settings(text: str) -> dict:
+    settings = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.split("=", 1)
+        settings[key.strip()] = value.strip()
+    return settings

@@ -1,0 +1,5 @@
+"""Splitting one line of comma-separated fields."""
+
+
+def split_fields(line: str) -> list:
+    return line.split(",")

@@ -1,0 +1,6 @@
+"""Removing duplicates."""
+
+
+def unique(items):
+    """Each distinct item once, in order of first occurrence."""
+    return list(dict.fromkeys(items))

@@ -1,0 +1,11 @@
+"""Counting values into equal-width bins."""
+
+
+def histogram(values, bins, low, high):
+    counts = [0] * bins
+    width = (high - low) / bins
+    for value in values:
+        if not low <= value <= high:
+            continue
+        counts[int((value - low) / width)] += 1
+    return counts

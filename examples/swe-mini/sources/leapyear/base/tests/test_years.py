@@ -1,0 +1,10 @@
+from calendar_utils.years import days_in_february, is_leap_year
+
+
+def test_ordinary_years():
+    assert is_leap_year(2024)
+    assert not is_leap_year(2023)
+
+
+def test_february():
+    assert days_in_february(2024) == 29

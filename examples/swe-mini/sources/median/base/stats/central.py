@@ -1,0 +1,16 @@
+"""Measures of central tendency."""
+
+
+def mean(values):
+    values = list(values)
+    if not values:
+        raise ValueError("mean of no values")
+    return sum(values) / len(values)
+
+
+def median(values):
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("median of no values")
+    middle = len(ordered) // 2
+    return ordered[middle]

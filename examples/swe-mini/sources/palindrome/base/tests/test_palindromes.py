@@ -1,0 +1,9 @@
+from wordplay.palindromes import is_palindrome
+
+
+def test_word():
+    assert is_palindrome("level")
+
+
+def test_not_a_palindrome():
+    assert not is_palindrome("hello")

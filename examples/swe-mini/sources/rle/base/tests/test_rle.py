@@ -1,0 +1,5 @@
+from compress.rle import encode
+
+
+def test_empty():
+    assert encode("") == ""

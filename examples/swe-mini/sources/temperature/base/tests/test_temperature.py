@@ -1,0 +1,9 @@
+from units.temperature import celsius_to_fahrenheit, fahrenheit_to_celsius
+
+
+def test_celsius_to_fahrenheit():
+    assert celsius_to_fahrenheit(100) == 212
+
+
+def test_freezing_point():
+    assert fahrenheit_to_celsius(32) == 0

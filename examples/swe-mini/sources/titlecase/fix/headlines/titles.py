@@ -1,0 +1,10 @@
+"""Title case with small words kept lower case."""
+
+SMALL_WORDS = {"a", "an", "and", "of", "the", "in", "on", "to"}
+
+
+def title_case(text: str) -> str:
+    words = text.lower().split()
+    return " ".join(
+        word if index > 0 and word in SMALL_WORDS else word.capitalize() for index, word in enumerate(words)
+    )

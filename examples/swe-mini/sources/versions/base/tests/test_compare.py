@@ -1,0 +1,10 @@
+from semver_lite.compare import compare
+
+
+def test_equal():
+    assert compare("1.2", "1.2") == 0
+
+
+def test_simple_order():
+    assert compare("1.2", "1.3") == -1
+    assert compare("2.0", "1.9") == 1

@@ -1,0 +1,202 @@
+"""Trainer time per step with and without shared-prefix packing, on traces shaped like each CLI's; and
+the trainer's view of a recorded harness session (`--harness PRESET`). Run through
+scripts/bench_trainer.py (`--shared-prefix compare`, `--harness PRESET`); see its docstring.
+
+A CLI-shaped group is 8 sessions of one task: each session's trace (prefix-merged) is the CLI's
+recorded first prompt (its system prompt, tools and the task, tests/fixtures/sessions), then turns of
+sampled tokens (trained) and tool results (not trained), of lengths drawn from log-normal
+distributions around what coding sessions send (a reply of ~150 tokens, a tool result of ~300).
+A step holds `groups` groups of different tasks: their sessions share the system prompt, a group's
+also the task. The "nothing shared" case draws every session's prompt at random, at Pi's length.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.batches import pack
+
+from trainer.sequences import TrainSequence
+from trainer.grpo import LossConfig
+
+SESSIONS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "sessions"
+CLIS = ("claude-code", "qwen-code", "gemini-cli", "codex", "pi")
+GROUP_SIZE = 8
+TASK_TOKENS = 60  # the end of the recorded prompt that stands for the task, redrawn per group
+TARGETS = {"claude-code": 4.0, "pi": 2.0, "none": 1.0}  # least speed-up wanted (none: no slower)
+
+
+def recorded_prompt(cli: str) -> np.ndarray:
+    """The first call's prompt of the CLI's recorded session: its system prompt, tools and task."""
+    from polar.trajectory import read_session
+
+    calls, _ = read_session(SESSIONS / f"{cli}.json.zst")
+    return np.asarray(calls[0].prompt_ids, dtype=np.int64)
+
+
+def _sequence(name: str, prompt: np.ndarray, turns: list[tuple[np.ndarray, np.ndarray]], weight: float,
+              rng: np.random.Generator) -> TrainSequence:
+    parts, mask = [prompt], [np.zeros(len(prompt), bool)]
+    for sampled, tool in turns:
+        parts += [sampled, tool]
+        mask += [np.ones(len(sampled), bool), np.zeros(len(tool), bool)]
+    ids, mask = np.concatenate(parts), np.concatenate(mask)
+    return TrainSequence(
+        name=name, token_ids=ids, loss_mask=mask,
+        behaviour_logprobs=np.where(mask, -rng.uniform(0.1, 3.0, len(ids)), 0).astype(np.float32),
+        advantage=float(rng.normal()), token_weight=weight, temperature=np.ones(len(ids), np.float32),
+        top_p=np.ones(len(ids), np.float32), top_k=np.zeros(len(ids), np.int32),
+    )  # fmt: skip
+
+
+def cli_step(cli: str, groups: int, turns: tuple[int, int], vocab: int, seed: int = 0) -> list[TrainSequence]:
+    """One step's traces: `groups` groups of GROUP_SIZE sessions shaped like the CLI's ("none": every
+    session's prompt drawn at random, nothing in common)."""
+    rng = np.random.default_rng(seed)
+    system = recorded_prompt("pi" if cli == "none" else cli)
+    specs = []
+    for group in range(groups):
+        task = np.concatenate([system[:-TASK_TOKENS], rng.integers(100, vocab, TASK_TOKENS)])
+        for member in range(GROUP_SIZE):
+            prompt = rng.integers(100, vocab, len(system)) if cli == "none" else task
+            count = int(rng.integers(turns[0], turns[1] + 1))
+            session = [(rng.integers(100, vocab, _length(rng, 150, 10, 1500)),
+                        rng.integers(100, vocab, _length(rng, 300, 20, 3000))) for _ in range(count)]
+            specs.append((f"{cli}/g{group}/s{member}", prompt, session))
+    trainable = sum(len(sampled) for _, _, session in specs for sampled, _ in session)
+    return [_sequence(name, prompt, session, 1.0 / trainable, rng) for name, prompt, session in specs]
+
+
+def _length(rng: np.random.Generator, median: float, low: int, high: int) -> int:
+    return int(np.clip(rng.lognormal(np.log(median), 0.8), low, high))
+
+
+def _timed_update(backend, batches) -> float:
+    cuda = backend.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    backend.update(batches, LossConfig())
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def compare(backend, sequences: list[TrainSequence], budget: int, rounds: int) -> dict:
+    """Best seconds of one optimizer update with and without sharing, measured in alternating rounds
+    (after one untimed update of each)."""
+    layouts = {"shared": pack(sequences, budget, share_prefixes=True), "plain": pack(sequences, budget)}
+    seconds = {name: float("inf") for name in layouts}
+    for name, batches in layouts.items():
+        _timed_update(backend, batches)  # warm-up: allocator, kernels
+    for _ in range(rounds):
+        for name, batches in layouts.items():
+            seconds[name] = min(seconds[name], _timed_update(backend, batches))
+    return {
+        "traces": len(sequences),
+        "budget": budget,
+        "tokens_represented": sum(len(s) for s in sequences),
+        "tokens_computed": {name: sum(b.tokens for b in batches) for name, batches in layouts.items()},
+        "micro_batches": {name: len(batches) for name, batches in layouts.items()},
+        "seconds": seconds,
+        "speedup": seconds["plain"] / seconds["shared"],
+    }
+
+
+def bench_shared_prefix(backend, clis: list[str], groups: int, turns: tuple[int, int], rounds: int) -> dict:
+    vocab = backend.model_description["vocab_size"]
+    results = {}
+    for cli in clis:
+        sequences = cli_step(cli, groups, turns, vocab)
+        budget = max(8192, _tree_budget(sequences))
+        results[cli] = compare(backend, sequences, budget, rounds)
+        results[cli]["target"] = TARGETS.get(cli)
+        _print_row(cli, results[cli])
+    return results
+
+
+def _tree_budget(sequences: list[TrainSequence]) -> int:
+    """A budget that holds one group's tree (the plain layout gets the same budget)."""
+    groups: dict[str, list[TrainSequence]] = {}
+    for sequence in sequences:
+        groups.setdefault(sequence.name.rsplit("/", 1)[0], []).append(sequence)
+    total = sum(len(s) for s in sequences)
+    return max(sum(b.tokens for b in pack(group, total, share_prefixes=True)) for group in groups.values())
+
+
+def print_header() -> None:
+    print(f"  {'traces like':<12} {'traces':>6} {'tokens':>8} {'computed shared':>16} {'s shared':>9} "
+          f"{'s plain':>8} {'speed-up':>8} {'target':>7}")
+
+
+def _print_row(cli: str, row: dict) -> None:
+    target = f">= {row['target']:.0f}x" if row.get("target") else ""
+    print(f"  {cli:<12} {row['traces']:>6} {row['tokens_represented']:>8} {row['tokens_computed']['shared']:>16} "
+          f"{row['seconds']['shared']:>9.2f} {row['seconds']['plain']:>8.2f} {row['speedup']:>7.2f}x {target:>7}",
+          flush=True)
+
+
+# -------------------------------------------------------------------------------------------------
+# --harness PRESET: a recorded session's traces as the trainer packs them
+
+
+def harness_traces(preset: str, builder: str, sessions: int = GROUP_SIZE, seed: int = 0) -> list[TrainSequence]:
+    """A group of `sessions`: the recorded session of the preset's CLI rebuilt by `builder`, and
+    `sessions - 1` more that begin with its recorded prompt, each call's reply redrawn at the recorded
+    reply's length (the same calls, other samples: the shape a GRPO group of one task has)."""
+    from polar.trajectory import build, read_session
+
+    calls, _ = read_session(SESSIONS / f"{preset}.json.zst")
+    rng = np.random.default_rng(seed)
+    variants = [list(calls)]
+    for _ in range(sessions - 1):
+        redrawn, carried = [], {}  # recorded prompt + reply -> the same with the reply redrawn
+        for call in calls:
+            prompt = tuple(call.prompt_ids.tolist())
+            for old in sorted(carried, key=len, reverse=True):  # a later prompt holds earlier replies
+                if prompt[: len(old)] == old:
+                    prompt = carried[old] + prompt[len(old):]
+                    break
+            sampled = tuple(rng.integers(100, 49000, len(call.sampled_ids)).tolist())
+            redrawn.append(replace(call, prompt_ids=np.asarray(prompt), sampled_ids=np.asarray(sampled)))
+            carried[tuple(call.prompt_ids.tolist()) + tuple(call.sampled_ids.tolist())] = prompt + sampled
+        variants.append(redrawn)
+    traces = [trace for variant in variants for trace in build(builder, variant).traces if trace.trainable_tokens]
+    trainable = sum(trace.trainable_tokens for trace in traces)
+    return [
+        TrainSequence(name=f"{preset}/{index}", token_ids=np.asarray(t.token_ids, np.int64),
+                      loss_mask=np.asarray(t.loss_mask, bool), behaviour_logprobs=np.asarray(t.logprobs, np.float32),
+                      advantage=float(rng.normal()), token_weight=1.0 / trainable,
+                      temperature=np.ones(len(t.token_ids), np.float32), top_p=np.ones(len(t.token_ids), np.float32),
+                      top_k=np.zeros(len(t.token_ids), np.int32))
+        for index, t in enumerate(traces)
+    ]  # fmt: skip
+
+
+def bench_harness(backend, preset: str, rounds: int) -> dict:
+    """Per builder (prefix merging, per request) and with and without sharing: tokens packed, the
+    share of them trained, and trainer tokens/s (tokens the traces hold, per second of update)."""
+    results = {}
+    print(f"  {'builder':<15} {'sharing':<8} {'traces':>6} {'tokens':>8} {'computed':>9} {'trained':>8} "
+          f"{'share':>6} {'seconds':>8} {'tokens/s':>9} {'trained/s':>9}")
+    for builder in ("prefix_merging", "per_request"):
+        sequences = harness_traces(preset, builder)
+        budget = max(8192, _tree_budget(sequences))
+        row = compare(backend, sequences, budget, rounds)
+        trained = sum(s.trainable_tokens for s in sequences)
+        for layout in ("shared", "plain"):
+            seconds, computed = row["seconds"][layout], row["tokens_computed"][layout]
+            results[f"{builder}/{layout}"] = point = {
+                "traces": len(sequences), "tokens": row["tokens_represented"], "computed": computed,
+                "trained": trained, "trained_share": trained / computed, "seconds": seconds,
+                "tokens_per_s": row["tokens_represented"] / seconds, "trained_per_s": trained / seconds,
+            }  # fmt: skip
+            print(f"  {builder:<15} {'on' if layout == 'shared' else 'off':<8} {point['traces']:>6} {point['tokens']:>8} "
+                  f"{computed:>9} {trained:>8} {100 * point['trained_share']:>5.1f}% {seconds:>8.2f} "
+                  f"{point['tokens_per_s']:>9.0f} {point['trained_per_s']:>9.1f}", flush=True)
+    return results

@@ -1,0 +1,215 @@
+"""Weight sync: seconds and GB/s of one sync (Pause, transfer, CommitWeights, Resume) per transport.
+
+The trainer's side is this process (InferencePool.push of a model's tensors); the inference server
+is `polar serve inference` in a process of its own, as in a run, on a model folder of the same shape
+with other (random) weights.
+
+* CPU: SmolLM2-135M's shape (fp32, 538 MB) over the gRPC stream, side by side in alternating rounds
+  with the server as it was before this change (`--serve-baseline`: each chunk parsed by protobuf,
+  assembled in a bytearray, then copied into the parameter), and their ratio. Target: >= 1 GB/s.
+* --device cuda: a Qwen3-4B-shaped model (bf16, 8 GB) from tensors on the GPU to a server on the same
+  GPU, over CUDA IPC buckets and over the stream. Target: <= 2 s, >= 4 GB/s, on the card named.
+
+    python scripts/bench_weight_sync.py --quick                 # CPU, under a minute on 2 cores
+    python scripts/bench_weight_sync.py --device cuda --quick   # a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+    ),
+}  # fmt: skip
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def model_folder(shape: str, dtype: torch.dtype, device: str, tokenizer: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Write a model of `shape` with random weights to `out` (for the server); return other random
+    tensors of the same names on `device` (the trainer's new weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**SHAPES[shape])
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out)
+    for name in _TOKENIZER_FILES:
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, out / name)
+    weights = {name: torch.randn_like(p) * 0.02 for name, p in model.named_parameters()}
+    del model
+    return weights
+
+
+def start_server(folder: Path, device: str, baseline: bool) -> subprocess.Popen:
+    command = [sys.executable, __file__, "--serve-model", str(folder), "--device", device]
+    if baseline:
+        command.append("--serve-baseline")
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path})
+
+
+def address_of(process: subprocess.Popen) -> str:
+    """The port the server prints once it serves."""
+    line = process.stdout.readline()
+    if not line.startswith("port "):
+        raise SystemExit(f"the inference server did not start: {line!r}")
+    return f"127.0.0.1:{line.split()[1]}"
+
+
+def serve(folder: str, device: str, baseline: bool) -> None:
+    """A server subprocess: prints its port, serves until stdin closes."""
+    from polar.inference import server as server_module
+    from polar.inference.engines import EngineOptions, create_engine
+
+    async def main() -> None:
+        engine = create_engine("torch", EngineOptions(model=folder, device=device, max_batch_size=1))
+        if baseline:
+            server_module.InferenceServicer = _baseline_servicer(server_module.InferenceServicer)
+        server, port = await server_module.start_server(engine)
+        print(f"port {port}", flush=True)
+        await asyncio.to_thread(sys.stdin.read)
+        await server.stop(None)
+        await engine.stop()
+
+    asyncio.run(main())
+
+
+def _baseline_servicer(base):
+    """The server as it was: each message parsed by protobuf (a copy of the chunk's bytes, and
+    another when its data is read), assembled in a bytearray (a third), then update_weights (a
+    fourth, into the parameters). Its range checks are left out: they copy nothing."""
+    from polar.v1 import inference_pb2
+
+    class Baseline(base):
+        async def UpdateWeights(self, request_iterator, context):
+            specs = self._engine.parameter_specs()
+            buffers, header = {}, None
+            async for raw in request_iterator:
+                message = inference_pb2.UpdateWeightsRequest.FromString(raw)
+                if message.WhichOneof("payload") == "header":
+                    header = message.header
+                    continue
+                chunk = message.chunk
+                buffer = buffers.get(chunk.name)
+                if buffer is None:
+                    spec = specs[chunk.name]
+                    buffer = buffers[chunk.name] = (bytearray(spec.dtype.itemsize * int(torch.Size(spec.shape).numel())), spec)
+                data = chunk.data
+                buffer[0][chunk.offset : chunk.offset + len(data)] = data
+            tensors = {
+                name: torch.frombuffer(b, dtype=spec.dtype).reshape(spec.shape) if b else torch.empty(spec.shape, dtype=spec.dtype)
+                for name, (b, spec) in buffers.items()
+            }
+            self._staged = (header.update_id, tensors, self._staging, sum(len(b) for b, _ in buffers.values()))
+            return inference_pb2.UpdateWeightsResponse(policy_version=self._engine.policy_version, staged=True)
+
+        async def _apply(self, tensors, staging, bytes_received):
+            version = await self._engine.update_weights(tensors)
+            return inference_pb2.UpdateWeightsResponse(policy_version=version, tensors_updated=len(tensors), bytes_received=bytes_received)
+
+    return Baseline
+
+
+def push(address: str, weights: dict[str, torch.Tensor], transport: str, bucket_mb: int):
+    from trainer.weight_sync import InferencePool
+
+    pool = InferencePool([address], transport=transport, bucket_bytes=bucket_mb << 20)
+    try:
+        return pool.push(lambda: weights.items(), note="bench")
+    finally:
+        pool.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds, under a minute on 2 CPU cores")
+    parser.add_argument("--device", default="cpu", help="cpu (SmolLM2-135M shape) or cuda (Qwen3-4B shape)")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="CUDA IPC: MiB of each of the two buffers")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="folder with the tokenizer files (default: tiny's)")
+    parser.add_argument("--out", type=Path, default=Path("bench-results/weight_sync.json"))
+    parser.add_argument("--serve-model", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_model:
+        serve(args.serve_model, args.device, args.serve_baseline)
+        return
+
+    if args.tokenizer is None:
+        from polar.inference.models import resolve_model
+
+        args.tokenizer = Path(resolve_model("tiny"))
+    cuda = args.device.startswith("cuda")
+    shape, dtype = ("qwen3-4b", torch.bfloat16) if cuda else ("smollm2-135m", torch.float32)
+    rounds = 1 if args.quick else 3
+    work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    servers = []
+    try:
+        weights = model_folder(shape, dtype, args.device, args.tokenizer, work / shape)
+        model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        if cuda:
+            cases = {"cuda_ipc": ("auto", False), "stream": ("stream", False)}
+        else:
+            cases = {"stream": ("stream", False), "stream (before)": ("stream", True)}
+        # The servers start together, each in a process of its own.
+        servers = [start_server(work / shape, args.device, baseline) for _, baseline in cases.values()]
+        addresses = {name: address_of(process) for name, process in zip(cases, servers)}
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        used: dict[str, str] = {}
+        for name, (transport, _) in cases.items():  # warm-up: allocations, handles, first connection
+            used[name] = push(addresses[name], weights, transport, args.bucket_mb).transport
+        for _ in range(rounds):
+            for name, (transport, _) in cases.items():
+                result = push(addresses[name], weights, transport, args.bucket_mb)
+                times[name].append(result.seconds)
+    finally:
+        for process in servers:
+            process.stdin.close() if process.stdin else None
+            process.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+    results = {
+        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "bytes": model_bytes, "device": args.device,
+        "card": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "rounds": rounds, "bucket_mb": args.bucket_mb, "paths": {},
+    }  # fmt: skip
+    for name, seconds in times.items():
+        best = min(seconds)
+        results["paths"][name] = {"transport": used[name], "seconds": best, "gb_per_s": model_bytes / best / 1e9, "all_seconds": seconds}
+    print(f"weight sync: {shape} ({results['dtype']}, {model_bytes / 1e9:.2f} GB) on {results['card']}, {rounds} alternating rounds, best of each")
+    print(f"  {'path':<18} {'transport':<10} {'seconds':>8} {'GB/s':>7}")
+    for name, row in results["paths"].items():
+        print(f"  {name:<18} {row['transport']:<10} {row['seconds']:>8.3f} {row['gb_per_s']:>7.2f}")
+    if "stream (before)" in results["paths"]:
+        ratio = results["paths"]["stream (before)"]["seconds"] / results["paths"]["stream"]["seconds"]
+        results["stream_speedup"] = ratio
+        print(f"  stream now / before: {ratio:.2f}x faster")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"  figures in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

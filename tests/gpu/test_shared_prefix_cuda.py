@@ -1,0 +1,78 @@
+"""Shared-prefix packing on CUDA in bf16: a tree computes what its traces compute one by one, within
+bf16's own spread.
+
+Runs on the device machine only (`python -m pytest -m gpu tests/gpu/test_shared_prefix_cuda.py`);
+skipped without CUDA (the megatron case also without megatron-core).
+
+Two bf16 computations of the same thing round differently, so the tree is held to bf16's spread as
+measured on the same traces: its logprobs may differ from the traces run alone in bf16 by at most
+twice as much as those differ from the fp32 truth (plus 0.01 nats), its loss likewise (plus 1e-4),
+and each parameter's gradient by at most twice the norm of the bf16-vs-fp32 difference (plus 1% of
+the gradient's norm).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron_fixtures import save_tiny_model
+from prefix_fixtures import alone, forest, keyed_logprobs, loss_and_gradients
+
+from trainer.batches import pack
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def _computation(backend, batches):
+    logprobs = keyed_logprobs(batches, backend._score(backend.model, batches))
+    loss, gradients = loss_and_gradients(backend, batches)
+    return logprobs, loss, gradients
+
+
+def _assert_within_bf16_spread(make_backend, sequences, max_tokens: int) -> None:
+    shared = pack(sequences, max_tokens, share_prefixes=True, min_saving=1)
+    assert any(batch.shares_prefixes for batch in shared)
+    truth = _computation(make_backend("float32"), alone(sequences))
+    bf16 = make_backend("bfloat16")
+    reference = _computation(bf16, alone(sequences))
+    ours = _computation(bf16, shared)
+    finite = [key for key, value in truth[0].items() if value > float("-inf")]
+    spread = max(abs(reference[0][key] - truth[0][key]) for key in finite)
+    difference = max(abs(ours[0][key] - reference[0][key]) for key in finite)
+    assert difference <= 2 * spread + 0.01, (difference, spread)
+    assert abs(ours[1] - reference[1]) <= 2 * abs(reference[1] - truth[1]) + 1e-4
+    for name, gradient in reference[2].items():
+        spread = float((gradient.float() - truth[2][name].float()).norm())
+        difference = float((ours[2][name].float() - gradient.float()).norm())
+        assert difference <= 2 * spread + 0.01 * float(gradient.float().norm()), (name, difference, spread)
+
+
+def test_torch_backend_tree_within_bf16_spread(tmp_path):
+    from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
+
+    folder = save_tiny_model(tmp_path / "model", "qwen3", tied=False)
+    sequences = forest(0, 300, 40, [(8, 4), (0, 3), (6, 4)])
+
+    def make(dtype: str):
+        return TorchBackend(TorchBackendOptions(model=str(folder), device="cuda", dtype=dtype))
+
+    _assert_within_bf16_spread(make, sequences, max_tokens=200)
+
+
+def test_megatron_backend_tree_within_bf16_spread(tmp_path):
+    pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'polar[megatron]')")
+    from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
+
+    folder = save_tiny_model(tmp_path / "model", "qwen3", tied=False)
+    sequences = forest(1, 300, 40, [(8, 4), (0, 3), (6, 4)], truncation=False)
+    backends = {}
+
+    def make(dtype: str):
+        if dtype not in backends:
+            backends[dtype] = MegatronBackend(MegatronBackendOptions(model=str(folder), dtype=dtype))
+        return backends[dtype]
+
+    _assert_within_bf16_spread(make, sequences, max_tokens=200)
