@@ -1,11 +1,11 @@
 """What the engine is asked to sample with: the harness's request under its task's sampling policy.
 
     requested (the dialect's reading of the body: Sampling)
-    policy (the session's, from its task: temperature, top_p, per-call cap, session budget)
+    policy (the session's, from its task: temperature, top_p, top_k, per-call cap, session budget)
     tokens the session's calls have sampled so far, room the context leaves after the prompt
         ──effective_sampling──▶ SamplingParams for the engine + the Limit that set max_tokens
 
-A policy's temperature and top_p replace the harness's. max_tokens is the smallest of the harness's own
+A policy's temperature, top_p and top_k replace the harness's. max_tokens is the smallest of the harness's own
 (if it asked), the per-call cap (if > 0), what is left of the session budget (if > 0) and the context's
 room; on a tie the harness's own wins, then the cap, then the budget, then the context. Reaching any
 limit but the harness's own truncates the call (CallRecord.truncated). An empty policy changes nothing:
@@ -51,6 +51,7 @@ class SamplingPolicy:
     top_p: float | None = None  # None: the harness's
     max_tokens_per_call: int = 0  # 0: no cap
     max_tokens_per_session: int = 0  # 0: no budget
+    top_k: int | None = None  # None: the harness's; 0: no truncation
 
     @classmethod
     def from_proto(cls, policy: common_pb2.SamplingPolicy) -> SamplingPolicy:
@@ -59,6 +60,7 @@ class SamplingPolicy:
             top_p=policy.top_p if policy.HasField("top_p") else None,
             max_tokens_per_call=policy.max_tokens_per_call,
             max_tokens_per_session=policy.max_tokens_per_session,
+            top_k=policy.top_k if policy.HasField("top_k") else None,
         )
 
     def to_proto(self) -> common_pb2.SamplingPolicy:
@@ -67,6 +69,7 @@ class SamplingPolicy:
             top_p=self.top_p,
             max_tokens_per_call=self.max_tokens_per_call,
             max_tokens_per_session=self.max_tokens_per_session,
+            top_k=self.top_k,
         )
 
     def problems(self, field: str = "sampling") -> list[str]:
@@ -76,6 +79,8 @@ class SamplingPolicy:
             problems.append(f"{field}.temperature: must be a finite number >= 0, got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             problems.append(f"{field}.top_p: must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 0:
+            problems.append(f"{field}.top_k: must be >= 0 (0: no truncation), got {self.top_k}")
         if self.max_tokens_per_call < 0:
             problems.append(f"{field}.max_tokens_per_call: must be >= 0 (0: no cap), got {self.max_tokens_per_call}")
         if self.max_tokens_per_session < 0:
@@ -131,10 +136,11 @@ def effective_sampling(
 
     temperature = policy.temperature if policy.temperature is not None else requested.temperature
     top_p = policy.top_p if policy.top_p is not None else requested.top_p
+    top_k = policy.top_k if policy.top_k is not None else requested.top_k
     params = common_pb2.SamplingParams(
         temperature=DEFAULT_TEMPERATURE if temperature is None else temperature,
         top_p=top_p or 0.0,
-        top_k=requested.top_k or 0,
+        top_k=top_k or 0,
         max_tokens=max_tokens,
     )
     if requested.seed is not None:

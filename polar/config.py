@@ -83,6 +83,9 @@ class InferenceConfig:
     # only the rest; least recently used evicted first; 0 = no prefix cache
     prefix_cache_mib: Count = 1024
     script: str = ""  # scripted engine only: path of its JSON script
+    # torch engine only, a test fixture: a JSON script of replies the engine emits instead of sampling,
+    # each token recorded with the model's own logprob (format: polar/inference/engines/forced.py)
+    forced_replies: str = ""
     # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
     # resumes), so versions keep counting across a resumed run.
     policy_version: Count = 0

@@ -157,12 +157,15 @@ def sample_next_tokens(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     generators: Sequence[torch.Generator],
+    forced: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row: logits [B, V] fp32; parameters [B] on the CPU; one generator a row.
 
     Returns (token ids [B], their logprobs [B] fp32), both on the logits' device. Greedy rows
     (temperature 0) take the argmax and draw nothing; sampling rows draw exactly one uniform from
     their own generator, so a row's tokens do not depend on the other rows of the batch.
+    `forced` [B] (CPU, -1 = sample): a row's token is taken as given instead (teacher forcing), with
+    its logprob under the same distribution; -inf when the row's top-k / top-p truncation drops it.
     """
     logprobs = batched_processed_logprobs(logits, temperature, top_k, top_p)  # [B, V]
     greedy = temperature <= 0
@@ -175,4 +178,6 @@ def sample_next_tokens(
         tokens = inverse_cdf(logprobs, uniforms)
         if bool(greedy.any()):
             tokens = torch.where(to_device(greedy, logits.device), logits.argmax(-1), tokens)
+    if forced is not None:
+        tokens = torch.where(to_device(forced >= 0, logits.device), to_device(forced, logits.device), tokens)
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

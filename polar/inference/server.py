@@ -414,7 +414,10 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         prefix_cache_mib=config.prefix_cache_mib,
         script=config.script,
         policy_version=config.policy_version,
+        extra={"forced_replies": config.forced_replies} if config.forced_replies else {},
     )
+    if config.forced_replies and config.engine != "torch":
+        raise ServiceError(f"forced_replies needs the torch engine, not {config.engine!r}")
 
     def on_ready(port: int) -> None:
         d = engine.description

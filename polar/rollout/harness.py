@@ -14,6 +14,9 @@ onboarding are off, so a harness contacts only the gateway.
 
 "command" runs `HarnessSpec.command` as given, with the same environment (the instruction is in
 POLAR_INSTRUCTION).
+
+A preset's CLI speaks the dialects in `Preset.dialects`, its default first; `HarnessSpec.dialect`
+picks another where there is one: Pi speaks all four (its provider's `api` in models.json).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from polar.v1 import rollout_pb2
+from polar.v1 import common_pb2, rollout_pb2
 
 
 class HarnessError(Exception):
@@ -80,6 +83,13 @@ class Preset:
     package: str  # the npm package that installs the CLI; "" for "command"
     shell_tool: ShellTool | None  # None for "command" (its tools are whatever the command has)
     build: LaunchBuilder
+    # The API dialects (polar.v1.Dialect) the CLI can be told to speak, its default first; empty for
+    # "command" (whatever the command speaks).
+    dialects: tuple[int, ...] = ()
+
+    def dialect(self, spec: rollout_pb2.HarnessSpec) -> int:
+        """The dialect a session of `spec` speaks: the one it names, else the preset's default."""
+        return spec.dialect or (self.dialects[0] if self.dialects else common_pb2.DIALECT_UNSPECIFIED)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -201,10 +211,22 @@ def _gemini_cli(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLau
     return ["gemini", "--yolo", "-m", ctx.model, f"--prompt={ctx.instruction}"], env
 
 
+# Pi's provider `api` for each dialect, and the path its SDK for that API expects after the base URL
+# (the OpenAI SDK appends /chat/completions or /responses, Anthropic's /v1/messages, and pi's Google
+# client /models/M:streamGenerateContent, with no version of its own).
+PI_APIS = {
+    common_pb2.DIALECT_OPENAI_CHAT: ("openai-completions", "/v1"),
+    common_pb2.DIALECT_OPENAI_RESPONSES: ("openai-responses", "/v1"),
+    common_pb2.DIALECT_ANTHROPIC_MESSAGES: ("anthropic-messages", ""),
+    common_pb2.DIALECT_GOOGLE_GENERATE_CONTENT: ("google-generative-ai", "/v1beta"),
+}
+
+
 def _pi(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
+    api, path = PI_APIS[PRESETS["pi"].dialect(spec)]
     provider = {
-        "baseUrl": ctx.base_url + "/v1",
-        "api": "openai-completions",
+        "baseUrl": ctx.base_url + path,
+        "api": api,
         "apiKey": "POLAR_SESSION_KEY",  # the name of the variable holding the key
         "models": [{"id": ctx.model}],
     }
@@ -223,14 +245,26 @@ def _command(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch
     return list(spec.command), {}
 
 
+_D = common_pb2
 PRESETS: dict[str, Preset] = {
-    "codex": Preset("codex", "@openai/codex", ShellTool("exec_command", "cmd"), _codex),
-    "claude-code": Preset("claude-code", "@anthropic-ai/claude-code", ShellTool("Bash", "command"), _claude_code),
-    "qwen-code": Preset("qwen-code", "@qwen-code/qwen-code", ShellTool("run_shell_command", "command"), _qwen_code),
-    "gemini-cli": Preset("gemini-cli", "@google/gemini-cli", ShellTool("run_shell_command", "command"), _gemini_cli),
-    "pi": Preset("pi", "@mariozechner/pi-coding-agent", ShellTool("bash", "command"), _pi),
+    "codex": Preset(
+        "codex", "@openai/codex", ShellTool("exec_command", "cmd"), _codex, (_D.DIALECT_OPENAI_RESPONSES,)
+    ),
+    "claude-code": Preset(
+        "claude-code", "@anthropic-ai/claude-code", ShellTool("Bash", "command"), _claude_code,
+        (_D.DIALECT_ANTHROPIC_MESSAGES,),
+    ),
+    "qwen-code": Preset(
+        "qwen-code", "@qwen-code/qwen-code", ShellTool("run_shell_command", "command"), _qwen_code,
+        (_D.DIALECT_OPENAI_CHAT,),
+    ),
+    "gemini-cli": Preset(
+        "gemini-cli", "@google/gemini-cli", ShellTool("run_shell_command", "command"), _gemini_cli,
+        (_D.DIALECT_GOOGLE_GENERATE_CONTENT,),
+    ),
+    "pi": Preset("pi", "@mariozechner/pi-coding-agent", ShellTool("bash", "command"), _pi, tuple(PI_APIS)),
     "command": Preset("command", "", None, _command),
-}
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------

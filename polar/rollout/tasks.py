@@ -17,9 +17,10 @@ import uuid
 from google.protobuf import json_format
 
 from gateway.sampling import policy_problems
+from polar.rollout.harness import PRESETS
 from polar.rollout.templates import template_problem
 from polar.trajectory import BUILDERS
-from polar.v1 import rollout_pb2
+from polar.v1 import common_pb2, rollout_pb2
 
 HARNESS_PRESETS = ("codex", "claude-code", "qwen-code", "gemini-cli", "pi", "command")
 RUNTIME_KINDS = ("local", "docker")
@@ -102,12 +103,28 @@ def _harness_problems(task: rollout_pb2.Task) -> list[str]:
             problems.append(f"harness.command: only preset 'command' runs a command, not {harness.preset!r}")
         if not task.instruction.strip():
             problems.append("instruction: required (empty)")
+    if harness.dialect and harness.preset in PRESETS:
+        spoken = PRESETS[harness.preset].dialects
+        if not spoken:
+            problems.append(f"harness.dialect: preset {harness.preset!r} takes none (its command speaks what it speaks)")
+        elif harness.dialect not in spoken:
+            known = ", ".join(common_pb2.Dialect.Name(d) for d in spoken)
+            problems.append(
+                f"harness.dialect: preset {harness.preset!r} cannot speak {_dialect_name(harness.dialect)} (it speaks {known})"
+            )
     for name, value in harness.env.items():
         if not ENV_NAME.fullmatch(name):
             problems.append(f"harness.env: {name!r} is not an environment variable name")
         if "\0" in value:
             problems.append(f"harness.env[{name!r}]: contains a NUL character")
     return problems
+
+
+def _dialect_name(dialect: int) -> str:
+    try:
+        return common_pb2.Dialect.Name(dialect)
+    except ValueError:
+        return f"dialect {dialect}"
 
 
 def _runtime_problems(runtime: rollout_pb2.RuntimeSpec) -> list[str]:

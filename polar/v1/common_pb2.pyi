@@ -67,16 +67,18 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class SamplingPolicy(_message.Message):
-    __slots__ = ("temperature", "top_p", "max_tokens_per_call", "max_tokens_per_session")
+    __slots__ = ("temperature", "top_p", "max_tokens_per_call", "max_tokens_per_session", "top_k")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_CALL_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     max_tokens_per_call: int
     max_tokens_per_session: int
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens_per_call: _Optional[int] = ..., max_tokens_per_session: _Optional[int] = ...) -> None: ...
+    top_k: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., max_tokens_per_call: _Optional[int] = ..., max_tokens_per_session: _Optional[int] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class CallTimings(_message.Message):
     __slots__ = ("received_unix_ns", "render_seconds", "time_to_first_token_seconds", "total_seconds", "queue_seconds")

@@ -26,7 +26,7 @@ SESSION_STATE_POSTRUN: SessionState
 SESSION_STATE_DONE: SessionState
 
 class HarnessSpec(_message.Message):
-    __slots__ = ("preset", "command", "env")
+    __slots__ = ("preset", "command", "env", "dialect")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -37,10 +37,12 @@ class HarnessSpec(_message.Message):
     PRESET_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
+    DIALECT_FIELD_NUMBER: _ClassVar[int]
     preset: str
     command: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.ScalarMap[str, str]
-    def __init__(self, preset: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    dialect: _common_pb2.Dialect
+    def __init__(self, preset: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., dialect: _Optional[_Union[_common_pb2.Dialect, str]] = ...) -> None: ...
 
 class RuntimeSpec(_message.Message):
     __slots__ = ("kind", "template", "prepare", "image", "revision")

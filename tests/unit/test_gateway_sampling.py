@@ -48,6 +48,15 @@ def test_a_policy_s_temperature_and_top_p_replace_the_harness_s():
     assert params.temperature == DEFAULT_TEMPERATURE and params.top_p == pytest.approx(0.9)
 
 
+def test_a_policy_s_top_k_replaces_the_harness_s_and_zero_turns_truncation_off():
+    requested = Sampling(temperature=1.0, top_p=0.95, top_k=64)  # what Gemini CLI asks
+    assert effective_sampling(requested, SamplingPolicy(top_k=0), 0, ROOM)[0].top_k == 0
+    assert effective_sampling(requested, SamplingPolicy(top_k=5), 0, ROOM)[0].top_k == 5
+    assert effective_sampling(requested, SamplingPolicy(top_p=1.0), 0, ROOM)[0].top_k == 64
+    assert SamplingPolicy.from_proto(common_pb2.SamplingPolicy(top_k=0)) == SamplingPolicy(top_k=0)
+    assert SamplingPolicy(top_k=0).to_proto().HasField("top_k")
+
+
 def test_a_harness_that_asks_no_max_tokens_gets_the_task_s_cap():
     policy = SamplingPolicy(max_tokens_per_call=4096)
     assert _max_tokens(Sampling(), policy) == (4096, Limit.CALL_CAP)

@@ -19,7 +19,7 @@ import pytest
 
 from polar.rollout.harness import PRESETS, HarnessContext, HarnessError, prepare_launch
 from polar.rollout.tasks import HARNESS_PRESETS
-from polar.v1 import rollout_pb2
+from polar.v1 import common_pb2, rollout_pb2
 
 BASE_URL = "http://127.0.0.1:18080"
 KEY = "polar-session-key-0123456789"
@@ -212,6 +212,34 @@ def test_pi_gets_a_provider_for_the_served_model(ctx, bin_dir):
     assert launch.env[provider["apiKey"]] == KEY  # apiKey names the variable holding the key
     assert [model["id"] for model in provider["models"]] == [MODEL]
     assert launch.env["PI_OFFLINE"] == "1"
+
+
+@pytest.mark.parametrize(
+    "dialect, api, path",
+    [
+        (common_pb2.DIALECT_OPENAI_CHAT, "openai-completions", "/v1"),
+        (common_pb2.DIALECT_OPENAI_RESPONSES, "openai-responses", "/v1"),
+        (common_pb2.DIALECT_ANTHROPIC_MESSAGES, "anthropic-messages", ""),
+        (common_pb2.DIALECT_GOOGLE_GENERATE_CONTENT, "google-generative-ai", "/v1beta"),
+    ],
+)
+def test_pi_speaks_the_dialect_its_task_names(dialect, api, path, ctx, bin_dir):
+    launch_for("pi", ctx, bin_dir, dialect=dialect)
+    provider = json.loads((ctx.home / ".pi" / "agent" / "models.json").read_text())["providers"]["polar"]
+    assert (provider["api"], provider["baseUrl"]) == (api, BASE_URL + path)
+    assert PRESETS["pi"].dialect(rollout_pb2.HarnessSpec(preset="pi", dialect=dialect)) == dialect
+
+
+def test_each_preset_s_default_dialect_is_its_first():
+    defaults = {name: preset.dialect(rollout_pb2.HarnessSpec(preset=name)) for name, preset in PRESETS.items()}
+    assert defaults == {
+        "codex": common_pb2.DIALECT_OPENAI_RESPONSES,
+        "claude-code": common_pb2.DIALECT_ANTHROPIC_MESSAGES,
+        "qwen-code": common_pb2.DIALECT_OPENAI_CHAT,
+        "gemini-cli": common_pb2.DIALECT_GOOGLE_GENERATE_CONTENT,
+        "pi": common_pb2.DIALECT_OPENAI_CHAT,
+        "command": common_pb2.DIALECT_UNSPECIFIED,
+    }
 
 
 @pytest.mark.parametrize("preset", CLI_PRESETS)

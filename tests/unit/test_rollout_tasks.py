@@ -76,6 +76,15 @@ def test_a_good_task_has_no_problems():
         ({"harness": {"preset": "command", "command": ["", "x"]}}, "harness.command: the program"),
         ({"harness": {"preset": "qwen-code", "command": ["ls"]}}, "harness.command: only preset 'command'"),
         ({"harness": {"preset": "codex", "env": {"A=B": "1"}}}, "harness.env: 'A=B' is not an environment"),
+        (
+            {"harness": {"preset": "codex", "dialect": "DIALECT_OPENAI_CHAT"}},
+            "harness.dialect: preset 'codex' cannot speak DIALECT_OPENAI_CHAT (it speaks DIALECT_OPENAI_RESPONSES)",
+        ),
+        (
+            {"harness": {"preset": "command", "command": ["ls"], "dialect": "DIALECT_OPENAI_CHAT"}},
+            "harness.dialect: preset 'command' takes none",
+        ),
+        ({"sampling": {"topK": -1}}, "sampling.top_k: must be >= 0 (0: no truncation), got -1"),
         ({"harness": {"preset": "codex", "env": {"A": "x\u0000"}}}, "harness.env['A']: contains a NUL"),
         ({"instruction": "  "}, "instruction: required (empty)"),
         ({"runtime": {"kind": "vm"}}, "runtime.kind: unknown runtime 'vm' (known: local, docker)"),

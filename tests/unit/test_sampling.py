@@ -168,6 +168,28 @@ def test_sampled_token_is_allowed_and_carries_its_processed_logprob(seed, temper
 
 
 @settings(max_examples=100, deadline=None)
+@given(
+    seed=seeds, temperature=temperatures, top_k=top_ks, top_p=top_ps, draw_seed=seeds,
+    forced=st.lists(st.integers(-1, VOCAB - 1), min_size=3, max_size=3),
+)  # fmt: skip
+def test_a_forced_token_is_taken_with_its_processed_logprob_and_other_rows_sample_as_before(
+    seed, temperature, top_k, top_p, draw_seed, forced
+):
+    logits = random_logits(seed, rows=3)
+    sampling = params(3, temperature, top_k, top_p)
+    free, free_logprobs = sample_next_tokens(logits, *sampling, [new_generator(draw_seed + i) for i in range(3)])
+    tokens, logprobs = sample_next_tokens(
+        logits, *sampling, [new_generator(draw_seed + i) for i in range(3)], forced=torch.tensor(forced)
+    )
+    expected = processed_logprobs(logits, temperature, top_k, top_p)
+    for row, token in enumerate(forced):
+        if token < 0:
+            assert (tokens[row].item(), logprobs[row].item()) == (free[row].item(), free_logprobs[row].item())
+        else:  # -inf where truncation drops it, as the trainer computes it
+            assert (tokens[row].item(), logprobs[row].item()) == (token, expected[row, token].item())
+
+
+@settings(max_examples=100, deadline=None)
 @given(seed=seeds, temperature=st.sampled_from([0.3, 1.0, 1.5]), draw_seed=seeds)
 def test_top_k_one_equals_greedy(seed, temperature, draw_seed):
     logits = random_logits(seed, rows=4)

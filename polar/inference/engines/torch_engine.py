@@ -20,7 +20,9 @@ process-wide intra-op thread count, set only when the model runs on the CPU (def
 the usable cores, at least 1: with all of them, torch's spinning workers starve the event loop and the
 worker thread, and tiny on 2 cores ran 15x slower);
 `cuda_graphs` (default 1): on CUDA, replay decode steps as captured CUDA graphs, which removes the
-per-kernel launch cost that otherwise bounds a small model's step time.
+per-kernel launch cost that otherwise bounds a small model's step time; `forced_replies`: a script of
+replies emitted instead of sampled tokens, each recorded with the model's own logprob (a test fixture:
+polar/inference/engines/forced.py).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from polar.inference.engines.base import (
     TokenChunk,
     check_weight_update,
 )
+from polar.inference.engines.forced import ForcedReplies
 from polar.inference.engines.llama import DecoderRunner
 from polar.inference.engines.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixLease
 from polar.inference.sampling import new_generator, sample_next_tokens, to_device
@@ -127,6 +130,7 @@ class _Sequence:
     completion: int = 0
     queue_seconds: float = 0.0
     cancelled: bool = False  # the consumer went away; set from the event loop's thread
+    forced: tuple[int, ...] = ()  # forced-replies mode: the tokens to emit instead of sampling
 
     @property
     def prompt_tokens(self) -> int:
@@ -244,6 +248,8 @@ class TorchEngine(Engine):
                 budget_bytes=options.prefix_cache_mib << 20,
             )
         self.description = self._describe(options.model, folder, tokenizer, generation_eos)
+        script = options.extra.get("forced_replies", "")
+        self._forced = ForcedReplies.load(script, tokenizer) if script else None
 
         self._version = options.policy_version
         self._wake = threading.Condition()
@@ -314,6 +320,7 @@ class TorchEngine(Engine):
             generator=new_generator(request.sampling.seed),
             stop_ids=_stop_ids(request.sampling, self.description.eos_token_ids),
             submitted=time.monotonic(),
+            forced=self._forced.reply(request.prompt_token_ids) if self._forced is not None else (),
         )
         with self._wake:
             self._waiting.append(seq)
@@ -563,6 +570,10 @@ class TorchEngine(Engine):
             torch.tensor([c.top_k for c in configs], dtype=torch.long),
             torch.tensor([c.top_p for c in configs], dtype=torch.float32),
             [s.generator for s in batch],
+            # Past its reply (only under ignore_eos) a sequence samples again.
+            forced=torch.tensor([s.forced[s.completion] if s.completion < len(s.forced) else -1 for s in batch])
+            if self._forced is not None
+            else None,
         )
         # One transfer, the step's only wait for the device: fp64 holds token ids and fp32 logprobs exactly.
         host = torch.stack((tokens.to(torch.float64), logprobs.to(torch.float64))).cpu()  # [2, len(batch)]
