@@ -144,7 +144,7 @@ class Node:
         self.config = config
         self.gateway = gateway
         # Where other machines reach its GatewayService (told at registration); "" = the gateway's own.
-        self.gateway_address = gateway_address or gateway.grpc_address
+        self.gateway_address = gateway_address
         self.providers = providers
         self.rollout_address = rollout_address
         self.init = Pool("init", config.init_workers)
@@ -255,7 +255,7 @@ class Node:
     async def _register(self) -> None:
         response = await self._stub.RegisterNode(
             rollout_pb2.RegisterNodeRequest(
-                gateway_address=self.gateway_address,
+                gateway_address=self.gateway_address or self.gateway.grpc_address,
                 base_url=self.gateway.base_url,
                 pools=self.pool_status(),
                 runtimes=sorted(self.providers),
