@@ -3,8 +3,9 @@ import swe --local`, run by the real Pi CLI through `polar up --submit`, graded 
 
 A model that answers each task's issue with a call of Pi's bash tool applying that task's gold patch
 (then a final answer once the tool result is in its prompt) scores 1 on every session; the tiny model
-(random weights, the torch engine) changes nothing and scores 0. The replies come from the scripted
-engine, an edge fixture: `GOLD_ENGINE` is the one line that names it.
+(random weights, the torch engine) changes nothing and scores 0. The gold replies are the tiny model's
+forced replies (`[inference] forced_replies`, an edge fixture): its own tokens are recorded with its
+own logprobs, only their choice is scripted.
 """
 
 from __future__ import annotations
@@ -28,21 +29,20 @@ from polar.rollout.harness import PRESETS  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.node]
 
 NAMES = ["clamp", "roman"]
-GOLD_ENGINE = "scripted"  # the engine that replays the gold-patch replies (a script of outputs)
 FINAL = "The patch is applied."
 RUN_TIMEOUT_S = 300
 
 
 def gold_patch_script(instances: list[dict]) -> dict:
-    """Replies that apply each instance's gold patch with Pi's bash tool, told apart by the issue's
-    first line in the prompt; any prompt holding a tool result gets the final answer."""
-    rules = [{"prompt_regex": "<tool_response>", "text": FINAL}]
+    """Forced replies that apply each instance's gold patch with Pi's bash tool, told apart by the
+    issue's first line in the prompt; a call after a tool result gets the final answer."""
+    replies = [{"last_message_regex": "<tool_response>", "text": FINAL}]
     for instance in instances:
         command = f"git apply <<'POLAR_GOLD_PATCH'\n{instance['patch']}POLAR_GOLD_PATCH"
         call = PRESETS["pi"].shell_tool.call(command)
         first_line = instance["problem_statement"].splitlines()[0]
-        rules.append({"prompt_regex": re.escape(first_line), "text": "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"})
-    return {"name": "polar-scripted", "rules": rules, "outputs": [{"text": "I cannot tell which task this is."}], "cycle": True}
+        replies.append({"prompt_regex": re.escape(first_line), "text": "<tool_call>\n" + json.dumps(call) + "\n</tool_call>"})
+    return {"replies": replies, "fallback": "I cannot tell which task this is."}
 
 
 def stack_config(tmp_path: Path, inference: str, harness_bin: Path, repos: Path) -> Path:
@@ -98,8 +98,10 @@ def test_pi_applying_the_gold_patch_scores_1(swe_setup, tmp_path: Path) -> None:
     harness_bin, repos, instance_file = swe_setup
     script = tmp_path / "gold.json"
     script.write_text(json.dumps(gold_patch_script(swe_mini.instances(NAMES))))
-    config = stack_config(tmp_path, f'engine = "{GOLD_ENGINE}"\nscript = "{script}"\n', harness_bin, repos)
-    trajectories = run_and_export(config, import_tasks(tmp_path, repos, instance_file), tmp_path)
+    config = stack_config(tmp_path, f'engine = "torch"\nmodel = "tiny"\nforced_replies = "{script}"\n', harness_bin, repos)
+    # Sampled without truncation, so each forced token keeps a finite logprob.
+    tasks = import_tasks(tmp_path, repos, instance_file, "--sampling", '{"topP": 1.0}')
+    trajectories = run_and_export(config, tasks, tmp_path)
     assert len(trajectories) == len(NAMES)
     for trajectory in trajectories:
         assert trajectory["outcome"] == "SESSION_OUTCOME_COMPLETED", describe(trajectory)
