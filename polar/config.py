@@ -86,7 +86,8 @@ class InferenceConfig:
     # Version the loaded weights are served as: a trainer checkpoint's (`polar train` sets it when it
     # resumes), so versions keep counting across a resumed run.
     policy_version: Count = 0
-    upstream_url: str = ""  # upstream engine: the server's base URL, e.g. http://127.0.0.1:8000
+    # upstream engine: the server's base URL, e.g. http://127.0.0.1:8000, or unix:PATH (vLLM's --uds)
+    upstream_url: str = ""
     # upstream engine: "vllm" (POST /v1/completions; start vLLM with --logprobs-mode processed_logprobs)
     # or "sglang" (POST /generate)
     upstream_api: Literal["vllm", "sglang"] = "vllm"

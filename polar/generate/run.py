@@ -102,8 +102,12 @@ class RunFolder:
         self.manifest: dict[str, Any] = json.loads(self.manifest_path.read_text()) if self.manifest_path.exists() else {}
 
     def run_id(self) -> str:
-        run_id = self.manifest.setdefault("run_id", secrets.token_hex(4))
-        return run_id
+        """The run's id, in its rollout task ids; made and written down on first use, so a rerun
+        knows the attempts it had submitted."""
+        if "run_id" not in self.manifest:
+            self.manifest["run_id"] = secrets.token_hex(4)
+            self.write_manifest()
+        return self.manifest["run_id"]
 
     def done(self) -> list[dict[str, Any]]:
         """The attempts recorded so far; rows of attempts not recorded are dropped from accepted.jsonl."""

@@ -26,7 +26,8 @@ refused). A difference stops the server with both names. Weights cannot be pushe
 Polar does not run: ``fixed_weights`` says so and UpdateWeights answers FAILED_PRECONDITION.
 
 Engine-specific settings (``EngineOptions.extra``; `polar serve inference --upstream-*`):
-- ``url``: the upstream's base URL, e.g. ``http://127.0.0.1:8000`` (required).
+- ``url``: the upstream's base URL, e.g. ``http://127.0.0.1:8000``, or ``unix:PATH`` for a server on a
+  Unix socket (vLLM's ``--uds``) (required).
 - ``api``: ``vllm`` (default) or ``sglang``.
 - ``served_model``: vLLM's model name to ask for; "" = the first that ``GET /v1/models`` lists.
 - ``timeout_s``: seconds the upstream may stay silent (connecting, or between two events) before the
@@ -267,6 +268,9 @@ class _Http:
 
     def __init__(self, base: str, served_model: str, timeout_s: float) -> None:
         self.base = base.rstrip("/")
+        # "unix:PATH": a server listening on a Unix socket (vLLM's --uds); requests name any host.
+        self._socket = self.base[len("unix:") :] if self.base.startswith("unix:") else ""
+        self._root = "http://localhost" if self._socket else self.base
         self.served_model = served_model
         self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
@@ -275,7 +279,8 @@ class _Http:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             # Generations run at once as the gateway asks: no pool limit of our own.
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
+            connector = aiohttp.UnixConnector(path=self._socket, limit=0) if self._socket else aiohttp.TCPConnector(limit=0)
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self._session
 
     async def close(self) -> None:
@@ -284,15 +289,15 @@ class _Http:
             self._session = None
 
     async def get_json(self, path: str) -> Any:
-        async with self.session.get(self.base + path) as response:
+        async with self.session.get(self._root + path) as response:
             return await _json_or_refusal(response)
 
     async def post_json(self, path: str, body: Mapping[str, Any]) -> Any:
-        async with self.session.post(self.base + path, json=body) as response:
+        async with self.session.post(self._root + path, json=body) as response:
             return await _json_or_refusal(response)
 
     def post(self, path: str, body: Mapping[str, Any]):
-        return self.session.post(self.base + path, json=body)
+        return self.session.post(self._root + path, json=body)
 
 
 async def _json_or_refusal(response) -> Any:
