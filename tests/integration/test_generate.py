@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from polar.config import StackConfig
+from polar.generate import export
 from polar.generate.run import GenerateOptions, export_released, generate
 from polar.rollout.testing import TEST_NODE, running_rollout
 from polar.v1 import common_pb2
@@ -129,6 +130,24 @@ async def test_generation_counts_caps_resumes_and_exports(tmp_path: Path):
             [r["session_id"] for r in rows] + [a["session_id"] for a in _lines(capped / "attempts.jsonl")]
         )
         assert written == 3
+        _check_loadable(out / "accepted.jsonl", rows, tmp_path)
+
+
+def _check_loadable(jsonl: Path, rows: list[dict], tmp_path: Path) -> None:
+    """The rows load as a Hugging Face dataset from the JSON Lines file, from Parquet and from a
+    datasets folder, unchanged (a key a message lacks reads back as None)."""
+    datasets = pytest.importorskip("datasets")
+
+    def same(loaded) -> None:
+        assert loaded["input_ids"] == [r["input_ids"] for r in rows] and loaded["loss_mask"] == [r["loss_mask"] for r in rows]
+        messages = [[{k: v for k, v in m.items() if v is not None} for m in row] for row in loaded["messages"]]
+        assert messages == [r["messages"] for r in rows]
+
+    cache = str(tmp_path / "hf-cache")
+    same(datasets.load_dataset("json", data_files=str(jsonl), split="train", cache_dir=cache))
+    parquet = export.convert(jsonl, "parquet", tmp_path / "accepted.parquet")
+    same(datasets.load_dataset("parquet", data_files=str(parquet), split="train", cache_dir=cache))
+    same(datasets.load_from_disk(str(export.convert(jsonl, "datasets", tmp_path / "accepted"))))
 
 
 def _check_row(row: dict, trajectory: common_pb2.Trajectory) -> None:
