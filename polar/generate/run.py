@@ -194,12 +194,9 @@ def run_attempts(
 
     run_id = folder.run_id()
     order = list(attempt_order(len(tasks), options.attempts, options.seed))
-    tally = Tally()
-    started: set[Attempt] = set()
-    for record in folder.done():
-        attempt = (record["task_index"], record["attempt"])
-        started.add(attempt)
-        tally.add(attempt[0], record["outcome"], record["accepted"])
+    records = folder.done()
+    tally = _tally(records)
+    started: set[Attempt] = {(r["task_index"], r["attempt"]) for r in records}
     link = _Link(address)
     running: dict[str, Attempt] = {}
     try:
@@ -331,7 +328,9 @@ def generate(config: StackConfig, options: GenerateOptions, out: TextIO = sys.st
         finally:
             on_end()
 
-    if options.rollout:
+    if not _work_left(folder, options, len(tasks)):
+        outcome["tally"] = _tally(folder.done())  # every attempt is recorded: no stack to start
+    elif options.rollout:
         try:
             work({"rollout": options.rollout}, lambda: None)
         except KeyboardInterrupt:
@@ -390,6 +389,22 @@ def _run_on_stack(config: StackConfig, options: GenerateOptions, work, stop: thr
             thread.join(timeout=30)  # the attempt in hand is recorded whole before the manifest is written
 
 
+def _work_left(folder: RunFolder, options: GenerateOptions, task_count: int) -> bool:
+    """Whether some attempt is neither recorded nor ruled out by its task's cap."""
+    records = folder.done()
+    tally = _tally(records)
+    done = {(r["task_index"], r["attempt"]) for r in records}
+    order = list(attempt_order(task_count, options.attempts, options.seed))
+    return next_attempt(order, done, tally, {}, options.max_per_task) is not None
+
+
+def _tally(records: list[dict[str, Any]]) -> Tally:
+    tally = Tally()
+    for record in records:
+        tally.add(record["task_index"], record["outcome"], record["accepted"])
+    return tally
+
+
 def _check_same_run(manifest: dict[str, Any], options: GenerateOptions, task_count: int) -> None:
     """A folder resumed with other settings would mix two runs: refuse, naming the difference."""
     before = manifest.get("settings")
@@ -418,9 +433,7 @@ def _settings(options: GenerateOptions, task_count: int) -> dict[str, Any]:
 
 def _finish_manifest(folder: RunFolder, options: GenerateOptions, config: StackConfig, tasks, elapsed: float) -> None:
     records = folder.done()
-    tally = Tally()
-    for record in records:
-        tally.add(record["task_index"], record["outcome"], record["accepted"])
+    tally = _tally(records)
     m = folder.manifest
     m["settings"] = _settings(options, len(tasks))
     m["stack_config"] = dataclasses.asdict(config) if not options.rollout else None
