@@ -1,6 +1,6 @@
 """Engines behind the inference service, and the factory that builds one by kind.
 
-The torch and vLLM engines are imported only when asked for, so that `scripted` (and anything that
+The torch, vLLM and upstream engines are imported only when asked for, so that `scripted` (and anything that
 just needs the contract) does not pay for loading them, and so that a missing vLLM only matters to
 those who choose it.
 """
