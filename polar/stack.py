@@ -137,7 +137,12 @@ def plan(config: StackConfig, role: str = "all", rollout: str = "") -> list[Serv
 
 def inference_spec(inf: InferenceConfig) -> ServiceSpec:
     """`polar serve inference` with the given settings."""
-    detail = f"{inf.engine} engine, model {inf.model}" if inf.engine != "scripted" else f"scripted engine, {inf.script}"
+    if inf.engine == "scripted":
+        detail = f"scripted engine, {inf.script}"
+    elif inf.engine == "upstream":
+        detail = f"upstream engine, {inf.upstream_api} at {inf.upstream_url}, tokenizer {inf.model}"
+    else:
+        detail = f"{inf.engine} engine, model {inf.model}"
     return INFERENCE.spec(inf, detail=detail)
 
 

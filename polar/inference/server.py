@@ -7,6 +7,7 @@ those become gRPC status codes here, and only here:
     InvalidRequest     -> INVALID_ARGUMENT        UnknownModel -> NOT_FOUND
     WeightUpdateError  -> INVALID_ARGUMENT        engine failure during Generate -> INTERNAL
     NothingStaged, SharingUnavailable -> FAILED_PRECONDITION
+    WeightsFixed       -> FAILED_PRECONDITION     (an engine whose weights another server holds)
 
 UpdateWeights takes its messages serialized (no request deserializer): `weights` reads each chunk's
 bytes straight out of the received message into the staged tensor, which protobuf's parse would
@@ -26,7 +27,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
-from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightUpdateError
+from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightsFixed, WeightUpdateError
 from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
 from polar.inference import sharing
 from polar.inference.weights import Staging, WeightsReceiver
@@ -117,6 +118,7 @@ class NothingStaged(RuntimeError):
         UnknownModel: grpc.StatusCode.NOT_FOUND,
         InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
         WeightUpdateError: grpc.StatusCode.INVALID_ARGUMENT,
+        WeightsFixed: grpc.StatusCode.FAILED_PRECONDITION,
         EngineFailed: grpc.StatusCode.INTERNAL,
         NothingStaged: grpc.StatusCode.FAILED_PRECONDITION,
         sharing.SharingUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
@@ -158,7 +160,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         async with self._receiving:
             self._staged = None  # its tensors are the buffers this update is written into
             receiver = WeightsReceiver(self._engine.parameter_specs(), self._staging)
-            problem: WeightUpdateError | None = None
+            problem: WeightUpdateError | WeightsFixed | None = None
+            if self._engine.fixed_weights:
+                problem = WeightsFixed(self._engine.fixed_weights)
             async for raw in request_iterator:
                 if problem is not None:
                     # A status sent while the client is still writing reaches grpc clients as INTERNAL
@@ -401,6 +405,16 @@ async def serve(
     await serve_until_stopped(port, stop, on_ready)
 
 
+def upstream_settings(config: InferenceConfig) -> dict[str, str]:
+    """The upstream engine's settings (polar.inference.engines.upstream) from [inference]."""
+    return {
+        "url": config.upstream_url,
+        "api": config.upstream_api,
+        "served_model": config.upstream_model,
+        "timeout_s": str(config.upstream_timeout_s),
+    }
+
+
 async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
     """`polar serve inference`: the engine config names, served on its host and port until
     SIGINT/SIGTERM."""
@@ -414,7 +428,11 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         prefix_cache_mib=config.prefix_cache_mib,
         script=config.script,
         policy_version=config.policy_version,
-        extra={"forced_replies": config.forced_replies} if config.forced_replies else {},
+        extra=(
+            {"forced_replies": config.forced_replies}
+            if config.forced_replies
+            else upstream_settings(config) if config.engine == "upstream" else {}
+        ),
     )
     if config.forced_replies and config.engine != "torch":
         raise ServiceError(f"forced_replies needs the torch engine, not {config.engine!r}")
@@ -427,9 +445,13 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
     def join(port: int) -> UpstreamMember:
         return UpstreamMember(config.rollout_address, INFERENCE_CLUSTER, advertised(config.host, port, config.advertise_address))
 
+    from polar.inference.engines.upstream import UpstreamError
+
     try:
         engine = create_engine(config.engine, options)
         await serve(engine, join_host_port(config.host, config.port), on_ready, join if config.rollout_address else None)
+    except UpstreamError as exc:
+        raise ServiceError(str(exc)) from None
     except ModuleNotFoundError as exc:
         # Engines import their framework lazily (vLLM only when started); vLLM lives in its own
         # environment because its pins would constrain the main one.

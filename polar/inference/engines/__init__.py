@@ -1,6 +1,6 @@
 """Engines behind the inference service, and the factory that builds one by kind.
 
-The torch and vLLM engines are imported only when asked for, so that `scripted` (and anything that
+The torch, vLLM and upstream engines are imported only when asked for, so that `scripted` (and anything that
 just needs the contract) does not pay for loading them, and so that a missing vLLM only matters to
 those who choose it.
 """
@@ -18,9 +18,10 @@ from polar.inference.engines.base import (
     SamplingConfig,
     TokenChunk,
     WeightUpdateError,
+    WeightsFixed,
 )
 
-ENGINE_KINDS = ("torch", "vllm", "scripted")
+ENGINE_KINDS = ("torch", "vllm", "scripted", "upstream")
 
 __all__ = [
     "ENGINE_KINDS",
@@ -34,12 +35,13 @@ __all__ = [
     "SamplingConfig",
     "TokenChunk",
     "WeightUpdateError",
+    "WeightsFixed",
     "create_engine",
 ]
 
 
 def create_engine(kind: str, options: EngineOptions) -> Engine:
-    """Build an engine of the given kind ("torch", "vllm" or "scripted"); it is not started yet."""
+    """Build an engine of the given kind ("torch", "vllm", "scripted" or "upstream"); it is not started yet."""
     if kind == "torch":
         from polar.inference.engines.torch_engine import TorchEngine
 
@@ -52,4 +54,8 @@ def create_engine(kind: str, options: EngineOptions) -> Engine:
         from polar.inference.engines.scripted import ScriptedEngine
 
         return ScriptedEngine(options)
+    if kind == "upstream":
+        from polar.inference.engines.upstream import UpstreamEngine
+
+        return UpstreamEngine(options)
     raise ValueError(f"unknown engine kind {kind!r}; expected one of: {', '.join(ENGINE_KINDS)}")

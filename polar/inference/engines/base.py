@@ -98,6 +98,10 @@ class ParameterSpec:
     dtype: torch.dtype
 
 
+class WeightsFixed(RuntimeError):
+    """The engine's weights cannot be updated at all (Engine.fixed_weights says why)."""
+
+
 class WeightUpdateError(ValueError):
     """A weight update that names unknown parameters or has the wrong shapes; nothing was applied."""
 
@@ -120,9 +124,12 @@ def check_weight_update(tensors: Mapping[str, torch.Tensor], specs: Mapping[str,
 
 
 class Engine(abc.ABC):
-    """A model that samples. Implementations: torch, vllm, scripted."""
+    """A model that samples. Implementations: torch, vllm, scripted, upstream."""
 
     description: ModelDescription
+    # Why UpdateWeights can never apply to this engine (it serves weights another server holds);
+    # "" = updates apply. The servicer refuses such updates with FAILED_PRECONDITION.
+    fixed_weights: str = ""
 
     @property
     @abc.abstractmethod
