@@ -70,7 +70,7 @@ async def test_node_client_receives_the_engines_tokens_and_logprobs(node_client)
         assert result["messages"] == 10  # the last one with the end
         assert result["policy_versions"] == [0] * 10
         assert result["finish_reason"] == "FINISH_REASON_STOP"
-        assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 10}
+        assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "cached_prompt_tokens": 0}
 
         code, out, err = await run_node(
             node_client, port, {"prompt_token_ids": [1], "sampling": {"max_tokens": 4}}
