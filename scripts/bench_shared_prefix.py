@@ -5,7 +5,11 @@ scripts/bench_trainer.py (`--shared-prefix compare`, `--harness PRESET`); see it
 A CLI-shaped group is 8 sessions of one task: each session's trace (prefix-merged) is the CLI's
 recorded first prompt (its system prompt, tools and the task, tests/fixtures/sessions), then turns of
 sampled tokens (trained) and tool results (not trained), of lengths drawn from log-normal
-distributions around what coding sessions send (a reply of ~150 tokens, a tool result of ~300).
+distributions around one of two shapes: "coding", what coding sessions send (1-4 turns of a reply of
+~150 tokens and a tool result of ~300), or "recorded", the turns of the CLI's recorded session itself
+(each call's reply, and what the next call's prompt adds after it). The token saving sharing can give
+is bounded by the shape: with coding turns, Pi's 1.5k-token prompt is under half of a session, which
+caps the saving near 1.8x; the recorded sessions sample a few dozen tokens a call.
 A step holds `groups` groups of different tasks: their sessions share the system prompt, a group's
 also the task. The "nothing shared" case draws every session's prompt at random, at Pi's length.
 """
@@ -54,19 +58,36 @@ def _sequence(name: str, prompt: np.ndarray, turns: list[tuple[np.ndarray, np.nd
     )  # fmt: skip
 
 
-def cli_step(cli: str, groups: int, turns: tuple[int, int], vocab: int, seed: int = 0) -> list[TrainSequence]:
+def recorded_turns(cli: str) -> list[tuple[int, int]]:
+    """(reply, tool result) lengths of each call of the CLI's recorded session; the last call's tool
+    result is empty."""
+    from polar.trajectory import read_session
+
+    calls, _ = read_session(SESSIONS / f"{cli}.json.zst")
+    return [(len(call.sampled_ids), max(0, len(after.prompt_ids) - len(call.prompt_ids) - len(call.sampled_ids)))
+            for call, after in zip(calls, calls[1:])] + [(len(calls[-1].sampled_ids), 0)]  # fmt: skip
+
+
+def cli_step(cli: str, groups: int, turns: tuple[int, int], vocab: int, seed: int = 0,
+             shape: str = "coding") -> list[TrainSequence]:
     """One step's traces: `groups` groups of GROUP_SIZE sessions shaped like the CLI's ("none": every
-    session's prompt drawn at random, nothing in common)."""
+    session's prompt drawn at random, nothing in common), with `turns` (least, most) coding turns or,
+    for `shape` "recorded", the recorded session's turns."""
     rng = np.random.default_rng(seed)
     system = recorded_prompt("pi" if cli == "none" else cli)
+    recorded = recorded_turns("pi" if cli == "none" else cli)
     specs = []
     for group in range(groups):
         task = np.concatenate([system[:-TASK_TOKENS], rng.integers(100, vocab, TASK_TOKENS)])
         for member in range(GROUP_SIZE):
             prompt = rng.integers(100, vocab, len(system)) if cli == "none" else task
-            count = int(rng.integers(turns[0], turns[1] + 1))
-            session = [(rng.integers(100, vocab, _length(rng, 150, 10, 1500)),
-                        rng.integers(100, vocab, _length(rng, 300, 20, 3000))) for _ in range(count)]
+            if shape == "recorded":
+                lengths = [(_length(rng, reply, 1, 10 * reply), _length(rng, tool, 1, 10 * tool) if tool else 0)
+                           for reply, tool in recorded]  # fmt: skip
+            else:
+                count = int(rng.integers(turns[0], turns[1] + 1))
+                lengths = [(_length(rng, 150, 10, 1500), _length(rng, 300, 20, 3000)) for _ in range(count)]
+            session = [(rng.integers(100, vocab, reply), rng.integers(100, vocab, tool)) for reply, tool in lengths]
             specs.append((f"{cli}/g{group}/s{member}", prompt, session))
     trainable = sum(len(sampled) for _, _, session in specs for sampled, _ in session)
     return [_sequence(name, prompt, session, 1.0 / trainable, rng) for name, prompt, session in specs]
@@ -108,15 +129,19 @@ def compare(backend, sequences: list[TrainSequence], budget: int, rounds: int) -
     }
 
 
-def bench_shared_prefix(backend, clis: list[str], groups: int, turns: tuple[int, int], rounds: int) -> dict:
+def bench_shared_prefix(backend, clis: list[str], groups: int, turns: tuple[int, int], rounds: int,
+                        shapes: tuple[str, ...] = ("coding",)) -> dict:
+    """Per CLI and session shape ("coding", "recorded"; rows named `cli` and `cli/recorded`)."""
     vocab = backend.model_description["vocab_size"]
     results = {}
     for cli in clis:
-        sequences = cli_step(cli, groups, turns, vocab)
-        budget = max(8192, _tree_budget(sequences))
-        results[cli] = compare(backend, sequences, budget, rounds)
-        results[cli]["target"] = TARGETS.get(cli)
-        _print_row(cli, results[cli])
+        for shape in shapes:
+            name = cli if shape == "coding" else f"{cli}/{shape}"
+            sequences = cli_step(cli, groups, turns, vocab, shape=shape)
+            budget = max(8192, _tree_budget(sequences))
+            results[name] = compare(backend, sequences, budget, rounds)
+            results[name]["target"] = TARGETS.get(cli)
+            _print_row(name, results[name])
     return results
 
 
@@ -130,13 +155,13 @@ def _tree_budget(sequences: list[TrainSequence]) -> int:
 
 
 def print_header() -> None:
-    print(f"  {'traces like':<12} {'traces':>6} {'tokens':>8} {'computed shared':>16} {'s shared':>9} "
+    print(f"  {'traces like':<20} {'traces':>6} {'tokens':>8} {'computed shared':>16} {'s shared':>9} "
           f"{'s plain':>8} {'speed-up':>8} {'target':>7}")
 
 
 def _print_row(cli: str, row: dict) -> None:
     target = f">= {row['target']:.0f}x" if row.get("target") else ""
-    print(f"  {cli:<12} {row['traces']:>6} {row['tokens_represented']:>8} {row['tokens_computed']['shared']:>16} "
+    print(f"  {cli:<20} {row['traces']:>6} {row['tokens_represented']:>8} {row['tokens_computed']['shared']:>16} "
           f"{row['seconds']['shared']:>9.2f} {row['seconds']['plain']:>8.2f} {row['speedup']:>7.2f}x {target:>7}",
           flush=True)
 

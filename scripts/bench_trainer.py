@@ -237,6 +237,8 @@ def main() -> None:
     parser.add_argument("--harness", choices=CLIS, help="a preset's recorded session as the trainer packs it")
     parser.add_argument("--clis", default=",".join((*CLIS, "none")), help="--shared-prefix: the CLI shapes to run")
     parser.add_argument("--groups", type=int, default=2, help="--shared-prefix: groups (tasks) per step")
+    parser.add_argument("--session-shape", default="coding,recorded",
+                        help="--shared-prefix: the sessions' turns, coding and/or recorded (comma-separated)")
     parser.add_argument("--layers", type=int, default=0, help="the model's shape cut to this many layers (random weights)")
     parser.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="--shared-prefix, --harness")
     parser.add_argument("--shape", choices=("qwen3-4b",), help="a random model of this shape instead of --model")
@@ -337,7 +339,10 @@ def sharing_main(args) -> None:
         clis = ["pi", "none"] if args.quick else args.clis.split(",")
         groups, turns = (1, (1, 2)) if args.quick else (args.groups, (1, 4))
         print_header()
-        results["shared_prefix"] = bench_shared_prefix(backend, clis, groups, turns, rounds)
+        shapes = tuple(args.session_shape.split(","))
+        if not set(shapes) <= {"coding", "recorded"}:
+            parser.error(f"--session-shape: coding and/or recorded, not {args.session_shape!r}")
+        results["shared_prefix"] = bench_shared_prefix(backend, clis, groups, turns, rounds, shapes)
     if args.harness:
         results["harness"] = {args.harness: bench_harness(backend, args.harness, rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
