@@ -181,6 +181,7 @@ class CollectiveSender:
             for call in calls:
                 call.send(bucket)
 
+        sent = False
         try:
             members = collective.group_store(self._store, group_id)
             self._wait_for_joining(members, world_size, failures)
@@ -193,11 +194,17 @@ class CollectiveSender:
             for call in calls:
                 call.end()
             results = [call.outcome(self.rpc_timeout_s) for call in calls]
+            sent = True
         except (CollectiveFailed, GroupFailed) as exc:
+            if group is not None:
+                group.close()  # the servers still in a broadcast fail now, and say so
             raise self._failed(backend, calls, failures, exc) from None
         finally:
             if group is not None:
                 group.close()
+            if not sent:
+                for call in calls:
+                    call.cancel()
         if failures:
             raise self._failed(backend, calls, failures, None)
         missing = [call.address for call, result in zip(calls, results) if result is None]

@@ -189,8 +189,12 @@ class Group:
         group, self._group = self._group, None
         if group is None:
             return
-        with contextlib.suppress(RuntimeError):
-            group.shutdown() if self.backend == GLOO else group.abort()
+        # gloo's abort leaves its connections open; shutdown (or, in a torch without it, the
+        # group's destruction as the last reference goes) closes them.
+        end = getattr(group, "shutdown", None) if self.backend == GLOO else group.abort
+        if end is not None:
+            with contextlib.suppress(RuntimeError):
+                end()
 
     def interrupt(self) -> None:
         """From another thread, while a broadcast of this member's waits: NCCL aborts its
