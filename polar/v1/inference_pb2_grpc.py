@@ -144,15 +144,16 @@ class InferenceServiceServicer:
     def UpdateWeightsCollective(self, request_iterator, context):
         """Bidirectional-streaming. A weight update broadcast over a collective group: NCCL between GPUs
         (any machines the trainer reaches), gloo between CPUs (offered when ModelInfo.weight_transports
-        lists "nccl" or "gloo"). The first message is a header naming the group: a TCPStore the trainer
-        opened (its rendezvous address), a group id, this server's rank and the group's size. The server
-        joins the group (the trainer is rank 0 and every other rank is a server of this update), then
-        each message names the tensors of one bucket, whose bytes the trainer broadcasts next, in message
-        order, into this server's buffer of that index (header.buffer_count buffers of
-        header.bucket_bytes each). The tensors are staged and applied as UpdateWeights applies them: at
-        once when the stream ends, or by CommitWeights when header.update_id is set. The one response,
-        once the stream ended, carries the outcome. A group lives for one update: a server that joins
-        the trainer's run later is simply in the next update's group.
+        lists "nccl" or "gloo"; a CPU server lists gloo after the stream, which is faster there). The
+        first message is a header naming the group: a TCPStore the trainer opened (its rendezvous
+        address), a group id, this server's rank and the group's size. The server joins the group (the
+        trainer is rank 0 and every other rank is a server of this update), then each message names the
+        tensors of one bucket, whose bytes the trainer broadcasts next, in message order, into this
+        server's buffer of that index (header.buffer_count buffers of header.bucket_bytes each). The
+        tensors are staged and applied as UpdateWeights applies them: at once when the stream ends, or
+        by CommitWeights when header.update_id is set. The one response, once the stream ended, carries
+        the outcome. A group lives for one update: a server that joins the trainer's run later is simply
+        in the next update's group.
         Errors: INVALID_ARGUMENT as UpdateWeights (unknown name, shape, dtype, bytes outside a buffer, a
         bucket naming a buffer the header did not ask for, a bad header); FAILED_PRECONDITION when the
         server cannot take part (a backend it does not offer); ABORTED when the group could not be
