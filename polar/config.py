@@ -287,11 +287,14 @@ class TrainerConfig:
     keep_checkpoints: Positive = 2  # newest checkpoints kept in the run folder
     seed: Count = 0  # dataset order and initialisation
     cpu_threads: Count = 0  # torch threads on a CPU; 0 = torch's default
-    # how weights reach each inference server: "auto" = the fastest it offers (CUDA IPC for a GPU server on
-    # this machine, else the gRPC stream); "stream" = always the gRPC stream
-    weight_sync: Literal["auto", "stream"] = "auto"
-    # CUDA IPC: MiB of each of the two GPU buffers the weights pass through (the trainer's extra GPU memory)
+    # how weights reach each inference server: "auto" = the fastest it offers that the trainer can use (CUDA
+    # IPC for a GPU server on this machine, an NCCL broadcast for one on another machine, else the gRPC
+    # stream); "stream", "nccl" or "gloo" = that one for every server
+    weight_sync: Literal["auto", "stream", "nccl", "gloo"] = "auto"
+    # CUDA IPC, NCCL, gloo: MiB of each of the two buffers the weights pass through (the trainer's extra memory)
     weight_sync_bucket_mb: Positive = 256
+    # NCCL, gloo: seconds joining a sync's group, and each broadcast, may take before the sync fails
+    weight_sync_timeout_s: PositiveFloat = 120.0
     eval_samples: Positive = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
 
 

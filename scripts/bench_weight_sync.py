@@ -4,11 +4,14 @@ The trainer's side is this process (InferencePool.push of a model's tensors); th
 is `polar serve inference` in a process of its own, as in a run, on a model folder of the same shape
 with other (random) weights.
 
-* CPU: SmolLM2-135M's shape (fp32, 538 MB) over the gRPC stream, side by side in alternating rounds
-  with the server as it was before this change (`--serve-baseline`: each chunk parsed by protobuf,
-  assembled in a bytearray, then copied into the parameter), and their ratio. Target: >= 1 GB/s.
+* CPU: SmolLM2-135M's shape (fp32, 538 MB) over the gRPC stream and over a gloo broadcast, side by
+  side in alternating rounds with the server as it was before the stream was made copy-free
+  (`--serve-baseline`: each chunk parsed by protobuf, assembled in a bytearray, then copied into the
+  parameter), and their ratio. Target: >= 1 GB/s.
 * --device cuda: a Qwen3-4B-shaped model (bf16, 8 GB) from tensors on the GPU to a server on the same
-  GPU, over CUDA IPC buckets and over the stream. Target: <= 2 s, >= 4 GB/s, on the card named.
+  GPU, over CUDA IPC buckets and over the stream; with a second GPU, also over an NCCL broadcast to a
+  server on that GPU (as a server on another machine would be reached). Target: <= 2 s, >= 4 GB/s,
+  on the card named.
 
     python scripts/bench_weight_sync.py --quick                 # CPU, under a minute on 2 cores
     python scripts/bench_weight_sync.py --device cuda --quick   # a GPU machine
@@ -63,12 +66,20 @@ def model_folder(shape: str, dtype: torch.dtype, device: str, tokenizer: Path, o
     return weights
 
 
-def start_server(folder: Path, device: str, baseline: bool) -> subprocess.Popen:
+def start_server(folder: Path, device: str, baseline: bool, gpu: str = "") -> subprocess.Popen:
+    """A server process; `gpu`: the one GPU it sees (CUDA_VISIBLE_DEVICES), else this process's."""
     command = [sys.executable, __file__, "--serve-model", str(folder), "--device", device]
     if baseline:
         command.append("--serve-baseline")
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": path})
+    env = {**os.environ, "PYTHONPATH": path, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def second_gpu() -> str:
+    """CUDA_VISIBLE_DEVICES for a process that sees only this process's second GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[1] if visible else "1"
 
 
 def address_of(process: subprocess.Popen) -> str:
@@ -147,7 +158,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds, under a minute on 2 CPU cores")
     parser.add_argument("--device", default="cpu", help="cpu (SmolLM2-135M shape) or cuda (Qwen3-4B shape)")
-    parser.add_argument("--bucket-mb", type=int, default=256, help="CUDA IPC: MiB of each of the two buffers")
+    parser.add_argument("--bucket-mb", type=int, default=256, help="CUDA IPC, NCCL, gloo: MiB of each of the two buffers")
     parser.add_argument("--tokenizer", type=Path, default=None, help="folder with the tokenizer files (default: tiny's)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/weight_sync.json"))
     parser.add_argument("--serve-model", help=argparse.SUPPRESS)
@@ -169,19 +180,22 @@ def main() -> None:
     try:
         weights = model_folder(shape, dtype, args.device, args.tokenizer, work / shape)
         model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+        # name -> (transport, the server as it was before, the GPU the server sees: "" for this one's)
         if cuda:
-            cases = {"cuda_ipc": ("auto", False), "stream": ("stream", False)}
+            cases = {"cuda_ipc": ("auto", False, ""), "stream": ("stream", False, "")}
+            if torch.cuda.device_count() >= 2:
+                cases["nccl"] = ("nccl", False, second_gpu())
         else:
-            cases = {"stream": ("stream", False), "stream (before)": ("stream", True)}
+            cases = {"stream": ("stream", False, ""), "gloo": ("gloo", False, ""), "stream (before)": ("stream", True, "")}
         # The servers start together, each in a process of its own.
-        servers = [start_server(work / shape, args.device, baseline) for _, baseline in cases.values()]
+        servers = [start_server(work / shape, args.device, baseline, gpu) for _, baseline, gpu in cases.values()]
         addresses = {name: address_of(process) for name, process in zip(cases, servers)}
         times: dict[str, list[float]] = {name: [] for name in cases}
         used: dict[str, str] = {}
-        for name, (transport, _) in cases.items():  # warm-up: allocations, handles, first connection
+        for name, (transport, _, _) in cases.items():  # warm-up: allocations, handles, first connection
             used[name] = push(addresses[name], weights, transport, args.bucket_mb).transport
         for _ in range(rounds):
-            for name, (transport, _) in cases.items():
+            for name, (transport, _, _) in cases.items():
                 result = push(addresses[name], weights, transport, args.bucket_mb)
                 times[name].append(result.seconds)
     finally:

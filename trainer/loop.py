@@ -193,7 +193,10 @@ class TrainingRun:
         self.model_name = model_name(config.model)
         self.rollout = RolloutLink(rollout_address)
         self.inference = InferencePool(
-            inference_addresses, transport=config.weight_sync, bucket_bytes=config.weight_sync_bucket_mb << 20
+            inference_addresses,
+            transport=config.weight_sync,
+            bucket_bytes=config.weight_sync_bucket_mb << 20,
+            timeout_s=config.weight_sync_timeout_s,
         )
         self.started = time.monotonic()
         self.step_timings = {"wait": 0.0, "train": 0.0, "sync": 0.0}
@@ -398,7 +401,8 @@ class TrainingRun:
             "seconds_weight_sync": sync.seconds,
             "weight_sync_gbps": sync.gb_per_s,
             "weight_sync_bytes": sync.bytes_sent,
-            "weight_sync_transport": sync.transport,  # "stream", "cuda_ipc", or both joined by "+"
+            "weight_sync_transport": sync.transport,  # "stream", "cuda_ipc", "nccl", "gloo", or several joined by "+"
+            "weight_sync_servers": [server.metrics() for server in sync.servers],  # each server's transport, seconds, GB/s
             "elapsed_s": elapsed,
             # Which groups the step took (trained on, then dropped), so a resumed run can be checked
             # to neither repeat nor skip one.

@@ -10,6 +10,9 @@ it offers (GetModelInfo's weight_transports):
   buffers of `bucket_bytes` that the server opens by CUDA IPC handle: the trainer fills one while
   the server copies the other out (UpdateWeightsShared), so the trainer's extra GPU memory is two
   buckets whatever the model's size;
+* "nccl" (a server on a GPU, on any machine) and "gloo" (a server on a CPU): the tensors are
+  broadcast a bucket at a time, from the same two buffers, to every server of that transport at
+  once, over a group built for the update (trainer/weight_collective.py);
 * "stream" (any server): UpdateWeights, each tensor streamed in chunks straight from the backend's
   parameters (one tensor in flight at a time, never a second copy of the model).
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 import queue
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,17 +35,17 @@ import grpc
 import torch
 
 from polar import credentials
-from polar.inference import sharing
+from polar.inference import collective, sharing
 from polar.inference.weights import byte_view
 from polar.v1 import inference_pb2, inference_pb2_grpc
+from trainer.weight_buckets import PIECE_ALIGN, bucket_messages, sized, wire_form
+from trainer.weight_collective import DEFAULT_TIMEOUT_S, CollectiveSender, GroupFailed
 
 CHUNK_BYTES = 16 * 1024 * 1024  # the inference server accepts messages up to 64 MiB
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 RPC_TIMEOUT_S = 600.0  # a pause waits for the longest generation in flight
 UPDATE_WEIGHTS = "/polar.v1.InferenceService/UpdateWeights"
-WIRE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-TRANSPORTS = ("auto", sharing.STREAM)
-_PIECE_ALIGN = 256  # bytes: each piece starts aligned in its bucket
+TRANSPORTS = ("auto", sharing.STREAM, collective.NCCL, collective.GLOO)
 
 
 class WeightSyncError(RuntimeError):
@@ -52,8 +55,17 @@ class WeightSyncError(RuntimeError):
 @dataclass(frozen=True)
 class ServerSync:
     address: str
-    transport: str  # "cuda_ipc" or "stream"
-    seconds: float  # this server's transfer, staged
+    transport: str  # "cuda_ipc", "nccl", "gloo" or "stream"
+    seconds: float  # this server's transfer, staged (a collective group's: every member's the same)
+    bytes_received: int = 0
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_received / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def metrics(self) -> dict:
+        """This server's line in a step's metrics."""
+        return {"address": self.address, "transport": self.transport, "seconds": self.seconds, "gbps": self.gb_per_s}
 
 
 @dataclass(frozen=True)
@@ -65,24 +77,13 @@ class SyncResult:
 
     @property
     def transport(self) -> str:
-        """The transports used, joined: "stream", "cuda_ipc", or "cuda_ipc+stream"."""
+        """The transports used, joined: e.g. "stream", "nccl", or "cuda_ipc+stream"."""
         return "+".join(sorted({s.transport for s in self.servers}))
 
     @property
     def gb_per_s(self) -> float:
         """Model bytes over the whole sync's seconds."""
         return self.bytes_sent / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-def _sized(named_tensors: Iterable[tuple[str, torch.Tensor]]):
-    return named_tensors if isinstance(named_tensors, Sized) else list(named_tensors)
-
-
-def _wire(tensor: torch.Tensor) -> tuple[torch.Tensor, str]:
-    wire = WIRE_DTYPES.get(tensor.dtype)
-    if wire is None:
-        tensor, wire = tensor.float(), "float32"
-    return tensor.detach().contiguous(), wire
 
 
 def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str = "") -> Iterator[bytes]:
@@ -95,61 +96,15 @@ def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str
     is listed first; a sized one (the megatron backend's, which gathers each layer from its ranks as
     it goes) is streamed as it comes, never held whole.
     """
-    tensors = _sized(named_tensors)
+    tensors = sized(named_tensors)
     header = inference_pb2.WeightsHeader(tensor_count=len(tensors), note=note, update_id=update_id)
     yield inference_pb2.UpdateWeightsRequest(header=header).SerializeToString()
     for name, tensor in tensors:
-        tensor, wire = _wire(tensor)
+        tensor, wire = wire_form(tensor)
         data = memoryview(byte_view(tensor.cpu()).numpy())  # no copy on the CPU
         shape = list(tensor.shape)
         for offset in range(0, max(len(data), 1), CHUNK_BYTES):
             yield chunk_message(name, wire, shape, offset, data[offset : offset + CHUNK_BYTES])
-
-
-def bucket_messages(
-    named_tensors: Iterable[tuple[str, torch.Tensor]], buffers: Sequence[torch.Tensor], free: queue.Queue
-) -> Iterator[inference_pb2.UpdateWeightsSharedRequest]:
-    """The buckets of an UpdateWeightsShared stream: the tensors copied into `buffers` (flat uint8,
-    on the GPU), a tensor larger than the room left split into pieces. Before filling a buffer it
-    takes its index from `free` (None there ends the stream); each bucket is yielded once the copies
-    into it are done."""
-    index = free.get()
-    if index is None:
-        return
-    size = buffers[0].numel()
-    offset, pieces = 0, []
-    for name, tensor in named_tensors:
-        tensor, wire = _wire(tensor)
-        flat = byte_view(tensor)
-        done, total, shape = 0, flat.numel(), list(tensor.shape)
-        while True:
-            if offset >= size:
-                _copied(buffers[index])
-                yield _bucket(index, pieces)
-                index = free.get()
-                if index is None:
-                    return
-                offset, pieces = 0, []
-            length = min(size - offset, total - done)
-            buffers[index][offset : offset + length].copy_(flat[done : done + length], non_blocking=True)
-            pieces.append(inference_pb2.SharedTensor(name=name, dtype=wire, shape=shape, offset=offset, tensor_offset=done, size_bytes=length))
-            offset = min(size, -(-(offset + length) // _PIECE_ALIGN) * _PIECE_ALIGN)
-            done += length
-            if done == total:
-                break
-    if pieces:
-        _copied(buffers[index])
-        yield _bucket(index, pieces)
-
-
-def _copied(buffer: torch.Tensor) -> None:
-    """Wait for the copies into `buffer`: the server reads it as soon as it hears of the bucket."""
-    if buffer.device.type == "cuda":
-        torch.cuda.current_stream(buffer.device).synchronize()
-
-
-def _bucket(index: int, pieces: list) -> inference_pb2.UpdateWeightsSharedRequest:
-    return inference_pb2.UpdateWeightsSharedRequest(bucket=inference_pb2.SharedBucket(buffer=index, tensors=pieces))
 
 
 def chunk_message(name: str, dtype: str, shape: list[int], offset: int, data: memoryview) -> bytes:
@@ -180,16 +135,23 @@ def _varint(value: int) -> bytes:
 class InferencePool:
     """gRPC channels to every inference server the trainer keeps in sync.
 
-    `transport`: "auto" takes the fastest transport each server offers, "stream" always streams.
-    `bucket_bytes`: the size of each of the two GPU buffers of the "cuda_ipc" transport."""
+    `transport`: "auto" takes the fastest transport each server offers that this process can use;
+    "stream", "nccl" or "gloo" that one for every server (a server that does not offer it fails the
+    sync, naming it). `bucket_bytes`: the size of each of the two buffers the "cuda_ipc" and
+    collective transports pack tensors into. `timeout_s`: how long a collective group's joining and
+    each of its broadcasts may take before the sync fails (a server that died)."""
 
-    def __init__(self, addresses: Sequence[str], transport: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self, addresses: Sequence[str], transport: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
         if not addresses:
             raise ValueError("the trainer needs at least one inference server address")
         if transport not in TRANSPORTS:
             raise ValueError(f"weight sync transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
-        if bucket_bytes < _PIECE_ALIGN:
-            raise ValueError(f"bucket_bytes = {bucket_bytes} must be at least {_PIECE_ALIGN}")
+        if bucket_bytes < PIECE_ALIGN:
+            raise ValueError(f"bucket_bytes = {bucket_bytes} must be at least {PIECE_ALIGN}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s = {timeout_s} must be > 0")
         self.addresses = list(addresses)
         self.transport = transport
         self.bucket_bytes = bucket_bytes
@@ -204,6 +166,7 @@ class InferencePool:
             channel.stream_unary(UPDATE_WEIGHTS, response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
             for channel in self._channels
         ]
+        self._collective = CollectiveSender(bucket_bytes, timeout_s, RPC_TIMEOUT_S)
 
     def close(self) -> None:
         for channel in self._channels:
@@ -222,18 +185,33 @@ class InferencePool:
         return infos
 
     def transports(self) -> list[str]:
-        """The transport each server will be sent the weights over: "cuda_ipc" where the server
-        offers it, runs on this machine and this process has CUDA (and `transport` is "auto")."""
+        """The transport each server will be sent the weights over. "auto": the first the server
+        offers (fastest first) that this process can use: "cuda_ipc" needs CUDA here and the server
+        on this machine, "nccl" CUDA here."""
         here = sharing.host_id()
-        ipc = self.transport == "auto" and bool(here) and torch.cuda.is_available()
-        return [
-            sharing.CUDA_IPC if ipc and sharing.CUDA_IPC in info.weight_transports and info.host_id == here else sharing.STREAM
-            for info in self.model_infos(wait_for_ready=False)
-        ]
+        cuda = torch.cuda.is_available()
+        chosen = []
+        for address, info in zip(self.addresses, self.model_infos(wait_for_ready=False)):
+            offered = list(info.weight_transports) or [sharing.STREAM]
+            if self.transport != "auto":
+                if self.transport not in offered:
+                    raise WeightSyncError(
+                        f"inference server {address} does not offer the {self.transport} weight transport "
+                        f"(it offers {', '.join(offered)}); set [trainer] weight_sync = \"auto\" or one of those"
+                    )
+                chosen.append(self.transport)
+                continue
+            usable = {sharing.STREAM, collective.GLOO}
+            if cuda:
+                usable.add(collective.NCCL)
+                if here and info.host_id == here:
+                    usable.add(sharing.CUDA_IPC)
+            chosen.append(next((t for t in offered if t in usable), sharing.STREAM))
+        return chosen
 
     def push(self, weights: Callable[[], Iterable[tuple[str, torch.Tensor]]], note: str) -> SyncResult:
         """Pause every server, stage `weights()` on each, commit on all, resume them all; the new
-        common version. `weights()` is called once per server."""
+        common version. `weights()` is called once per server, or once per collective group."""
         started = time.perf_counter()
         update_id = uuid.uuid4().hex
         chosen = self.transports()
@@ -243,6 +221,8 @@ class InferencePool:
             try:
                 list(pool.map(self._pause, self.addresses, self._stubs))
                 for index, (address, transport) in enumerate(zip(self.addresses, chosen)):
+                    if transport in collective.BACKENDS:
+                        continue
                     began = time.perf_counter()
                     try:
                         if transport == sharing.CUDA_IPC:
@@ -255,7 +235,22 @@ class InferencePool:
                             f"{exc.code().name}: {exc.details()}; no server was switched to them"
                         ) from None
                     sent = response.bytes_received
-                    transfers.append(ServerSync(address, transport, time.perf_counter() - began))
+                    transfers.append(ServerSync(address, transport, time.perf_counter() - began, sent))
+                for backend in collective.BACKENDS:
+                    members = [i for i, t in enumerate(chosen) if t == backend]
+                    if not members:
+                        continue
+                    began = time.perf_counter()
+                    try:
+                        responses = self._collective.send(
+                            backend, [(self.addresses[i], self._stubs[i]) for i in members], weights(), note, update_id
+                        )
+                    except GroupFailed as exc:
+                        raise WeightSyncError(f"{exc}; no server was switched to them") from None
+                    seconds = time.perf_counter() - began
+                    for i, response in zip(members, responses):
+                        sent = response.bytes_received
+                        transfers.append(ServerSync(self.addresses[i], backend, seconds, sent))
                 responses = list(pool.map(self._commit, self.addresses, self._stubs, [update_id] * len(self._stubs)))
             finally:
                 list(pool.map(self._resume, self.addresses, self._stubs))
@@ -270,7 +265,7 @@ class InferencePool:
     ) -> inference_pb2.UpdateWeightsResponse:
         """UpdateWeightsShared through two buffers: the server's answer for each bucket frees its
         buffer for the next one."""
-        tensors = _sized(weights)
+        tensors = sized(weights)
         device = torch.device("cuda", torch.cuda.current_device())
         buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         free: queue.Queue = queue.Queue()

@@ -7,11 +7,13 @@ those become gRPC status codes here, and only here:
     InvalidRequest     -> INVALID_ARGUMENT        UnknownModel -> NOT_FOUND
     WeightUpdateError  -> INVALID_ARGUMENT        engine failure during Generate -> INTERNAL
     NothingStaged, SharingUnavailable -> FAILED_PRECONDITION
+    TransportUnavailable -> FAILED_PRECONDITION   CollectiveFailed -> ABORTED (a peer of the group failed)
     WeightsFixed       -> FAILED_PRECONDITION     (an engine whose weights another server holds)
 
 UpdateWeights takes its messages serialized (no request deserializer): `weights` reads each chunk's
 bytes straight out of the received message into the staged tensor, which protobuf's parse would
-first copy. UpdateWeightsShared reads the tensors from GPU buffers the trainer shares (`sharing`).
+first copy. UpdateWeightsShared reads the tensors from GPU buffers the trainer shares (`sharing`);
+UpdateWeightsCollective receives them by broadcast over a group built for the update (`collective`).
 
 `serve_inference` is `polar serve inference`: the engine an `InferenceConfig` names, served until
 SIGINT or SIGTERM. `start_server` also serves gRPC health checking and server reflection (so grpcurl can list and call
@@ -24,13 +26,15 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 
 from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightsFixed, WeightUpdateError
 from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
-from polar.inference import sharing
-from polar.inference.weights import Staging, WeightsReceiver
+from polar.inference import collective, sharing
+from polar.inference.weights import Header, Staging, WeightsReceiver
 from polar.config import InferenceConfig
 from polar.credentials import NODE, OPERATOR, TRAINER
 from polar.grpc_server import bind, callers, new_server, serve_until_stopped, set_serving, status_codes
@@ -108,6 +112,7 @@ class NothingStaged(RuntimeError):
         "GetModelInfo": (NODE, TRAINER, OPERATOR),
         "UpdateWeights": (TRAINER, OPERATOR),
         "UpdateWeightsShared": (TRAINER, OPERATOR),
+        "UpdateWeightsCollective": (TRAINER, OPERATOR),
         "CommitWeights": (TRAINER, OPERATOR),
         "Pause": (TRAINER, OPERATOR),
         "Resume": (TRAINER, OPERATOR),
@@ -122,6 +127,8 @@ class NothingStaged(RuntimeError):
         EngineFailed: grpc.StatusCode.INTERNAL,
         NothingStaged: grpc.StatusCode.FAILED_PRECONDITION,
         sharing.SharingUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
+        collective.TransportUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
+        collective.CollectiveFailed: grpc.StatusCode.ABORTED,
     }
 )
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -136,6 +143,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._staging = Staging("cpu")
         self._device_staging: Staging | None = None
         self._staged: tuple[str, dict, Staging, int] | None = None  # update id, tensors, their staging, bytes
+        self._collective_buffers: list = []  # UpdateWeightsCollective's, kept between updates
 
     # Server-streaming.
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -208,6 +216,62 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             result = await self._staged_or_applied(receiver, tensors, self._device_staging)
         yield inference_pb2.UpdateWeightsSharedResponse(result=result)
 
+    # Bidirectional-streaming.
+    async def UpdateWeightsCollective(
+        self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsCollectiveRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.UpdateWeightsCollectiveResponse]:
+        device = self._engine.description.device or "cpu"
+        async with self._receiving:
+            self._staged = None  # a staged update is replaced by this one, whatever its outcome
+            messages = aiter(request_iterator)
+            first = await anext(messages, None)
+            if first is None or first.WhichOneof("payload") != "header":
+                raise WeightUpdateError("the first message of the stream must be a header")
+            header = first.header
+            collective.check_header(header, weight_transports(device))
+            if self._engine.fixed_weights:
+                raise WeightsFixed(self._engine.fixed_weights)
+            staging = self._staging_on(device)
+            receiver = WeightsReceiver(self._engine.parameter_specs(), staging)
+            receiver.header(Header(header.tensor_count, header.note, header.update_id))
+            buffers = self._buffers_for(header, collective.buffer_device(header.backend, device))
+            # One thread runs the group from joining to closing: gloo allows no other. Closing is
+            # queued behind a broadcast still blocked there (a cancelled call) and never awaited.
+            thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polar-weight-group")
+            loop = asyncio.get_running_loop()
+            group = None
+            try:
+                group = await loop.run_in_executor(thread, collective.join, header, buffers[0].device)
+                async for message in messages:
+                    if message.WhichOneof("payload") != "bucket":
+                        raise WeightUpdateError("only the first message of the stream may be a header; every later one is a bucket")
+                    await loop.run_in_executor(thread, collective.receive_bucket, group, message.bucket, receiver, buffers)
+                tensors = await loop.run_in_executor(thread, _finished, receiver)
+            finally:
+                if group is not None:
+                    thread.submit(group.close)
+                thread.shutdown(wait=False)
+            result = await self._staged_or_applied(receiver, tensors, staging)
+        yield inference_pb2.UpdateWeightsCollectiveResponse(result=result)
+
+    def _staging_on(self, device: str) -> Staging:
+        """Where an update for an engine on `device` is staged: host memory, or that GPU."""
+        if not device.startswith("cuda"):
+            return self._staging
+        if self._device_staging is None:
+            self._device_staging = Staging(device)
+        return self._device_staging
+
+    def _buffers_for(self, header: inference_pb2.CollectiveWeightsHeader, device: torch.device) -> list[torch.Tensor]:
+        """The buffers broadcasts land in: the last update's, where they fit this one."""
+        kept = self._collective_buffers
+        if len(kept) != header.buffer_count or kept[0].numel() != header.bucket_bytes or kept[0].device != device:
+            self._collective_buffers = []  # the old ones are let go first
+            self._collective_buffers = [
+                torch.empty(header.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(header.buffer_count)
+            ]
+        return self._collective_buffers
+
     async def _staged_or_applied(
         self, receiver: WeightsReceiver, tensors: dict, staging: Staging
     ) -> inference_pb2.UpdateWeightsResponse:
@@ -275,10 +339,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 parameter_count=d.parameter_count,
                 paused=self._gate.paused,
                 tokenizer_path=d.tokenizer_path,
-                weight_transports=sharing.transports(d.device),
+                weight_transports=weight_transports(d.device),
                 host_id=sharing.host_id(),
             )
         )
+
+
+def weight_transports(device: str) -> list[str]:
+    """How a server whose engine runs on `device` receives weights, fastest first: on a GPU, CUDA
+    IPC (same machine), NCCL, the stream; on a CPU, the stream before gloo (measured no faster
+    over loopback: scripts/bench_weight_sync.py)."""
+    ipc = [t for t in sharing.transports(device) if t != sharing.STREAM]
+    if device.startswith("cuda"):
+        return ipc + collective.transports(device) + [sharing.STREAM]
+    return [sharing.STREAM] + collective.transports(device)
+
+
+def _finished(receiver: WeightsReceiver) -> dict[str, torch.Tensor]:
+    """The received update, staged; on a GPU, once every copy into it is done."""
+    tensors = receiver.finish()
+    for device in {t.device for t in tensors.values() if t.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
+    return tensors
 
 
 async def _relay(

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from polar.inference.engines.base import WeightUpdateError
-from polar.inference.weights import Header, WeightsReceiver
+from polar.inference.weights import Header, WeightsReceiver, unpack_bucket
 from polar.v1 import inference_pb2
 
 CUDA_IPC = "cuda_ipc"
@@ -111,12 +111,6 @@ def copy_bucket(message: inference_pb2.UpdateWeightsSharedRequest, receiver: Wei
     if not 0 <= bucket.buffer < len(buffers):
         raise WeightUpdateError(f"bucket names buffer {bucket.buffer}; the header shared {len(buffers)}")
     buffer = buffers[bucket.buffer]
-    for piece in bucket.tensors:
-        start, end = piece.offset, piece.offset + piece.size_bytes
-        if piece.offset < 0 or piece.size_bytes < 0 or end > buffer.numel():
-            raise WeightUpdateError(
-                f"tensor {piece.name!r}: bytes [{start}, {end}) fall outside buffer {bucket.buffer} of {buffer.numel()} bytes"
-            )
-        receiver.piece(piece.name, piece.dtype, tuple(piece.shape), piece.tensor_offset, buffer[start:end])
+    unpack_bucket(bucket, receiver, buffer)
     torch.cuda.current_stream(buffer.device).synchronize()
     return bucket.buffer

@@ -312,3 +312,15 @@ class WeightsReceiver:
         tensor.received += length
         self.bytes_received += length
         return start, end
+
+
+def unpack_bucket(bucket: inference_pb2.SharedBucket, receiver: WeightsReceiver, buffer: torch.Tensor) -> None:
+    """Hand each piece of `bucket` (a byte range of `buffer`, flat uint8 on any device) to
+    `receiver`; the copies may still run on the device's stream."""
+    for piece in bucket.tensors:
+        start, end = piece.offset, piece.offset + piece.size_bytes
+        if piece.offset < 0 or piece.size_bytes < 0 or end > buffer.numel():
+            raise WeightUpdateError(
+                f"tensor {piece.name!r}: bytes [{start}, {end}) fall outside buffer {bucket.buffer} of {buffer.numel()} bytes"
+            )
+        receiver.piece(piece.name, piece.dtype, tuple(piece.shape), piece.tensor_offset, buffer[start:end])

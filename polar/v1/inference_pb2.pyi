@@ -169,6 +169,46 @@ class UpdateWeightsSharedResponse(_message.Message):
     result: UpdateWeightsResponse
     def __init__(self, buffer_released: _Optional[int] = ..., result: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ...) -> None: ...
 
+class UpdateWeightsCollectiveRequest(_message.Message):
+    __slots__ = ("header", "bucket")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    header: CollectiveWeightsHeader
+    bucket: SharedBucket
+    def __init__(self, header: _Optional[_Union[CollectiveWeightsHeader, _Mapping]] = ..., bucket: _Optional[_Union[SharedBucket, _Mapping]] = ...) -> None: ...
+
+class CollectiveWeightsHeader(_message.Message):
+    __slots__ = ("tensor_count", "note", "update_id", "backend", "rendezvous", "group_id", "world_size", "rank", "bucket_bytes", "buffer_count", "timeout_seconds")
+    TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tensor_count: int
+    note: str
+    update_id: str
+    backend: str
+    rendezvous: str
+    group_id: str
+    world_size: int
+    rank: int
+    bucket_bytes: int
+    buffer_count: int
+    timeout_seconds: float
+    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., backend: _Optional[str] = ..., rendezvous: _Optional[str] = ..., group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., buffer_count: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class UpdateWeightsCollectiveResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: UpdateWeightsResponse
+    def __init__(self, result: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ...) -> None: ...
+
 class PauseRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

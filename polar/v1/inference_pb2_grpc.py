@@ -50,6 +50,11 @@ class InferenceServiceStub:
                 request_serializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedRequest.SerializeToString,
                 response_deserializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedResponse.FromString,
                 _registered_method=True)
+        self.UpdateWeightsCollective = channel.stream_stream(
+                '/polar.v1.InferenceService/UpdateWeightsCollective',
+                request_serializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsCollectiveRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsCollectiveResponse.FromString,
+                _registered_method=True)
         self.CommitWeights = channel.unary_unary(
                 '/polar.v1.InferenceService/CommitWeights',
                 request_serializer=polar_dot_v1_dot_inference__pb2.CommitWeightsRequest.SerializeToString,
@@ -136,6 +141,29 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UpdateWeightsCollective(self, request_iterator, context):
+        """Bidirectional-streaming. A weight update broadcast over a collective group: NCCL between GPUs
+        (any machines the trainer reaches), gloo between CPUs (offered when ModelInfo.weight_transports
+        lists "nccl" or "gloo"; a CPU server lists gloo after the stream, which is faster there). The
+        first message is a header naming the group: a TCPStore the trainer opened (its rendezvous
+        address), a group id, this server's rank and the group's size. The server joins the group (the
+        trainer is rank 0 and every other rank is a server of this update), then each message names the
+        tensors of one bucket, whose bytes the trainer broadcasts next, in message order, into this
+        server's buffer of that index (header.buffer_count buffers of header.bucket_bytes each). The
+        tensors are staged and applied as UpdateWeights applies them: at once when the stream ends, or
+        by CommitWeights when header.update_id is set. The one response, once the stream ended, carries
+        the outcome. A group lives for one update: a server that joins the trainer's run later is simply
+        in the next update's group.
+        Errors: INVALID_ARGUMENT as UpdateWeights (unknown name, shape, dtype, bytes outside a buffer, a
+        bucket naming a buffer the header did not ask for, a bad header); FAILED_PRECONDITION when the
+        server cannot take part (a backend it does not offer); ABORTED when the group could not be
+        joined, or a broadcast failed or took longer than header.timeout_seconds (another member failed:
+        the trainer, or a server that died): no update is staged then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CommitWeights(self, request, context):
         """Unary. Applies the update staged under update_id (UpdateWeights or UpdateWeightsShared with
         header.update_id): every tensor at once, between two decode steps; the policy version goes up
@@ -184,6 +212,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeightsShared,
                     request_deserializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedRequest.FromString,
                     response_serializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedResponse.SerializeToString,
+            ),
+            'UpdateWeightsCollective': grpc.stream_stream_rpc_method_handler(
+                    servicer.UpdateWeightsCollective,
+                    request_deserializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsCollectiveRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_inference__pb2.UpdateWeightsCollectiveResponse.SerializeToString,
             ),
             'CommitWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.CommitWeights,
@@ -288,6 +321,33 @@ class InferenceService:
             '/polar.v1.InferenceService/UpdateWeightsShared',
             polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedRequest.SerializeToString,
             polar_dot_v1_dot_inference__pb2.UpdateWeightsSharedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateWeightsCollective(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/polar.v1.InferenceService/UpdateWeightsCollective',
+            polar_dot_v1_dot_inference__pb2.UpdateWeightsCollectiveRequest.SerializeToString,
+            polar_dot_v1_dot_inference__pb2.UpdateWeightsCollectiveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -129,7 +129,8 @@ async def test_a_saved_model_loads_back_exactly(tmp_path: Path, server) -> None:
         assert torch.equal(tensor, after[name]), name
 
 
-async def test_pushed_weights_are_the_next_policy_version_and_change_outputs(server) -> None:
+@pytest.mark.parametrize("transport", ["auto", "gloo"])
+async def test_pushed_weights_are_the_next_policy_version_and_change_outputs(server, transport) -> None:
     engine, stub, address = server
     names = {name: tuple(t.shape) for name, t in backend().hf_weights()}
     assert names == {name: spec.shape for name, spec in engine.parameter_specs().items()}
@@ -138,11 +139,12 @@ async def test_pushed_weights_are_the_next_policy_version_and_change_outputs(ser
     tokens, logprobs, _ = await sample(stub, seed=5, temperature=1.0)
     [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
     model.update([batch], LossConfig())
-    pool = InferencePool([address])
+    pool = InferencePool([address], transport=transport)
     try:
         result = await asyncio.to_thread(pool.push, model.hf_weights, "step 1")
     finally:
         pool.close()
+    assert result.transport == ("stream" if transport == "auto" else transport)
     assert result.policy_version == version_before + 1
     assert result.bytes_sent == sum(t.numel() * t.element_size() for _, t in model.hf_weights())
     greedy_after, _, version_after = await sample(stub, temperature=0.0)

@@ -1,0 +1,180 @@
+"""The collective transport end to end on a CPU (gloo): the trainer's InferencePool against real
+inference servers (the tiny model) on loopback ports, the group set up through their gRPC
+UpdateWeightsCollective streams. After a sync every server's parameters are the trainer's tensors
+bit for bit; a server killed mid-sync leaves the trainer with an error naming it within the timeout,
+and the other server on the old version, serving; a server that joins later is in the next sync's
+group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from polar.inference import collective
+from polar.inference.engines import EngineOptions, create_engine
+from polar.inference.server import start_server
+from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from trainer.weight_sync import InferencePool, WeightSyncError
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.slow,
+    pytest.mark.skipif(not collective.transports("cpu"), reason="this torch has no gloo"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMPT = (1, 9690, 28, 905)
+_SERVE = """
+import asyncio, sys
+from polar.inference.engines import EngineOptions, create_engine
+from polar.inference.server import start_server
+async def main():
+    engine = create_engine("torch", EngineOptions(model="tiny", device="cpu", dtype="float32", max_batch_size=2))
+    server, port = await start_server(engine)
+    print("port", port, flush=True)
+    await asyncio.to_thread(sys.stdin.read)
+asyncio.run(main())
+"""
+
+
+class Server:
+    """A tiny-model inference server of this process."""
+
+    async def start(self, policy_version: int = 0) -> Server:
+        options = EngineOptions(model="tiny", device="cpu", dtype="float32", max_batch_size=2, policy_version=policy_version)
+        self.engine = create_engine("torch", options)
+        self.server, port = await start_server(self.engine)
+        self.address = f"127.0.0.1:{port}"
+        self.channel = grpc.aio.insecure_channel(self.address)
+        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
+        return self
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.server.stop(None)
+        await self.engine.stop()
+
+    async def info(self) -> inference_pb2.ModelInfo:
+        return (await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())).model_info
+
+    async def greedy(self) -> tuple[list[int], set[int]]:
+        request = inference_pb2.GenerateRequest(
+            prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        )
+        messages = [m async for m in self.stub.Generate(request)]
+        return [t for m in messages for t in m.token_ids], {m.policy_version for m in messages if m.token_ids}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return dict(self.engine.model.named_parameters())
+
+
+@pytest.fixture
+async def servers():
+    started = [await Server().start(), await Server().start()]
+    yield started
+    for server in started:
+        await server.stop()
+
+
+def new_weights(server: Server, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(spec.shape, generator=generator) * 0.5 for name, spec in server.engine.parameter_specs().items()}
+
+
+async def push(addresses: list[str], weights, transport: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = 30.0):
+    pool = InferencePool(addresses, transport=transport, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
+    try:
+        return await asyncio.to_thread(pool.push, weights, "step 1")
+    finally:
+        pool.close()
+
+
+async def test_after_a_gloo_sync_every_server_holds_the_trainer_s_tensors_and_a_late_joiner_is_brought_in(servers):
+    first, second = servers
+    assert "gloo" in (await first.info()).weight_transports
+    weights = new_weights(first, seed=1)
+    # 1 MiB buckets: the 12.6 MB embedding goes in pieces over several.
+    result = await push([first.address, second.address], weights.items)
+    assert result.transport == "gloo" and result.policy_version == 1
+    assert result.bytes_sent == sum(t.numel() * 4 for t in weights.values())
+    assert {s.address for s in result.servers} == {first.address, second.address}
+    assert all(s.transport == "gloo" and s.gb_per_s > 0 for s in result.servers)
+    for server in servers:
+        held = server.parameters()
+        assert all(torch.equal(held[name], tensor) for name, tensor in weights.items())
+        assert (await server.greedy())[1] == {1}
+    # A server started later (at the run's version) is a member of the next sync's group.
+    late = await Server().start(policy_version=1)
+    try:
+        weights = new_weights(first, seed=2)
+        result = await push([first.address, second.address, late.address], weights.items)
+        assert result.policy_version == 2 and len(result.servers) == 3
+        outputs = [await server.greedy() for server in (*servers, late)]
+        assert all(output == outputs[0] for output in outputs) and outputs[0][1] == {2}
+        assert all(torch.equal(late.parameters()[name], tensor) for name, tensor in weights.items())
+    finally:
+        await late.stop()
+
+
+async def test_a_server_killed_mid_sync_fails_the_trainer_in_bounded_time_and_the_other_stays_on_the_old_version(servers):
+    staying = servers[0]
+    before = await staying.greedy()
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVE], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    try:
+        line = await asyncio.to_thread(process.stdout.readline)
+        assert line.startswith("port "), line
+        dying = f"127.0.0.1:{line.split()[1]}"
+        weights = new_weights(staying, seed=3)
+
+        class KilledHalfWay:
+            """The weights, read as the trainer packs them (it knows their number first, as of a
+            backend's); the second server is killed (SIGKILL) half-way through them."""
+
+            def __len__(self) -> int:
+                return len(weights)
+
+            def __iter__(self):
+                for index, item in enumerate(weights.items()):
+                    if index == len(weights) // 2:
+                        process.send_signal(signal.SIGKILL)
+                        process.wait()
+                        killed.append(time.monotonic())
+                    yield item
+
+        killed: list[float] = []
+
+        timeout_s = 30.0
+        started = time.monotonic()
+        with pytest.raises(WeightSyncError) as caught:
+            # 64 KiB buckets: many broadcasts are still to come when the server dies.
+            await push([staying.address, dying], KilledHalfWay, bucket_bytes=1 << 16, timeout_s=timeout_s)
+        assert killed and time.monotonic() - started < timeout_s  # killed mid-broadcast, noticed before the timeout
+    finally:
+        process.kill()
+        process.wait()
+    message = str(caught.value)
+    assert dying in message and "(gloo)" in message and "no server was switched" in message, message
+    info = await staying.info()
+    assert info.policy_version == 0 and not info.paused
+    assert await staying.greedy() == (before[0], {0})  # the old weights, serving again
+    result = await push([staying.address], weights.items)  # the survivor takes the next sync whole
+    assert result.policy_version == 1 and all(torch.equal(staying.parameters()[n], t) for n, t in weights.items())
+
+
+async def test_a_transport_a_server_does_not_offer_is_refused_naming_it(servers):
+    with pytest.raises(WeightSyncError) as caught:
+        await push([servers[0].address], new_weights(servers[0], seed=4).items, transport="nccl")
+    assert servers[0].address in str(caught.value) and "does not offer the nccl" in str(caught.value)
+    assert (await servers[0].info()).policy_version == 0
