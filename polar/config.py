@@ -199,6 +199,10 @@ class RolloutConfig:
     # largest request accepted, in bytes; a node reports a session whose report (its whole
     # trajectory) is larger as failed, naming both sizes
     max_request_bytes: Positive = 256 * 1024 * 1024
+    # file of the credentials issued to other machines by name (`polar credentials issue NAME ROLE`;
+    # only their SHA-256 is kept, read again when it changes); "" = issued.json in the stack's
+    # credentials folder
+    issued_credentials: str = ""
 
 
 @dataclass

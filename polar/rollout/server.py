@@ -7,9 +7,16 @@ transaction per change), and typed errors become status codes here, and only her
     a task's problems (tasks.validate_task), a bad heartbeat, report or cursor -> INVALID_ARGUMENT
     TaskExists -> ALREADY_EXISTS      UnknownTask, UnknownSession -> NOT_FOUND
     NotAssigned -> FAILED_PRECONDITION     the server stopping (open result streams) -> UNAVAILABLE
-    WrongNodeSecret -> PERMISSION_DENIED
+    WrongNodeSecret, WrongCredential -> PERMISSION_DENIED
 
-Nodes share one credential (the node role's token), so the role alone cannot tell them apart:
+A node or an inference server on another machine calls with a credential issued to it by name
+(polar.credentials): it registers (or joins) only as that name, a newer registration replacing the
+older, and its heartbeats must carry the same credential. When the operator revokes one, its calls
+are refused at once (UNAUTHENTICATED), and within a second the server forgets its node (its
+sessions are dispatched again) and removes its upstreams from every Envoy. The stack's own node
+token is for this machine's services only: from another machine's address it is refused.
+
+Nodes on the stack's own credential share one token, so the role alone cannot tell them apart:
 RegisterNode issues each node its id and a secret proving it (only its hash is stored, so a
 restarted server still knows its nodes), and a heartbeat or report under a node id must carry that
 node's secret, or it is refused before it changes anything. A request over the server's receive
@@ -47,14 +54,17 @@ import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from polar import codec
+from polar import credentials as creds
 from polar.config import RolloutConfig
-from polar.credentials import NODE, OPERATOR, TRAINER
+from polar.credentials import INFERENCE, NODE, OPERATOR, TRAINER
 from polar.grpc_server import (
     InvalidArgument,
     Unavailable,
     bind,
+    caller,
     callers,
     new_server,
+    peer_is_this_machine,
     serve_until_stopped,
     set_serving,
     status_codes,
@@ -78,6 +88,7 @@ from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret
 from polar.xds.server import ADS_SERVICE, AggregatedDiscovery
+from polar.xds.snapshot import GATEWAY_CLUSTER, INFERENCE_CLUSTER
 
 log = logging.getLogger("polar.rollout.server")
 
@@ -95,6 +106,16 @@ DEFAULT_GROUPS_PER_BATCH = 16
 MAX_LISTED_PROBLEMS = 20
 # How long `serve_rollout` lets running calls finish after a stop signal before cancelling them.
 STOP_GRACE_SECONDS = 5.0
+
+
+class WrongCredential(PermissionError):
+    """A call whose credential may not do what it asks: the stack's own node token from another
+    machine, a named credential joining a cluster its role does not serve, or a heartbeat for a node
+    or upstream that another credential registered."""
+
+
+# The cluster each issued role may join.
+CLUSTER_OF_ROLE = {NODE: GATEWAY_CLUSTER, INFERENCE: INFERENCE_CLUSTER}
 
 
 class _Wakeup:
@@ -124,8 +145,8 @@ class _Wakeup:
         "RegisterNode": (NODE,),
         "Heartbeat": (NODE,),
         "ReportSession": (NODE,),
-        "JoinUpstream": (NODE,),
-        "UpstreamHeartbeat": (NODE,),
+        "JoinUpstream": (NODE, INFERENCE),
+        "UpstreamHeartbeat": (NODE, INFERENCE),
         "ListUpstreams": (TRAINER, OPERATOR),
     }
 )
@@ -139,6 +160,7 @@ class _Wakeup:
         WrongNodeSecret: grpc.StatusCode.PERMISSION_DENIED,
         BadUpstream: grpc.StatusCode.INVALID_ARGUMENT,
         WrongUpstreamSecret: grpc.StatusCode.PERMISSION_DENIED,
+        WrongCredential: grpc.StatusCode.PERMISSION_DENIED,
     }
 )
 class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
@@ -153,7 +175,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         max_attempts: int,
         max_request_bytes: int = MAX_MESSAGE_BYTES,
         membership: Membership | None = None,
+        credentials: creds.Credentials | None = None,
     ) -> None:
+        """`credentials`: those the server checks callers with (None: it serves everyone), for the
+        names of issued credentials and the hashes its inference servers are told."""
         if not heartbeat_interval_s > 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
         if not node_timeout_s > heartbeat_interval_s:
@@ -181,6 +206,8 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._reaper: asyncio.Task | None = None
         # Envoy's upstreams and the control plane that tells Envoy about them (polar.xds).
         self.membership = membership or Membership(heartbeat_interval_s, node_timeout_s)
+        self._credentials = credentials
+        self._node_names: dict[str, str] = {}  # node id -> the issued credential it registered with
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_dead_nodes(), name="rollout dead-node check")
@@ -297,10 +324,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             problems.append("runtimes: a node must offer at least one runtime kind")
         if problems:
             raise InvalidArgument(_listed(problems))
+        name = self._caller_name(context)
+        if name:
+            for earlier, earlier_name in list(self._node_names.items()):
+                if earlier_name == name:
+                    self._forget_node(earlier, f"node {earlier} registered again", f"credential {name} registered a new node")
         node_id = f"node-{uuid.uuid4().hex[:12]}"
         secret = secrets.token_hex(NODE_SECRET_BYTES)
         self._store.add_node(node_id, request, time.time(), secret=secret)
         self._heard[node_id] = time.monotonic()
+        if name:
+            self._node_names[node_id] = name
         log.info(
             "node %s registered (gateway %s, runtimes %s)",
             node_id,
@@ -325,6 +359,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             # store): whatever it holds was given to others, or will be once it is declared dead.
             return rollout_pb2.HeartbeatResponse(reregister=True, cancel=listed)
         self._store.check_node_secret(node_id, request.node_secret)
+        self._check_node_credential(node_id, context)
         if request.leaving:
             self._forget_node(node_id, f"node {node_id} stopped", "its node stopped")
             log.info("node %s stopped", node_id)
@@ -369,6 +404,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.ReportSessionResponse:
         if self._store.node(request.node_id) is not None:
             self._store.check_node_secret(request.node_id, request.node_secret)
+            self._check_node_credential(request.node_id, context)
         # An unknown node holds no session (a dead node's were taken back): its report is refused
         # below, or acknowledged as a repeat when the session is done.
         trajectory = request.trajectory
@@ -406,23 +442,31 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     async def JoinUpstream(
         self, request: rollout_pb2.JoinUpstreamRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.JoinUpstreamResponse:
-        upstream_id, secret = await self.membership.join(request.cluster, request.address, request.envoy)
+        who = caller(self._credentials, context)
+        name = self._caller_name(context)
+        if name and request.cluster != CLUSTER_OF_ROLE.get(who.role):
+            raise WrongCredential(f"credential {name} ({who.role}) may not join the {request.cluster!r} cluster")
+        upstream_id, secret = await self.membership.join(request.cluster, request.address, request.envoy, credential=name)
         return rollout_pb2.JoinUpstreamResponse(
-            upstream_id=upstream_id, upstream_secret=secret, heartbeat_interval_seconds=self._interval
-        )
+            upstream_id=upstream_id, upstream_secret=secret, heartbeat_interval_seconds=self._interval,
+            accepted_credentials=self._accepted(request.cluster),
+        )  # fmt: skip
 
     # Unary.
     async def UpstreamHeartbeat(
         self, request: rollout_pb2.UpstreamHeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpstreamHeartbeatResponse:
+        who = caller(self._credentials, context)
         try:
             member = self.membership.heartbeat(
-                request.upstream_id, request.upstream_secret, draining=request.draining, gone=request.gone
-            )
+                request.upstream_id, request.upstream_secret, draining=request.draining, gone=request.gone,
+                credential=who.name if who is not None else "",
+            )  # fmt: skip
         except UnknownUpstream:
             return rollout_pb2.UpstreamHeartbeatResponse(rejoin=not request.gone)
         drained = member is None or (member.upstream.draining and self.membership.drain_acknowledged(member))
-        return rollout_pb2.UpstreamHeartbeatResponse(drain_acknowledged=drained)
+        accepted = self._accepted(member.upstream.cluster) if member is not None else []
+        return rollout_pb2.UpstreamHeartbeatResponse(drain_acknowledged=drained, accepted_credentials=accepted)
 
     # Unary.
     async def ListUpstreams(
@@ -455,6 +499,49 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             ],
         )
 
+    # --- credentials issued by name ----------------------------------------------------------------
+
+    def _caller_name(self, context: grpc.aio.ServicerContext) -> str:
+        """The issued name the caller registers or joins as ("" for the stack's own token, or a
+        server that checks no credentials). WrongCredential for the stack's own node token from an
+        address that is not this machine's: other machines get credentials of their own."""
+        who = caller(self._credentials, context)
+        if who is None:
+            return ""
+        if not who.name and who.role == NODE and not peer_is_this_machine(context.peer()):
+            raise WrongCredential(
+                f"the stack's own node credential is for the rollout server's machine, not {context.peer()}:"
+                " give another machine its own (`polar credentials issue NAME node|inference`)"
+            )
+        return who.name
+
+    def _check_node_credential(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
+        who = caller(self._credentials, context)
+        name = who.name if who is not None else ""
+        registered = self._node_names.setdefault(node_id, name)  # a restarted server learns it here
+        if name != registered:
+            raise WrongCredential(f"node {node_id} registered with another credential")
+
+    def _accepted(self, cluster: str) -> list[rollout_pb2.AcceptedCredential]:
+        if cluster != INFERENCE_CLUSTER or self._credentials is None:
+            return []
+        return [
+            rollout_pb2.AcceptedCredential(name=entry.name, role=entry.role, sha256=entry.sha256)
+            for entry in self._credentials.accepted()
+        ]
+
+    def _remove_revoked(self) -> None:
+        """Forget the nodes and upstreams of credentials no longer issued."""
+        if self._credentials is None:
+            return
+        self._credentials.issued.refresh()
+        issued = self._credentials.issued.names()
+        for node_id, name in list(self._node_names.items()):
+            if name and name not in issued:
+                log.warning("node %s: its credential %s was revoked; forgotten", node_id, name)
+                self._forget_node(node_id, f"the credential of node {node_id} was revoked", "its credential was revoked")
+        self.membership.remove_revoked(issued)
+
     def _wake_polls(self) -> None:
         for poll in self._polls.values():
             poll.set()
@@ -466,6 +553,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await asyncio.sleep(min(self._node_timeout / 4, 1.0))
             try:
                 self._remove_silent_nodes()
+                self._remove_revoked()
             except Exception:
                 # The check must outlive a failed round (a full disk, say): the next one retries.
                 log.exception("checking for dead nodes failed")
@@ -483,6 +571,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         """The node is gone: its sessions are dispatched again (or finished), and it is forgotten."""
         requeued = self._store.remove_node(node_id, reason, time.time(), self._max_attempts)
         self._heard.pop(node_id, None)
+        self._node_names.pop(node_id, None)
         self._new_cancels.pop(node_id, None)
         if (poll := self._polls.pop(node_id, None)) is not None:
             poll.set()  # a heartbeat still waiting ends, assigning nothing
@@ -583,18 +672,23 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
     free one)."""
     store = RolloutStore(config.store)
     try:
+        checked = creds.of_process()
+        if checked is not None:
+            checked.issued.watch(creds.issued_path(checked.folder, config.issued_credentials))
         servicer = RolloutServicer(
             store,
             heartbeat_interval_s=config.heartbeat_interval_s,
             node_timeout_s=config.node_timeout_s,
             max_attempts=config.max_attempts,
             max_request_bytes=config.max_request_bytes,
+            credentials=checked,
         )
         server, health_servicer = new_server(
             SERVICE_NAME,
             RolloutServicer.roles,
             max_message_bytes=MAX_MESSAGE_BYTES,
             max_receive_bytes=config.max_request_bytes,
+            credentials=checked,
             more_services={ADS_SERVICE: AggregatedDiscovery.roles},
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
