@@ -99,6 +99,9 @@ class InferenceConfig:
     # the rollout server whose control plane this server joins, so every Envoy sends to it within a
     # second and stops when it leaves; "" = none (Envoy's --inference names it)
     rollout_address: str = ""
+    # PEM CA certificate the rollout server's TLS certificate must chain to (its [rollout]
+    # tls_address); "" = plaintext, as on one machine
+    rollout_tls_ca: str = ""
     # upstream engine: the server's base URL, e.g. http://127.0.0.1:8000, or unix:PATH (vLLM's --uds)
     upstream_url: str = ""
     # upstream engine: "vllm" (POST /v1/completions; start vLLM with --logprobs-mode processed_logprobs)
@@ -136,6 +139,9 @@ class EnvoyConfig:
     # gateways from over ADS, as they join and leave; "" = in `polar up`, its own rollout server; in
     # `polar serve envoy`, the fixed --inference and --gateway addresses instead
     xds_address: str = ""
+    # PEM CA certificate the control plane's TLS certificate must chain to (and name xds_address's
+    # host); "" = plaintext, as on one machine
+    xds_tls_ca: str = ""
     # This Envoy's name to the control plane: gateways that join for it (a node's own gateway) are
     # its gateway_http endpoints; every Envoy gets every inference server
     node_id: str = "polar-envoy"
@@ -203,6 +209,12 @@ class RolloutConfig:
     # only their SHA-256 is kept, read again when it changes); "" = issued.json in the stack's
     # credentials folder
     issued_credentials: str = ""
+    # TLS for other machines (grpc's own): a second listener at tls_address ("HOST:PORT", e.g.
+    # "0.0.0.0:50071"; port 0 picks one) serving with this PEM certificate (chain) and key, while
+    # host:port stays plaintext for this machine's own services; "" = no TLS listener
+    tls_address: str = ""
+    tls_cert: str = ""  # PEM certificate (chain) of the TLS listener; its names must be those others dial
+    tls_key: str = ""  # PEM private key of tls_cert (keep it mode 0600)
 
 
 @dataclass
@@ -211,6 +223,9 @@ class NodeConfig:
     pools that run sessions for the rollout server. Its gateway settings come from [gateway]."""
 
     rollout_address: str = ""  # the rollout server's gRPC address; "" = the [rollout] server
+    # PEM CA certificate the rollout server's TLS certificate must chain to (its [rollout]
+    # tls_address); "" = plaintext, as on one machine
+    rollout_tls_ca: str = ""
     init_workers: Positive = 4  # runtimes prepared at once
     ready_slots: Count = 8  # prepared runtimes kept waiting for a harness (prewarmed or assigned)
     running_slots: Positive = 16  # harnesses run at once

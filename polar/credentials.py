@@ -376,6 +376,19 @@ def metadata(role: str, credentials: Credentials | None) -> tuple[tuple[str, str
     return credentials.metadata(role) if credentials is not None else ()
 
 
+def aio_channel(address: str, tls_ca: str = "", options=()) -> grpc.aio.Channel:
+    """An asyncio channel to another Polar server: over TLS (grpc's own) when `tls_ca` names the
+    PEM CA certificate its certificate must chain to, else plaintext (this machine's own services).
+    CredentialsError when the CA file cannot be read."""
+    if not tls_ca:
+        return grpc.aio.insecure_channel(address, options=list(options))
+    try:
+        root = Path(tls_ca).read_bytes()
+    except OSError as exc:
+        raise CredentialsError(f"cannot read the TLS CA certificate {tls_ca}: {exc.strerror}") from None
+    return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=root), options=list(options))
+
+
 def channel(address: str, role: str, credentials: Credentials | None, options=()) -> grpc.Channel:
     """A blocking channel whose every call carries `role`'s token (none: a plain channel)."""
     plain = grpc.insecure_channel(address, options=list(options))

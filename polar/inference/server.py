@@ -443,7 +443,10 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         ready(port, f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}")
 
     def join(port: int) -> UpstreamMember:
-        return UpstreamMember(config.rollout_address, INFERENCE_CLUSTER, advertised(config.host, port, config.advertise_address))
+        return UpstreamMember(
+            config.rollout_address, INFERENCE_CLUSTER, advertised(config.host, port, config.advertise_address),
+            tls_ca=config.rollout_tls_ca,
+        )  # fmt: skip
 
     from polar.inference.engines.upstream import UpstreamError
 

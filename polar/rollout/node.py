@@ -157,7 +157,7 @@ class Node:
         self.max_request_bytes = 0  # the server's receive limit; 0 until registered (or not told)
         self.heartbeat_interval_s = 1.0
         self.runs: dict[str, SessionRun] = {}
-        self._channel = grpc.aio.insecure_channel(rollout_address)
+        self._channel = credentials.aio_channel(rollout_address, config.rollout_tls_ca)
         self._stub = stub_taking_bytes(rollout_pb2_grpc.RolloutServiceStub, self._channel)
         self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
         self._prewarm_wakeup = asyncio.Event()
@@ -673,7 +673,7 @@ async def start_node(
         await pools.wait_registered(register_timeout_s)
         # The Envoy in front of this node (its node id) learns the gateway from the control plane.
         http = advertised(host, running_gateway.http_port)
-        member = UpstreamMember(node.rollout_address, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id)
+        member = UpstreamMember(node.rollout_address, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id, tls_ca=node.rollout_tls_ca)
         await member.start()
     except BaseException:
         if pools is not None:

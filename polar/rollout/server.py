@@ -49,6 +49,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -86,7 +87,7 @@ from polar.rollout.store import (
 from polar.rollout.tasks import normalize_task, validate_task
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret
+from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret, split_address
 from polar.xds.server import ADS_SERVICE, AggregatedDiscovery
 from polar.xds.snapshot import GATEWAY_CLUSTER, INFERENCE_CLUSTER
 
@@ -589,6 +590,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._releases.wake()
 
 
+def _tls_detail(config: RolloutConfig, running: RunningRollout) -> str:
+    if not running.tls_port:
+        return ""
+    return f" (TLS for other machines on {join_host_port(split_address(config.tls_address)[0], running.tls_port)})"
+
+
 def _listed(problems: list[str]) -> str:
     shown = problems[:MAX_LISTED_PROBLEMS]
     if len(problems) > len(shown):
@@ -656,6 +663,7 @@ class RunningRollout:
     store: RolloutStore
     host: str
     port: int
+    tls_port: int = 0  # the TLS listener's port ([rollout] tls_address); 0 = none
 
     @property
     def address(self) -> str:
@@ -695,13 +703,36 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
         # Envoy's control plane on the same port: Envoys point their ADS stream here.
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer.membership.discovery, server)
         port = bind(server, join_host_port(config.host, config.port), "the rollout server")
+        tls_port = bind_tls(server, config) if config.tls_cert or config.tls_key or config.tls_address else 0
         await set_serving(health_servicer, SERVICE_NAME)
         await server.start()
         servicer.start()
     except BaseException:
         store.close()
         raise
-    return RunningRollout(server, servicer, store, config.host, port)
+    return RunningRollout(server, servicer, store, config.host, port, tls_port)
+
+
+def bind_tls(server: grpc.aio.Server, config: RolloutConfig) -> int:
+    """The TLS listener for other machines (grpc's own TLS); its port. ServiceError naming what is
+    missing or unreadable, OSError when the address cannot be bound."""
+    missing = [name for name in ("tls_address", "tls_cert", "tls_key") if not getattr(config, name)]
+    if missing:
+        raise ServiceError(f"[rollout] TLS needs tls_address, tls_cert and tls_key; {', '.join(missing)} not set")
+    pem = {}
+    for name in ("tls_cert", "tls_key"):
+        try:
+            pem[name] = Path(getattr(config, name)).read_bytes()
+        except OSError as exc:
+            raise ServiceError(f"[rollout] {name}: cannot read {getattr(config, name)}: {exc.strerror}") from None
+    try:
+        credentials = grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])])
+        port = server.add_secure_port(config.tls_address, credentials)
+    except RuntimeError as exc:
+        raise ServiceError(f"[rollout] tls_cert and tls_key are not a PEM certificate and its key: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot bind the rollout server's TLS listener to {config.tls_address}: the port is taken or the address is not this machine's")
+    return port
 
 
 async def serve_rollout(config: RolloutConfig, ready: Ready) -> None:
@@ -713,5 +744,5 @@ async def serve_rollout(config: RolloutConfig, ready: Ready) -> None:
     await serve_until_stopped(
         running,
         lambda: running.stop(STOP_GRACE_SECONDS),
-        lambda r: ready(r.port, f"rollout: RolloutService on {join_host_port(config.host, r.port)}; store {config.store}"),
+        lambda r: ready(r.port, f"rollout: RolloutService on {join_host_port(config.host, r.port)}{_tls_detail(config, r)}; store {config.store}"),
     )

@@ -43,10 +43,11 @@ RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reco
 
 
 class UpstreamMember:
-    def __init__(self, rollout_address: str, cluster: str, address: str, envoy: str = "") -> None:
+    def __init__(self, rollout_address: str, cluster: str, address: str, envoy: str = "", tls_ca: str = "") -> None:
+        """`tls_ca`: the PEM CA certificate of the rollout server's TLS listener ("" = plaintext)."""
         self.cluster, self.address, self.envoy = cluster, address, envoy
         self._address = rollout_address
-        self._channel = grpc.aio.insecure_channel(rollout_address, options=RECONNECT_OPTIONS)
+        self._channel = credentials.aio_channel(rollout_address, tls_ca, options=RECONNECT_OPTIONS)
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
         own = credentials.of_process()
         self._credentials = own
