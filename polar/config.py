@@ -102,6 +102,7 @@ class InferenceConfig:
     # PEM CA certificate the rollout server's TLS certificate must chain to (its [rollout]
     # tls_address); "" = plaintext, as on one machine
     rollout_tls_ca: str = ""
+    metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
     # upstream engine: the server's base URL, e.g. http://127.0.0.1:8000, or unix:PATH (vLLM's --uds)
     upstream_url: str = ""
     # upstream engine: "vllm" (POST /v1/completions; start vLLM with --logprobs-mode processed_logprobs)
@@ -189,6 +190,9 @@ class GatewayConfig:
     # An open session with no call for this long is closed as expired (checked every minute): its key
     # then gets 401 saying so, and its records stay readable for an hour, like any closed session's.
     session_idle_timeout_s: Seconds = 4 * 3600.0
+    # HOST:PORT serving Prometheus /metrics (port 0 picks one): the gateway's, and in a node its
+    # pools' too; "" = none
+    metrics_address: str = ""
 
 
 @dataclass
@@ -215,6 +219,7 @@ class RolloutConfig:
     tls_address: str = ""
     tls_cert: str = ""  # PEM certificate (chain) of the TLS listener; its names must be those others dial
     tls_key: str = ""  # PEM private key of tls_cert (keep it mode 0600)
+    metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
 
 
 @dataclass
@@ -259,6 +264,7 @@ class TrainerConfig:
     host: str = "127.0.0.1"  # address of the TrainerService; "0.0.0.0" for every interface
     port: Port = 50080  # gRPC port of the TrainerService (status, policy version, checkpoints); 0 picks a free one
     run_dir: str = "runs/train"  # the run's folder: checkpoints, metrics.jsonl, TensorBoard events, reward.png
+    metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
     # "torch": one process, CPU or one GPU, any Hugging Face causal LM; "megatron": Megatron-Core over the
     # GPUs of a torchrun job (scripts/launch_megatron.sh), tensor and data parallel, Llama / Qwen2 / Qwen3
     backend: Literal["torch", "megatron"] = "torch"

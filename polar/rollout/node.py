@@ -32,7 +32,7 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -44,6 +44,7 @@ from polar import credentials
 from polar.codec import length_delimited
 from polar.config import GatewayConfig, NodeConfig
 from polar.grpc_server import serve_until_stopped, stub_taking_bytes
+from polar.metrics import gateway_metrics, node_metrics, start_metrics
 from polar.rollout.evaluators import evaluate
 from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
 from polar.rollout.isolation import NO_ISOLATION, Isolation
@@ -647,7 +648,8 @@ async def start_node(
     own_root = None if node.work_root else Path(tempfile.mkdtemp(prefix="polar-node-"))
     work_root = Path(node.work_root) if node.work_root else own_root
     try:
-        running_gateway = await start_gateway(gateway, http_socket=http_socket)
+        # The node serves /metrics itself: the gateway's and its pools' at one address.
+        running_gateway = await start_gateway(replace(gateway, metrics_address=""), http_socket=http_socket)
     except BaseException:
         if own_root is not None:
             shutil.rmtree(own_root, ignore_errors=True)
@@ -675,6 +677,10 @@ async def start_node(
         http = advertised(host, running_gateway.http_port)
         member = UpstreamMember(node.rollout_address, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id, tls_ca=node.rollout_tls_ca)
         await member.start()
+        if gateway.metrics_address:
+            running_gateway.metrics = await start_metrics(
+                gateway.metrics_address, gateway_metrics(running_gateway.store), node_metrics(pools)
+            )
     except BaseException:
         if pools is not None:
             await pools.stop()

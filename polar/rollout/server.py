@@ -70,6 +70,7 @@ from polar.grpc_server import (
     set_serving,
     status_codes,
 )
+from polar.metrics import MetricsEndpoint, rollout_metrics, start_metrics
 from polar.rollout.store import (
     HELD_STATES,
     POSTRUN,
@@ -209,6 +210,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self.membership = membership or Membership(heartbeat_interval_s, node_timeout_s)
         self._credentials = credentials
         self._node_names: dict[str, str] = {}  # node id -> the issued credential it registered with
+
+    @property
+    def store(self) -> RolloutStore:
+        return self._store
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_dead_nodes(), name="rollout dead-node check")
@@ -664,12 +669,15 @@ class RunningRollout:
     host: str
     port: int
     tls_port: int = 0  # the TLS listener's port ([rollout] tls_address); 0 = none
+    metrics: MetricsEndpoint | None = None  # Prometheus /metrics ([rollout] metrics_address)
 
     @property
     def address(self) -> str:
         return join_host_port(self.host, self.port)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self.metrics is not None:
+            await self.metrics.stop()
         await self.servicer.stop()
         await self.server.stop(grace)
         self.store.close()
@@ -707,10 +715,11 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
         await set_serving(health_servicer, SERVICE_NAME)
         await server.start()
         servicer.start()
+        metrics = await start_metrics(config.metrics_address, rollout_metrics(servicer)) if config.metrics_address else None
     except BaseException:
         store.close()
         raise
-    return RunningRollout(server, servicer, store, config.host, port, tls_port)
+    return RunningRollout(server, servicer, store, config.host, port, tls_port, metrics)
 
 
 def bind_tls(server: grpc.aio.Server, config: RolloutConfig) -> int:
@@ -744,5 +753,9 @@ async def serve_rollout(config: RolloutConfig, ready: Ready) -> None:
     await serve_until_stopped(
         running,
         lambda: running.stop(STOP_GRACE_SECONDS),
-        lambda r: ready(r.port, f"rollout: RolloutService on {join_host_port(config.host, r.port)}{_tls_detail(config, r)}; store {config.store}"),
+        lambda r: ready(
+            r.port,
+            f"rollout: RolloutService on {join_host_port(config.host, r.port)}{_tls_detail(config, r)}; store {config.store}"
+            + (f"; metrics {r.metrics.url}" if r.metrics else ""),
+        ),
     )
