@@ -223,11 +223,31 @@ class RolloutConfig:
 
 
 @dataclass
+class XdsConfig:
+    """Envoy's control plane alone (`polar serve xds`), apart from the rollout server: ADS for the
+    Envoys, JoinUpstream and UpstreamHeartbeat for the inference servers and gateways."""
+
+    host: str = "127.0.0.1"  # address to listen on; "0.0.0.0" for every interface
+    port: Port = 50090  # gRPC port (ADS and the upstreams' rpcs); 0 picks a free one
+    heartbeat_interval_s: Seconds = 1.0  # upstreams beat every half of it
+    upstream_timeout_s: Seconds = 10.0  # an upstream silent this long is removed from every Envoy
+    # file of the credentials issued to other machines (`polar credentials issue`); "" = issued.json
+    # in the stack's credentials folder
+    issued_credentials: str = ""
+    tls_address: str = ""  # as [rollout] tls_address: a TLS listener for other machines; "" = none
+    tls_cert: str = ""  # PEM certificate (chain) of the TLS listener
+    tls_key: str = ""  # PEM private key of tls_cert
+    metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
+
+
+@dataclass
 class NodeConfig:
     """A gateway node (`polar serve node`): the gateway plus the INIT, READY, RUNNING and POSTRUN
     pools that run sessions for the rollout server. Its gateway settings come from [gateway]."""
 
     rollout_address: str = ""  # the rollout server's gRPC address; "" = the [rollout] server
+    # the control plane its gateway joins (a `polar serve xds`); "" = the rollout server's
+    xds_address: str = ""
     # PEM CA certificate the rollout server's TLS certificate must chain to (its [rollout]
     # tls_address); "" = plaintext, as on one machine
     rollout_tls_ca: str = ""

@@ -7,6 +7,7 @@ has a registry of its own (several servers in one process, as tests run them, do
 the process's CPU and memory (`process_*`) beside:
 
     rollout     polar_rollout_sessions{state}, polar_rollout_nodes, polar_rollout_groups_released_total,
+                and the control plane's (`polar serve xds` has these alone):
                 polar_xds_upstreams{cluster,draining}, polar_xds_envoy_connected{envoy},
                 polar_xds_envoy_version{envoy} / polar_xds_envoy_acknowledged_version{envoy} (N of EPOCH.N),
                 polar_xds_envoy_up_to_date{envoy}, polar_xds_envoy_rejected{envoy}
@@ -131,42 +132,51 @@ def rollout_metrics(servicer) -> Callable[[], Iterable[Metric]]:
         )  # fmt: skip
         yield _gauge("polar_rollout_nodes", "live gateway nodes", len(store.nodes()))
         yield _counter("polar_rollout_groups_released", "GRPO groups released to the results stream", store.last_release())
-        membership = servicer.membership
-        upstreams = GaugeMetricFamily("polar_xds_upstreams", "upstreams joined, per cluster", labels=["cluster", "draining"])
-        tally: dict[tuple[str, str], int] = {}
-        for member in membership.members():
-            key = (member.upstream.cluster, "true" if member.upstream.draining else "false")
-            tally[key] = tally.get(key, 0) + 1
-        for key, count in sorted(tally.items()):
-            upstreams.add_metric(list(key), count)
-        yield upstreams
-        families = {
-            "connected": GaugeMetricFamily("polar_xds_envoy_connected", "1 while the Envoy has an ADS stream open", labels=["envoy"]),
-            "version": GaugeMetricFamily("polar_xds_envoy_version", "N of the EPOCH.N version the Envoy should have", labels=["envoy"]),
-            "acknowledged": GaugeMetricFamily(
-                "polar_xds_envoy_acknowledged_version", "N of the EPOCH.N version the Envoy acknowledged (0: none this epoch)",
-                labels=["envoy"],
-            ),
-            "up_to_date": GaugeMetricFamily("polar_xds_envoy_up_to_date", "1 when it acknowledged its current version", labels=["envoy"]),
-            "rejected": GaugeMetricFamily("polar_xds_envoy_rejected", "1 while its latest answer was a NACK", labels=["envoy"]),
-        }  # fmt: skip
-        cache = membership.discovery.cache
-        for envoy in membership.discovery.envoys.values():
-            snapshot = cache.current(envoy.node_id)
-            version = snapshot.version if snapshot is not None else ""
-            endpoints = envoy.endpoints()
-            values = {
-                "connected": float(envoy.connected),
-                "version": _counter_part(version, version),
-                "acknowledged": _counter_part(endpoints.accepted, version),
-                "up_to_date": float(bool(version) and endpoints.accepted == version),
-                "rejected": float(bool(endpoints.rejected) and endpoints.rejected == version),
-            }
-            for key, family in families.items():
-                family.add_metric([envoy.node_id], values[key])
-        yield from families.values()
+        yield from control_plane(servicer.membership)
 
     return collect
+
+
+def control_plane_metrics(membership) -> Callable[[], Iterable[Metric]]:
+    """The control plane's (in a rollout server, or `polar serve xds`): upstreams and each Envoy's versions."""
+    return lambda: control_plane(membership)
+
+
+def control_plane(membership) -> Iterator[Metric]:
+    """The control plane's metrics families."""
+    upstreams = GaugeMetricFamily("polar_xds_upstreams", "upstreams joined, per cluster", labels=["cluster", "draining"])
+    tally: dict[tuple[str, str], int] = {}
+    for member in membership.members():
+        key = (member.upstream.cluster, "true" if member.upstream.draining else "false")
+        tally[key] = tally.get(key, 0) + 1
+    for key, count in sorted(tally.items()):
+        upstreams.add_metric(list(key), count)
+    yield upstreams
+    families = {
+        "connected": GaugeMetricFamily("polar_xds_envoy_connected", "1 while the Envoy has an ADS stream open", labels=["envoy"]),
+        "version": GaugeMetricFamily("polar_xds_envoy_version", "N of the EPOCH.N version the Envoy should have", labels=["envoy"]),
+        "acknowledged": GaugeMetricFamily(
+            "polar_xds_envoy_acknowledged_version", "N of the EPOCH.N version the Envoy acknowledged (0: none this epoch)",
+            labels=["envoy"],
+        ),
+        "up_to_date": GaugeMetricFamily("polar_xds_envoy_up_to_date", "1 when it acknowledged its current version", labels=["envoy"]),
+        "rejected": GaugeMetricFamily("polar_xds_envoy_rejected", "1 while its latest answer was a NACK", labels=["envoy"]),
+    }  # fmt: skip
+    cache = membership.discovery.cache
+    for envoy in membership.discovery.envoys.values():
+        snapshot = cache.current(envoy.node_id)
+        version = snapshot.version if snapshot is not None else ""
+        endpoints = envoy.endpoints()
+        values = {
+            "connected": float(envoy.connected),
+            "version": _counter_part(version, version),
+            "acknowledged": _counter_part(endpoints.accepted, version),
+            "up_to_date": float(bool(version) and endpoints.accepted == version),
+            "rejected": float(bool(endpoints.rejected) and endpoints.rejected == version),
+        }
+        for key, family in families.items():
+            family.add_metric([envoy.node_id], values[key])
+    yield from families.values()
 
 
 STATES = [s for s in rollout_pb2.SessionState.values() if s != 0]

@@ -121,8 +121,9 @@ def plan(config: StackConfig, role: str = "all", rollout: str = "") -> list[Serv
     rollout = rollout or "{rollout}"
     control_plane = config.envoy.xds_address or rollout
     node = dataclasses.replace(
-        config.node, rollout_address=config.node.rollout_address or rollout, envoy_node_id=config.envoy.node_id
-    )
+        config.node, rollout_address=config.node.rollout_address or rollout, envoy_node_id=config.envoy.node_id,
+        xds_address=config.node.xds_address or config.envoy.xds_address,
+    )  # fmt: skip
     inf = dataclasses.replace(config.inference, rollout_address=config.inference.rollout_address or control_plane)
     specs = {
         "rollout": rollout_spec(config.rollout),

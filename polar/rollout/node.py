@@ -675,7 +675,8 @@ async def start_node(
         await pools.wait_registered(register_timeout_s)
         # The Envoy in front of this node (its node id) learns the gateway from the control plane.
         http = advertised(host, running_gateway.http_port)
-        member = UpstreamMember(node.rollout_address, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id, tls_ca=node.rollout_tls_ca)
+        control_plane = node.xds_address or node.rollout_address
+        member = UpstreamMember(control_plane, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id, tls_ca=node.rollout_tls_ca)
         await member.start()
         if gateway.metrics_address:
             running_gateway.metrics = await start_metrics(

@@ -56,7 +56,7 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from polar import codec
 from polar import credentials as creds
-from polar.config import RolloutConfig
+from polar.config import RolloutConfig, XdsConfig
 from polar.credentials import INFERENCE, NODE, OPERATOR, TRAINER
 from polar.grpc_server import (
     InvalidArgument,
@@ -65,7 +65,6 @@ from polar.grpc_server import (
     caller,
     callers,
     new_server,
-    peer_is_this_machine,
     serve_until_stopped,
     set_serving,
     status_codes,
@@ -88,9 +87,9 @@ from polar.rollout.store import (
 from polar.rollout.tasks import normalize_task, validate_task
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret, split_address
+from polar.xds.membership import Membership, split_address
+from polar.xds.rpcs import UpstreamRpcs, WrongCredential
 from polar.xds.server import ADS_SERVICE, AggregatedDiscovery
-from polar.xds.snapshot import GATEWAY_CLUSTER, INFERENCE_CLUSTER
 
 log = logging.getLogger("polar.rollout.server")
 
@@ -108,16 +107,6 @@ DEFAULT_GROUPS_PER_BATCH = 16
 MAX_LISTED_PROBLEMS = 20
 # How long `serve_rollout` lets running calls finish after a stop signal before cancelling them.
 STOP_GRACE_SECONDS = 5.0
-
-
-class WrongCredential(PermissionError):
-    """A call whose credential may not do what it asks: the stack's own node token from another
-    machine, a named credential joining a cluster its role does not serve, or a heartbeat for a node
-    or upstream that another credential registered."""
-
-
-# The cluster each issued role may join.
-CLUSTER_OF_ROLE = {NODE: GATEWAY_CLUSTER, INFERENCE: INFERENCE_CLUSTER}
 
 
 class _Wakeup:
@@ -160,12 +149,10 @@ class _Wakeup:
         UnknownSession: grpc.StatusCode.NOT_FOUND,
         NotAssigned: grpc.StatusCode.FAILED_PRECONDITION,
         WrongNodeSecret: grpc.StatusCode.PERMISSION_DENIED,
-        BadUpstream: grpc.StatusCode.INVALID_ARGUMENT,
-        WrongUpstreamSecret: grpc.StatusCode.PERMISSION_DENIED,
         WrongCredential: grpc.StatusCode.PERMISSION_DENIED,
     }
 )
-class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
     """See RolloutService in rollout.proto for each rpc's contract."""
 
     def __init__(
@@ -444,82 +431,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._releases.wake()
         return rollout_pb2.ReportSessionResponse()
 
-    # Unary.
-    async def JoinUpstream(
-        self, request: rollout_pb2.JoinUpstreamRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.JoinUpstreamResponse:
-        who = caller(self._credentials, context)
-        name = self._caller_name(context)
-        if name and request.cluster != CLUSTER_OF_ROLE.get(who.role):
-            raise WrongCredential(f"credential {name} ({who.role}) may not join the {request.cluster!r} cluster")
-        upstream_id, secret = await self.membership.join(request.cluster, request.address, request.envoy, credential=name)
-        return rollout_pb2.JoinUpstreamResponse(
-            upstream_id=upstream_id, upstream_secret=secret, heartbeat_interval_seconds=self._interval,
-            accepted_credentials=self._accepted(request.cluster),
-        )  # fmt: skip
-
-    # Unary.
-    async def UpstreamHeartbeat(
-        self, request: rollout_pb2.UpstreamHeartbeatRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.UpstreamHeartbeatResponse:
-        who = caller(self._credentials, context)
-        try:
-            member = self.membership.heartbeat(
-                request.upstream_id, request.upstream_secret, draining=request.draining, gone=request.gone,
-                credential=who.name if who is not None else "",
-            )  # fmt: skip
-        except UnknownUpstream:
-            return rollout_pb2.UpstreamHeartbeatResponse(rejoin=not request.gone)
-        drained = member is None or (member.upstream.draining and self.membership.drain_acknowledged(member))
-        accepted = self._accepted(member.upstream.cluster) if member is not None else []
-        return rollout_pb2.UpstreamHeartbeatResponse(drain_acknowledged=drained, accepted_credentials=accepted)
-
-    # Unary.
-    async def ListUpstreams(
-        self, request: rollout_pb2.ListUpstreamsRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.ListUpstreamsResponse:
-        membership = self.membership
-        discovery = membership.discovery
-        return rollout_pb2.ListUpstreamsResponse(
-            upstreams=[
-                rollout_pb2.UpstreamInfo(
-                    upstream_id=m.upstream_id,
-                    cluster=m.upstream.cluster,
-                    address=join_host_port(m.upstream.host, m.upstream.port),
-                    envoy=m.upstream.envoy,
-                    draining=m.upstream.draining,
-                    seconds_since_heartbeat=membership.seconds_since_heartbeat(m),
-                )
-                for m in membership.members()
-            ],
-            envoys=[
-                rollout_pb2.EnvoyInfo(
-                    node_id=envoy.node_id,
-                    connected=envoy.connected,
-                    version=snapshot.version if (snapshot := discovery.cache.current(envoy.node_id)) else "",
-                    acknowledged_version=envoy.endpoints().accepted,
-                    rejected_version=envoy.endpoints().rejected,
-                    error=envoy.endpoints().error,
-                )
-                for envoy in discovery.envoys.values()
-            ],
-        )
-
     # --- credentials issued by name ----------------------------------------------------------------
-
-    def _caller_name(self, context: grpc.aio.ServicerContext) -> str:
-        """The issued name the caller registers or joins as ("" for the stack's own token, or a
-        server that checks no credentials). WrongCredential for the stack's own node token from an
-        address that is not this machine's: other machines get credentials of their own."""
-        who = caller(self._credentials, context)
-        if who is None:
-            return ""
-        if not who.name and who.role == NODE and not peer_is_this_machine(context.peer()):
-            raise WrongCredential(
-                f"the stack's own node credential is for the rollout server's machine, not {context.peer()}:"
-                " give another machine its own (`polar credentials issue NAME node|inference`)"
-            )
-        return who.name
 
     def _check_node_credential(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
         who = caller(self._credentials, context)
@@ -528,25 +440,15 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         if name != registered:
             raise WrongCredential(f"node {node_id} registered with another credential")
 
-    def _accepted(self, cluster: str) -> list[rollout_pb2.AcceptedCredential]:
-        if cluster != INFERENCE_CLUSTER or self._credentials is None:
-            return []
-        return [
-            rollout_pb2.AcceptedCredential(name=entry.name, role=entry.role, sha256=entry.sha256)
-            for entry in self._credentials.accepted()
-        ]
-
     def _remove_revoked(self) -> None:
         """Forget the nodes and upstreams of credentials no longer issued."""
         if self._credentials is None:
             return
-        self._credentials.issued.refresh()
-        issued = self._credentials.issued.names()
+        issued = self.remove_revoked_upstreams()
         for node_id, name in list(self._node_names.items()):
             if name and name not in issued:
                 log.warning("node %s: its credential %s was revoked; forgotten", node_id, name)
                 self._forget_node(node_id, f"the credential of node {node_id} was revoked", "its credential was revoked")
-        self.membership.remove_revoked(issued)
 
     def _wake_polls(self) -> None:
         for poll in self._polls.values():
@@ -722,25 +624,26 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
     return RunningRollout(server, servicer, store, config.host, port, tls_port, metrics)
 
 
-def bind_tls(server: grpc.aio.Server, config: RolloutConfig) -> int:
-    """The TLS listener for other machines (grpc's own TLS); its port. ServiceError naming what is
-    missing or unreadable, OSError when the address cannot be bound."""
+def bind_tls(server: grpc.aio.Server, config: RolloutConfig | XdsConfig) -> int:
+    """The TLS listener for other machines (grpc's own TLS) that config's tls_address, tls_cert and
+    tls_key describe; its port. ServiceError naming what is missing or unreadable, OSError when the
+    address cannot be bound."""
     missing = [name for name in ("tls_address", "tls_cert", "tls_key") if not getattr(config, name)]
     if missing:
-        raise ServiceError(f"[rollout] TLS needs tls_address, tls_cert and tls_key; {', '.join(missing)} not set")
+        raise ServiceError(f"TLS needs tls_address, tls_cert and tls_key; {', '.join(missing)} not set")
     pem = {}
     for name in ("tls_cert", "tls_key"):
         try:
             pem[name] = Path(getattr(config, name)).read_bytes()
         except OSError as exc:
-            raise ServiceError(f"[rollout] {name}: cannot read {getattr(config, name)}: {exc.strerror}") from None
+            raise ServiceError(f"{name}: cannot read {getattr(config, name)}: {exc.strerror}") from None
     try:
         credentials = grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])])
         port = server.add_secure_port(config.tls_address, credentials)
     except RuntimeError as exc:
-        raise ServiceError(f"[rollout] tls_cert and tls_key are not a PEM certificate and its key: {exc}") from None
+        raise ServiceError(f"tls_cert and tls_key are not a PEM certificate and its key: {exc}") from None
     if port == 0:
-        raise OSError(f"cannot bind the rollout server's TLS listener to {config.tls_address}: the port is taken or the address is not this machine's")
+        raise OSError(f"cannot bind the TLS listener to {config.tls_address}: the port is taken or the address is not this machine's")
     return port
 
 
