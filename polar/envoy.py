@@ -1,7 +1,7 @@
 """Envoy in the stack: the harnesses' entry to the gateway and the gateway's way to the inference servers.
 
     harness ──HTTP──▶ Envoy [harness]   ──▶ gateway (aiohttp)
-    gateway ──gRPC──▶ Envoy [inference] ──▶ inference servers (ring hash on x-polar-session, health checked)
+    gateway ──gRPC──▶ Envoy [inference] ──▶ inference servers (Maglev hash on x-polar-session, health checked)
 
 The configuration is envoy/envoy.yaml.tmpl; `render_config` fills in the addresses and the settings of
 an `EnvoyConfig`, `validate` has Envoy itself check a configuration, and `running` starts the real

@@ -198,7 +198,7 @@ async def test_a_leaving_server_drains_its_stream_then_takes_no_new_call_and_is_
             target = f"127.0.0.1:{proxy.inference_port}"
             tokens_of = {11: a, 21: b, STREAMED[0]: "streamed"}
             await until("Envoy has both servers", lambda: _both(proxy, a, b))
-            # A session whose calls land on B (ring hash on x-polar-session: stable while the set is).
+            # A session whose calls land on B (Maglev hash on x-polar-session: stable while the set is).
             on_b = [f"s-{i}" for i in range(64)]
             on_b = [s for s in on_b if await server_of(target, s, tokens_of) == b]
             assert on_b, "no session of 64 landed on the second server"
