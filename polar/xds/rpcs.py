@@ -10,8 +10,6 @@ call them.
 
 from __future__ import annotations
 
-import logging
-
 import grpc
 
 from polar import credentials as creds
@@ -21,9 +19,6 @@ from polar.service import join_host_port
 from polar.v1 import rollout_pb2
 from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret
 from polar.xds.snapshot import GATEWAY_CLUSTER, INFERENCE_CLUSTER
-
-log = logging.getLogger("polar.xds")
-
 
 class WrongCredential(PermissionError):
     """A call whose credential may not do what it asks: the stack's own node token from another
@@ -120,7 +115,7 @@ class UpstreamRpcs:
             return ""
         if not who.name and who.role == NODE and not peer_is_this_machine(context.peer()):
             raise WrongCredential(
-                f"the stack's own node credential is for the rollout server's machine, not {context.peer()}:"
+                f"the stack's own node credential is for the control plane's machine, not {context.peer()}:"
                 " give another machine its own (`polar credentials issue NAME node|inference`)"
             )
         return who.name
