@@ -26,6 +26,7 @@ from gateway.service import GatewayServicer, start_grpc
 from gateway.sessions import SessionStore
 from polar.config import GatewayConfig
 from polar.grpc_server import serve_until_stopped
+from polar.metrics import MetricsEndpoint, gateway_metrics, start_metrics
 from polar.service import Ready, ServiceError, connectable, join_host_port
 
 # How long start-up waits for the inference service to answer GetModelInfo.
@@ -56,6 +57,7 @@ class RunningGateway:
     _runner: web.AppRunner
     _grpc_server: grpc.aio.Server
     _sweeper: asyncio.Task
+    metrics: MetricsEndpoint | None = None  # Prometheus /metrics ([gateway] metrics_address)
 
     @property
     def store(self) -> SessionStore:
@@ -71,6 +73,8 @@ class RunningGateway:
         return join_host_port(connectable(self.http_host), self.grpc_port)
 
     async def stop(self) -> None:
+        if self.metrics is not None:
+            await self.metrics.stop()
         self._sweeper.cancel()
         await self._grpc_server.stop(STOP_GRACE_SECONDS)
         await self._runner.cleanup()
@@ -138,7 +142,14 @@ async def start_gateway(
         grpc_server, bound_grpc = await start_grpc(servicer, join_host_port(host, config.grpc_port))
         on_failure.pop_all()
     sweeper = asyncio.create_task(_sweep_sessions(store, config.session_idle_timeout_s), name="session sweeper")
-    return RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server, sweeper)
+    running = RunningGateway(gateway, host, bound_http, bound_grpc, base_url, runner, grpc_server, sweeper)
+    if config.metrics_address:
+        try:
+            running.metrics = await start_metrics(config.metrics_address, gateway_metrics(store))
+        except BaseException:
+            await running.stop()
+            raise
+    return running
 
 
 async def _sweep_sessions(store: SessionStore, idle_timeout_s: float) -> None:
@@ -162,10 +173,11 @@ def describe(running: RunningGateway) -> str:
     from gateway.dialects import available_dialects
 
     dialects = ", ".join(available_dialects()) or "none"
+    metrics = f"; metrics {running.metrics.url}" if running.metrics is not None else ""
     return (
         f"{running.gateway.model.name} at {running.http_url} ({dialects}); harness base URL {running.base_url}; "
         f"GatewayService on {join_host_port(running.http_host, running.grpc_port)}; "
-        f"inference {running.gateway.inference.address}"
+        f"inference {running.gateway.inference.address}{metrics}"
     )
 
 

@@ -232,6 +232,20 @@ class Session:
             self._watchers.clear()
 
 
+@dataclass
+class CallCounts:
+    """What the recorded calls hold, summed, for /metrics."""
+
+    failed: int = 0  # ended in an error (the engine's, a timeout, a refused prompt)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, record: common_pb2.CallRecord) -> None:
+        self.failed += record.finish_reason == common_pb2.FINISH_REASON_ERROR or bool(record.error)
+        self.prompt_tokens += record.usage.prompt_tokens
+        self.completion_tokens += record.usage.completion_tokens
+
+
 class SessionStore:
     """Every session of this gateway, by key and by id."""
 
@@ -258,6 +272,7 @@ class SessionStore:
         self._changed = asyncio.Event()
         self.draining = False
         self.calls_total = 0
+        self.counts = CallCounts()  # for /metrics (polar.metrics)
 
     def open(
         self,
@@ -356,6 +371,7 @@ class SessionStore:
         """Record a call of the session (`Session.finish_call`)."""
         session.finish_call(record, prior, apart)
         self.calls_total += 1
+        self.counts.add(record)
 
     def open_sessions(self) -> int:
         return sum(not session.closed for session in self._by_id.values())

@@ -12,6 +12,7 @@
     polar status            the tasks' sessions per state, rewards, released groups (--watch: live)
     polar results           released groups exported as JSON Lines, resumable from a cursor
     polar up                the whole stack, on the embedded defaults or a TOML config (--submit: and a task file)
+    polar credentials issue|revoke|list   credentials of other machines (nodes, inference servers), by name
     polar train             the stack plus the GRPO trainer on a config's dataset; resumes a run folder
     polar eval              greedy pass@1 and sampled pass@k on the held-out tasks, base or checkpoint
     polar generate          rejection sampling: N attempts per task, the accepted ones exported for SFT
@@ -335,6 +336,79 @@ def _up(args: argparse.Namespace) -> int:
     return run_stack(config, on_ready=follow)
 
 
+# ---------------------------------------------------------------------------------- credentials
+
+
+def _issued_file_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", help="the stack's TOML file, for [rollout] issued_credentials (default: issued.json in the"
+        " stack's credentials folder, $POLAR_CREDENTIALS or the state folder's)",
+    )  # fmt: skip
+
+
+def _issued_file(args: argparse.Namespace):
+    import os
+
+    from polar import credentials
+
+    configured = load_config(args.config).rollout.issued_credentials if args.config else ""
+    return credentials.issued_path(os.environ.get(credentials.ENV_VAR) or None, configured)
+
+
+def _credentials_issue_arguments(parser: argparse.ArgumentParser) -> None:
+    from polar.credentials import ISSUED_ROLES
+
+    parser.add_argument("name", help="the machine's name (letters, digits, '.', '_', '-'); it joins only as this name")
+    parser.add_argument("role", choices=ISSUED_ROLES, help="node (Envoy and a gateway node) or inference (an inference server)")
+    parser.add_argument(
+        "--out", metavar="DIR", help="write the token to DIR/ROLE (mode 0600): the credentials folder to copy to that"
+        " machine's state folder; without it the token is printed",
+    )  # fmt: skip
+    _issued_file_option(parser)
+
+
+def _credentials_issue(args: argparse.Namespace) -> int:
+    from polar import credentials
+
+    token = credentials.issue(_issued_file(args), args.name, args.role)
+    if args.out:
+        written = credentials.write_token(args.out, args.role, token)
+        print(f"credential {args.name} ({args.role}) issued: {written}")
+    else:
+        print(token)
+    return 0
+
+
+def _credentials_revoke_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="the credential's name")
+    _issued_file_option(parser)
+
+
+def _credentials_revoke(args: argparse.Namespace) -> int:
+    from polar import credentials
+
+    credentials.revoke(_issued_file(args), args.name)
+    print(f"credential {args.name} revoked: its calls are refused, its node and upstreams removed within a second")
+    return 0
+
+
+def _credentials_list(args: argparse.Namespace) -> int:
+    import time
+
+    from polar import credentials
+
+    entries = credentials.read_issued(_issued_file(args))
+    if not entries:
+        print("no credentials issued")
+        return 0
+    width = max(len(entry.name) for entry in entries)
+    print(f"{'NAME':<{width}}  ROLE       ISSUED (UTC)")
+    for entry in sorted(entries, key=lambda e: e.name):
+        issued = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(entry.issued_at))
+        print(f"{entry.name:<{width}}  {entry.role:<9}  {issued}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------- train, eval
 
 
@@ -477,6 +551,9 @@ COMMANDS: tuple[Command, ...] = (
     Command(("status",), "show each task's sessions per state, its reward and whether it was released", _status_arguments, _status),
     Command(("results",), "export released groups as JSON Lines and print the cursor to resume from", _results_arguments, _results),
     Command(("up",), "start the whole stack and supervise it until Ctrl-C", _up_arguments, _up),
+    Command(("credentials", "issue"), "issue another machine its own credential (node or inference)", _credentials_issue_arguments, _credentials_issue),
+    Command(("credentials", "revoke"), "revoke a machine's credential: it is cut off", _credentials_revoke_arguments, _credentials_revoke),
+    Command(("credentials", "list"), "list the credentials issued to other machines", _issued_file_option, _credentials_list),
     Command(("train",), "train the served model with GRPO on a dataset, the stack included", _train_arguments, _train),
     Command(("eval",), "score a checkpoint (or the base model) on the held-out tasks", _eval_arguments, _eval),
     Command(("generate",), "run N attempts per task and keep those that pass, as SFT data", _generate_arguments, _generate),
@@ -489,6 +566,7 @@ GROUP_HELP = {
     "serve": "run one service in the foreground",
     "session": "open, show and close gateway sessions",
     "tasks": "import dataset instances as tasks and check them",
+    "credentials": "issue, revoke and list other machines' credentials",
 }
 
 

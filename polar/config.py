@@ -99,6 +99,10 @@ class InferenceConfig:
     # the rollout server whose control plane this server joins, so every Envoy sends to it within a
     # second and stops when it leaves; "" = none (Envoy's --inference names it)
     rollout_address: str = ""
+    # PEM CA certificate the rollout server's TLS certificate must chain to (its [rollout]
+    # tls_address); "" = plaintext, as on one machine
+    rollout_tls_ca: str = ""
+    metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
     # upstream engine: the server's base URL, e.g. http://127.0.0.1:8000, or unix:PATH (vLLM's --uds)
     upstream_url: str = ""
     # upstream engine: "vllm" (POST /v1/completions; start vLLM with --logprobs-mode processed_logprobs)
@@ -136,6 +140,9 @@ class EnvoyConfig:
     # gateways from over ADS, as they join and leave; "" = in `polar up`, its own rollout server; in
     # `polar serve envoy`, the fixed --inference and --gateway addresses instead
     xds_address: str = ""
+    # PEM CA certificate the control plane's TLS certificate must chain to (and name xds_address's
+    # host); "" = plaintext, as on one machine
+    xds_tls_ca: str = ""
     # This Envoy's name to the control plane: gateways that join for it (a node's own gateway) are
     # its gateway_http endpoints; every Envoy gets every inference server
     node_id: str = "polar-envoy"
@@ -183,6 +190,9 @@ class GatewayConfig:
     # An open session with no call for this long is closed as expired (checked every minute): its key
     # then gets 401 saying so, and its records stay readable for an hour, like any closed session's.
     session_idle_timeout_s: Seconds = 4 * 3600.0
+    # HOST:PORT serving Prometheus /metrics (port 0 picks one): the gateway's, and in a node its
+    # pools' too; "" = none
+    metrics_address: str = ""
 
 
 @dataclass
@@ -199,6 +209,35 @@ class RolloutConfig:
     # largest request accepted, in bytes; a node reports a session whose report (its whole
     # trajectory) is larger as failed, naming both sizes
     max_request_bytes: Positive = 256 * 1024 * 1024
+    # file of the credentials issued to other machines by name (`polar credentials issue NAME ROLE`;
+    # only their SHA-256 is kept, read again when it changes); "" = issued.json in the stack's
+    # credentials folder
+    issued_credentials: str = ""
+    # TLS for other machines (grpc's own): a second listener at tls_address ("HOST:PORT", e.g.
+    # "0.0.0.0:50071"; port 0 picks one) serving with this PEM certificate (chain) and key, while
+    # host:port stays plaintext for this machine's own services; "" = no TLS listener
+    tls_address: str = ""
+    tls_cert: str = ""  # PEM certificate (chain) of the TLS listener; its names must be those others dial
+    tls_key: str = ""  # PEM private key of tls_cert (keep it mode 0600)
+    metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
+
+
+@dataclass
+class XdsConfig:
+    """Envoy's control plane alone (`polar serve xds`), apart from the rollout server: ADS for the
+    Envoys, JoinUpstream and UpstreamHeartbeat for the inference servers and gateways."""
+
+    host: str = "127.0.0.1"  # address to listen on; "0.0.0.0" for every interface
+    port: Port = 50090  # gRPC port (ADS and the upstreams' rpcs); 0 picks a free one
+    heartbeat_interval_s: Seconds = 1.0  # upstreams beat every half of it
+    upstream_timeout_s: Seconds = 10.0  # an upstream silent this long is removed from every Envoy
+    # file of the credentials issued to other machines (`polar credentials issue`); "" = issued.json
+    # in the stack's credentials folder
+    issued_credentials: str = ""
+    tls_address: str = ""  # as [rollout] tls_address: a TLS listener for other machines; "" = none
+    tls_cert: str = ""  # PEM certificate (chain) of the TLS listener
+    tls_key: str = ""  # PEM private key of tls_cert
+    metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
 
 
 @dataclass
@@ -207,6 +246,11 @@ class NodeConfig:
     pools that run sessions for the rollout server. Its gateway settings come from [gateway]."""
 
     rollout_address: str = ""  # the rollout server's gRPC address; "" = the [rollout] server
+    # the control plane its gateway joins (a `polar serve xds`); "" = the rollout server's
+    xds_address: str = ""
+    # PEM CA certificate the rollout server's TLS certificate must chain to (its [rollout]
+    # tls_address); "" = plaintext, as on one machine
+    rollout_tls_ca: str = ""
     init_workers: Positive = 4  # runtimes prepared at once
     ready_slots: Count = 8  # prepared runtimes kept waiting for a harness (prewarmed or assigned)
     running_slots: Positive = 16  # harnesses run at once
@@ -240,6 +284,7 @@ class TrainerConfig:
     host: str = "127.0.0.1"  # address of the TrainerService; "0.0.0.0" for every interface
     port: Port = 50080  # gRPC port of the TrainerService (status, policy version, checkpoints); 0 picks a free one
     run_dir: str = "runs/train"  # the run's folder: checkpoints, metrics.jsonl, TensorBoard events, reward.png
+    metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
     # "torch": one process, CPU or one GPU, any Hugging Face causal LM; "megatron": Megatron-Core over the
     # GPUs of a torchrun job (scripts/launch_megatron.sh), tensor and data parallel, Llama / Qwen2 / Qwen3
     backend: Literal["torch", "megatron"] = "torch"

@@ -1,7 +1,7 @@
 """Envoy in the stack: the harnesses' entry to the gateway and the gateway's way to the inference servers.
 
     harness ──HTTP──▶ Envoy [harness]   ──▶ gateway (aiohttp)
-    gateway ──gRPC──▶ Envoy [inference] ──▶ inference servers (ring hash on x-polar-session, health checked)
+    gateway ──gRPC──▶ Envoy [inference] ──▶ inference servers (Maglev hash on x-polar-session, health checked)
 
 The configuration is envoy/envoy.yaml.tmpl; `render_config` fills in the addresses and the settings of
 an `EnvoyConfig`, `validate` has Envoy itself check a configuration, and `running` starts the real
@@ -146,7 +146,30 @@ def _xds_cluster(control_plane: list[tuple[str, int]], config: EnvoyConfig) -> d
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
+        **(_xds_tls(control_plane[0][0], config.xds_tls_ca) if config.xds_tls_ca else {}),
     }
+
+
+def _xds_tls(host: str, ca: str) -> dict:
+    """TLS to the control plane: its certificate must chain to `ca` and name `host` (an IP address
+    or a DNS name, as dialled)."""
+    try:
+        ipaddress.ip_address(host)
+        san_type, sni = "IP_ADDRESS", {}
+    except ValueError:
+        san_type, sni = "DNS", {"sni": host}
+    context = {
+        "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+        "common_tls_context": {
+            "alpn_protocols": ["h2"],
+            "validation_context": {
+                "trusted_ca": {"filename": str(Path(ca).resolve())},
+                "match_typed_subject_alt_names": [{"san_type": san_type, "matcher": {"exact": host}}],
+            },
+        },
+        **sni,
+    }
+    return {"transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": context}}
 
 
 def _ads_config(token: str) -> dict:

@@ -17,11 +17,14 @@ the event loop its process runs on, and the one check of every caller's credenti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import inspect
+import ipaddress
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Mapping
 from typing import Any, TypeVar
 
@@ -213,7 +216,8 @@ class CallerCheck(grpc.aio.ServerInterceptor):
         if allowed is None and method[1:].partition("/")[0] in OPEN_SERVICES:
             return await continuation(details)
         authorization = next((value for key, value in details.invocation_metadata or () if key == creds.HEADER), None)
-        role = self._credentials.role_of(authorization)
+        caller = self._credentials.caller_of(authorization)
+        role = caller.role if caller is not None else None
         if role is not None and allowed is not None and role in allowed:
             return await continuation(details)
         handler = await continuation(details)
@@ -227,10 +231,44 @@ class CallerCheck(grpc.aio.ServerInterceptor):
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{service}.{rpc} was called with {why}: send the metadata `{creds.HEADER}: Bearer <token>`"
                 f" with your role's token from {self._credentials.folder}/<node|trainer|operator> (`polar up`"
-                f" writes them; `polar` commands read ${creds.ENV_VAR} or {creds.default_folder()})",
+                f" writes them; `polar` commands read ${creds.ENV_VAR} or {creds.default_folder()}), or"
+                " another machine's own credential (`polar credentials issue NAME ROLE`; a revoked one is refused)",
             )
         who = ", ".join(sorted(allowed or ())) or "no role"
         return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, f"{service}.{rpc} is for {who}, not the {role}")
+
+
+def caller(credentials: creds.Credentials | None, context: grpc.aio.ServicerContext) -> creds.Caller | None:
+    """Who made this call, for a servicer whose rpcs depend on the caller's name (None: a server
+    without credentials, which serves everyone)."""
+    if credentials is None:
+        return None
+    authorization = next((value for key, value in context.invocation_metadata() or () if key == creds.HEADER), None)
+    return credentials.caller_of(authorization)
+
+
+_THIS_MACHINE: dict[str, bool] = {}
+
+
+def peer_is_this_machine(peer: str) -> bool:
+    """Whether a call's peer (`context.peer()`: "ipv4:10.0.0.7:41234", "ipv6:[::1]:5", "unix:...")
+    is an address of this machine: a loopback one, or one a socket here can bind."""
+    kind, _, rest = peer.partition(":")
+    if kind == "unix":
+        return True
+    host = rest.rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if host not in _THIS_MACHINE:
+        try:
+            local = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            local = False
+        if not local and host:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((host, 0))
+                local = True
+        _THIS_MACHINE[host] = local
+    return _THIS_MACHINE[host]
 
 
 def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:

@@ -8,7 +8,7 @@ a new service is a config dataclass plus one row here (and, to start it in `pola
 
 from __future__ import annotations
 
-from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, TrainerConfig
+from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, TrainerConfig, XdsConfig
 from polar.service import Flag, Service, join_host_port
 from polar.v1 import gateway_pb2, inference_pb2, rollout_pb2, trainer_pb2
 
@@ -64,6 +64,10 @@ ROLLOUT = Service(
     "rollout", "serve the RolloutService: tasks, dispatch to nodes, results",
     (RolloutConfig,), ROLLOUT_SERVICE, "polar.rollout.server:serve_rollout",
 )  # fmt: skip
+XDS = Service(
+    "xds", "serve Envoy's control plane alone (ADS; upstreams join it), apart from the rollout server",
+    (XdsConfig,), ROLLOUT_SERVICE, "polar.xds.service:serve_xds",
+)  # fmt: skip
 NODE = Service(
     "node", "run a gateway node: the gateway plus the pools that run sessions",
     (NodeConfig, GatewayConfig), GATEWAY_SERVICE, "polar.rollout.node:serve_node",
@@ -82,4 +86,4 @@ TRAINER = Service(
     ),
 )  # fmt: skip
 
-SERVICES: tuple[Service, ...] = (INFERENCE, ENVOY, GATEWAY, ROLLOUT, NODE, TRAINER)
+SERVICES: tuple[Service, ...] = (INFERENCE, ENVOY, GATEWAY, ROLLOUT, XDS, NODE, TRAINER)

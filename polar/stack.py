@@ -21,7 +21,8 @@ by the supervisor itself and handed to the node as a listening socket (`--http-f
 A child that exits while the stack runs is reported, the others are stopped, and `polar up` fails.
 
 Credentials (polar.credentials): the stack's role tokens are created in (or reused from) the state
-folder before anything starts, and every child gets their folder as $POLAR_CREDENTIALS, so each
+folder before anything starts (a machine joining another's stack with --role brings its own issued
+credential there instead), and every child gets their folder as $POLAR_CREDENTIALS, so each
 server checks its callers and each client calls as its role. The supervisor's own calls in
 `on_ready` (`polar up --submit`, `polar eval`) see the same variable while the stack runs.
 """
@@ -120,8 +121,9 @@ def plan(config: StackConfig, role: str = "all", rollout: str = "") -> list[Serv
     rollout = rollout or "{rollout}"
     control_plane = config.envoy.xds_address or rollout
     node = dataclasses.replace(
-        config.node, rollout_address=config.node.rollout_address or rollout, envoy_node_id=config.envoy.node_id
-    )
+        config.node, rollout_address=config.node.rollout_address or rollout, envoy_node_id=config.envoy.node_id,
+        xds_address=config.node.xds_address or config.envoy.xds_address,
+    )  # fmt: skip
     inf = dataclasses.replace(config.inference, rollout_address=config.inference.rollout_address or control_plane)
     specs = {
         "rollout": rollout_spec(config.rollout),
@@ -218,8 +220,13 @@ def run_stack(
         gateway_http = listening_socket(gw.host, gw.port)
     except OSError as exc:
         raise StackError(f"the gateway's HTTP port {join_host_port(gw.host, gw.port)} cannot be bound: {exc.strerror}") from None
+    folder = os.environ.get(credentials.ENV_VAR) or None
     try:
-        issued = credentials.ensure(os.environ.get(credentials.ENV_VAR) or None)
+        # The rollout server's machine keeps the stack's own tokens; another joins with its own.
+        issued = credentials.ensure(folder) if role == "all" else credentials.for_machine(role, folder)
+    except credentials.CredentialsError as exc:
+        gateway_http.close()
+        raise StackError(str(exc)) from None
     except OSError as exc:
         gateway_http.close()
         raise StackError(f"cannot keep the stack's credentials in {credentials.default_folder()}: {exc}") from None

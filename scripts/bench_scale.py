@@ -4,7 +4,7 @@ joining server takes calls, and what the xDS path costs against a static config.
 Real processes: a rollout server (Envoy's control plane, `polar serve rollout`), scripted-engine
 inference servers (`polar serve inference --rollout ...`, each joining the control plane), and the
 real Envoy; the load is Generate calls of CONCURRENCY sessions at once (each with its own
-x-polar-session, so Envoy's ring hash spreads them), made from this process as the gateway makes
+x-polar-session, so Envoy's Maglev hash spreads them), made from this process as the gateway makes
 them. Points:
 
 - calls/s and p50 latency with 1, 2 and 4 servers, through Envoy on the control plane, and the p50

@@ -19,6 +19,7 @@ import grpc
 from polar.config import TrainerConfig
 from polar.credentials import OPERATOR
 from polar.grpc_server import bind, callers, new_server, set_serving, until_stop_signal
+from polar.metrics import start_metrics, trainer_metrics
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer.backends.base import Backend, BackendError, shared_options
@@ -121,9 +122,11 @@ async def serve_trainer(config: TrainerConfig, ready: Ready, rollout_address: st
     port = bind(server, join_host_port(config.host, config.port), "the trainer")
     await set_serving(health, SERVICE_NAME)
     await server.start()
+    metrics = await start_metrics(config.metrics_address, trainer_metrics(run)) if config.metrics_address else None
     try:
         ready(port, f"trainer: {run.backend.name} backend on {run.backend.model_description['model_type']} "
-                    f"({config.model}), run folder {config.run_dir}; TrainerService on {join_host_port(config.host, port)}")  # fmt: skip
+                    f"({config.model}), run folder {config.run_dir}; TrainerService on {join_host_port(config.host, port)}"
+                    + (f"; metrics {metrics.url}" if metrics else ""))  # fmt: skip
         training = asyncio.ensure_future(asyncio.to_thread(run.run))
         stopping = asyncio.ensure_future(until_stop_signal())
         await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -134,4 +137,6 @@ async def serve_trainer(config: TrainerConfig, ready: Ready, rollout_address: st
         except (TrainingError, RolloutError, WeightSyncError, TraceTooLongError) as exc:
             raise ServiceError(f"training stopped: {exc}") from None
     finally:
+        if metrics is not None:
+            await metrics.stop()
         await server.stop(STOP_GRACE_SECONDS)

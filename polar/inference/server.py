@@ -27,6 +27,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -38,6 +39,7 @@ from polar.inference.weights import Header, Staging, WeightsReceiver
 from polar.config import InferenceConfig
 from polar.credentials import NODE, OPERATOR, TRAINER
 from polar.grpc_server import bind, callers, new_server, serve_until_stopped, set_serving, status_codes
+from polar.metrics import inference_metrics, start_metrics
 from polar.read_ahead import ReadAhead
 from polar.service import Ready, ServiceError, advertised, join_host_port
 from polar.v1 import inference_pb2, inference_pb2_grpc
@@ -49,6 +51,23 @@ SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["InferenceService"].ful
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # How long `serve` lets running calls finish after a stop signal before cancelling them.
 STOP_GRACE_SECONDS = 5.0
+
+
+@dataclass
+class CallCounts:
+    """What the server's Generate calls did, for /metrics."""
+
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    queue_seconds: float = 0.0
+
+    def finished(self, last: inference_pb2.GenerateResponse) -> None:
+        self.completed += 1
+        self.prompt_tokens += last.usage.prompt_tokens
+        self.completion_tokens += last.usage.completion_tokens
+        self.queue_seconds += last.queue_seconds
 
 
 class AdmissionGate:
@@ -137,6 +156,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._gate = AdmissionGate()
+        self.counts = CallCounts()  # for /metrics (polar.metrics)
         # Updates are received one at a time, into tensors kept between them: the stream's in host
         # memory, the shared GPU buffers' on the engine's device.
         self._receiving = asyncio.Lock()
@@ -160,8 +180,18 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 await produced.aclose()
                 await _close(stream)
         if error is not None:
+            self.counts.failed += 1
             raise EngineFailed(error)
+        self.counts.finished(last)
         await context.write(last)
+
+    @property
+    def gate(self) -> AdmissionGate:
+        return self._gate
+
+    @property
+    def policy_version(self) -> int:
+        return self._engine.policy_version
 
     # Client-streaming.
     async def UpdateWeights(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> inference_pb2.UpdateWeightsResponse:
@@ -454,10 +484,14 @@ def _raw_if_update(name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodH
     return handler._replace(request_deserializer=None) if name == "UpdateWeights" else handler
 
 
-async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[grpc.aio.Server, int]:
-    """Start the engine and a gRPC server for it on `address`; return the server and bound port."""
+async def start_server(
+    engine: Engine, address: str = "127.0.0.1:0", servicer: InferenceServicer | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Start the engine and a gRPC server for it on `address` (serving `servicer`, default a new
+    one over `engine`); return the server and bound port."""
     server, health_servicer = new_server(SERVICE_NAME, InferenceServicer.roles, max_message_bytes=MAX_MESSAGE_BYTES)
-    inference_pb2_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(engine), _RawUpdateWeights(server))
+    servicer = servicer if servicer is not None else InferenceServicer(engine)
+    inference_pb2_grpc.add_InferenceServiceServicer_to_server(servicer, _RawUpdateWeights(server))
     port = bind(server, address, "the inference server")
     await engine.start()
     await set_serving(health_servicer, SERVICE_NAME)
@@ -466,17 +500,25 @@ async def start_server(engine: Engine, address: str = "127.0.0.1:0") -> tuple[gr
 
 
 async def serve(
-    engine: Engine, address: str, on_ready: Callable[[int], None] | None = None, join: Callable[[int], UpstreamMember] | None = None
-) -> None:
+    engine: Engine, address: str, on_ready: Callable[[int], None] | None = None, join: Callable[[int], UpstreamMember] | None = None,
+    metrics_address: str = "", on_metrics: Callable[[str], None] | None = None,
+) -> None:  # fmt: skip
     """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine. With `join`
     (the bound port -> its membership), the server joins Envoy's control plane once it serves, and
-    leaves it gracefully: draining until every Envoy acknowledged, its streams finishing, then gone."""
-    server, port = await start_server(engine, address)
+    leaves it gracefully: draining until every Envoy acknowledged, its streams finishing, then gone.
+    With `metrics_address`, Prometheus /metrics is served there too (its URL told to `on_metrics`)."""
+    servicer = InferenceServicer(engine)
+    server, port = await start_server(engine, address, servicer)
+    metrics = await start_metrics(metrics_address, inference_metrics(servicer)) if metrics_address else None
+    if metrics is not None and on_metrics is not None:
+        on_metrics(metrics.url)
     member = join(port) if join is not None else None
     if member is not None:
         await member.start()
 
     async def stop() -> None:
+        if metrics is not None:
+            await metrics.stop()
         if member is not None:
             await member.drain()
         await server.stop(STOP_GRACE_SECONDS)
@@ -519,19 +561,28 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
     if config.forced_replies and config.engine != "torch":
         raise ServiceError(f"forced_replies needs the torch engine, not {config.engine!r}")
 
+    metrics_url = []
+
     def on_ready(port: int) -> None:
         d = engine.description
         where = f", {d.device}" if d.device else ""
-        ready(port, f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}")
+        metrics = f"; metrics {metrics_url[0]}" if metrics_url else ""
+        ready(port, f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}{metrics}")
 
     def join(port: int) -> UpstreamMember:
-        return UpstreamMember(config.rollout_address, INFERENCE_CLUSTER, advertised(config.host, port, config.advertise_address))
+        return UpstreamMember(
+            config.rollout_address, INFERENCE_CLUSTER, advertised(config.host, port, config.advertise_address),
+            tls_ca=config.rollout_tls_ca,
+        )  # fmt: skip
 
     from polar.inference.engines.upstream import UpstreamError
 
     try:
         engine = create_engine(config.engine, options)
-        await serve(engine, join_host_port(config.host, config.port), on_ready, join if config.rollout_address else None)
+        await serve(
+            engine, join_host_port(config.host, config.port), on_ready, join if config.rollout_address else None,
+            metrics_address=config.metrics_address, on_metrics=metrics_url.append,
+        )  # fmt: skip
     except UpstreamError as exc:
         raise ServiceError(str(exc)) from None
     except ModuleNotFoundError as exc:

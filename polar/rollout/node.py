@@ -32,7 +32,7 @@ import shutil
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -44,6 +44,7 @@ from polar import credentials
 from polar.codec import length_delimited
 from polar.config import GatewayConfig, NodeConfig
 from polar.grpc_server import serve_until_stopped, stub_taking_bytes
+from polar.metrics import gateway_metrics, node_metrics, start_metrics
 from polar.rollout.evaluators import evaluate
 from polar.rollout.harness import HarnessContext, HarnessError, prepare_launch
 from polar.rollout.isolation import NO_ISOLATION, Isolation
@@ -157,7 +158,7 @@ class Node:
         self.max_request_bytes = 0  # the server's receive limit; 0 until registered (or not told)
         self.heartbeat_interval_s = 1.0
         self.runs: dict[str, SessionRun] = {}
-        self._channel = grpc.aio.insecure_channel(rollout_address)
+        self._channel = credentials.aio_channel(rollout_address, config.rollout_tls_ca)
         self._stub = stub_taking_bytes(rollout_pb2_grpc.RolloutServiceStub, self._channel)
         self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
         self._prewarm_wakeup = asyncio.Event()
@@ -647,7 +648,8 @@ async def start_node(
     own_root = None if node.work_root else Path(tempfile.mkdtemp(prefix="polar-node-"))
     work_root = Path(node.work_root) if node.work_root else own_root
     try:
-        running_gateway = await start_gateway(gateway, http_socket=http_socket)
+        # The node serves /metrics itself: the gateway's and its pools' at one address.
+        running_gateway = await start_gateway(replace(gateway, metrics_address=""), http_socket=http_socket)
     except BaseException:
         if own_root is not None:
             shutil.rmtree(own_root, ignore_errors=True)
@@ -673,8 +675,13 @@ async def start_node(
         await pools.wait_registered(register_timeout_s)
         # The Envoy in front of this node (its node id) learns the gateway from the control plane.
         http = advertised(host, running_gateway.http_port)
-        member = UpstreamMember(node.rollout_address, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id)
+        control_plane = node.xds_address or node.rollout_address
+        member = UpstreamMember(control_plane, GATEWAY_CLUSTER, http, envoy=node.envoy_node_id, tls_ca=node.rollout_tls_ca)
         await member.start()
+        if gateway.metrics_address:
+            running_gateway.metrics = await start_metrics(
+                gateway.metrics_address, gateway_metrics(running_gateway.store), node_metrics(pools)
+            )
     except BaseException:
         if pools is not None:
             await pools.stop()

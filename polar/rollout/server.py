@@ -7,9 +7,16 @@ transaction per change), and typed errors become status codes here, and only her
     a task's problems (tasks.validate_task), a bad heartbeat, report or cursor -> INVALID_ARGUMENT
     TaskExists -> ALREADY_EXISTS      UnknownTask, UnknownSession -> NOT_FOUND
     NotAssigned -> FAILED_PRECONDITION     the server stopping (open result streams) -> UNAVAILABLE
-    WrongNodeSecret -> PERMISSION_DENIED
+    WrongNodeSecret, WrongCredential -> PERMISSION_DENIED
 
-Nodes share one credential (the node role's token), so the role alone cannot tell them apart:
+A node or an inference server on another machine calls with a credential issued to it by name
+(polar.credentials): it registers (or joins) only as that name, a newer registration replacing the
+older, and its heartbeats must carry the same credential. When the operator revokes one, its calls
+are refused at once (UNAUTHENTICATED), and within a second the server forgets its node (its
+sessions are dispatched again) and removes its upstreams from every Envoy. The stack's own node
+token is for this machine's services only: from another machine's address it is refused.
+
+Nodes on the stack's own credential share one token, so the role alone cannot tell them apart:
 RegisterNode issues each node its id and a secret proving it (only its hash is stored, so a
 restarted server still knows its nodes), and a heartbeat or report under a node id must carry that
 node's secret, or it is refused before it changes anything. A request over the server's receive
@@ -42,23 +49,27 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 
 from polar import codec
-from polar.config import RolloutConfig
-from polar.credentials import NODE, OPERATOR, TRAINER
+from polar import credentials as creds
+from polar.config import RolloutConfig, XdsConfig
+from polar.credentials import INFERENCE, NODE, OPERATOR, TRAINER
 from polar.grpc_server import (
     InvalidArgument,
     Unavailable,
     bind,
+    caller,
     callers,
     new_server,
     serve_until_stopped,
     set_serving,
     status_codes,
 )
+from polar.metrics import MetricsEndpoint, rollout_metrics, start_metrics
 from polar.rollout.store import (
     HELD_STATES,
     POSTRUN,
@@ -76,7 +87,8 @@ from polar.rollout.store import (
 from polar.rollout.tasks import normalize_task, validate_task
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
-from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret
+from polar.xds.membership import Membership, split_address
+from polar.xds.rpcs import UpstreamRpcs, WrongCredential
 from polar.xds.server import ADS_SERVICE, AggregatedDiscovery
 
 log = logging.getLogger("polar.rollout.server")
@@ -124,8 +136,8 @@ class _Wakeup:
         "RegisterNode": (NODE,),
         "Heartbeat": (NODE,),
         "ReportSession": (NODE,),
-        "JoinUpstream": (NODE,),
-        "UpstreamHeartbeat": (NODE,),
+        "JoinUpstream": (NODE, INFERENCE),
+        "UpstreamHeartbeat": (NODE, INFERENCE),
         "ListUpstreams": (TRAINER, OPERATOR),
     }
 )
@@ -137,11 +149,10 @@ class _Wakeup:
         UnknownSession: grpc.StatusCode.NOT_FOUND,
         NotAssigned: grpc.StatusCode.FAILED_PRECONDITION,
         WrongNodeSecret: grpc.StatusCode.PERMISSION_DENIED,
-        BadUpstream: grpc.StatusCode.INVALID_ARGUMENT,
-        WrongUpstreamSecret: grpc.StatusCode.PERMISSION_DENIED,
+        WrongCredential: grpc.StatusCode.PERMISSION_DENIED,
     }
 )
-class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
+class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
     """See RolloutService in rollout.proto for each rpc's contract."""
 
     def __init__(
@@ -153,7 +164,10 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         max_attempts: int,
         max_request_bytes: int = MAX_MESSAGE_BYTES,
         membership: Membership | None = None,
+        credentials: creds.Credentials | None = None,
     ) -> None:
+        """`credentials`: those the server checks callers with (None: it serves everyone), for the
+        names of issued credentials and the hashes its inference servers are told."""
         if not heartbeat_interval_s > 0:
             raise ValueError(f"heartbeat_interval_s must be > 0, got {heartbeat_interval_s}")
         if not node_timeout_s > heartbeat_interval_s:
@@ -181,6 +195,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         self._reaper: asyncio.Task | None = None
         # Envoy's upstreams and the control plane that tells Envoy about them (polar.xds).
         self.membership = membership or Membership(heartbeat_interval_s, node_timeout_s)
+        self._credentials = credentials
+        self._node_names: dict[str, str] = {}  # node id -> the issued credential it registered with
+
+    @property
+    def store(self) -> RolloutStore:
+        return self._store
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_dead_nodes(), name="rollout dead-node check")
@@ -297,10 +317,17 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             problems.append("runtimes: a node must offer at least one runtime kind")
         if problems:
             raise InvalidArgument(_listed(problems))
+        name = self._caller_name(context)
+        if name:
+            for earlier, earlier_name in list(self._node_names.items()):
+                if earlier_name == name:
+                    self._forget_node(earlier, f"node {earlier} registered again", f"credential {name} registered a new node")
         node_id = f"node-{uuid.uuid4().hex[:12]}"
         secret = secrets.token_hex(NODE_SECRET_BYTES)
         self._store.add_node(node_id, request, time.time(), secret=secret)
         self._heard[node_id] = time.monotonic()
+        if name:
+            self._node_names[node_id] = name
         log.info(
             "node %s registered (gateway %s, runtimes %s)",
             node_id,
@@ -325,6 +352,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             # store): whatever it holds was given to others, or will be once it is declared dead.
             return rollout_pb2.HeartbeatResponse(reregister=True, cancel=listed)
         self._store.check_node_secret(node_id, request.node_secret)
+        self._check_node_credential(node_id, context)
         if request.leaving:
             self._forget_node(node_id, f"node {node_id} stopped", "its node stopped")
             log.info("node %s stopped", node_id)
@@ -369,6 +397,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
     ) -> rollout_pb2.ReportSessionResponse:
         if self._store.node(request.node_id) is not None:
             self._store.check_node_secret(request.node_id, request.node_secret)
+            self._check_node_credential(request.node_id, context)
         # An unknown node holds no session (a dead node's were taken back): its report is refused
         # below, or acknowledged as a repeat when the session is done.
         trajectory = request.trajectory
@@ -402,58 +431,24 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             self._releases.wake()
         return rollout_pb2.ReportSessionResponse()
 
-    # Unary.
-    async def JoinUpstream(
-        self, request: rollout_pb2.JoinUpstreamRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.JoinUpstreamResponse:
-        upstream_id, secret = await self.membership.join(request.cluster, request.address, request.envoy)
-        return rollout_pb2.JoinUpstreamResponse(
-            upstream_id=upstream_id, upstream_secret=secret, heartbeat_interval_seconds=self._interval
-        )
+    # --- credentials issued by name ----------------------------------------------------------------
 
-    # Unary.
-    async def UpstreamHeartbeat(
-        self, request: rollout_pb2.UpstreamHeartbeatRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.UpstreamHeartbeatResponse:
-        try:
-            member = self.membership.heartbeat(
-                request.upstream_id, request.upstream_secret, draining=request.draining, gone=request.gone
-            )
-        except UnknownUpstream:
-            return rollout_pb2.UpstreamHeartbeatResponse(rejoin=not request.gone)
-        drained = member is None or (member.upstream.draining and self.membership.drain_acknowledged(member))
-        return rollout_pb2.UpstreamHeartbeatResponse(drain_acknowledged=drained)
+    def _check_node_credential(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
+        who = caller(self._credentials, context)
+        name = who.name if who is not None else ""
+        registered = self._node_names.setdefault(node_id, name)  # a restarted server learns it here
+        if name != registered:
+            raise WrongCredential(f"node {node_id} registered with another credential")
 
-    # Unary.
-    async def ListUpstreams(
-        self, request: rollout_pb2.ListUpstreamsRequest, context: grpc.aio.ServicerContext
-    ) -> rollout_pb2.ListUpstreamsResponse:
-        membership = self.membership
-        discovery = membership.discovery
-        return rollout_pb2.ListUpstreamsResponse(
-            upstreams=[
-                rollout_pb2.UpstreamInfo(
-                    upstream_id=m.upstream_id,
-                    cluster=m.upstream.cluster,
-                    address=join_host_port(m.upstream.host, m.upstream.port),
-                    envoy=m.upstream.envoy,
-                    draining=m.upstream.draining,
-                    seconds_since_heartbeat=membership.seconds_since_heartbeat(m),
-                )
-                for m in membership.members()
-            ],
-            envoys=[
-                rollout_pb2.EnvoyInfo(
-                    node_id=envoy.node_id,
-                    connected=envoy.connected,
-                    version=snapshot.version if (snapshot := discovery.cache.current(envoy.node_id)) else "",
-                    acknowledged_version=envoy.endpoints().accepted,
-                    rejected_version=envoy.endpoints().rejected,
-                    error=envoy.endpoints().error,
-                )
-                for envoy in discovery.envoys.values()
-            ],
-        )
+    def _remove_revoked(self) -> None:
+        """Forget the nodes and upstreams of credentials no longer issued."""
+        if self._credentials is None:
+            return
+        issued = self.remove_revoked_upstreams()
+        for node_id, name in list(self._node_names.items()):
+            if name and name not in issued:
+                log.warning("node %s: its credential %s was revoked; forgotten", node_id, name)
+                self._forget_node(node_id, f"the credential of node {node_id} was revoked", "its credential was revoked")
 
     def _wake_polls(self) -> None:
         for poll in self._polls.values():
@@ -466,6 +461,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             await asyncio.sleep(min(self._node_timeout / 4, 1.0))
             try:
                 self._remove_silent_nodes()
+                self._remove_revoked()
             except Exception:
                 # The check must outlive a failed round (a full disk, say): the next one retries.
                 log.exception("checking for dead nodes failed")
@@ -483,6 +479,7 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
         """The node is gone: its sessions are dispatched again (or finished), and it is forgotten."""
         requeued = self._store.remove_node(node_id, reason, time.time(), self._max_attempts)
         self._heard.pop(node_id, None)
+        self._node_names.pop(node_id, None)
         self._new_cancels.pop(node_id, None)
         if (poll := self._polls.pop(node_id, None)) is not None:
             poll.set()  # a heartbeat still waiting ends, assigning nothing
@@ -498,6 +495,12 @@ class RolloutServicer(rollout_pb2_grpc.RolloutServiceServicer):
             )
         if requeued.released_groups:
             self._releases.wake()
+
+
+def _tls_detail(config: RolloutConfig, running: RunningRollout) -> str:
+    if not running.tls_port:
+        return ""
+    return f" (TLS for other machines on {join_host_port(split_address(config.tls_address)[0], running.tls_port)})"
 
 
 def _listed(problems: list[str]) -> str:
@@ -567,12 +570,16 @@ class RunningRollout:
     store: RolloutStore
     host: str
     port: int
+    tls_port: int = 0  # the TLS listener's port ([rollout] tls_address); 0 = none
+    metrics: MetricsEndpoint | None = None  # Prometheus /metrics ([rollout] metrics_address)
 
     @property
     def address(self) -> str:
         return join_host_port(self.host, self.port)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self.metrics is not None:
+            await self.metrics.stop()
         await self.servicer.stop()
         await self.server.stop(grace)
         self.store.close()
@@ -583,31 +590,61 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
     free one)."""
     store = RolloutStore(config.store)
     try:
+        checked = creds.of_process()
+        if checked is not None:
+            checked.issued.watch(creds.issued_path(checked.folder, config.issued_credentials))
         servicer = RolloutServicer(
             store,
             heartbeat_interval_s=config.heartbeat_interval_s,
             node_timeout_s=config.node_timeout_s,
             max_attempts=config.max_attempts,
             max_request_bytes=config.max_request_bytes,
+            credentials=checked,
         )
         server, health_servicer = new_server(
             SERVICE_NAME,
             RolloutServicer.roles,
             max_message_bytes=MAX_MESSAGE_BYTES,
             max_receive_bytes=config.max_request_bytes,
+            credentials=checked,
             more_services={ADS_SERVICE: AggregatedDiscovery.roles},
         )
         rollout_pb2_grpc.add_RolloutServiceServicer_to_server(servicer, server)
         # Envoy's control plane on the same port: Envoys point their ADS stream here.
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(servicer.membership.discovery, server)
         port = bind(server, join_host_port(config.host, config.port), "the rollout server")
+        tls_port = bind_tls(server, config) if config.tls_cert or config.tls_key or config.tls_address else 0
         await set_serving(health_servicer, SERVICE_NAME)
         await server.start()
         servicer.start()
+        metrics = await start_metrics(config.metrics_address, rollout_metrics(servicer)) if config.metrics_address else None
     except BaseException:
         store.close()
         raise
-    return RunningRollout(server, servicer, store, config.host, port)
+    return RunningRollout(server, servicer, store, config.host, port, tls_port, metrics)
+
+
+def bind_tls(server: grpc.aio.Server, config: RolloutConfig | XdsConfig) -> int:
+    """The TLS listener for other machines (grpc's own TLS) that config's tls_address, tls_cert and
+    tls_key describe; its port. ServiceError naming what is missing or unreadable, OSError when the
+    address cannot be bound."""
+    missing = [name for name in ("tls_address", "tls_cert", "tls_key") if not getattr(config, name)]
+    if missing:
+        raise ServiceError(f"TLS needs tls_address, tls_cert and tls_key; {', '.join(missing)} not set")
+    pem = {}
+    for name in ("tls_cert", "tls_key"):
+        try:
+            pem[name] = Path(getattr(config, name)).read_bytes()
+        except OSError as exc:
+            raise ServiceError(f"{name}: cannot read {getattr(config, name)}: {exc.strerror}") from None
+    try:
+        credentials = grpc.ssl_server_credentials([(pem["tls_key"], pem["tls_cert"])])
+        port = server.add_secure_port(config.tls_address, credentials)
+    except RuntimeError as exc:
+        raise ServiceError(f"tls_cert and tls_key are not a PEM certificate and its key: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot bind the TLS listener to {config.tls_address}: the port is taken or the address is not this machine's")
+    return port
 
 
 async def serve_rollout(config: RolloutConfig, ready: Ready) -> None:
@@ -619,5 +656,9 @@ async def serve_rollout(config: RolloutConfig, ready: Ready) -> None:
     await serve_until_stopped(
         running,
         lambda: running.stop(STOP_GRACE_SECONDS),
-        lambda r: ready(r.port, f"rollout: RolloutService on {join_host_port(config.host, r.port)}; store {config.store}"),
+        lambda r: ready(
+            r.port,
+            f"rollout: RolloutService on {join_host_port(config.host, r.port)}{_tls_detail(config, r)}; store {config.store}"
+            + (f"; metrics {r.metrics.url}" if r.metrics else ""),
+        ),
     )

@@ -707,6 +707,10 @@ class RolloutStore:
             attempts=row["attempts"],
         )
 
+    def session_counts(self) -> dict[int, int]:
+        """Sessions per SessionState (states with none left out)."""
+        return dict(self._db.execute("SELECT state, COUNT(*) FROM sessions GROUP BY state").fetchall())
+
     def last_release(self) -> int:
         """Cursor of the newest released group; 0 when none was released."""
         return self._db.execute("SELECT COALESCE(MAX(seq), 0) FROM released_groups").fetchone()[0]

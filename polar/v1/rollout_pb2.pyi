@@ -381,14 +381,26 @@ class JoinUpstreamRequest(_message.Message):
     def __init__(self, cluster: _Optional[str] = ..., address: _Optional[str] = ..., envoy: _Optional[str] = ...) -> None: ...
 
 class JoinUpstreamResponse(_message.Message):
-    __slots__ = ("upstream_id", "upstream_secret", "heartbeat_interval_seconds")
+    __slots__ = ("upstream_id", "upstream_secret", "heartbeat_interval_seconds", "accepted_credentials")
     UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
     UPSTREAM_SECRET_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
     upstream_id: str
     upstream_secret: str
     heartbeat_interval_seconds: float
-    def __init__(self, upstream_id: _Optional[str] = ..., upstream_secret: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ...) -> None: ...
+    accepted_credentials: _containers.RepeatedCompositeFieldContainer[AcceptedCredential]
+    def __init__(self, upstream_id: _Optional[str] = ..., upstream_secret: _Optional[str] = ..., heartbeat_interval_seconds: _Optional[float] = ..., accepted_credentials: _Optional[_Iterable[_Union[AcceptedCredential, _Mapping]]] = ...) -> None: ...
+
+class AcceptedCredential(_message.Message):
+    __slots__ = ("name", "role", "sha256")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    sha256: str
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class UpstreamHeartbeatRequest(_message.Message):
     __slots__ = ("upstream_id", "upstream_secret", "draining", "gone")
@@ -403,12 +415,14 @@ class UpstreamHeartbeatRequest(_message.Message):
     def __init__(self, upstream_id: _Optional[str] = ..., upstream_secret: _Optional[str] = ..., draining: _Optional[bool] = ..., gone: _Optional[bool] = ...) -> None: ...
 
 class UpstreamHeartbeatResponse(_message.Message):
-    __slots__ = ("rejoin", "drain_acknowledged")
+    __slots__ = ("rejoin", "drain_acknowledged", "accepted_credentials")
     REJOIN_FIELD_NUMBER: _ClassVar[int]
     DRAIN_ACKNOWLEDGED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
     rejoin: bool
     drain_acknowledged: bool
-    def __init__(self, rejoin: _Optional[bool] = ..., drain_acknowledged: _Optional[bool] = ...) -> None: ...
+    accepted_credentials: _containers.RepeatedCompositeFieldContainer[AcceptedCredential]
+    def __init__(self, rejoin: _Optional[bool] = ..., drain_acknowledged: _Optional[bool] = ..., accepted_credentials: _Optional[_Iterable[_Union[AcceptedCredential, _Mapping]]] = ...) -> None: ...
 
 class ListUpstreamsRequest(_message.Message):
     __slots__ = ()

@@ -143,7 +143,10 @@ class RolloutServiceServicer:
 
     def RegisterNode(self, request, context):
         """Unary. A gateway node announces itself and its pools; returns the identity the server issued
-        it (a node id and the secret that proves it) and the largest request the server accepts.
+        it (a node id and the secret that proves it) and the largest request the server accepts. A
+        node calling with a credential issued by name (`polar credentials issue`) registers as that
+        name: a node registered under it before is forgotten (its sessions dispatched again).
+        PERMISSION_DENIED for the stack's own node token from another machine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -182,7 +185,10 @@ class RolloutServiceServicer:
         """Unary. An upstream of Envoy (an inference server, or a gateway's HTTP listener) joins the set
         the control plane (the xDS server beside this service) tells Envoy about; every Envoy it is for
         learns it within a second. Returns its id and the secret that proves it. INVALID_ARGUMENT for
-        an unknown cluster or an address that is not HOST:PORT.
+        an unknown cluster or an address that is not HOST:PORT. A credential issued by name joins as
+        that name, one upstream per cluster (a later join replaces the earlier), a node credential the
+        gateway cluster only, an inference one the inference cluster only (PERMISSION_DENIED else, and
+        for the stack's own node token from another machine).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -191,7 +197,8 @@ class RolloutServiceServicer:
     def UpstreamHeartbeat(self, request, context):
         """Unary. An upstream's sign of life, and how it leaves: draining (Envoy sends it no new calls
         while its streams finish), then gone. One silent for the node timeout is removed.
-        PERMISSION_DENIED, changing nothing, when the secret is not the one JoinUpstream issued.
+        PERMISSION_DENIED, changing nothing, when the secret is not the one JoinUpstream issued, or
+        the credential is not the one that joined.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -9,7 +9,10 @@ beat while serving, and leave gracefully.
     await member.leave()          # removed
 
 A control plane that forgot it (restarted, or it was silent too long) is joined again on the next
-beat. A rollout server that cannot be reached is retried, never fatal: Envoy keeps its last
+beat. An inference server calls with its machine's inference credential where it has one, and
+admits from then on the callers the control plane lists with each answer (`accepted_credentials`:
+the stack's own tokens and every credential issued to a machine, as hashes), so a node another
+machine runs reaches it with its own credential, and a revoked one no longer does. A rollout server that cannot be reached is retried, never fatal: Envoy keeps its last
 endpoints meanwhile.
 """
 
@@ -24,6 +27,7 @@ import grpc
 from polar import credentials
 from polar.service import ServiceError
 from polar.v1 import rollout_pb2, rollout_pb2_grpc
+from polar.xds.snapshot import INFERENCE_CLUSTER
 
 log = logging.getLogger("polar.xds.member")
 
@@ -39,12 +43,16 @@ RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reco
 
 
 class UpstreamMember:
-    def __init__(self, rollout_address: str, cluster: str, address: str, envoy: str = "") -> None:
+    def __init__(self, rollout_address: str, cluster: str, address: str, envoy: str = "", tls_ca: str = "") -> None:
+        """`tls_ca`: the PEM CA certificate of the rollout server's TLS listener ("" = plaintext)."""
         self.cluster, self.address, self.envoy = cluster, address, envoy
         self._address = rollout_address
-        self._channel = grpc.aio.insecure_channel(rollout_address, options=RECONNECT_OPTIONS)
+        self._channel = credentials.aio_channel(rollout_address, tls_ca, options=RECONNECT_OPTIONS)
         self._stub = rollout_pb2_grpc.RolloutServiceStub(self._channel)
-        self._credential = credentials.metadata(credentials.NODE, credentials.of_process())
+        own = credentials.of_process()
+        self._credentials = own
+        role = credentials.INFERENCE if cluster == INFERENCE_CLUSTER else credentials.NODE
+        self._credential = credentials.metadata(credentials.call_role(own, role), own)
         self._id = self._secret = ""
         self._interval = 1.0
         self._draining = False
@@ -95,6 +103,7 @@ class UpstreamMember:
         )
         self._id, self._secret = response.upstream_id, response.upstream_secret
         self._interval = response.heartbeat_interval_seconds or self._interval
+        self._learn(response.accepted_credentials)
         log.info("joined the control plane's %s cluster as %s (%s)", self.cluster, self._id, self.address)
 
     async def _beat(self) -> rollout_pb2.UpstreamHeartbeatResponse:
@@ -106,7 +115,16 @@ class UpstreamMember:
             await self._join()
             if self._draining:
                 return await self._beat()
+        else:
+            self._learn(response.accepted_credentials)
         return response
+
+    def _learn(self, accepted) -> None:
+        # A server that checks no credentials tells none; this process then admits what it did.
+        if self.cluster == INFERENCE_CLUSTER and self._credentials is not None and accepted:
+            self._credentials.issued.learn(
+                [credentials.IssuedCredential(entry.name, entry.role, entry.sha256) for entry in accepted]
+            )
 
     async def _beat_forever(self) -> None:
         while True:

@@ -52,6 +52,7 @@ class Member:
     upstream: Upstream
     secret_hash: bytes
     heard: float  # monotonic time of its latest heartbeat
+    credential: str = ""  # the name of the issued credential it joined with; "" = the stack's own
 
 
 class Membership:
@@ -82,10 +83,11 @@ class Membership:
 
     # -- joining and leaving --------------------------------------------------------------------
 
-    async def join(self, cluster: str, address: str, envoy: str = "") -> tuple[str, str]:
+    async def join(self, cluster: str, address: str, envoy: str = "", credential: str = "") -> tuple[str, str]:
         """A new upstream; its id and secret. BadUpstream when the cluster is unknown or the address
         is not HOST:PORT or does not resolve (EDS endpoints are IP addresses: a name is resolved
-        here, once)."""
+        here, once). A `credential` issued by name holds one upstream per cluster: its earlier one
+        there is removed."""
         if cluster not in CLUSTERS:
             raise BadUpstream(f"cluster: {cluster!r} is not one of {', '.join(CLUSTERS)}")
         host, port = split_address(address)
@@ -97,18 +99,27 @@ class Membership:
         upstream_id = f"{'inference' if cluster == CLUSTERS[0] else 'gateway'}-{uuid.uuid4().hex[:12]}"
         secret = secrets.token_hex(SECRET_BYTES)
         upstream = Upstream(cluster, host, port, envoy=envoy)
-        self._members[upstream_id] = Member(upstream_id, upstream, _hash(secret), self._clock())
+        if credential:
+            for earlier in [m for m in self._members.values() if (m.credential, m.upstream.cluster) == (credential, cluster)]:
+                self._members.pop(earlier.upstream_id)
+                log.info("%s (credential %s) replaced by a new join", earlier.upstream_id, credential)
+        self._members[upstream_id] = Member(upstream_id, upstream, _hash(secret), self._clock(), credential)
         log.info("%s joined %s at %s%s", upstream_id, cluster, address, f" (for Envoy {envoy})" if envoy else "")
         self.discovery.publish()
         return upstream_id, secret
 
-    def heartbeat(self, upstream_id: str, secret: str, draining: bool = False, gone: bool = False) -> Member | None:
-        """Record a sign of life (and a step of leaving); the member, or None once it is gone."""
+    def heartbeat(
+        self, upstream_id: str, secret: str, draining: bool = False, gone: bool = False, credential: str = ""
+    ) -> Member | None:
+        """Record a sign of life (and a step of leaving) sent with `credential` (its issued name);
+        the member, or None once it is gone."""
         member = self._members.get(upstream_id)
         if member is None:
             raise UnknownUpstream(upstream_id)
         if not hmac.compare_digest(member.secret_hash, _hash(secret)):
             raise WrongUpstreamSecret(f"the secret is not {upstream_id}'s")
+        if credential != member.credential:
+            raise WrongUpstreamSecret(f"{upstream_id} joined with another credential")
         member.heard = self._clock()
         if gone:
             self._remove(upstream_id, "left")
@@ -143,6 +154,13 @@ class Membership:
         for upstream_id in dead:
             self._remove(upstream_id, f"sent no heartbeat for {self.timeout_s:g} s: removed as dead")
         return dead
+
+    def remove_revoked(self, issued: set[str]) -> list[str]:
+        """Remove every upstream that joined with a named credential no longer in `issued`; their ids."""
+        revoked = [m.upstream_id for m in self._members.values() if m.credential and m.credential not in issued]
+        for upstream_id in revoked:
+            self._remove(upstream_id, f"its credential {self._members[upstream_id].credential} was revoked: removed")
+        return revoked
 
     def _remove(self, upstream_id: str, why: str) -> None:
         member = self._members.pop(upstream_id)

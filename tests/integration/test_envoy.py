@@ -130,7 +130,7 @@ def test_rendered_config_passes_envoy_validation_and_a_broken_one_does_not():
     assert "type: STRICT_DNS" in text  # "localhost" needs resolving; the gateway's IP does not
     assert "type: STATIC" in text
     with pytest.raises(envoy.EnvoyError, match="unknown enum value"):
-        envoy.validate(text.replace("lb_policy: RING_HASH", "lb_policy: NO_SUCH_POLICY"))
+        envoy.validate(text.replace("lb_policy: MAGLEV", "lb_policy: NO_SUCH_POLICY"))
 
 
 def test_render_rejects_bad_endpoints_and_settings():

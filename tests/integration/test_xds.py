@@ -198,7 +198,7 @@ async def test_a_leaving_server_drains_its_stream_then_takes_no_new_call_and_is_
             target = f"127.0.0.1:{proxy.inference_port}"
             tokens_of = {11: a, 21: b, STREAMED[0]: "streamed"}
             await until("Envoy has both servers", lambda: _both(proxy, a, b))
-            # A session whose calls land on B (ring hash on x-polar-session: stable while the set is).
+            # A session whose calls land on B (Maglev hash on x-polar-session: stable while the set is).
             on_b = [f"s-{i}" for i in range(64)]
             on_b = [s for s in on_b if await server_of(target, s, tokens_of) == b]
             assert on_b, "no session of 64 landed on the second server"
@@ -334,11 +334,12 @@ def started_on() -> Iterator:
     at the end of the block is killed."""
     started: list[subprocess.Popen] = []
 
-    def start(machine: Machine, *args: str) -> tuple[subprocess.Popen, Lines]:
+    def start(machine: Machine, *args: str, **popen) -> tuple[subprocess.Popen, Lines]:
         # `ip netns exec` execs the command itself: the process is polar's, and takes its signals.
         process = subprocess.Popen(
-            [*machine.prefix, *POLAR, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+            [*machine.prefix, *POLAR, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, **popen,
+        )  # fmt: skip
         started.append(process)
         return process, Lines(process.stdout, errors=lambda: process.stderr.read() if process.poll() is not None else "")
 
@@ -399,8 +400,8 @@ def test_a_machines_share_needs_the_rollout_server_it_joins(tmp_path):
 @pytest.mark.slow
 def test_an_inference_server_on_another_machine_joins_a_running_stack_and_leaves_it(tmp_path):
     """Machine A runs the stack; machine B starts only an inference server against A's rollout server
-    (`polar up --role inference`); A's Envoy sends sessions to both, and none to B once B has
-    stopped, with no failed call."""
+    (`polar up --role inference`, with the credential A's operator issued it); A's Envoy sends
+    sessions to both, and none to B once B has stopped, with no failed call."""
     with two_machines() as (a, b), started_on() as start:
 
         def on(machine: Machine, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
@@ -418,9 +419,12 @@ def test_an_inference_server_on_another_machine_joins_a_running_stack_and_leaves
         rollout = a_lines.wait_for(r"^  rollout\s+(\S+)", timeout=STACK_START_S).group(1)
         base_url = a_lines.wait_for(r"^  envoy .* harness base URL (http://\S+) ").group(1)
         gateway = a_lines.wait_for(r"^  node\s+(\S+)").group(1)
+        issued = on(a, "credentials", "issue", "machine-b", "inference", "--out", str(tmp_path / "b-credentials"))
+        assert issued.returncode == 0, issued.stderr
         up_b, b_lines = start(
-            b, "up", "--role", "inference", "--rollout", rollout, "--config", _stack_toml(tmp_path / "b", b.host, "from B")
-        )
+            b, "up", "--role", "inference", "--rollout", rollout, "--config", _stack_toml(tmp_path / "b", b.host, "from B"),
+            env={**os.environ, "POLAR_CREDENTIALS": str(tmp_path / "b-credentials")},
+        )  # fmt: skip
         b_lines.wait_for(rf"^  inference\s+{re.escape(b.host)}:", timeout=STACK_START_S)
         try:
             status = on(a, "status", "--rollout", rollout)

@@ -26,7 +26,7 @@ def test_ensure_writes_private_tokens_and_reuses_them(tmp_path: Path) -> None:
     folder = tmp_path / "state" / "credentials"
     first = credentials.ensure(folder)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
-    for role in credentials.ROLES:
+    for role in credentials.SHARED_ROLES:
         assert stat.S_IMODE((folder / role).stat().st_mode) == 0o600
     assert len(set(first.tokens.values())) == 3
     assert credentials.ensure(folder).tokens == first.tokens  # a restarted stack keeps them
@@ -37,7 +37,7 @@ def test_ensure_writes_private_tokens_and_reuses_them(tmp_path: Path) -> None:
 
 def test_a_token_maps_to_its_role_and_nothing_else_does(tmp_path: Path) -> None:
     issued = credentials.ensure(tmp_path)
-    for role in credentials.ROLES:
+    for role in credentials.SHARED_ROLES:
         [(_, value)] = issued.metadata(role)
         assert issued.role_of(value) == role
     assert issued.role_of(None) is None

@@ -1,0 +1,142 @@
+"""Scaling out behind the real Envoy, each "machine" on its own loopback address: the control plane
+(the rollout server) on 127.0.0.1, scripted inference servers on 127.0.0.2, .3 and .4, Envoy on
+127.0.0.5. While the set is stable every call of a session reaches one server; when a third server
+joins under load (512 sessions calling all along) no call fails, the new server takes about a third
+of new sessions, and most sessions already placed stay where they were. Every wait is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from polar import envoy
+from polar.config import EnvoyConfig, RolloutConfig
+from polar.inference.engines.scripted import ScriptedEngine
+from polar.inference.server import start_server
+from polar.rollout.server import start_rollout_server
+from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from polar.xds.member import UpstreamMember
+from polar.xds.snapshot import INFERENCE_CLUSTER
+
+pytestmark = pytest.mark.anyio
+
+WAIT_S = 15.0
+# Sessions placed before the third server joins, and new ones after: 512 each, so that the shares
+# measured are within a few points of the true ones (Maglev keeps 2/3 of the placed sessions).
+SESSIONS = 512
+HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
+TOKEN = {"a": 11, "b": 21, "c": 31}  # what each server answers: who served a call
+ENVOY_HOST = "127.0.0.5"
+
+
+@contextlib.asynccontextmanager
+async def inference_machine(name: str) -> AsyncIterator[str]:
+    engine = ScriptedEngine.from_script({"vocab_size": 100, "cycle": True, "outputs": [{"token_ids": [TOKEN[name]], "logprobs": [-0.1]}]})
+    server, port = await start_server(engine, f"{HOSTS[name]}:0")
+    try:
+        yield f"{HOSTS[name]}:{port}"
+    finally:
+        await server.stop(None)
+        await engine.stop()
+
+
+class Load:
+    """Calls through Envoy, one session's at a time, counting failures and who served each."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
+        self.failures: list[str] = []
+        self.calls = 0
+
+    async def call(self, session: str) -> str:
+        request = inference_pb2.GenerateRequest(prompt_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=1))
+        try:
+            tokens = [t async for m in self.stub.Generate(request, metadata=(("x-polar-session", session),), timeout=10) for t in m.token_ids]
+        except grpc.aio.AioRpcError as exc:
+            self.failures.append(f"{session}: {exc.code().name}: {exc.details()}")
+            return "failed"
+        self.calls += 1
+        return next(name for name, token in TOKEN.items() if tokens == [token])
+
+    async def sessions(self, names: list[str]) -> dict[str, str]:
+        """One call of each session, all at once; the server of each."""
+        served = await asyncio.gather(*(self.call(name) for name in names))
+        return dict(zip(names, served))
+
+
+def healthy_hosts(proxy: envoy.RunningEnvoy) -> set[str]:
+    text = envoy.admin_get(proxy.admin, "/clusters", timeout_s=5) or ""
+    rows = [line.split("::") for line in text.splitlines()]
+    return {row[1].rsplit(":", 1)[0] for row in rows if row[0] == INFERENCE_CLUSTER and row[2:4] == ["health_flags", "healthy"]}
+
+
+async def until(what: str, check, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_sessions_stay_on_their_server_and_a_joining_server_takes_a_third_of_new_ones(tmp_path):
+    config = RolloutConfig(host="127.0.0.1", port=0, store=str(tmp_path / "r.db"), heartbeat_interval_s=0.2, node_timeout_s=2.0)
+    rollout = await start_rollout_server(config)
+    members: list[UpstreamMember] = []
+    try:
+        async with inference_machine("a") as a, inference_machine("b") as b, inference_machine("c") as c:
+            for address in (a, b):
+                members.append(UpstreamMember(rollout.address, INFERENCE_CLUSTER, address))
+                await members[-1].start(timeout_s=WAIT_S)
+            proxy_config = EnvoyConfig(
+                host=ENVOY_HOST, harness_port=0, inference_port=0, admin_port=0, workers=1, health_check_interval_s=0.2,
+                xds_address=rollout.address, node_id="envoy-scale",
+            )  # fmt: skip
+            async with envoy.running_async(proxy_config) as proxy:
+                await until("Envoy sends to a and b", lambda: healthy_hosts(proxy) == {HOSTS["a"], HOSTS["b"]})
+                load = Load(f"{ENVOY_HOST}:{proxy.inference_port}")
+                placed = [f"placed-{i}" for i in range(SESSIONS)]
+
+                # Affinity: while the set is stable, every call of a session reaches one server.
+                rounds = [await load.sessions(placed) for _ in range(3)]
+                assert rounds[0] == rounds[1] == rounds[2]
+                before = rounds[0]
+                assert set(before.values()) == {"a", "b"}
+
+                # Under load: the placed sessions keep calling while c joins.
+                joined = asyncio.Event()
+
+                async def keep_calling() -> list[dict[str, str]]:
+                    seen = []
+                    while not joined.is_set():
+                        seen.append(await load.sessions(placed))
+                    return seen
+
+                during = asyncio.create_task(keep_calling())
+                await asyncio.sleep(0.2)
+                members.append(UpstreamMember(rollout.address, INFERENCE_CLUSTER, c))
+                await members[-1].start(timeout_s=WAIT_S)
+                await until("Envoy sends to c too", lambda: HOSTS["c"] in healthy_hosts(proxy))
+                joined.set()
+                await asyncio.wait_for(during, WAIT_S)
+
+                after = await load.sessions(placed)
+                stayed = sum(after[s] == before[s] for s in placed) / SESSIONS
+                assert stayed >= 0.6, f"only {stayed:.0%} of placed sessions stayed"
+                # A session that moved went to the new server, never between the old two.
+                assert all(after[s] in (before[s], "c") for s in placed)
+                fresh = await load.sessions([f"new-{i}" for i in range(SESSIONS)])
+                share = Counter(fresh.values())
+                assert 0.25 <= share["c"] / SESSIONS <= 0.42, f"the new server took {share['c']} of {SESSIONS} new sessions"
+                assert not load.failures, load.failures[:5]
+                assert load.calls >= 6 * SESSIONS
+                await load.channel.close()
+    finally:
+        for member in members:
+            await member.leave()
+        await rollout.stop(grace=0.5)
