@@ -30,8 +30,8 @@ Pi-shaped ones, no slower where nothing is shared.
     python scripts/bench_trainer.py --quick                     # under a minute on 2 CPU cores
     python scripts/bench_trainer.py --run-dir runs/train        # after `polar train examples/train.toml`
     python scripts/bench_trainer.py --device cuda --model smollm2-135m
-    python scripts/bench_trainer.py --shared-prefix compare [--quick]   # --quick: Pi-shaped and nothing
-                                                                # shared, SmolLM2's shape cut to 4 layers
+    python scripts/bench_trainer.py --shared-prefix compare [--quick]   # --quick: Pi's recorded shape and
+                                                                # nothing shared, SmolLM2 cut to 1 layer
     python scripts/bench_trainer.py --harness claude-code
     python scripts/bench_trainer.py --shared-prefix compare --backend megatron --shape qwen3-4b --device cuda
 """
@@ -237,8 +237,9 @@ def main() -> None:
     parser.add_argument("--harness", choices=CLIS, help="a preset's recorded session as the trainer packs it")
     parser.add_argument("--clis", default=",".join((*CLIS, "none")), help="--shared-prefix: the CLI shapes to run")
     parser.add_argument("--groups", type=int, default=2, help="--shared-prefix: groups (tasks) per step")
-    parser.add_argument("--session-shape", default="coding,recorded",
-                        help="--shared-prefix: the sessions' turns, coding and/or recorded (comma-separated)")
+    parser.add_argument("--session-shape",
+                        help="--shared-prefix: the sessions' turns, coding and/or recorded (comma-separated; "
+                             "default both, --quick: recorded)")
     parser.add_argument("--layers", type=int, default=0, help="the model's shape cut to this many layers (random weights)")
     parser.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="--shared-prefix, --harness")
     parser.add_argument("--shape", choices=("qwen3-4b",), help="a random model of this shape instead of --model")
@@ -289,7 +290,7 @@ def main() -> None:
 
 def sharing_model(args) -> str:
     """The model folder the sharing benches train: --model, or a random one of --shape, or of
-    --model's shape cut to --layers (--quick: 4) layers."""
+    --model's shape cut to --layers (--quick: 1) layers."""
     import tempfile
 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -303,7 +304,7 @@ def sharing_model(args) -> str:
         _make_model_folder(dict(QWEN3_4B), folder)
         _copy_tokenizer_stub(folder)
         return str(folder)
-    layers = args.layers or (4 if args.quick else 0)
+    layers = args.layers or (1 if args.quick else 0)
     if not layers:
         return args.model
     source = resolve_model(args.model)
@@ -339,7 +340,7 @@ def sharing_main(args) -> None:
         clis = ["pi", "none"] if args.quick else args.clis.split(",")
         groups, turns = (1, (1, 2)) if args.quick else (args.groups, (1, 4))
         print_header()
-        shapes = tuple(args.session_shape.split(","))
+        shapes = tuple((args.session_shape or ("recorded" if args.quick else "coding,recorded")).split(","))
         if not set(shapes) <= {"coding", "recorded"}:
             parser.error(f"--session-shape: coding and/or recorded, not {args.session_shape!r}")
         results["shared_prefix"] = bench_shared_prefix(backend, clis, groups, turns, rounds, shapes)
