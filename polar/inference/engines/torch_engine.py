@@ -23,6 +23,10 @@ worker thread, and tiny on 2 cores ran 15x slower);
 per-kernel launch cost that otherwise bounds a small model's step time; `forced_replies`: a script of
 replies emitted instead of sampled tokens, each recorded with the model's own logprob (a test fixture:
 polar/inference/engines/forced.py).
+
+A request with a constraint (SamplingConfig.constraint: a forced tool call, JSON-schema output) gets
+a grammar matcher when it is admitted; each step masks its logits to the tokens the matcher allows
+before sampling, and feeds it the token sampled (polar/inference/constraints.py).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from pathlib import Path
 import torch
 
 from polar.inference import models
+from polar.inference.constraints import ConstraintError, TokenGrammar, mask_logits_
 from polar.inference.engines.base import (
     Engine,
     EngineOptions,
@@ -131,6 +136,7 @@ class _Sequence:
     queue_seconds: float = 0.0
     cancelled: bool = False  # the consumer went away; set from the event loop's thread
     forced: tuple[int, ...] = ()  # forced-replies mode: the tokens to emit instead of sampling
+    matcher: object = None  # the constraint's grammar matcher (llguidance.LLMatcher); None: unconstrained
 
     @property
     def prompt_tokens(self) -> int:
@@ -250,6 +256,8 @@ class TorchEngine(Engine):
         self.description = self._describe(options.model, folder, tokenizer, generation_eos)
         script = options.extra.get("forced_replies", "")
         self._forced = ForcedReplies.load(script, tokenizer) if script else None
+        self._tokenizer = tokenizer
+        self._grammar: TokenGrammar | None = None  # made for the first constrained request
 
         self._version = options.policy_version
         self._wake = threading.Condition()
@@ -284,6 +292,7 @@ class TorchEngine(Engine):
             device=str(self.device),
             parameter_count=sum(p.numel() for p in self._parameters.values()),
             tokenizer_path=str(folder),
+            constrained_decoding=True,
         )
 
     # -- the Engine contract, called from event loops --------------------------------------------
@@ -424,6 +433,17 @@ class TorchEngine(Engine):
         seq.prompt = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long, device=self.device)
         if self._prefix is not None:
             seq.prefix = self._prefix.begin(seq.request.prompt_token_ids)
+        constraint = seq.request.sampling.constraint
+        if constraint is not None:
+            try:
+                seq.matcher = self._token_grammar().matcher(constraint)
+            except ConstraintError as error:
+                self._finish(seq, FinishReason.ERROR, outbox, f"constraint: {error}")
+
+    def _token_grammar(self) -> TokenGrammar:
+        if self._grammar is None:
+            self._grammar = TokenGrammar(self._tokenizer, self.description.eos_token_ids, self.description.vocab_size)
+        return self._grammar
 
     def _admission_problem(self, request: GenerationRequest) -> tuple[FinishReason, str] | None:
         """What prevents sampling at all; the servicer validates requests, the engine stays safe."""
@@ -564,6 +584,10 @@ class TorchEngine(Engine):
 
     def _sample(self, batch: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         configs = [s.request.sampling for s in batch]
+        constrained = [row for row, s in enumerate(batch) if s.matcher is not None]
+        if constrained:
+            allowed = self._grammar.masks([batch[row].matcher for row in constrained])
+            mask_logits_(logits, constrained, allowed)
         tokens, logprobs = sample_next_tokens(
             logits,
             torch.tensor([c.temperature for c in configs], dtype=torch.float32),
@@ -583,6 +607,9 @@ class TorchEngine(Engine):
         seq.completion += 1
         seq.last_token = token
         outbox.put(seq, TokenChunk((token,), (logprob,), version))
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            self._finish(seq, FinishReason.ERROR, outbox, f"constraint: {seq.matcher.get_error()}")
+            return
         reason = _finish_reason(
             token,
             seq.completion,
