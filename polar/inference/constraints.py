@@ -30,13 +30,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
-from polar.inference.sampling import to_device
+if TYPE_CHECKING:  # torch only where masks meet logits: the gateway and the records import this module
+    import torch
 
 # Canonical JSON: what json.dumps writes, and what the chat formats render tool calls with.
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
@@ -149,6 +149,18 @@ class TokenGrammar:
         self._compiled: OrderedDict[OutputConstraint, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
 
+    @classmethod
+    def for_model(cls, spec: str, vocab_size: int) -> TokenGrammar:
+        """The grammar of a model ("tiny", "smollm2-135m" or a folder), ending replies where its torch
+        engine does (polar.inference.models.end_token_ids): what the trainer and `polar verify` replay."""
+        from transformers import AutoTokenizer
+
+        from polar.inference import models
+
+        folder = models.resolve_model(spec)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return cls(tokenizer, models.end_token_ids(folder, tokenizer), vocab_size)
+
     def matcher(self, constraint: OutputConstraint) -> LLMatcher:
         """A fresh matcher at the start of a reply; ConstraintError when the constraint cannot compile."""
         with self._lock:
@@ -196,6 +208,10 @@ def mask_logits_(logits: torch.Tensor, rows: Sequence[int], allowed: np.ndarray)
     constraint's mask, applied before temperature, top-k and top-p, so that the distribution sampled
     from is renormalised over it. On the CPU through numpy (torch's masked fill took ten times as
     long on two busy cores); on a GPU the mask goes over once, pinned."""
+    import torch
+
+    from polar.inference.sampling import to_device
+
     if logits.device.type == "cpu":
         view = logits.numpy()
         if len(rows) == view.shape[0]:
@@ -212,6 +228,8 @@ def mask_logits_(logits: torch.Tensor, rows: Sequence[int], allowed: np.ndarray)
 def masked_logits(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """logits [N, V] with -inf where allowed [len(rows), V] (bool) is False on those rows; differentiable
     (the trainer's logits), the rows left out untouched."""
+    import torch
+
     if not len(rows):
         return logits
     rows = rows.to(logits.device)

@@ -62,10 +62,6 @@ from polar.inference.engines.prefix_cache import BLOCK_TOKENS, PrefixCache, Pref
 from polar.inference.sampling import new_generator, sample_next_tokens, to_device
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
-# Tokens that end a text or a chat turn in common tokenizers, counted as end-of-sequence when the
-# vocabulary has them (SmolLM2's GGUF tokenizer names only <|im_end|> as its eos).
-_END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -90,16 +86,6 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
 
 def _default_cpu_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
-def _token_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
-
-
-def _unique(ids) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(ids))
 
 
 def _stop_ids(sampling: SamplingConfig, eos_ids: Sequence[int]) -> frozenset[int]:
@@ -217,7 +203,7 @@ class TorchEngine(Engine):
     """Continuous batching over a slot KV cache, for llama, qwen2 and qwen3 models."""
 
     def __init__(self, options: EngineOptions) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as transformers_logging
 
         folder = models.resolve_model(options.model)
@@ -238,10 +224,6 @@ class TorchEngine(Engine):
             self.model, max_slots=self.max_batch_size, cuda_graphs=options.extra.get("cuda_graphs", "1") == "1"
         )
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        try:
-            generation_eos = _token_ids(GenerationConfig.from_pretrained(folder).eos_token_id)
-        except OSError:  # no generation_config.json
-            generation_eos = []
         self._parameters = dict(self.model.named_parameters())  # tied weights appear once
         self._prefix = None
         if options.prefix_cache_mib > 0:
@@ -253,7 +235,7 @@ class TorchEngine(Engine):
                 device=self.device,
                 budget_bytes=options.prefix_cache_mib << 20,
             )
-        self.description = self._describe(options.model, folder, tokenizer, generation_eos)
+        self.description = self._describe(options.model, folder, tokenizer)
         script = options.extra.get("forced_replies", "")
         self._forced = ForcedReplies.load(script, tokenizer) if script else None
         self._tokenizer = tokenizer
@@ -268,16 +250,9 @@ class TorchEngine(Engine):
         self._stopping = False
         self._worker: threading.Thread | None = None
 
-    def _describe(self, spec: str, folder: Path, tokenizer, generation_eos: list[int]) -> ModelDescription:
-        vocab = tokenizer.get_vocab()
-        end_of_turn = next((vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab), -1)
-        end_of_text = [vocab[t] for t in _END_OF_TEXT_TOKENS if t in vocab]
-        eos = _unique(
-            _token_ids(tokenizer.eos_token_id)
-            + generation_eos
-            + end_of_text
-            + ([end_of_turn] if end_of_turn >= 0 else [])
-        )
+    def _describe(self, spec: str, folder: Path, tokenizer) -> ModelDescription:
+        end_of_turn = models.end_of_turn_id(tokenizer)
+        eos = models.end_token_ids(folder, tokenizer)
         bos = tokenizer.bos_token_id
         return ModelDescription(
             name=models.model_name(spec),
@@ -434,7 +409,7 @@ class TorchEngine(Engine):
         if self._prefix is not None:
             seq.prefix = self._prefix.begin(seq.request.prompt_token_ids)
         constraint = seq.request.sampling.constraint
-        if constraint is not None:
+        if constraint is not None and not seq.forced:  # a forced reply (a test fixture) is emitted as written
             try:
                 seq.matcher = self._token_grammar().matcher(constraint)
             except ConstraintError as error:
