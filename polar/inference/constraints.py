@@ -150,7 +150,7 @@ class TokenGrammar:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_model(cls, spec: str, vocab_size: int) -> TokenGrammar:
+    def for_model(cls, spec: str, vocab_size: int | None = None) -> TokenGrammar:
         """The grammar of a model ("tiny", "smollm2-135m" or a folder), ending replies where its torch
         engine does (polar.inference.models.end_token_ids): what the trainer and `polar verify` replay."""
         from transformers import AutoTokenizer
@@ -159,7 +159,7 @@ class TokenGrammar:
 
         folder = models.resolve_model(spec)
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        return cls(tokenizer, models.end_token_ids(folder, tokenizer), vocab_size)
+        return cls(tokenizer, models.end_token_ids(folder, tokenizer), vocab_size or len(tokenizer))
 
     def matcher(self, constraint: OutputConstraint) -> LLMatcher:
         """A fresh matcher at the start of a reply; ConstraintError when the constraint cannot compile."""

@@ -1,6 +1,7 @@
 """Training on constrained calls: the trainer replays each call's grammar over its sampled ids and
 scores the tokens under the same masks, so its logprobs equal the engine's recorded ones (fp32, CPU)
-and the importance ratio of an unchanged policy is 1; scored without the masks they differ."""
+and the importance ratio of an unchanged policy is 1; scored without the masks they differ. `polar
+verify --model` re-checks that each constrained call's mask admitted every sampled token."""
 
 from __future__ import annotations
 
@@ -10,9 +11,13 @@ import json
 import numpy as np
 import pytest
 
+from polar.cli import main
 from polar.inference.constraints import ConstraintViolation, OutputConstraint, TokenGrammar
 from polar.inference.engines import EngineOptions, create_engine
 from polar.inference.engines.base import GenerationRequest, SamplingConfig, TokenChunk
+from polar.trajectory import build
+from polar.trajectory.records import CallView, SamplingParams
+from polar.trajectory.session_file import session_trajectory, write_session
 from polar.v1 import common_pb2
 from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 from trainer.batches import pack
@@ -143,3 +148,24 @@ def test_a_token_the_mask_refused_stops_training_with_the_trace_named(samples, g
         trace_sequence(traj, trace, advantage=1.0, weight=1.0, grammar=lambda: grammar)
     with pytest.raises(ConstraintViolation):
         grammar.replay(constraint, forged)
+
+
+def test_polar_verify_rechecks_the_mask_of_constrained_calls(samples, tmp_path, capsys):
+    constraint, sampling, tokens, logprobs = samples[0]
+    records = common_pb2.SamplingParams(max_tokens=40, **sampling)
+    records.constraint.CopyFrom(constraint.to_proto(common_pb2.OutputConstraint))
+
+    def session(sampled: list[int], name: str) -> str:
+        call = CallView("c1", np.array(PROMPT), np.array(sampled), np.array(logprobs, dtype=np.float32),
+                        sampling=SamplingParams.from_proto(records))  # fmt: skip
+        path = tmp_path / name
+        write_session(path, session_trajectory([call], build("prefix_merging", [call]), session_id="s1"))
+        return str(path)
+
+    faithful = session(tokens, "faithful.json")
+    forged = session(tokens[:3] + [tokens[3] + 1] + tokens[4:], "forged.json")
+    assert main(["verify", "--model", "tiny", faithful]) == 0
+    assert main(["verify", "--model", "tiny", forged]) == 1
+    assert "position 3, call c1: sampled token 3" in capsys.readouterr().out
+    assert main(["verify", faithful]) == 1  # a constrained call is not taken on trust
+    assert "give --model" in capsys.readouterr().out
