@@ -26,7 +26,9 @@ polar/inference/engines/forced.py).
 
 A request with a constraint (SamplingConfig.constraint: a forced tool call, JSON-schema output) gets
 a grammar matcher when it is admitted; each step masks its logits to the tokens the matcher allows
-before sampling, and feeds it the token sampled (polar/inference/constraints.py).
+before sampling, and feeds it the token sampled (polar/inference/constraints.py). The masks of the
+next step are computed in a thread of their own as soon as a step's tokens are fed, while the next
+forward runs (llguidance and torch both release the GIL).
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from polar.inference import models
@@ -240,6 +244,9 @@ class TorchEngine(Engine):
         self._forced = ForcedReplies.load(script, tokenizer) if script else None
         self._tokenizer = tokenizer
         self._grammar: TokenGrammar | None = None  # made for the first constrained request
+        self._mask_thread: ThreadPoolExecutor | None = None  # made with it
+        # The next step's masks, being computed: the sequences, and their masks [len, V] to come.
+        self._masks_ahead: tuple[list[_Sequence], Future] | None = None
 
         self._version = options.policy_version
         self._wake = threading.Condition()
@@ -418,7 +425,30 @@ class TorchEngine(Engine):
     def _token_grammar(self) -> TokenGrammar:
         if self._grammar is None:
             self._grammar = TokenGrammar(self._tokenizer, self.description.eos_token_ids, self.description.vocab_size)
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="polar-grammar-masks")
         return self._grammar
+
+    def _compute_masks_ahead(self) -> None:
+        """Start computing the masks of the constrained sequences' next tokens (their matchers change
+        only when the next step feeds them, after it has taken these masks)."""
+        ahead = [s for s in self._admitted if s.matcher is not None and s.last_token >= 0]
+        if ahead:
+            self._masks_ahead = (ahead, self._mask_thread.submit(self._grammar.masks, [s.matcher for s in ahead]))
+
+    def _constraint_masks(self, seqs: list[_Sequence]) -> np.ndarray:
+        """bool [len(seqs), V]: what each sequence's constraint allows next; computed ahead where it was."""
+        known: dict[int, np.ndarray] = {}
+        if self._masks_ahead is not None:
+            ahead, future = self._masks_ahead
+            self._masks_ahead = None
+            masks = future.result()
+            if ahead == seqs:
+                return masks
+            known = {id(s): row for s, row in zip(ahead, masks)}
+        missing = [s for s in seqs if id(s) not in known]
+        if missing:
+            known.update(zip(map(id, missing), self._grammar.masks([s.matcher for s in missing])))
+        return np.stack([known[id(s)] for s in seqs])
 
     def _admission_problem(self, request: GenerationRequest) -> tuple[FinishReason, str] | None:
         """What prevents sampling at all; the servicer validates requests, the engine stays safe."""
@@ -481,6 +511,8 @@ class TorchEngine(Engine):
             return
         for seq, token, logprob in zip(batch, tokens, logprobs, strict=True):
             self._emit(seq, token, logprob, version, outbox)
+        if self._grammar is not None:
+            self._compute_masks_ahead()
 
     def _prefill(self, outbox: _Outbox) -> tuple[list[_Sequence], list[torch.Tensor]]:
         """Advance prompts by up to prefill_chunk_tokens; return those completed, with the logits
@@ -561,8 +593,7 @@ class TorchEngine(Engine):
         configs = [s.request.sampling for s in batch]
         constrained = [row for row, s in enumerate(batch) if s.matcher is not None]
         if constrained:
-            allowed = self._grammar.masks([batch[row].matcher for row in constrained])
-            mask_logits_(logits, constrained, allowed)
+            mask_logits_(logits, constrained, self._constraint_masks([batch[row] for row in constrained]))
         tokens, logprobs = sample_next_tokens(
             logits,
             torch.tensor([c.temperature for c in configs], dtype=torch.float32),
@@ -628,3 +659,6 @@ class TorchEngine(Engine):
             )
         outbox.deliver()
         self._runner.cache.release()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=True)
+            self._grammar, self._mask_thread, self._masks_ahead = None, None, None
