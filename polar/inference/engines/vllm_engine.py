@@ -180,6 +180,7 @@ class VLLMEngine(Engine):
     async def start(self) -> None:
         if self._llm is not None:
             return
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -196,7 +197,7 @@ class VLLMEngine(Engine):
             enable_prefix_caching=True,
             disable_log_stats=True,
             # Constraints arrive as llguidance grammars (Lark with embedded JSON schemas).
-            structured_outputs_config={"backend": "guidance"},
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
