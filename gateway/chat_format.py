@@ -269,6 +269,9 @@ class ChatFormat(Protocol):
     def forced_opening_text(self, tool_choice: ToolChoice) -> str:
         """Text that opens the assistant turn so that it must be a tool call; empty when not forced."""
 
+    def tool_call_delimiters(self) -> tuple[str, str]:
+        """The text before and after a tool call's JSON object {"name": ..., "arguments": ...}."""
+
     def shared_tools(self, tools: Sequence[ToolSpec]) -> tuple[ToolSpec, ...]:
         """Tools that render exactly as these, from an earlier render when there was one: what a call
         keeps, so that a gateway holds one copy of a harness's tools, not one per call."""
@@ -277,11 +280,15 @@ class ChatFormat(Protocol):
         """Ids of plain text."""
 
 
+TOOL_CALL_OPEN = "<tool_call>\n"
+TOOL_CALL_CLOSE = "\n</tool_call>"
+
+
 def tool_call_text(call: ToolCall) -> str:
     """One call in the Hermes convention, as the model is taught to write it."""
     name = json.dumps(call.name, ensure_ascii=False)
     arguments = json.dumps(call.arguments, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": {name}, "arguments": {arguments}}}\n</tool_call>'
+    return f'{TOOL_CALL_OPEN}{{"name": {name}, "arguments": {arguments}}}{TOOL_CALL_CLOSE}'
 
 
 def tool_spec_json(tool: ToolSpec) -> str:
@@ -501,6 +508,9 @@ class HermesFormat:
             name = json.dumps(tool_choice.function_name, ensure_ascii=False)
             return f'<tool_call>\n{{"name": {name}, "arguments":'
         return ""
+
+    def tool_call_delimiters(self) -> tuple[str, str]:
+        return TOOL_CALL_OPEN, TOOL_CALL_CLOSE
 
     def encode_text(self, text: str) -> list[int]:
         return self._encoder.encode(text)

@@ -71,10 +71,14 @@ class ToolChoice:
     mode: Literal["auto", "none", "required", "function"] = "auto"
     # The function a `function` choice forces; empty otherwise.
     function_name: str = ""
+    # A `required` choice among these functions only (Gemini's allowedFunctionNames); empty: any tool.
+    allowed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if (self.mode == "function") != bool(self.function_name):
             raise ValueError("a function name is given exactly when mode is 'function'")
+        if self.allowed and self.mode != "required":
+            raise ValueError("allowed functions are given only when mode is 'required'")
 
     @classmethod
     def auto(cls) -> ToolChoice:
@@ -85,8 +89,12 @@ class ToolChoice:
         return cls("none")
 
     @classmethod
-    def required(cls) -> ToolChoice:
-        return cls("required")
+    def required(cls, allowed: tuple[str, ...] = ()) -> ToolChoice:
+        return cls("required", allowed=allowed)
+
+    @property
+    def forces_call(self) -> bool:
+        return self.mode in ("required", "function")
 
     @classmethod
     def function(cls, name: str) -> ToolChoice:

@@ -2,6 +2,9 @@
 
     key ──authorize──▶ session            (401: unknown or closed key)
     body ──dialect.parse_request──▶ DialectRequest
+    forcing and schema options ──output_constraint──▶ SamplingParams.constraint (gateway/constraint.py;
+        a schema the grammar compiler refuses: INVALID_REQUEST; an engine without constrained decoding:
+        none, and a forced tool call's opening is forced into the prompt instead)
     conversation + session's prior calls ──render_request──▶ prompt ids (+ forced tool-call opening)
     request's sampling + session's policy ──effective_sampling──▶ the engine's SamplingParams
         (gateway/sampling.py: the task's temperature/top_p replace the harness's; max_tokens is the
@@ -39,13 +42,15 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 import grpc
 from tokenizers import Tokenizer
 
 from gateway.chat_format import ChatFormat
+from gateway.constraint import output_constraint
+from gateway.conversation import ToolChoice
 from gateway.dialects.base import (
     CallInfo,
     ContextLengthError,
@@ -150,6 +155,9 @@ class ModelSpec:
 
     name: str
     context_length: int
+    # The engine honours SamplingParams.constraint (ModelInfo.constrained_decoding); otherwise a forced
+    # tool call is only opened in the prompt and schemas are not enforced.
+    constrained_decoding: bool = False
 
 
 # ------------------------------------------------------------------------------------ inference
@@ -349,6 +357,8 @@ class _Call:
             return False
         if self.engine_finish == common_pb2.FINISH_REASON_CONTEXT_LENGTH:
             return True
+        if self.engine_finish == common_pb2.FINISH_REASON_LENGTH and self.sampling.HasField("constraint"):
+            return True  # cut before its constraint was complete: no valid call or JSON
         return self.engine_finish == common_pb2.FINISH_REASON_LENGTH and self.limit.truncates
 
     def prior(self) -> PriorCall | None:
@@ -432,15 +442,22 @@ class Gateway:
     def _prepare(
         self, session: Session, dialect: Dialect, request: DialectRequest, raw: bytes, received_ns: int, started: float
     ) -> _Call:
-        rendered = render_request(
-            self.chat_format, request.conversation, session.prior_calls, history=session.history
-        )
+        constraint = None
+        conversation = request.conversation
+        if self.model.constrained_decoding:
+            constraint = output_constraint(conversation, request.output_schema, self.chat_format)
+            if constraint is not None and constraint.kind == "tool_call":
+                # The grammar opens the call, sampled: no tool-call opening is forced into the prompt.
+                conversation = replace(conversation, tool_choice=ToolChoice.auto())
+        rendered = render_request(self.chat_format, conversation, session.prior_calls, history=session.history)
         try:
             room = context_room(rendered.token_count, self.model.context_length)
         except ContextLengthError as exc:
             self._record_refused(session, dialect, request, raw, rendered, exc, received_ns, started)
             raise
         sampling, limit = effective_sampling(request.sampling, session.sampling, session.sampled_tokens, room)
+        if constraint is not None:
+            sampling.constraint.CopyFrom(constraint.to_proto(common_pb2.OutputConstraint))
         forced_text = ""
         if rendered.forced_token_count:
             forced_text = self.chat_format.forced_opening_text(request.conversation.tool_choice)

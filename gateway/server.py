@@ -120,7 +120,7 @@ async def start_gateway(
         gateway = Gateway(
             store=store,
             inference=inference,
-            model=ModelSpec(info.name, info.context_length),
+            model=ModelSpec(info.name, info.context_length, info.constrained_decoding),
             chat_format=get_chat_format(config.chat_format, tokenizer),
             parser=output_parser,
             tokenizer=tokenizer.backend_tokenizer,

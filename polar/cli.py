@@ -523,13 +523,19 @@ def _verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "files", nargs="+", metavar="FILE", help="session files: a Trajectory with its calls and traces (.json, .pb, optionally .zst)"
     )
+    parser.add_argument(
+        "--model", default="", help="the served model (tiny, smollm2-135m or a folder), whose tokenizer replays the "
+        "grammar of constrained calls (forced tool calls, JSON schemas) to check that it admitted every sampled token",
+    )
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from polar.inference.constraints import TokenGrammar
     from polar.trajectory.verify import verify_command
 
+    grammar = TokenGrammar.for_model(args.model) if args.model else None
     # The worst outcome decides: 2 (a file could not be read) over 1 (a trace is unfaithful) over 0.
-    return max(verify_command(path, sys.stdout) for path in args.files)
+    return max(verify_command(path, sys.stdout, grammar) for path in args.files)
 
 
 # -------------------------------------------------------------------------------------- version

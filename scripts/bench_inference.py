@@ -22,9 +22,18 @@ round's instructions are new: the cached server's first round computes the CLI's
 (median and worst of the sessions), tokens/s (all sampled tokens over the time to the last one) and
 the share of prompt tokens reused.
 
+`--constraint compare` measures what constrained decoding costs the torch engine: tokens/s at 1 and 32
+streams (--streams) with and without a constraint, on one server, in alternating rounds (--rounds,
+default 3, --quick 2; the median of each point is reported, and the cost 1 - with/without). The
+constraint is a JSON schema whose reply cannot end within max_tokens (an object with a string of at
+least 2,000 characters), so every step of a constrained call computes a mask (the mask of a free
+string admits most of the vocabulary: the costliest case for applying it); the calls without one
+ignore end-of-sequence, so both sample exactly max_tokens tokens.
+
     python scripts/bench_inference.py --quick              # under a minute on 2 CPU cores
     python scripts/bench_inference.py --device cuda        # on a GPU machine
     python scripts/bench_inference.py --prefix-cache compare [--quick]
+    python scripts/bench_inference.py --constraint compare [--quick] [--models tiny smollm2-135m]
 
 Prints a table and writes JSON (default bench-results/inference.json).
 """
@@ -87,6 +96,8 @@ def main() -> int:
     machine = _machine(args.device)
     if args.prefix_cache == "compare":
         return _prefix_cache_main(args, machine)
+    if args.constraint == "compare":
+        return _constraint_main(args, machine)
     # Torch points: one call per stream, capped in time. --quick keeps calls short and caps tight
     # so that the whole run stays under a minute however slow the engine is.
     max_tokens, cap = (8, 4.0) if args.quick else (128, 120.0)
@@ -141,6 +152,12 @@ def _parse_args() -> argparse.Namespace:
         "--prefix-cache", choices=("compare",), help="measure the prefix cache: sessions of one CLI with and without it"
     )
     parser.add_argument(
+        "--constraint", choices=("compare",), help="measure constrained decoding: tokens/s with and without a constraint"
+    )
+    parser.add_argument(
+        "--streams", type=int, nargs="+", help=f"--constraint: concurrent streams (default: {' '.join(map(str, CONSTRAINT_STREAMS))})"
+    )
+    parser.add_argument(
         "--harness", default="pi", choices=HARNESSES, help="--prefix-cache: whose recorded prompt (default: %(default)s)"
     )
     parser.add_argument(
@@ -158,8 +175,14 @@ def _parse_args() -> argparse.Namespace:
     )
     args = parser.parse_args()
     compare = args.prefix_cache == "compare"
-    args.models = args.models or ([PREFIX_MODEL] if compare else list(TORCH_MODELS))
-    default_out = "inference-prefix-cache.json" if compare else "inference.json"
+    constraint = args.constraint == "compare"
+    args.models = args.models or (
+        [PREFIX_MODEL] if compare else ["tiny"] if constraint and args.quick else list(TORCH_MODELS)
+    )
+    args.streams = args.streams or list(CONSTRAINT_STREAMS)
+    default_out = (
+        "inference-prefix-cache.json" if compare else "inference-constraint.json" if constraint else "inference.json"
+    )
     args.out = args.out or str(ROOT / "bench-results" / default_out)
     return args
 
@@ -265,6 +288,102 @@ async def _run_point(
     await asyncio.gather(*(stream() for _ in range(streams)))
     seconds = work.seconds if work.calls is None or loop.time() >= end else last - start
     return tokens, messages, seconds, first_token
+
+
+# ------------------------------------------------------------------------ constrained decoding compared
+
+CONSTRAINT_STREAMS = (1, 32)
+# A reply that cannot end within max_tokens: every step of a constrained call computes its mask.
+LONG_STRING = {"type": "object", "properties": {"text": {"type": "string", "minLength": 2000}}, "required": ["text"]}
+
+
+@dataclass(frozen=True)
+class ConstraintPoint:
+    """Tokens/s of one model at one number of streams, with and without a constraint (medians of rounds)."""
+
+    model: str
+    device: str
+    streams: int
+    max_tokens: int
+    rounds: int
+    unconstrained_tokens_per_s: float
+    constrained_tokens_per_s: float
+    cost: float  # 1 - constrained / unconstrained: the share of throughput the constraint takes
+    unconstrained_rounds: list[float]
+    constrained_rounds: list[float]
+
+
+def _constraint_main(args: argparse.Namespace, machine: dict) -> int:
+    max_tokens, cap = (16, 30.0) if args.quick else (64, 300.0)
+    rounds = args.rounds or (2 if args.quick else 3)
+    points: list[ConstraintPoint] = []
+    for model in args.models:
+        config = InferenceConfig(
+            engine="torch", model=model, port=0, device=args.device, dtype=args.dtype,
+            max_batch_size=max(args.streams), prefix_cache_mib=0,
+        )  # fmt: skip
+        with running(inference_spec(config), STARTUP_TIMEOUT_S, stop_timeout_s=10.0) as service:
+            points += asyncio.run(_constraint_points(service, args.streams, _Work(max_tokens, 1, cap), rounds))
+    print(f"constrained decoding, {machine['cpu'] if args.device == 'cpu' else machine['card']}: tokens/s, "
+          f"median of {rounds} alternating rounds; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    header = ("model", "device", "streams", "max_tokens", "without tok/s", "with tok/s", "cost")
+    rows = [
+        (p.model, p.device, str(p.streams), str(p.max_tokens), f"{p.unconstrained_tokens_per_s:.1f}",
+         f"{p.constrained_tokens_per_s:.1f}", f"{p.cost:+.1%}")
+        for p in points
+    ]  # fmt: skip
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    for line in (header, *rows):
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"quick": args.quick, "rounds": rounds, "prompt_tokens": PROMPT_TOKENS, "schema": LONG_STRING,
+                "load_average_1min": os.getloadavg()[0]}  # fmt: skip
+    report = {"machine": machine, "settings": settings, "points": [asdict(p) for p in points]}
+    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+async def _constraint_points(service: Service, streams: list[int], work: _Work, rounds: int) -> list[ConstraintPoint]:
+    async with grpc.aio.insecure_channel(join_host_port("127.0.0.1", service.port)) as channel:
+        stub = inference_pb2_grpc.InferenceServiceStub(channel)
+        info = (await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())).model_info
+        rng = random.Random(0)
+        prompt = [rng.randrange(info.vocab_size) for _ in range(PROMPT_TOKENS)]
+        free = inference_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=common_pb2.SamplingParams(temperature=1.0, max_tokens=work.max_tokens, ignore_eos=True, seed=0),
+        )
+        constrained = inference_pb2.GenerateRequest()
+        constrained.CopyFrom(free)
+        constrained.sampling.ignore_eos = False
+        constrained.sampling.constraint.CopyFrom(
+            common_pb2.OutputConstraint(kind="json_schema", json_schema=json.dumps(LONG_STRING))
+        )
+        for warm_up in (free, constrained):  # lazy initialisation: kernels, the grammar's tokenizer
+            await _run_point(stub, warm_up, streams=1, work=_Work(4, calls=1, seconds=work.seconds))
+        rates: dict[tuple[bool, int], list[float]] = {}
+        for round_ in range(rounds):
+            for n in streams:
+                # Alternate which goes first, so that a drift in the machine's load hits both alike.
+                for with_constraint in (round_ % 2 == 1, round_ % 2 == 0):
+                    request = constrained if with_constraint else free
+                    tokens, _, seconds, _ = await _run_point(stub, request, n, work)
+                    if tokens < n * work.max_tokens:
+                        raise RuntimeError(f"{n} streams sampled {tokens} tokens, not {n * work.max_tokens}: cut at the cap")
+                    rates.setdefault((with_constraint, n), []).append(tokens / seconds)
+        points = []
+        for n in streams:
+            without, with_ = statistics.median(rates[(False, n)]), statistics.median(rates[(True, n)])
+            points.append(
+                ConstraintPoint(
+                    model=info.name, device=info.device, streams=n, max_tokens=work.max_tokens, rounds=rounds,
+                    unconstrained_tokens_per_s=without, constrained_tokens_per_s=with_, cost=1 - with_ / without,
+                    unconstrained_rounds=rates[(False, n)], constrained_rounds=rates[(True, n)],
+                )
+            )  # fmt: skip
+        return points
 
 
 # ------------------------------------------------------------------------ the prefix cache compared

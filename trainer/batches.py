@@ -71,6 +71,10 @@ class MicroBatch:
     # root. None: every piece is a root (no sharing).
     parents: list[list[int]] | None = None
     shared_tokens: int = 0  # tokens computed once for several traces, beyond the first: represented - computed
+    # Constrained decoding: flat indices [M] into [R * L] of positions whose target was sampled under a
+    # constraint's mask, and those masks, bool [M, V] (the allowed tokens). None: no constrained target.
+    constraint_index: torch.Tensor | None = None
+    constraint_allowed: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
@@ -105,6 +109,18 @@ class MicroBatch:
         moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return replace(self, **moved)
+
+
+def _row_masks(pieces: Sequence[Piece]) -> list[tuple[int, np.ndarray]]:
+    """(row position predicting the token, its constraint mask) for the constrained targets of a row."""
+    masks, at = [], 0
+    for piece in pieces:
+        if piece.trains:
+            for position, allowed in piece.sequence.constraint_masks:
+                if piece.start < position < piece.end:
+                    masks.append((at + position - piece.start - 1, allowed))
+        at += len(piece)
+    return masks
 
 
 def _row_arrays(pieces: Sequence[Piece], length: int) -> dict[str, np.ndarray]:
@@ -151,6 +167,10 @@ def _micro_batch(rows: Sequence[Sequence[Piece]]) -> MicroBatch:
     arrays = [_row_arrays(row, length) for row in rows]
     tensors = {name: torch.from_numpy(np.stack([a[name] for a in arrays])) for name in arrays[0]}  # [R, L] each
     parents = [[piece.parent for piece in row] for row in rows]
+    masks = [(r * length + position, allowed) for r, row in enumerate(rows) for position, allowed in _row_masks(row)]
+    if masks:
+        tensors["constraint_index"] = torch.tensor([index for index, _ in masks], dtype=torch.int64)
+        tensors["constraint_allowed"] = torch.from_numpy(np.stack([allowed for _, allowed in masks]))
     represented = sum(len(piece.sequence) for row in rows for piece in row if piece.trains)
     computed = sum(len(piece) for row in rows for piece in row)
     return MicroBatch(

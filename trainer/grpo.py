@@ -9,7 +9,9 @@ backend. One training step is, per GRPO group of sessions that ran the same task
    the step's loss is a weighted sum over every trainable token of the step and a session split into
    several traces (sub-agents, compaction, per-request building) weighs what it weighs unsplit.
 3. ``token_logprobs``: the logprob of each sampled token under exactly the distribution the engine
-   drew it from (temperature, top-k, top-p), via the engine's own ``batched_processed_logprobs``.
+   drew it from (temperature, top-k, top-p), via the engine's own ``batched_processed_logprobs``;
+   for a token of a constrained call, over the logits masked by its constraint first
+   (``constrained_logits``, the masks the grammar's replay gives: polar/inference/constraints.py).
 4. ``policy_loss``: the asymmetric clipped surrogate, times a truncated importance weight against
    the behaviour logprobs the gateway recorded, plus an optional k3 KL penalty.
 
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from polar.inference.constraints import masked_logits
 from polar.inference.sampling import batched_processed_logprobs, to_device
 
 # -------------------------------------------------------------------------------------------------
@@ -140,6 +143,18 @@ class _SampledLogprob(torch.autograd.Function):
             grad = probs.neg_().scatter_add_(-1, targets[chunk, None], torch.ones_like(probs[:, :1]))  # [C, V]
             grad_logits[chunk] = grad * (grad_logprobs[chunk] / scale[chunk])[:, None]
         return grad_logits, None, None, None, None, None, None
+
+
+def constrained_logits(
+    logits: torch.Tensor, flat: torch.Tensor, constraint_index: torch.Tensor, allowed: torch.Tensor
+) -> torch.Tensor:
+    """logits [K, V] of the targets at flat positions flat [K] (ascending), with -inf wherever the
+    constraint mask allowed [M, V] of position constraint_index [M] disallows a token; positions of
+    constraint_index that are not among flat (no trainable target) are skipped. Differentiable."""
+    constraint_index = constraint_index.to(flat.device)
+    rows = torch.searchsorted(flat, constraint_index).clamp(max=max(len(flat) - 1, 0))  # [M]
+    present = flat[rows] == constraint_index if len(flat) else torch.zeros_like(constraint_index, dtype=torch.bool)
+    return masked_logits(logits, rows[present], allowed.to(logits.device)[present])
 
 
 def token_logprobs(

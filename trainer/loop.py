@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from polar.config import TrainerConfig
+from polar.inference.constraints import ConstraintError, ConstraintViolation, OutputConstraint, TokenGrammar
 from polar.inference.models import model_name
 from polar.trajectory import BuiltTrace, verify, views_from_protos
 from polar.v1 import common_pb2
@@ -104,9 +105,36 @@ def check_faithful(group: Group) -> None:
             )
 
 
-def trace_sequence(trajectory: common_pb2.Trajectory, trace: common_pb2.Trace, advantage: float, weight: float) -> TrainSequence:
+GrammarSource = Callable[[], TokenGrammar]
+
+
+def constraint_masks(name: str, trace: common_pb2.Trace, grammar: GrammarSource | None) -> tuple[tuple[int, np.ndarray], ...]:
+    """(position, allowed tokens) of every token of the trace sampled under a constraint: its grammar
+    replayed over the call's sampled ids, so the trainer masks the logits as the engine did."""
+    masks: list[tuple[int, np.ndarray]] = []
+    for segment in trace.segments:
+        if segment.kind != common_pb2.TraceSegment.KIND_SAMPLED or not segment.sampling.HasField("constraint"):
+            continue
+        if grammar is None:
+            raise TrainingError(f"trace {name} holds a constrained call, and no grammar was given to replay it")
+        try:
+            constraint = OutputConstraint.from_proto(segment.sampling.constraint)
+            allowed = grammar().replay(constraint, trace.token_ids[segment.start : segment.end])
+        except (ConstraintError, ConstraintViolation) as exc:
+            raise TrainingError(f"trace {name}, call {segment.call_id}: {exc}") from exc
+        masks += [(segment.start + offset, row) for offset, row in enumerate(allowed)]
+    return tuple(masks)
+
+
+def trace_sequence(
+    trajectory: common_pb2.Trajectory,
+    trace: common_pb2.Trace,
+    advantage: float,
+    weight: float,
+    grammar: GrammarSource | None = None,
+) -> TrainSequence:
     """One trace as the trainer packs it: tokens, mask, behaviour logprobs, and per token the sampling
-    (temperature, top_p, top_k) its call was drawn with."""
+    (temperature, top_p, top_k, and a constrained call's mask, replayed by `grammar`) its call was drawn with."""
     length = len(trace.token_ids)
     temperature = np.ones(length, dtype=np.float32)
     top_p = np.ones(length, dtype=np.float32)
@@ -116,8 +144,9 @@ def trace_sequence(trajectory: common_pb2.Trajectory, trace: common_pb2.Trace, a
             temperature[segment.start : segment.end] = segment.sampling.temperature
             top_p[segment.start : segment.end] = segment.sampling.top_p or 1.0
             top_k[segment.start : segment.end] = segment.sampling.top_k
+    name = f"{trajectory.session_id}/{trace.trace_id}"
     return TrainSequence(
-        name=f"{trajectory.session_id}/{trace.trace_id}",
+        name=name,
         token_ids=np.asarray(trace.token_ids, dtype=np.int64),
         loss_mask=np.asarray(trace.loss_mask, dtype=bool),
         behaviour_logprobs=np.asarray(trace.behaviour_logprobs, dtype=np.float32),
@@ -126,11 +155,15 @@ def trace_sequence(trajectory: common_pb2.Trajectory, trace: common_pb2.Trace, a
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
+        constraint_masks=constraint_masks(name, trace, grammar),
     )
 
 
 def group_sequences(
-    groups: Sequence[Group], advantages: Sequence[np.ndarray], config: TrainerConfig
+    groups: Sequence[Group],
+    advantages: Sequence[np.ndarray],
+    config: TrainerConfig,
+    grammar: GrammarSource | None = None,
 ) -> tuple[list[TrainSequence], int]:
     """The traces of these groups with their advantages and step-normalised token weights; and how
     many truncated traces were left out (train_truncated = false)."""
@@ -154,7 +187,7 @@ def group_sequences(
     ]
     weights = grpo.trace_token_weights(weightings, config.loss_aggregation)
     sequences = [
-        trace_sequence(trajectory, trace, advantage, weight)
+        trace_sequence(trajectory, trace, advantage, weight, grammar)
         for (trajectory, trace, advantage), weight in zip(picked, weights)
         if weight > 0
     ]
@@ -191,6 +224,7 @@ class TrainingRun:
         else:
             self.state = TrainerState(base_model=config.model, model=self.backend.model_description)
         self.model_name = model_name(config.model)
+        self._grammar: TokenGrammar | None = None  # made when the first constrained call is trained on
         self.rollout = RolloutLink(rollout_address)
         self.inference = InferencePool(
             inference_addresses,
@@ -313,7 +347,7 @@ class TrainingRun:
         bounds = np.linspace(0, len(groups), updates + 1).astype(int)
         per_update, skipped = [], 0
         for a, b in zip(bounds[:-1], bounds[1:]):
-            sequences, truncated = group_sequences(groups[a:b], advantages[a:b], self.config)
+            sequences, truncated = group_sequences(groups[a:b], advantages[a:b], self.config, self._token_grammar)
             per_update.append(sequences)
             skipped += truncated
         return StepBatch(
@@ -414,6 +448,11 @@ class TrainingRun:
         return row
 
     # -- checkpoints ---------------------------------------------------------------------------------
+
+    def _token_grammar(self) -> TokenGrammar:
+        if self._grammar is None:
+            self._grammar = TokenGrammar.for_model(self.config.model, self.backend.model_description["vocab_size"])
+        return self._grammar
 
     def save_checkpoint(self, folder: Path | None = None):
         """A checkpoint of the last completed step as folder/step-N (default: the run's checkpoints

@@ -23,6 +23,9 @@ class TrainSequence:
     temperature: np.ndarray  # float32 [T]: what each token was sampled with; 1.0 where mask 0
     top_p: np.ndarray  # float32 [T]; 1.0 where mask 0
     top_k: np.ndarray  # int32 [T]; 0 where mask 0
+    # Constrained decoding: (position of a token, bool [V] the tokens its constraint's mask allowed
+    # there), for each sampled token of a constrained call; the logits are masked so before sampling.
+    constraint_masks: tuple[tuple[int, np.ndarray], ...] = ()
 
     def __post_init__(self) -> None:
         length = len(self.token_ids)

@@ -124,6 +124,9 @@ class DialectRequest:
     stream: bool
     # Tool calls in the output are parsed as tool calls (False when the client disabled tools).
     parse_tool_calls: bool = True
+    # The JSON schema the reply must follow (OpenAI response_format / text.format json_schema, Gemini
+    # responseSchema); None: free text. Kept by constrained decoding (gateway/constraint.py).
+    output_schema: Mapping[str, Any] | None = None
     # Dialect-specific fields its responses echo (e.g. Responses' instructions or metadata, Anthropic's
     # stop_sequences); the core never reads them.
     echo: Mapping[str, Any] = field(default_factory=dict)

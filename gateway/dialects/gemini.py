@@ -22,15 +22,17 @@ Request → conversation:
 - `tools[].functionDeclarations` with `parameters` (the API's OpenAPI-style Schema, whose upper-case
   type names are lowered to JSON Schema's) or `parametersJsonSchema` (taken as is).
 - `toolConfig.functionCallingConfig.mode`: AUTO, VALIDATED and unset → auto; NONE → none, and tool
-  calls in the output stay text; ANY → a forced call, of the one function when `allowedFunctionNames`
-  names exactly one (several names cannot be enforced; the call is only required).
+  calls in the output stay text; ANY → a forced call, of one of the functions `allowedFunctionNames`
+  names (any declared one when it names none), kept by constrained decoding where the engine has it.
 - `generationConfig`: maxOutputTokens, temperature, topP, topK, stopSequences, seed are sampling;
   candidateCount must be 1; `thinkingConfig.includeThoughts` decides whether reasoning is returned as
-  thought parts (the API hides thoughts unless asked); responseModalities must be text only.
+  thought parts (the API hides thoughts unless asked); responseModalities must be text only;
+  `responseJsonSchema` (JSON Schema) or `responseSchema` (the API's Schema, lowered as for tools) is the
+  reply's JSON schema, kept by constrained decoding where the engine has it (Gemini CLI asks for JSON
+  in its utility calls).
 
 Accepted and ignored (they don't change what a text-only gateway can do): `safetySettings`, `labels`,
-thinking budgets and levels, `responseMimeType` and response schemas (Gemini CLI asks for JSON in its
-utility calls and parses the text itself; the output is not constrained), penalties, logprob requests,
+thinking budgets and levels, `responseMimeType` without a schema, penalties, logprob requests,
 media resolution, `thoughtSignature` on parts, and fields this module does not know. Refused with a
 400: images, audio, files and code-execution parts (text-only gateway), built-in tools (`googleSearch`,
 `codeExecution`, `urlContext`, …: they run on Google's side, and a model answering in their place
@@ -427,6 +429,29 @@ def _json_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return converted
 
 
+def _output_schema(generation: dict[str, Any]) -> dict[str, Any] | None:
+    json_schema = _get(generation, "responseJsonSchema")
+    if json_schema is not None:
+        return _object(json_schema, "generationConfig.responseJsonSchema")
+    schema = _get(generation, "responseSchema")
+    if schema is not None:
+        return _closed(_json_schema(_object(schema, "generationConfig.responseSchema")))
+    return None
+
+
+def _closed(schema: Any) -> Any:
+    """The API's Schema answers with the properties it lists and no others: as JSON Schema, every object
+    that lists properties gets `additionalProperties: false`."""
+    if isinstance(schema, list):
+        return [_closed(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: _closed(value) for key, value in schema.items()}
+    if "properties" in closed and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
 def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
     path = "toolConfig.functionCallingConfig"
     config = _object(_get(_object(value, "toolConfig"), "functionCallingConfig"), path)
@@ -446,7 +471,7 @@ def _tool_choice(value: Any, tools: tuple[ToolSpec, ...]) -> ToolChoice:
         return ToolChoice.auto()
     if not tools:
         raise _invalid(f"{path}.mode", "Function calling mode ANY needs function declarations in tools.")
-    return ToolChoice.function(allowed[0]) if len(allowed) == 1 else ToolChoice.required()
+    return ToolChoice.function(allowed[0]) if len(allowed) == 1 else ToolChoice.required(tuple(allowed))
 
 
 def _sampling(generation: dict[str, Any]) -> Sampling:
@@ -632,6 +657,7 @@ class GeminiDialect(Dialect):
         )
         alt = route.query.get("alt", route.query.get("$alt", ""))
         return DialectRequest(
+            output_schema=_output_schema(generation),
             model=route.model,
             conversation=Conversation(messages, tools, tool_choice),
             sampling=sampling,

@@ -14,8 +14,9 @@ Request → `DialectRequest`:
   must be the policy's own, so no penalty is applied), `top_logprobs`, `service_tier`,
   `prompt_cache_key`, `safety_identifier`, `verbosity`. Fields this module does not know are ignored.
 - Rejected with a 400 because honouring them is impossible and ignoring them would silently change the
-  answer: `n` > 1, `logprobs: true`, a `response_format` other than `text` (no constrained decoding),
-  the deprecated `functions` (use `tools`).
+  answer: `n` > 1, `logprobs: true`, the deprecated `functions` (use `tools`).
+- `response_format`: `json_schema` (its `json_schema.schema`) and `json_object` (any JSON object) set the
+  reply's JSON schema, kept by constrained decoding where the engine has it; `text` changes nothing.
 
 A wrong type, a missing required field or a value out of range is INVALID_REQUEST naming the field in
 `messages[0].content[1].type` notation. The OpenAI error shape and the JSON type checks are shared with
@@ -413,21 +414,32 @@ def _sampling(body: Mapping[str, Any]) -> Sampling:
     )
 
 
+def output_schema(value: Mapping[str, Any] | None, path: str, *, flat: bool = False) -> dict[str, Any] | None:
+    """The reply's JSON schema from Chat's `response_format` ({type, json_schema: {name, schema}}) or, `flat`,
+    Responses' `text.format` ({type, name, schema}); None for `text` or none given."""
+    if value is None:
+        return None
+    kind = field(value, "type", "string", f"{path}.type", required=True)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise invalid(f"{path}.type", f"Invalid value for '{path}.type': '{kind}' is not one of text, json_object, json_schema.")
+    holder, holder_path = (value, path) if flat else (
+        field(value, "json_schema", "object", f"{path}.json_schema", required=True), f"{path}.json_schema"
+    )
+    field(holder, "name", "string", f"{holder_path}.name", required=True)
+    schema = field(holder, "schema", "object", f"{holder_path}.schema")
+    return schema if schema is not None else {"type": "object"}
+
+
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     n = field(body, "n", "integer", "n")
     if n is not None and n != 1:
         raise invalid("n", "Invalid value for 'n': only one choice per request is supported.")
     if field(body, "logprobs", "boolean", "logprobs"):
         raise invalid("logprobs", "'logprobs' is not supported by this gateway.")
-    response_format = field(body, "response_format", "object", "response_format")
-    if response_format is not None:
-        kind = field(response_format, "type", "string", "response_format.type", required=True)
-        if kind != "text":
-            raise invalid(
-                "response_format.type",
-                f"'response_format' of type '{kind}' is not supported: the gateway does not constrain "
-                "decoding.",
-            )
     if body.get("functions") is not None or body.get("function_call") is not None:
         param = "functions" if body.get("functions") is not None else "function_call"
         raise invalid(param, f"'{param}' is deprecated and not supported: use 'tools' and 'tool_choice'.")
@@ -447,6 +459,7 @@ def _parse(body: Any) -> DialectRequest:
     return DialectRequest(
         model=model,
         conversation=Conversation(messages, tools, tool_choice),
+        output_schema=output_schema(field(body, "response_format", "object", "response_format"), "response_format"),
         sampling=_sampling(body),
         stream=stream,
         parse_tool_calls=bool(tools) and tool_choice.mode != "none",

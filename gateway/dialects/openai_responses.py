@@ -27,8 +27,9 @@ Request → `DialectRequest`:
   `verbosity`), `truncation`, `service_tier`, `user`, `safety_identifier`, `top_logprobs`,
   `max_tool_calls`, `stream_options`; `metadata` is echoed. Unknown fields are ignored.
 - Rejected with a 400, because the gateway is stateless or cannot honour them: a set
-  `previous_response_id`, `conversation` or `prompt` (server-side state), `background: true`, and a
-  `text.format` other than `text` (no constrained decoding).
+  `previous_response_id`, `conversation` or `prompt` (server-side state), and `background: true`.
+- `text.format` `json_schema` (its `schema`) or `json_object` sets the reply's JSON schema, kept by
+  constrained decoding where the engine has it.
 
 Response: a `response` whose output is a reasoning item (`content` with the reasoning text, empty
 `summary`), a message item with one `output_text` part, and one `function_call` item per call; status
@@ -80,6 +81,7 @@ from gateway.dialects.openai_chat import (
     function_parameters,
     invalid,
     named_tool_choice,
+    output_schema,
     parse_arguments,
     string_tool_choice,
     text_of,
@@ -347,14 +349,6 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
         raise invalid("background", "Background responses are not supported: this gateway stores nothing.")
     text = field(body, "text", "object", "text") or {}
     CHECKS.fields(text, {"verbosity": "string"}, "text.")
-    text_format = field(text, "format", "object", "text.format")
-    if text_format is not None:
-        kind = field(text_format, "type", "string", "text.format.type", required=True)
-        if kind != "text":
-            raise invalid(
-                "text.format.type",
-                f"'text.format' of type '{kind}' is not supported: the gateway does not constrain decoding.",
-            )
 
 
 def _metadata(body: Mapping[str, Any]) -> dict[str, str] | None:
@@ -385,9 +379,11 @@ def _parse(body: Any) -> DialectRequest:
     tool_choice = _tool_choice(body, tools)
     sampling = _sampling(body)
     choice = body.get("tool_choice")
+    text = field(body, "text", "object", "text") or {}
     return DialectRequest(
         model=model,
         conversation=Conversation(messages, tools, tool_choice),
+        output_schema=output_schema(field(text, "format", "object", "text.format"), "text.format", flat=True),
         sampling=sampling,
         stream=bool(field(body, "stream", "boolean", "stream")),
         parse_tool_calls=bool(tools) and tool_choice.mode != "none",

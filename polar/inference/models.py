@@ -155,3 +155,39 @@ def _build_tiny(out: Path) -> None:
     model.config._name_or_path = "tiny"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+# Tokens that end a text or a chat turn in common tokenizers, counted as end-of-sequence when the
+# vocabulary has them (SmolLM2's GGUF tokenizer names only <|im_end|> as its eos).
+END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+
+
+def _token_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def end_of_turn_id(tokenizer) -> int:
+    """The chat template's end-of-turn id; -1 when the vocabulary has none."""
+    vocab = tokenizer.get_vocab()
+    return next((vocab[t] for t in END_OF_TURN_TOKENS if t in vocab), -1)
+
+
+def end_token_ids(folder: Path, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a generation of the model in `folder`: the tokenizer's eos, the generation
+    config's, and the end-of-text and end-of-turn tokens its vocabulary has. The torch engine stops on
+    them, and a constraint's grammar allows them where the constraint is complete (the trainer's
+    replay must allow the same)."""
+    from transformers import GenerationConfig
+
+    try:
+        generation_eos = _token_ids(GenerationConfig.from_pretrained(folder).eos_token_id)
+    except OSError:  # no generation_config.json
+        generation_eos = []
+    vocab = tokenizer.get_vocab()
+    end_of_text = [vocab[t] for t in END_OF_TEXT_TOKENS if t in vocab]
+    end_of_turn = end_of_turn_id(tokenizer)
+    ids = _token_ids(tokenizer.eos_token_id) + generation_eos + end_of_text + ([end_of_turn] if end_of_turn >= 0 else [])
+    return tuple(dict.fromkeys(ids))

@@ -371,6 +371,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 tokenizer_path=d.tokenizer_path,
                 weight_transports=weight_transports(d.device),
                 host_id=sharing.host_id(),
+                constrained_decoding=d.constrained_decoding,
             )
         )
 

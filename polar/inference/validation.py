@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from polar.inference.constraints import ConstraintError, OutputConstraint, grammar
 from polar.inference.engines.base import GenerationRequest, ModelDescription, SamplingConfig
 from polar.v1 import inference_pb2
 
@@ -49,7 +50,7 @@ def validate_generate(
     ids = np.asarray(request.prompt_token_ids, dtype=np.int64)
     _check_prompt(ids, description.vocab_size)
     prompt = tuple(ids.tolist())
-    sampling = _sampling_config(request)
+    sampling = _sampling_config(request, description)
     interval = request.message_interval_seconds
     if not 0.0 <= interval <= MAX_MESSAGE_INTERVAL_S:  # NaN too
         raise InvalidRequest(
@@ -79,7 +80,24 @@ def _check_prompt(ids: np.ndarray, vocab_size: int) -> None:
     )
 
 
-def _sampling_config(request: inference_pb2.GenerateRequest) -> SamplingConfig:
+def _constraint(params, description: ModelDescription) -> OutputConstraint | None:
+    if not params.HasField("constraint"):
+        return None
+    if not description.constrained_decoding:
+        raise InvalidRequest(
+            "sampling.constraint", f"the {description.engine} engine cannot constrain decoding (sampling.constraint)"
+        )
+    if params.ignore_eos:
+        raise InvalidRequest("sampling.constraint", "sampling.constraint cannot go with ignore_eos: a reply ends")
+    try:
+        constraint = OutputConstraint.from_proto(params.constraint)
+        grammar(constraint)
+    except ConstraintError as exc:
+        raise InvalidRequest("sampling.constraint", f"sampling.constraint: {exc}") from exc
+    return constraint
+
+
+def _sampling_config(request: inference_pb2.GenerateRequest, description: ModelDescription) -> SamplingConfig:
     params = request.sampling
     if params.max_tokens <= 0:
         raise InvalidRequest("sampling.max_tokens", f"sampling.max_tokens = {params.max_tokens} must be > 0")
@@ -100,4 +118,5 @@ def _sampling_config(request: inference_pb2.GenerateRequest) -> SamplingConfig:
         stop_token_ids=tuple(params.stop_token_ids),
         seed=params.seed if params.HasField("seed") else None,
         ignore_eos=params.ignore_eos,
+        constraint=_constraint(params, description),
     )

@@ -24,6 +24,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from polar.inference.constraints import OutputConstraint
 from polar.v1 import common_pb2
 
 
@@ -69,6 +70,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False
+    constraint: OutputConstraint | None = None  # constrained decoding: the mask each token was drawn under
 
     def __post_init__(self) -> None:
         # The message's floats are float32: holding them so makes a round trip through it exact.
@@ -86,6 +88,12 @@ class SamplingParams:
             stop_token_ids=tuple(params.stop_token_ids),
             seed=params.seed if params.HasField("seed") else None,
             ignore_eos=params.ignore_eos,
+            constraint=(
+                OutputConstraint(params.constraint.kind, params.constraint.json_schema, params.constraint.prefix,
+                                 params.constraint.suffix)
+                if params.HasField("constraint")
+                else None
+            ),
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -97,6 +105,7 @@ class SamplingParams:
             stop_token_ids=self.stop_token_ids,
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            constraint=self.constraint.to_proto(common_pb2.OutputConstraint) if self.constraint is not None else None,
         )
 
 

@@ -15,6 +15,11 @@
 and, across traces, that every call's sampled tokens appear in exactly one SAMPLED segment, and that
 the trace weights are non-negative and sum to 1 whenever there is something to train on.
 
+Constrained calls (sampling.constraint: a forced tool call, JSON-schema output) are re-checked against
+their grammar (``check_constraints``): replayed over the call's sampled ids, the constraint's mask must
+have admitted every one of them. That needs the model's tokenizer: ``polar verify --model M``; a file
+with constrained calls verified without one fails, saying so.
+
 Every problem names the trace, the position and the call. ``verify_or_raise`` raises
 ``VerificationError`` with all of them; ``verify_command`` is what ``polar verify FILE`` runs on a session
 file (see ``session_file.py``).
@@ -22,12 +27,13 @@ file (see ``session_file.py``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence, TextIO
 
 import numpy as np
 
+from polar.inference.constraints import ConstraintError, ConstraintViolation, TokenGrammar
 from polar.trajectory.records import (
     BuiltTrace,
     CallView,
@@ -228,16 +234,39 @@ def verify_or_raise(calls: Sequence[CallView], traces: Sequence[BuiltTrace]) -> 
     return report
 
 
-def verify_file(path: str | Path) -> VerificationReport:
-    """Verify the traces stored in a session file against the call records stored with them."""
+def check_constraints(calls: Sequence[CallView], grammar: TokenGrammar | None) -> list[Problem]:
+    """A problem for each constrained call whose sampled ids its constraint's mask did not all admit
+    (the first refused one named), or, without a grammar, for each constrained call not re-checked."""
+    problems = []
+    for call in calls:
+        constraint = call.sampling.constraint if call.sampling is not None else None
+        if constraint is None:
+            continue
+        if grammar is None:
+            problems.append(Problem("", -1, call.call_id, f"a {constraint.kind} constraint applied: give --model to re-check its mask"))
+            continue
+        try:
+            grammar.replay(constraint, call.sampled_ids.tolist())
+        except ConstraintViolation as exc:
+            problems.append(Problem("", exc.index, call.call_id, str(exc)))
+        except ConstraintError as exc:
+            problems.append(Problem("", -1, call.call_id, f"its constraint cannot be compiled: {exc}"))
+    return problems
+
+
+def verify_file(path: str | Path, grammar: TokenGrammar | None = None) -> VerificationReport:
+    """Verify the traces stored in a session file against the call records stored with them, and its
+    constrained calls against their grammar (`grammar`: the model's)."""
     calls, traces = read_session(path)
-    return verify(calls, traces)
+    report = verify(calls, traces)
+    constraint_problems = check_constraints(calls, grammar)
+    return replace(report, problems=report.problems + tuple(constraint_problems)) if constraint_problems else report
 
 
-def verify_command(path: str | Path, out: TextIO) -> int:
+def verify_command(path: str | Path, out: TextIO, grammar: TokenGrammar | None = None) -> int:
     """``polar verify FILE``: write the report to ``out``; exit status 0 ok, 1 unfaithful, 2 unreadable."""
     try:
-        report = verify_file(path)
+        report = verify_file(path, grammar)
     except SessionFileError as exc:
         out.write(f"cannot read {path}: {exc}\n")
         return 2

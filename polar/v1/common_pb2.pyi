@@ -49,7 +49,7 @@ SESSION_OUTCOME_CANCELLED: SessionOutcome
 SESSION_OUTCOME_FAILED: SessionOutcome
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos")
+    __slots__ = ("temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed", "ignore_eos", "constraint")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -64,7 +65,20 @@ class SamplingParams(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     ignore_eos: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    constraint: OutputConstraint
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., constraint: _Optional[_Union[OutputConstraint, _Mapping]] = ...) -> None: ...
+
+class OutputConstraint(_message.Message):
+    __slots__ = ("kind", "json_schema", "prefix", "suffix")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    json_schema: str
+    prefix: str
+    suffix: str
+    def __init__(self, kind: _Optional[str] = ..., json_schema: _Optional[str] = ..., prefix: _Optional[str] = ..., suffix: _Optional[str] = ...) -> None: ...
 
 class SamplingPolicy(_message.Message):
     __slots__ = ("temperature", "top_p", "max_tokens_per_call", "max_tokens_per_session", "top_k")

@@ -240,7 +240,7 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model_info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "eos_token_ids", "end_of_turn_token_id", "bos_token_id", "chat_template", "context_length", "policy_version", "engine", "dtype", "device", "parameter_count", "paused", "tokenizer_path", "weight_transports", "host_id")
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "end_of_turn_token_id", "bos_token_id", "chat_template", "context_length", "policy_version", "engine", "dtype", "device", "parameter_count", "paused", "tokenizer_path", "weight_transports", "host_id", "constrained_decoding")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class ModelInfo(_message.Message):
     TOKENIZER_PATH_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINED_DECODING_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -273,4 +274,5 @@ class ModelInfo(_message.Message):
     tokenizer_path: str
     weight_transports: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., end_of_turn_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., context_length: _Optional[int] = ..., policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., paused: _Optional[bool] = ..., tokenizer_path: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    constrained_decoding: bool
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., end_of_turn_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., context_length: _Optional[int] = ..., policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., paused: _Optional[bool] = ..., tokenizer_path: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., constrained_decoding: _Optional[bool] = ...) -> None: ...

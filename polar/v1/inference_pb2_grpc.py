@@ -98,7 +98,8 @@ class InferenceServiceServicer:
 
         Errors: INVALID_ARGUMENT for an empty prompt, a token id outside [0, vocab_size), max_tokens <= 0,
         temperature < 0, top_p outside [0, 1], top_k < 0, prompt length + max_tokens over the context
-        length, or message_interval_seconds outside [0, 1]; NOT_FOUND for a model this server does not
+        length, message_interval_seconds outside [0, 1], or a sampling.constraint this engine cannot apply
+        (none supported, or a schema the grammar compiler refuses; the message names the problem); NOT_FOUND for a model this server does not
         serve.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -272,3 +272,36 @@ def test_update_during_generation_labels_tokens_with_their_version(engine, loop,
     version, versions, end = loop.run_until_complete(run())
     assert end.finish_reason is FinishReason.LENGTH and len(versions) == 300
     assert versions == sorted(versions) and versions[0] == version and versions[-1] == version + 1
+
+
+def test_a_constrained_reply_follows_its_schema_with_the_logprobs_of_the_masked_distribution(
+    engine, loop, chat_prompt, reference
+):
+    import json
+
+    import jsonschema
+
+    from polar.inference.constraints import OutputConstraint, TokenGrammar
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"const": "get_weather"}, "arguments": {"type": "object", "properties": {
+            "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": False}},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    constraint = OutputConstraint("tool_call", json.dumps(schema), "<tool_call>\n", "\n</tool_call>")
+    grammar = TokenGrammar.for_model(MODEL, engine.description.vocab_size)
+    for seed in range(4):
+        req = request(max_tokens=60, prompt=chat_prompt, temperature=1.0, seed=seed, constraint=constraint)
+        tokens, logprobs, _, end = loop.run_until_complete(collect(engine, req))
+        assert end.finish_reason is FinishReason.STOP
+        text = grammar.tokenizer.decode_str(tokens[:-1])
+        assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
+        jsonschema.validate(json.loads(text.removeprefix("<tool_call>\n").removesuffix("\n</tool_call>")), schema)
+        # The trainer's replay: the same masks, then the documented distribution.
+        masks = torch.from_numpy(grammar.replay(constraint, tokens))
+        logits = reference_logits(reference, chat_prompt, tokens).masked_fill(~masks, float("-inf"))
+        expected = processed_logprobs(logits, 1.0, 0, 1.0).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL, rtol=0)

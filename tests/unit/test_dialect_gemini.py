@@ -225,7 +225,7 @@ def test_openapi_schemas_become_json_schema_and_json_schemas_pass_through():
         ({"functionCallingConfig": {"mode": "any", "allowedFunctionNames": ["ls"]}}, ToolChoice.function("ls"), True),
         (
             {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["ls", "read_file"]}},
-            ToolChoice.required(),
+            ToolChoice.required(("ls", "read_file")),
             True,
         ),
         ({"retrievalConfig": {"languageCode": "en"}}, ToolChoice.auto(), True),

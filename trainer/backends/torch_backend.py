@@ -28,7 +28,7 @@ import torch
 
 from trainer.backends.base import Backend, BackendError, UpdateResult
 from trainer.batches import MicroBatch
-from trainer.grpo import LossConfig, token_logprobs
+from trainer.grpo import LossConfig, constrained_logits, token_logprobs
 from trainer.tree_attention import TREE_ATTENTION, TreeLayout, register_with_transformers
 
 
@@ -126,8 +126,11 @@ class TorchBackend(Backend):
         logits = output.logits  # [R, P, V]
         selected = batch.loss_mask[:, keep]  # [R, P]
         flat = torch.arange(rows * length, device=self.device).view(rows, length)[:, keep][selected]  # [K]
+        target_logits = logits[selected].float()  # [K, V]
+        if batch.constraint_index is not None:
+            target_logits = constrained_logits(target_logits, flat, batch.constraint_index, batch.constraint_allowed)
         values = token_logprobs(
-            logits[selected].float(),
+            target_logits,
             batch.targets[:, keep][selected],
             batch.temperature[:, keep][selected],
             batch.top_k[:, keep][selected],

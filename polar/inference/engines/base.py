@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from polar.inference.constraints import OutputConstraint
+
 
 class FinishReason(enum.Enum):
     """Why a generation ended; values match polar.v1.FinishReason."""
@@ -39,6 +41,7 @@ class SamplingConfig:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None  # None = a fresh random seed
     ignore_eos: bool = False
+    constraint: OutputConstraint | None = None  # None = unconstrained (polar/inference/constraints.py)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class ModelDescription:
     device: str = ""
     parameter_count: int = 0
     tokenizer_path: str = ""
+    constrained_decoding: bool = False  # the engine applies SamplingConfig.constraint
 
 
 @dataclass(frozen=True)

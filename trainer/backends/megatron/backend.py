@@ -360,6 +360,11 @@ class MegatronBackend(Backend):
 
     def _check(self, batches: Sequence[MicroBatch]) -> None:
         for batch in batches:
+            if batch.constraint_index is not None:
+                raise BackendError(
+                    "a trace holds a constrained call (forced tool call or JSON schema): the megatron backend does "
+                    "not mask its logits by the constraint yet; train such runs with the torch backend"
+                )
             mask = batch.loss_mask
             check_untruncated(self.shape.vocab_size, batch.temperature[mask], batch.top_k[mask], batch.top_p[mask])
 

@@ -1,0 +1,236 @@
+"""Constrained decoding: an output constraint as a grammar, and the token masks it allows.
+
+One `OutputConstraint` (SamplingParams.constraint in common.proto) says what a reply must be: a
+prefix, one JSON value valid against a JSON schema, written canonically (no whitespace but a space
+after each "," and ":", as json.dumps writes it), a suffix, then a stop token. It becomes a Lark
+grammar for llguidance, whose JSON compiler turns the schema into grammar rules:
+
+    start: "<tool_call>\\n" value "\\n</tool_call>"
+    value: %json {... the schema, with its separators ...}
+
+The same grammar serves three places, so each masks exactly the same tokens:
+
+- the inference engine samples only what the mask allows at each step (`TokenGrammar.masks`), the
+  mask applied to the logits before temperature, top-k and top-p;
+- the trainer replays the grammar over the sampled ids (`TokenGrammar.replay`) and computes its
+  logprobs under the same masks, so the importance ratio of an unchanged policy is 1;
+- `polar verify` replays it too, and a sampled id the mask did not admit is a violation.
+
+Grammars are compiled once per constraint (`grammar`, cached, refusals included); a matcher for a
+new generation is a copy of the constraint's compiled one. A schema the compiler refuses raises
+`ConstraintError` with the compiler's first line, which the gateway returns as a 400.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from llguidance import LLExecutor, LLMatcher, LLTokenizer
+
+if TYPE_CHECKING:  # torch only where masks meet logits: the gateway and the records import this module
+    import torch
+
+# Canonical JSON: what json.dumps writes, and what the chat formats render tool calls with.
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+KINDS = ("tool_call", "json_schema")
+# Compiled grammars and matchers kept per process (a harness sends the same tools every call).
+CACHE_ENTRIES = 256
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be applied: a schema the grammar compiler refuses, or a bad field."""
+
+
+class ConstraintViolation(ValueError):
+    """A token sequence the constraint's mask does not admit; `index` is the first refused token."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+@dataclass(frozen=True)
+class OutputConstraint:
+    """SamplingParams.constraint, without the generated classes (see common.proto)."""
+
+    kind: str
+    json_schema: str
+    prefix: str = ""
+    suffix: str = ""
+
+    @classmethod
+    def from_proto(cls, message: Any) -> OutputConstraint:
+        """From a polar.v1.OutputConstraint; ConstraintError for an unknown kind or an empty schema."""
+        constraint = cls(message.kind, message.json_schema, message.prefix, message.suffix)
+        if constraint.kind not in KINDS:
+            raise ConstraintError(f"constraint kind {constraint.kind!r} is not one of {', '.join(KINDS)}")
+        if not constraint.json_schema:
+            raise ConstraintError("constraint json_schema is empty")
+        return constraint
+
+    def to_proto(self, message_class: Any) -> Any:
+        return message_class(kind=self.kind, json_schema=self.json_schema, prefix=self.prefix, suffix=self.suffix)
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+@lru_cache(maxsize=CACHE_ENTRIES)
+def _compile(constraint: OutputConstraint) -> tuple[str, str]:
+    """(llguidance grammar, "") or ("", the compiler's refusal): refusals are cached as well."""
+    try:
+        schema = json.loads(constraint.json_schema)
+    except ValueError as exc:
+        return "", f"the JSON schema is not JSON: {exc}"
+    if not isinstance(schema, dict):
+        return "", "the JSON schema must be a JSON object"
+    schema = {**schema, "x-guidance": JSON_OPTIONS}
+    parts = [_lark_string(constraint.prefix)] if constraint.prefix else []
+    parts.append("value")
+    if constraint.suffix:
+        parts.append(_lark_string(constraint.suffix))
+    lark = f"start: {' '.join(parts)}\nvalue: %json {json.dumps(schema, ensure_ascii=False)}\n"
+    grammar = LLMatcher.grammar_from_lark(lark)
+    problem = LLMatcher.validate_grammar(grammar)
+    if problem and not problem.startswith("WARNING"):
+        return "", _first_line(problem)
+    return grammar, ""
+
+
+def _first_line(problem: str) -> str:
+    """The compiler's message without its position in our own Lark text, which the caller never saw."""
+    return _POSITION.sub("", problem.splitlines()[0])
+
+
+_POSITION = re.compile(r"^at \d+\(\d+\): ")
+
+
+def grammar(constraint: OutputConstraint) -> str:
+    """The constraint's llguidance grammar; ConstraintError naming the problem when it has none."""
+    compiled, problem = _compile(constraint)
+    if problem:
+        raise ConstraintError(problem)
+    return compiled
+
+
+def bitmask_to_bool(bitmask: np.ndarray, vocab: int) -> np.ndarray:
+    """int32 [B, W] bitmask (bit j of word w: token 32w + j) -> bool [B, vocab]; False past 32W.
+
+    numpy's unpackbits, not torch bit shifts: a 32 x 49k mask takes a tenth of a millisecond."""
+    bits = np.unpackbits(np.ascontiguousarray(bitmask).view(np.uint8), axis=-1, bitorder="little").view(np.bool_)
+    if bits.shape[1] >= vocab:
+        return bits[:, :vocab]
+    return np.pad(bits, ((0, 0), (0, vocab - bits.shape[1])))
+
+
+class TokenGrammar:
+    """Constraints bound to one tokenizer: matchers for generations, their masks, replays.
+
+    `vocab_size` is the model's output size (it may exceed the tokenizer's; the extra ids are never
+    allowed); `eos_ids` are the ids that end a reply, allowed where the constraint is complete.
+    """
+
+    def __init__(self, hf_tokenizer: Any, eos_ids: Sequence[int], vocab_size: int) -> None:
+        from llguidance.hf import from_tokenizer
+
+        self.tokenizer: LLTokenizer = from_tokenizer(hf_tokenizer, eos_token=list(eos_ids))
+        self.vocab_size = vocab_size
+        self._words = (self.tokenizer.vocab_size + 31) // 32
+        self._executor = LLExecutor()
+        self._compiled: OrderedDict[OutputConstraint, LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_model(cls, spec: str, vocab_size: int | None = None) -> TokenGrammar:
+        """The grammar of a model ("tiny", "smollm2-135m" or a folder), ending replies where its torch
+        engine does (polar.inference.models.end_token_ids): what the trainer and `polar verify` replay."""
+        from transformers import AutoTokenizer
+
+        from polar.inference import models
+
+        folder = models.resolve_model(spec)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return cls(tokenizer, models.end_token_ids(folder, tokenizer), vocab_size or len(tokenizer))
+
+    def matcher(self, constraint: OutputConstraint) -> LLMatcher:
+        """A fresh matcher at the start of a reply; ConstraintError when the constraint cannot compile."""
+        with self._lock:
+            compiled = self._compiled.get(constraint)
+            if compiled is None:
+                compiled = LLMatcher(self.tokenizer, grammar(constraint), log_level=0)
+                if compiled.is_error():
+                    raise ConstraintError(_first_line(compiled.get_error()))
+                self._compiled[constraint] = compiled
+                if len(self._compiled) > CACHE_ENTRIES:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(constraint)
+        return compiled.deep_copy()
+
+    def masks(self, matchers: Sequence[LLMatcher]) -> np.ndarray:
+        """bool [len(matchers), vocab_size]: the tokens each matcher allows next (computed in parallel)."""
+        bitmask = np.zeros((len(matchers), self._words), dtype=np.int32)
+        self._executor.unsafe_compute_mask_ptr(
+            [(matcher, row) for row, matcher in enumerate(matchers)],
+            bitmask.ctypes.data,
+            self._words * 4,
+            len(matchers),
+        )
+        return bitmask_to_bool(bitmask, self.vocab_size)
+
+    def replay(self, constraint: OutputConstraint, token_ids: Sequence[int]) -> np.ndarray:
+        """bool [len(token_ids), vocab_size]: the mask each token was sampled under.
+
+        Raises ConstraintViolation at the first token its mask did not allow (or, for a generation cut
+        short, never: a prefix of an admitted reply is admitted token by token)."""
+        matcher = self.matcher(constraint)
+        masks = np.zeros((len(token_ids), self.vocab_size), dtype=np.bool_)
+        for index, token in enumerate(token_ids):
+            masks[index] = self.masks([matcher])[0]
+            if not masks[index, token] or not matcher.consume_token(token):
+                raise ConstraintViolation(
+                    index, f"sampled token {index} (id {token}) is not admitted by the {constraint.kind} constraint"
+                )
+        return masks
+
+
+def mask_logits_(logits: torch.Tensor, rows: Sequence[int], allowed: np.ndarray) -> None:
+    """Set logits [N, V] to -inf in place where allowed [len(rows), V] is False, for those rows: the
+    constraint's mask, applied before temperature, top-k and top-p, so that the distribution sampled
+    from is renormalised over it. On the CPU through numpy (torch's masked fill took ten times as
+    long on two busy cores); on a GPU the mask goes over once, pinned."""
+    import torch
+
+    from polar.inference.sampling import to_device
+
+    if logits.device.type == "cpu":
+        view = logits.numpy()
+        if len(rows) == view.shape[0]:
+            np.putmask(view, ~allowed, -np.inf)
+        else:
+            for row, mask in zip(rows, allowed):
+                np.putmask(view[row], ~mask, -np.inf)
+        return
+    index = torch.as_tensor(list(rows), device=logits.device)
+    disallowed = to_device(torch.from_numpy(~allowed), logits.device)
+    logits[index] = logits[index].masked_fill(disallowed, -torch.inf)
+
+
+def masked_logits(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] with -inf where allowed [len(rows), V] (bool) is False on those rows; differentiable
+    (the trainer's logits), the rows left out untouched."""
+    import torch
+
+    if not len(rows):
+        return logits
+    rows = rows.to(logits.device)
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed.to(logits.device), -torch.inf))

@@ -1,0 +1,287 @@
+"""Forced tool calls and JSON-schema output through each official SDK, kept by constrained decoding.
+
+The tiny model (random weights) through the gateway: left alone it never writes a tool call
+or JSON. Each dialect's forcing option, and each schema option, 50 calls (25 at a time): every reply holds a
+call the SDK parses, of an allowed function, with arguments valid for its schema (or JSON valid for
+the response schema), and the record says which constraint applied. A constrained reply cut by its
+max tokens is a length finish, recorded as truncated; a schema the compiler refuses is a 400 in the
+caller's dialect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import anthropic
+import httpx2
+import jsonschema
+import openai
+import pytest
+from google import genai
+from google.genai import errors as genai_errors
+from google.genai import types
+
+from gateway.testing import running_gateway
+from polar.inference.engines import create_engine
+from polar.inference.engines.base import EngineOptions
+from polar.v1 import common_pb2
+
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+
+CALLS = 50
+AT_ONCE = 25  # calls in flight at once
+MAX_TOKENS = 64  # every bounded reply below fits in about 35 tokens
+PROMPT = "What is the weather like?"
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+ALARM = {
+    "type": "object",
+    "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23}, "loud": {"type": "boolean"}},
+    "required": ["hour", "loud"],
+    "additionalProperties": False,
+}
+TOOLS = {"get_weather": WEATHER, "set_alarm": ALARM}
+ANSWER = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 10},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
+
+CLIENTS: list[httpx2.AsyncClient] = []
+
+
+@pytest.fixture(scope="module")
+async def gateway():
+    engine = create_engine("torch", EngineOptions(model="tiny", max_batch_size=AT_ONCE))
+    # Without Envoy: on two busy cores, 25 streams of the engine's worker can delay the inference
+    # server's answers to Envoy's health checks past their 1 s timeout, and Envoy then takes it out of
+    # rotation (503). What is under test here is the gateway and the engine, not Envoy's checks.
+    async with running_gateway(engine=engine, envoy=False) as running:
+        yield running
+        while CLIENTS:
+            await CLIENTS.pop().aclose()
+
+
+async def _all(calls) -> list:
+    """The calls' results, at most AT_ONCE running at a time."""
+    gate = asyncio.Semaphore(AT_ONCE)
+
+    async def gated(call):
+        async with gate:
+            return await call
+
+    return await asyncio.gather(*(gated(call) for call in calls))
+
+
+def _http() -> httpx2.AsyncClient:
+    client = httpx2.AsyncClient(timeout=300)
+    CLIENTS.append(client)
+    return client
+
+
+def _openai(gateway, key):
+    return openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, http_client=_http())
+
+
+def _anthropic(gateway, key):
+    return anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=key, max_retries=0, http_client=_http())
+
+
+def _gemini(gateway, key):
+    options = types.HttpOptions(base_url=gateway.base_url, httpx_async_client=_http())
+    return genai.Client(api_key=key, http_options=options).aio.models
+
+
+# -- one forced call per dialect: returns (function name, arguments) as the SDK parsed them ------------
+
+
+async def chat_call(gateway, key, allowed: list[str]) -> tuple[str, dict]:
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS.items()]
+    choice = "required" if len(allowed) > 1 else {"type": "function", "function": {"name": allowed[0]}}
+    completion = await _openai(gateway, key).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], tools=tools, tool_choice=choice,
+        max_tokens=MAX_TOKENS, temperature=1.0,
+    )
+    assert completion.choices[0].finish_reason == "tool_calls"
+    (call,) = completion.choices[0].message.tool_calls
+    return call.function.name, json.loads(call.function.arguments)
+
+
+async def responses_call(gateway, key, allowed: list[str]) -> tuple[str, dict]:
+    tools = [{"type": "function", "name": n, "parameters": s, "strict": False} for n, s in TOOLS.items()]
+    choice = "required" if len(allowed) > 1 else {"type": "function", "name": allowed[0]}
+    response = await _openai(gateway, key).responses.create(
+        model="tiny", input=PROMPT, tools=tools, tool_choice=choice, max_output_tokens=MAX_TOKENS, temperature=1.0
+    )
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    return call.name, json.loads(call.arguments)
+
+
+async def anthropic_call(gateway, key, allowed: list[str]) -> tuple[str, dict]:
+    tools = [{"name": n, "input_schema": s} for n, s in TOOLS.items()]
+    choice = {"type": "any"} if len(allowed) > 1 else {"type": "tool", "name": allowed[0]}
+    message = await _anthropic(gateway, key).messages.create(
+        model="tiny", max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": PROMPT}], tools=tools,
+        tool_choice=choice,
+    )
+    assert message.stop_reason == "tool_use"
+    (call,) = [block for block in message.content if block.type == "tool_use"]
+    return call.name, call.input
+
+
+async def gemini_call(gateway, key, allowed: list[str]) -> tuple[str, dict]:
+    declarations = [types.FunctionDeclaration(name=n, parameters_json_schema=s) for n, s in TOOLS.items()]
+    config = types.GenerateContentConfig(
+        tools=[types.Tool(function_declarations=declarations)],
+        tool_config=types.ToolConfig(
+            function_calling_config=types.FunctionCallingConfig(mode="ANY", allowed_function_names=allowed)
+        ),
+        max_output_tokens=MAX_TOKENS,
+        temperature=1.0,
+    )
+    response = await _gemini(gateway, key).generate_content(model="tiny", contents=PROMPT, config=config)
+    (call,) = response.function_calls
+    return call.name, call.args
+
+
+FORCING = {"chat": chat_call, "responses": responses_call, "anthropic": anthropic_call, "gemini": gemini_call}
+
+
+@pytest.mark.parametrize("dialect", FORCING)
+async def test_a_forced_call_is_always_a_valid_call_of_an_allowed_function(gateway, dialect):
+    key = gateway.open_session(task_id=f"forced {dialect}")
+    # Half the calls force one named function, half any of the two (required / any / ANY).
+    choices = [["set_alarm"] if index % 2 else list(TOOLS) for index in range(CALLS)]
+    calls = await _all(FORCING[dialect](gateway, key, allowed) for allowed in choices)
+    for allowed, (name, arguments) in zip(choices, calls):
+        assert name in allowed
+        jsonschema.validate(arguments, TOOLS[name])
+    records = gateway.records(key)
+    assert len(records) == CALLS
+    for record in records:
+        assert record.sampling.constraint.kind == "tool_call"
+        assert record.finish_reason == common_pb2.FINISH_REASON_STOP and not record.truncated
+        assert record.forced_token_count == 0  # the grammar opens the call: every token is sampled
+
+
+# -- JSON-schema output per dialect: returns the reply's text --------------------------------------------
+
+
+async def chat_json(gateway, key, max_tokens=MAX_TOKENS) -> tuple[str, str]:
+    completion = await _openai(gateway, key).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens, temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}},
+    )
+    return completion.choices[0].message.content, completion.choices[0].finish_reason
+
+
+async def responses_json(gateway, key) -> tuple[str, str]:
+    response = await _openai(gateway, key).responses.create(
+        model="tiny", input=PROMPT, max_output_tokens=MAX_TOKENS, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}},
+    )
+    return response.output_text, response.status
+
+
+async def gemini_json(gateway, key) -> tuple[str, str]:
+    config = types.GenerateContentConfig(
+        response_mime_type="application/json", response_json_schema=ANSWER, max_output_tokens=MAX_TOKENS,
+        temperature=1.0,
+    )
+    response = await _gemini(gateway, key).generate_content(model="tiny", contents=PROMPT, config=config)
+    return response.text, response.candidates[0].finish_reason.value
+
+
+async def gemini_schema_json(gateway, key) -> tuple[str, str]:
+    """The API's own Schema (upper-case type names), as the SDK writes a `response_schema`."""
+    schema = types.Schema(
+        type="OBJECT",
+        properties={
+            "answer": types.Schema(type="STRING", enum=["yes", "no", "maybe"]),
+            "score": types.Schema(type="INTEGER", minimum=0, maximum=10),
+        },
+        required=["answer", "score"],
+    )
+    config = types.GenerateContentConfig(
+        response_mime_type="application/json", response_schema=schema, max_output_tokens=MAX_TOKENS, temperature=1.0
+    )
+    response = await _gemini(gateway, key).generate_content(model="tiny", contents=PROMPT, config=config)
+    return response.text, response.candidates[0].finish_reason.value
+
+
+SCHEMA_OUTPUT = {"chat": chat_json, "responses": responses_json, "gemini": gemini_json, "gemini_schema": gemini_schema_json}
+COMPLETE = {"chat": "stop", "responses": "completed", "gemini": "STOP", "gemini_schema": "STOP"}
+
+
+@pytest.mark.parametrize("dialect", SCHEMA_OUTPUT)
+async def test_json_schema_output_always_validates(gateway, dialect):
+    key = gateway.open_session(task_id=f"schema {dialect}")
+    calls = CALLS if dialect != "gemini_schema" else AT_ONCE  # the same check as gemini's, on another schema form
+    replies = await _all(SCHEMA_OUTPUT[dialect](gateway, key) for _ in range(calls))
+    for text, finish in replies:
+        assert finish == COMPLETE[dialect]
+        jsonschema.validate(json.loads(text), ANSWER)
+    assert all(record.sampling.constraint.kind == "json_schema" for record in gateway.records(key))
+
+
+async def test_a_constrained_reply_cut_by_max_tokens_is_a_truncated_length_finish(gateway):
+    key = gateway.open_session(task_id="cut")
+    free_text = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    completion = await _openai(gateway, key).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=6, temperature=1.0,
+        response_format={"type": "json_schema", "json_schema": {"name": "story", "schema": free_text}},
+    )
+    assert completion.choices[0].finish_reason == "length"
+    (record,) = gateway.records(key)
+    assert record.finish_reason == common_pb2.FINISH_REASON_LENGTH and record.truncated
+    assert len(record.sampled_token_ids) == 6
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(completion.choices[0].message.content)
+
+
+# -- a schema the compiler refuses: 400 in each dialect, naming the problem -------------------------------
+
+
+async def test_a_schema_the_compiler_refuses_is_a_400_in_each_dialect(gateway):
+    key = gateway.open_session(task_id="bad schema")
+    problem = "does not exist"  # the compiler's words for the dangling $ref
+    with pytest.raises(openai.BadRequestError) as chat_error:
+        await _openai(gateway, key).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}], tool_choice="required",
+        )
+    assert problem in str(chat_error.value) and "'f'" in str(chat_error.value)
+    with pytest.raises(openai.BadRequestError) as responses_error:
+        await _openai(gateway, key).responses.create(
+            model="tiny", input=PROMPT, max_output_tokens=8,
+            text={"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}},
+        )
+    assert problem in str(responses_error.value)
+    with pytest.raises(anthropic.BadRequestError) as anthropic_error:
+        await _anthropic(gateway, key).messages.create(
+            model="tiny", max_tokens=8, messages=[{"role": "user", "content": PROMPT}],
+            tools=[{"name": "f", "input_schema": BAD_SCHEMA}], tool_choice={"type": "any"},
+        )
+    assert problem in str(anthropic_error.value)
+    with pytest.raises(genai_errors.ClientError) as gemini_error:
+        await _gemini(gateway, key).generate_content(
+            model="tiny", contents=PROMPT,
+            config=types.GenerateContentConfig(response_mime_type="application/json", response_json_schema=BAD_SCHEMA),
+        )
+    assert gemini_error.value.code == 400 and problem in str(gemini_error.value)
+    assert gateway.records(key) == []  # refused before anything was generated
