@@ -17,8 +17,6 @@ server already holds, and starts the rest.
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import sys
 import tempfile
 import threading
@@ -238,15 +236,7 @@ def generate(config: StackConfig, options: GenerateOptions, out: TextIO = sys.st
 def _run_on_stack(config: StackConfig, options: GenerateOptions, work, stop: threading.Event) -> None:
     """The stack of `config` with its rollout store in the output folder, `work` run once it serves;
     the stack stops when `work` ends."""
-    from polar.stack import run_stack
-
-    ending = threading.Lock()
-    finished = threading.Event()
-
-    def on_end() -> None:
-        with ending:
-            if not finished.is_set():
-                os.kill(os.getpid(), signal.SIGTERM)  # ends the supervision: the stack stops
+    from polar.stack import request_stop, run_stack
 
     stack = dataclasses.replace(
         config,
@@ -256,15 +246,13 @@ def _run_on_stack(config: StackConfig, options: GenerateOptions, work, stop: thr
     threads: list[threading.Thread] = []
 
     def start(addresses: dict[str, str]) -> None:
-        threads.append(threading.Thread(target=work, args=(addresses, on_end), daemon=True))
+        threads.append(threading.Thread(target=work, args=(addresses, request_stop), daemon=True))
         threads[0].start()
 
     try:
         run_stack(stack, on_ready=start)
     finally:
-        with ending:
-            finished.set()
-            stop.set()
+        stop.set()
         for thread in threads:
             thread.join(timeout=30)  # the attempt in hand is recorded whole before the manifest is written
 
