@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from polar.rollout.harness import PRESETS
 from polar.rollout.store import RolloutStore
 from polar.v1 import common_pb2
 from tests.integration.polar_cli import POLAR, Lines
+from tests.stack_config import write_stack_config
 from trainer.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.node]
@@ -114,46 +114,19 @@ def write_run(tmp_path: Path, harnesses: list[str], harness_bin: Path) -> Path:
     ]
     (tmp_path / "tasks.jsonl").write_text("".join(json.dumps(task) + "\n" for task in tasks))
     (tmp_path / "forced.json").write_text(json.dumps(forced_script()))
-    config = tmp_path / "train.toml"
-    config.write_text(
-        f"""
-[rollout]
-port = 0
-# A node is dead after 10 s without a heartbeat by default; under a load of 68 on two shared cores a
-# node missed them while its Gemini CLI session ran, and the session failed as abandoned.
-node_timeout_s = 120
-[inference]
-port = 0
-max_batch_size = 8
-forced_replies = "{tmp_path / "forced.json"}"
-[envoy]
-harness_port = 0
-inference_port = 0
-admin_port = 0
-[gateway]
-port = 0
-grpc_port = 0
-[node]
-init_workers = 2
-ready_slots = 4
-running_slots = 4
-postrun_workers = 2
-harness_path = "{harness_bin}"
-[trainer]
-port = 0
-model = "tiny"
-device = "cpu"
-dataset = "{tmp_path / "tasks.jsonl"}"
-steps = {STEPS}
-groups_per_step = {len(harnesses)}
-groups_ahead = 0
-lr = 1e-3
-seed = 0
-checkpoint_every = {STEPS}
-max_tokens_per_microbatch = 32768
-"""
-    )
-    return config
+    return write_stack_config(
+        tmp_path / "train.toml",
+        # A node is dead after 10 s without a heartbeat by default; under a load of 68 on two shared
+        # cores a node missed them while its Gemini CLI session ran, and the session failed as abandoned.
+        rollout={"node_timeout_s": 120},
+        inference={"max_batch_size": 8, "forced_replies": tmp_path / "forced.json"},
+        node={"init_workers": 2, "ready_slots": 4, "running_slots": 4, "postrun_workers": 2, "harness_path": harness_bin},
+        trainer={
+            "model": "tiny", "device": "cpu", "dataset": tmp_path / "tasks.jsonl", "steps": STEPS,
+            "groups_per_step": len(harnesses), "groups_ahead": 0, "lr": 1e-3, "seed": 0, "checkpoint_every": STEPS,
+            "max_tokens_per_microbatch": 32768,
+        },
+    )  # fmt: skip
 
 
 def released_trajectories(run_dir: Path) -> list[common_pb2.Trajectory]:
