@@ -37,6 +37,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +54,10 @@ from polar.service import ServiceError, ServiceSpec, connectable, join_host_port
 from polar.services import GATEWAY, INFERENCE, NODE, ROLLOUT
 
 HEALTH_POLL_SECONDS = 0.1
+# Whether run_stack supervises (its stop handlers are in place), for request_stop: a SIGTERM sent
+# after the stack restored the handlers it found would end the process instead.
+_stop_lock = threading.Lock()
+_supervising = False
 
 
 class StackError(ServiceError):
@@ -234,7 +239,10 @@ def run_stack(
     os.environ[credentials.ENV_VAR] = str(issued.folder)
     children: list[Service] = []
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    global _supervising
     try:
+        with _stop_lock:
+            _supervising = True
         with gateway_http:
             bound = dataclasses.replace(config, gateway=dataclasses.replace(gw, port=gateway_http.getsockname()[1]))
             specs = plan(bound, role, rollout)
@@ -266,6 +274,8 @@ def run_stack(
         # A second Ctrl-C must not cut the shutdown short and leave children behind.
         for signum in previous:
             signal.signal(signum, signal.SIG_IGN)
+        with _stop_lock:
+            _supervising = False
         _stop_all(children, config.stop_timeout_s)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -278,6 +288,20 @@ def run_stack(
 
 def _raise_stop(signum: int, frame: object) -> None:
     raise _StopRequested
+
+
+def request_stop() -> None:
+    """Ends `run_stack`'s supervision from another thread (a job started by `on_ready` that is done),
+    as SIGTERM from outside would; nothing once the stack is stopping or stopped.
+
+    The signal goes to the main thread itself: it alone runs Python's signal handlers, and it is the
+    one blocked in waitid. Sent to the process (os.kill(os.getpid())), the signal may be taken by any
+    of its threads, whose C handler then only marks it for the main thread, and that thread sleeps on
+    in waitid until some child exits: `polar generate` was seen not to return after its last attempt
+    that way."""
+    with _stop_lock:
+        if _supervising:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
 
 
 def _spawn(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -28,7 +27,7 @@ from polar.config import StackConfig, TrainerConfig
 from polar.inference.models import resolve_model
 from polar.service import ServiceSpec
 from polar.services import TRAINER
-from polar.stack import run_stack
+from polar.stack import request_stop, run_stack
 
 # Long enough to finish the micro-batch in progress and write a checkpoint of a small model on a CPU.
 TRAINER_STOP_TIMEOUT_S = 300.0
@@ -141,7 +140,7 @@ def evaluate(config: StackConfig, checkpoint: Path | None, out: Path) -> int:
         finally:
             with ending:
                 if not done.is_set():
-                    os.kill(os.getpid(), signal.SIGTERM)  # ends the supervision: the stack stops
+                    request_stop()  # ends the supervision: the stack stops
 
     with tempfile.TemporaryDirectory(prefix="polar-eval-") as scratch:
         stack = dataclasses.replace(

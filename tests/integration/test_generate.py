@@ -23,6 +23,7 @@ from polar.generate import export
 from polar.generate.run import GenerateOptions, export_released, generate
 from polar.rollout.testing import TEST_NODE, running_rollout
 from polar.v1 import common_pb2
+from tests.stack_config import write_stack_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -178,3 +179,42 @@ def _check_row(row: dict, trajectory: common_pb2.Trajectory) -> None:
     assert json.loads(row["tools"]) == body["tools"]
     assert row["messages"][1]["tool_calls"][0]["function"]["name"] == "write_file"
 
+
+@pytest.mark.timeout(600)
+def test_the_command_starts_the_stack_and_a_rerun_repeats_nothing(tmp_path: Path):
+    """`polar generate --config` on the stack `polar up` would start (scripted model), with the
+    progress lines a pipe gets, Parquet output, and a rerun that finds every attempt done (and so
+    starts no stack)."""
+    from polar_cli import run
+
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(SCRIPT))
+    config = write_stack_config(
+        tmp_path / "stack.toml",
+        rollout={"heartbeat_interval_s": 0.2},
+        inference={"engine": "scripted", "script": script},
+        envoy={"workers": 1},
+        node={
+            "init_workers": 1, "ready_slots": 1, "running_slots": 2, "postrun_workers": 1, "harness_isolation": "none",
+            "template_roots": REPO,
+        },
+    )  # fmt: skip
+    tasks = _write_tasks(tmp_path / "tasks.jsonl", TASKS[:1])
+    out = tmp_path / "run"
+    argv = ("generate", tasks, "--config", str(config), "--attempts", "3", "--accept", "1", "--out", str(out), "--format", "parquet")
+    first = run(*argv, timeout=300)
+    assert first.returncode == 0, first.stderr
+    progress = [line for line in first.stdout.splitlines() if line.startswith("generate [")]
+    assert progress[-1].startswith("generate [##############################] 3/3 attempts, 2 accepted (66.7%)")
+    assert (out / "accepted.parquet").is_file() and (out / "rollout.db").is_file()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["model"]["engine"] == "scripted" and manifest["stack_config"]["inference"]["script"] == str(script)
+
+    again = run(*argv, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "3 attempts, 2 accepted (66.7%)" in again.stdout.splitlines()[-1]
+    assert "polar up:" not in again.stdout
+    assert sorted((a["attempt"], a["accepted"]) for a in _lines(out / "attempts.jsonl")) == [(0, True), (1, False), (2, True)]
+
+    other = run("generate", tasks, "--config", str(config), "--attempts", "3", "--accept", "0.5", "--out", str(out))
+    assert other.returncode == 1 and other.stderr.startswith("polar: error: ") and "accept 1.0 -> 0.5" in other.stderr

@@ -24,6 +24,7 @@ import torch
 from polar import credentials
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.integration.polar_cli import POLAR, Lines
+from tests.stack_config import write_stack_config
 from trainer.metrics import STEP_KEYS, read_metrics
 
 pytestmark = pytest.mark.slow
@@ -41,7 +42,7 @@ MARGIN = 0.08
 
 
 def write_run(
-    tmp_path: Path, steps: int, top_p: float = 0.002, device: str = "cpu", groups_per_step: int = 2
+    tmp_path: Path, steps: int, top_p: float = 0.002, device: str = "cpu", groups_per_step: int = 2, **trainer
 ) -> Path:
     tasks = tmp_path / "tasks.jsonl"
     lines = [
@@ -58,40 +59,15 @@ def write_run(
         for i in range(4)
     ]
     tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = tmp_path / "train.toml"
-    config.write_text(
-        f"""
-[rollout]
-port = 0
-[inference]
-port = 0
-max_batch_size = 16
-[envoy]
-harness_port = 0
-inference_port = 0
-admin_port = 0
-[gateway]
-port = 0
-grpc_port = 0
-[node]
-init_workers = 2
-ready_slots = 4
-running_slots = 8
-postrun_workers = 2
-[trainer]
-port = 0
-model = "tiny"
-device = "{device}"
-dataset = "{tasks}"
-steps = {steps}
-groups_per_step = {groups_per_step}
-groups_ahead = 2
-lr = 2e-2
-seed = 0
-checkpoint_every = 2
-"""
-    )
-    return config
+    return write_stack_config(
+        tmp_path / "train.toml",
+        inference={"max_batch_size": 16},
+        node={"init_workers": 2, "ready_slots": 4, "running_slots": 8, "postrun_workers": 2},
+        trainer={
+            "model": "tiny", "device": device, "dataset": tasks, "steps": steps, "groups_per_step": groups_per_step,
+            "groups_ahead": 2, "lr": 2e-2, "seed": 0, "checkpoint_every": 2, **trainer,
+        },
+    )  # fmt: skip
 
 
 def start_train(config: Path, run_dir: Path, *options: str) -> tuple[subprocess.Popen, Lines]:
@@ -257,10 +233,9 @@ def test_polar_eval_scores_a_run_before_and_after_training(tmp_path: Path) -> No
     from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
     from trainer.checkpoints import TrainerState, save_checkpoint
 
-    config = write_run(tmp_path, steps=1)
     heldout = tmp_path / "heldout.jsonl"
+    config = write_run(tmp_path, steps=1, heldout=heldout, eval_samples=2, pass_threshold=0.5)
     heldout.write_text((tmp_path / "tasks.jsonl").read_text().splitlines(True)[0])
-    config.write_text(config.read_text() + f'heldout = "{heldout}"\neval_samples = 2\npass_threshold = 0.5\n')
     run_dir = tmp_path / "run"
     backend = TorchBackend(TorchBackendOptions(model="tiny", device="cpu"))
     save_checkpoint(run_dir / "checkpoints", backend, TrainerState(step=3, base_model="tiny"), "tiny")

@@ -23,6 +23,7 @@ from polar.inference.models import resolve_model
 from polar.rollout.store import RolloutStore
 from polar.v1 import common_pb2
 from tests.integration.polar_cli import POLAR
+from tests.stack_config import write_stack_config
 from trainer.metrics import read_metrics
 from trainer.screening import SCREEN_KEYS
 
@@ -59,34 +60,14 @@ def write_config(tmp_path: Path, model: Path) -> Path:
         for mode in ("compact", "overflow", "first")
     ]
     tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = tmp_path / "train.toml"
-    config.write_text(
-        f"""
-[rollout]
-port = 0
-[inference]
-port = 0
-[envoy]
-harness_port = 0
-inference_port = 0
-admin_port = 0
-[gateway]
-port = 0
-grpc_port = 0
-[node]
-running_slots = 4
-[trainer]
-port = 0
-model = "{model}"
-device = "cpu"
-dataset = "{tasks}"
-steps = 1
-groups_per_step = 3
-groups_ahead = 0
-lr = 1e-3
-"""
-    )
-    return config
+    return write_stack_config(
+        tmp_path / "train.toml",
+        node={"running_slots": 4},
+        trainer={
+            "model": model, "device": "cpu", "dataset": tasks, "steps": 1, "groups_per_step": 3, "groups_ahead": 0,
+            "lr": 1e-3,
+        },
+    )  # fmt: skip
 
 
 def released(run_dir: Path) -> list[common_pb2.Trajectory]:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from polar.generate.plan import Tally, accepted, attempt_order, next_attempt
-from polar.generate.run import RunFolder, parse_task_id, task_id
+from polar.generate.folder import RunFolder, parse_task_id, task_id
 
 # Drawing is cheap but the machine may be busy: no deadline, and no health check on slow draws.
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -2,7 +2,9 @@
 
 The upstream takes a prompt as token ids and returns the sampled token ids with their
 log-probabilities, so the records stay token-faithful without Polar holding the weights: the ids
-recorded are the upstream's, never text encoded again. Two protocols (``EngineOptions.extra["api"]``):
+recorded are the upstream's, never text encoded again. Two protocols (``EngineOptions.extra["api"]``;
+their request bodies and response readers are in upstream_protocols.py, the HTTP client in
+upstream_http.py):
 
 - ``vllm``: vLLM's OpenAI-compatible ``POST /v1/completions`` with the prompt as a list of ids,
   ``logprobs: 0`` (the sampled token's logprob) and ``return_tokens_as_token_ids`` (each token comes
@@ -36,12 +38,9 @@ Engine-specific settings (``EngineOptions.extra``; `polar serve inference --upst
 
 from __future__ import annotations
 
-import abc
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -59,8 +58,9 @@ from polar.inference.engines.base import (
     TokenChunk,
     WeightsFixed,
 )
+from polar.inference.engines.upstream_http import UpstreamError, UpstreamHttp, UpstreamRefused, error_message, events
+from polar.inference.engines.upstream_protocols import API_KINDS, PROTOCOLS, UpstreamModel
 
-API_KINDS = ("vllm", "sglang")
 DEFAULT_TIMEOUT_S = 120.0
 # Special tokens, code, digits, accents and an emoji: text on which tokenizers that differ in their
 # vocabulary, merges or special tokens encode differently.
@@ -70,282 +70,6 @@ PROBE_TEXT = (
 )
 _END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
-_ERROR_TEXT_LIMIT = 300
-
-
-class UpstreamError(RuntimeError):
-    """The upstream cannot serve as this engine: unreachable, refusing, or with another tokenizer.
-    The message names the upstream and says what differs."""
-
-
-class UpstreamRefused(Exception):
-    """The upstream answered a request with an error status; `status` and its body's message."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"HTTP {status}: {message}")
-        self.status = status
-        self.message = message
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one upstream event (or whole response) adds: sampled ids and logprobs, and the finish."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish: str | None = None  # the upstream's finish reason ("stop", "length", "abort"), None = more to come
-
-
-@dataclass(frozen=True)
-class UpstreamModel:
-    """What the upstream says it serves."""
-
-    name: str  # its model's name or path, for messages
-    served_name: str  # what requests ask for (vLLM's "model"); "" where the protocol has none
-    context_length: int  # 0 = not reported
-
-
-# ------------------------------------------------------------------------------------- protocols
-
-
-class Protocol(abc.ABC):
-    """One upstream API: where requests go, their bodies, and how responses read."""
-
-    generate_path: str
-
-    @abc.abstractmethod
-    def body(self, prompt: list[int], params: dict[str, Any], served_name: str, stream: bool) -> dict[str, Any]:
-        """The request body; `params` are the sampling settings in neutral names (see `_params`)."""
-
-    @abc.abstractmethod
-    def reader(self) -> StepReader:
-        """A reader of one response's events (or of the whole response)."""
-
-    @abc.abstractmethod
-    async def describe(self, http: _Http) -> UpstreamModel:
-        """The upstream's model name and context length."""
-
-    @abc.abstractmethod
-    async def encode(self, http: _Http, model: UpstreamModel, text: str) -> list[int]:
-        """How the upstream's tokenizer encodes `text` (without the special tokens a tokenizer adds)."""
-
-
-class StepReader(abc.ABC):
-    @abc.abstractmethod
-    def read(self, event: Mapping[str, Any]) -> Step:
-        """The new tokens and finish of one decoded JSON event."""
-
-
-class VLLMCompletions(Protocol):
-    """vLLM's /v1/completions with prompt ids, logprobs and tokens returned as ids."""
-
-    generate_path = "/v1/completions"
-
-    def body(self, prompt, params, served_name, stream):
-        return {
-            "model": served_name,
-            "prompt": prompt,
-            "max_tokens": params["max_tokens"],
-            "temperature": params["temperature"],
-            "top_p": params["top_p"],
-            "top_k": params["top_k"] or -1,
-            "seed": params["seed"],
-            "stop_token_ids": params["stop_token_ids"],
-            "ignore_eos": params["ignore_eos"],
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-            "stream": stream,
-        }
-
-    def reader(self) -> StepReader:
-        return _VLLMReader()
-
-    async def describe(self, http):
-        listing = await http.get_json("/v1/models")
-        data = listing.get("data") if isinstance(listing, dict) else None
-        if not data:
-            raise UpstreamError(f"the upstream at {http.base} lists no model at GET /v1/models")
-        chosen = next((m for m in data if m.get("id") == http.served_model), None) if http.served_model else data[0]
-        if chosen is None:
-            names = ", ".join(str(m.get("id")) for m in data)
-            raise UpstreamError(f"the upstream at {http.base} serves no model {http.served_model!r} (it serves {names})")
-        return UpstreamModel(
-            name=str(chosen.get("root") or chosen["id"]),
-            served_name=str(chosen["id"]),
-            context_length=int(chosen.get("max_model_len") or 0),
-        )
-
-    async def encode(self, http, model, text):
-        response = await http.post_json("/tokenize", {"model": model.served_name, "prompt": text, "add_special_tokens": False})
-        return [int(t) for t in response["tokens"]]
-
-
-class _VLLMReader(StepReader):
-    def read(self, event):
-        choices = event.get("choices") or []
-        if not choices:
-            return Step((), ())  # a usage-only chunk
-        choice = choices[0]
-        logprobs = choice.get("logprobs") or {}
-        tokens = logprobs.get("tokens") or []
-        ids = tuple(_token_id(token) for token in tokens)
-        values = tuple(float(v) for v in logprobs.get("token_logprobs") or [])
-        if len(values) != len(ids):
-            raise ValueError(f"the upstream sent {len(ids)} tokens with {len(values)} logprobs")
-        return Step(ids, values, choice.get("finish_reason"))
-
-
-def _token_id(token: str) -> int:
-    # return_tokens_as_token_ids: every token reads "token_id:N".
-    prefix, _, number = str(token).partition(":")
-    if prefix != "token_id" or not number.lstrip("-").isdigit():
-        raise ValueError(f"the upstream sent token {token!r}, not 'token_id:N' (is return_tokens_as_token_ids supported?)")
-    return int(number)
-
-
-class SGLangGenerate(Protocol):
-    """SGLang's native /generate with input ids and return_logprob."""
-
-    generate_path = "/generate"
-
-    def body(self, prompt, params, served_name, stream):
-        sampling = {
-            "max_new_tokens": params["max_tokens"],
-            "temperature": params["temperature"],
-            "top_p": params["top_p"],
-            "top_k": params["top_k"] or -1,
-            "stop_token_ids": params["stop_token_ids"],
-            "ignore_eos": params["ignore_eos"],
-            "skip_special_tokens": False,
-            "no_stop_trim": True,
-        }
-        if params["seed"] is not None:
-            sampling["sampling_seed"] = params["seed"]
-        return {"input_ids": prompt, "sampling_params": sampling, "return_logprob": True, "stream": stream}
-
-    def reader(self) -> StepReader:
-        return _SGLangReader()
-
-    async def describe(self, http):
-        info = await http.get_json("/get_model_info")
-        name = str(info.get("model_path") or info.get("tokenizer_path") or "sglang")
-        return UpstreamModel(name=name, served_name="", context_length=int(info.get("context_length") or 0))
-
-    async def encode(self, http, model, text):
-        # The prompt's own logprobs carry its ids: logprob_start_len 0 asks for all of them.
-        response = await http.post_json(
-            "/generate",
-            {"text": text, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True, "logprob_start_len": 0},
-        )
-        return [int(entry[1]) for entry in response["meta_info"]["input_token_logprobs"]]
-
-
-class _SGLangReader(StepReader):
-    """SGLang streams the output's logprobs so far with every event: only the new tail is a step."""
-
-    def __init__(self) -> None:
-        self._seen = 0
-
-    def read(self, event):
-        meta = event.get("meta_info") or {}
-        entries = meta.get("output_token_logprobs") or []
-        new = entries[self._seen :]
-        self._seen = max(self._seen, len(entries))
-        finish = meta.get("finish_reason")
-        reason = finish.get("type") if isinstance(finish, dict) else finish
-        return Step(tuple(int(e[1]) for e in new), tuple(float(e[0]) for e in new), reason)
-
-
-PROTOCOLS: dict[str, type[Protocol]] = {"vllm": VLLMCompletions, "sglang": SGLangGenerate}
-
-
-# ------------------------------------------------------------------------------------------ HTTP
-
-
-class _Http:
-    """The engine's HTTP client of one upstream: JSON calls and event streams, with the engine's timeouts."""
-
-    def __init__(self, base: str, served_model: str, timeout_s: float) -> None:
-        self.base = base.rstrip("/")
-        # "unix:PATH": a server listening on a Unix socket (vLLM's --uds); requests name any host.
-        self._socket = self.base[len("unix:") :] if self.base.startswith("unix:") else ""
-        self._root = "http://localhost" if self._socket else self.base
-        self.served_model = served_model
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            # Generations run at once as the gateway asks: no pool limit of our own.
-            connector = aiohttp.UnixConnector(path=self._socket, limit=0) if self._socket else aiohttp.TCPConnector(limit=0)
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def get_json(self, path: str) -> Any:
-        async with self.session.get(self._root + path) as response:
-            return await _json_or_refusal(response)
-
-    async def post_json(self, path: str, body: Mapping[str, Any]) -> Any:
-        async with self.session.post(self._root + path, json=body) as response:
-            return await _json_or_refusal(response)
-
-    def post(self, path: str, body: Mapping[str, Any]):
-        return self.session.post(self._root + path, json=body)
-
-
-async def _json_or_refusal(response) -> Any:
-    text = await response.text()
-    if response.status >= 400:
-        raise UpstreamRefused(response.status, _error_message(text))
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        raise UpstreamRefused(response.status, f"not JSON: {text[:_ERROR_TEXT_LIMIT]!r}") from None
-
-
-def _error_message(text: str) -> str:
-    """The message of an upstream's error body (OpenAI's {"error": {"message"}}, FastAPI's
-    {"detail"}, SGLang's {"error": {...}} or {"message"}), else its first characters."""
-    try:
-        body = json.loads(text)
-    except json.JSONDecodeError:
-        return text[:_ERROR_TEXT_LIMIT].strip() or "(empty body)"
-    if isinstance(body, dict):
-        error = body.get("error", body)
-        if isinstance(error, dict):
-            for key in ("message", "detail"):
-                if error.get(key):
-                    return str(error[key])[:_ERROR_TEXT_LIMIT]
-        elif isinstance(error, str):
-            return error[:_ERROR_TEXT_LIMIT]
-        if body.get("detail"):
-            return str(body["detail"])[:_ERROR_TEXT_LIMIT]
-    return text[:_ERROR_TEXT_LIMIT]
-
-
-async def _events(response) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payloads of a server-sent event stream, up to `data: [DONE]` or its end."""
-    async for raw in response.content:
-        line = raw.decode("utf-8", "replace").strip()
-        if not line.startswith("data:"):
-            continue
-        payload = line[len("data:") :].strip()
-        if payload == "[DONE]":
-            return
-        event = json.loads(payload)
-        if isinstance(event, dict) and "error" in event and not event.get("choices") and not event.get("meta_info"):
-            raise UpstreamRefused(200, _error_message(payload))
-        yield event
-
-
-# ----------------------------------------------------------------------------------------- engine
 
 
 class UpstreamEngine(Engine):
@@ -366,7 +90,7 @@ class UpstreamEngine(Engine):
             raise ValueError(f"upstream api {api!r} is not one of {', '.join(API_KINDS)}")
         self._protocol = PROTOCOLS[api]()
         self._api = api
-        self._http = _Http(url, extra.get("served_model", ""), float(extra.get("timeout_s", DEFAULT_TIMEOUT_S)))
+        self._http = UpstreamHttp(url, extra.get("served_model", ""), float(extra.get("timeout_s", DEFAULT_TIMEOUT_S)))
         self._folder = models.resolve_model(options.model)
         self._model_spec = options.model
         self._tokenizer = _load_tokenizer(self._folder)
@@ -497,8 +221,8 @@ class UpstreamEngine(Engine):
             # upstream sees its client go and aborts the request.
             async with self._http.post(self._protocol.generate_path, body) as response:
                 if response.status >= 400:
-                    raise UpstreamRefused(response.status, _error_message(await response.text()))
-                async for event in _events(response):
+                    raise UpstreamRefused(response.status, error_message(await response.text()))
+                async for event in events(response):
                     step = reader.read(event)
                     if step.token_ids:
                         if completion == 0:
