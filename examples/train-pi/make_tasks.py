@@ -3,16 +3,20 @@
     python3 examples/train-pi/make_tasks.py
 
 Each task asks Pi (the unmodified CLI, in its default Chat Completions dialect) to save one word in
-answer.txt with its write tool. The workspace is a copy of workspace/: the evaluator (check.py WORD)
-and Pi's project system prompt, .pi/SYSTEM.md, which Pi reads from the folder it runs in. The reward
-is read from the files, never from Pi's reply: 1 when answer.txt holds the word, 0.5 when a tool call
-wrote some other file, 0 when nothing was written.
+answer.txt with its write tool, and shows the tool call to reply with. The workspace is a copy of
+workspace/: the evaluator (check.py WORD) and Pi's project system prompt, .pi/SYSTEM.md, which Pi reads
+from the folder it runs in instead of its own. The reward is read from the files, never from Pi's
+reply: 1 when answer.txt holds the word, 0.5 when a tool call wrote some other file, 0 when nothing
+was written.
 
-Why this task (measured on SmolLM2-135M-Instruct through Pi; figures in the README's Pi example):
-with Pi's own 1.5k-token system prompt the model never calls a tool, even when the instruction spells
-out the exact call to make, so every reward is 0 and GRPO has nothing to learn from. Pi's project
-system prompt, a few lines showing what a tool call looks like, is what brings the model's first
-tool calls into reach; the instruction itself names the tool and the file, not the call.
+Why this task (SmolLM2-135M-Instruct through Pi, counted from the sessions' files): with Pi's own
+1.5k-token system prompt the model never called a tool, not even when the instruction spelled out the
+exact call (0 of 2 greedy, 0 of 8 sampled at temperature 1.0), nor when it gave the call's format
+(0 of 2, 0 of 16); asked only to "create a file named answer.txt that contains the word W", 0 of 8 and
+0 of 32. Every reward 0 leaves GRPO nothing to learn from. Pi's project system prompt of five lines,
+showing one tool call, and the call in the instruction, sampled at temperature 0.7 (at 1.0 the
+model's text was incoherent and wrote nothing: 0 of 16), are what bring its first tool calls into
+reach: a few sessions of a group write the file, most print text.
 
 The words are split at random (seeded, so reruns write the same files) into a training set and a
 disjoint held-out set. Each task runs a group of GROUP_SIZE sessions at temperature TEMPERATURE, each
@@ -28,7 +32,7 @@ from pathlib import Path
 
 SEED = 7
 GROUP_SIZE = 8
-TEMPERATURE = 1.0
+TEMPERATURE = 0.7
 MAX_TOKENS_PER_CALL = 64
 MAX_TOKENS_PER_SESSION = 192
 HELD_OUT = 16
@@ -52,7 +56,8 @@ HEADER = """\
 
 
 def instruction(word: str) -> str:
-    return f"Use the write tool to save the word {word} in a file named answer.txt."
+    call = json.dumps({"name": "write", "arguments": {"path": "answer.txt", "content": word}})
+    return f"Save the word {word} in answer.txt. Reply with this tool call:\n<tool_call>\n{call}\n</tool_call>"
 
 
 def task(word: str, split: str) -> dict:
