@@ -128,8 +128,11 @@ async def test_sessions_stay_on_their_server_and_a_joining_server_takes_a_third_
                 after = await load.sessions(placed)
                 stayed = sum(after[s] == before[s] for s in placed) / SESSIONS
                 assert stayed >= 0.6, f"only {stayed:.0%} of placed sessions stayed"
-                # A session that moved went to the new server, never between the old two.
-                assert all(after[s] in (before[s], "c") for s in placed)
+                # A session that moved went, nearly always, to the new server: Maglev's table moves a
+                # few entries between the old servers too when one joins (its disruption is small,
+                # not zero).
+                between_old = sum(after[s] not in (before[s], "c") for s in placed)
+                assert between_old <= 0.05 * SESSIONS, f"{between_old} of {SESSIONS} sessions moved between the old servers"
                 fresh = await load.sessions([f"new-{i}" for i in range(SESSIONS)])
                 share = Counter(fresh.values())
                 assert 0.25 <= share["c"] / SESSIONS <= 0.42, f"the new server took {share['c']} of {SESSIONS} new sessions"
