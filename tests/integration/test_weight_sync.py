@@ -11,57 +11,20 @@ import time
 
 import grpc
 import pytest
-import torch
+from tiny_servers import TinyServer, new_weights
 
-from polar.inference.engines import EngineOptions, create_engine
-from polar.inference.server import start_server
-from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from polar.v1 import inference_pb2
 from trainer.weight_sync import InferencePool, WeightSyncError, tensor_messages
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
-class Server:
-    """A tiny-model inference server of this process."""
-
-    async def start(self) -> Server:
-        self.engine = create_engine("torch", EngineOptions(model="tiny", device="cpu", dtype="float32", max_batch_size=2))
-        self.server, port = await start_server(self.engine)
-        self.address = f"127.0.0.1:{port}"
-        self.channel = grpc.aio.insecure_channel(self.address)
-        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
-        return self
-
-    async def stop(self) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
-        await self.engine.stop()
-
-    async def info(self) -> inference_pb2.ModelInfo:
-        return (await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())).model_info
-
-    async def greedy(self, max_tokens: int = 8) -> tuple[list[int], set[int]]:
-        request = inference_pb2.GenerateRequest(
-            prompt_token_ids=(1, 9690, 28, 905),
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        )
-        messages = [m async for m in self.stub.Generate(request)]
-        return [t for m in messages for t in m.token_ids], {m.policy_version for m in messages if m.token_ids}
-
-
 @pytest.fixture
 async def servers():
-    started = [await Server().start(), await Server().start()]
+    started = [await TinyServer().start(), await TinyServer().start()]
     yield started
     for server in started:
         await server.stop()
-
-
-def new_weights(server: Server, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {
-        name: torch.randn(spec.shape, generator=generator) * 0.5 for name, spec in server.engine.parameter_specs().items()
-    }
 
 
 async def test_a_server_that_dies_mid_sync_leaves_the_others_on_the_old_version(servers):

@@ -15,14 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
+from tiny_servers import TinyServer, new_weights
 
 from polar.inference import collective
-from polar.inference.engines import EngineOptions, create_engine
-from polar.inference.server import start_server
-from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from trainer.weight_sync import InferencePool, WeightSyncError
 
 pytestmark = [
@@ -32,7 +29,6 @@ pytestmark = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
-PROMPT = (1, 9690, 28, 905)
 _SERVE = """
 import asyncio, sys
 from polar.inference.engines import EngineOptions, create_engine
@@ -46,48 +42,12 @@ asyncio.run(main())
 """
 
 
-class Server:
-    """A tiny-model inference server of this process."""
-
-    async def start(self, policy_version: int = 0) -> Server:
-        options = EngineOptions(model="tiny", device="cpu", dtype="float32", max_batch_size=2, policy_version=policy_version)
-        self.engine = create_engine("torch", options)
-        self.server, port = await start_server(self.engine)
-        self.address = f"127.0.0.1:{port}"
-        self.channel = grpc.aio.insecure_channel(self.address)
-        self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)
-        return self
-
-    async def stop(self) -> None:
-        await self.channel.close()
-        await self.server.stop(None)
-        await self.engine.stop()
-
-    async def info(self) -> inference_pb2.ModelInfo:
-        return (await self.stub.GetModelInfo(inference_pb2.GetModelInfoRequest())).model_info
-
-    async def greedy(self) -> tuple[list[int], set[int]]:
-        request = inference_pb2.GenerateRequest(
-            prompt_token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        )
-        messages = [m async for m in self.stub.Generate(request)]
-        return [t for m in messages for t in m.token_ids], {m.policy_version for m in messages if m.token_ids}
-
-    def parameters(self) -> dict[str, torch.Tensor]:
-        return dict(self.engine.model.named_parameters())
-
-
 @pytest.fixture
 async def servers():
-    started = [await Server().start(), await Server().start()]
+    started = [await TinyServer().start(), await TinyServer().start()]
     yield started
     for server in started:
         await server.stop()
-
-
-def new_weights(server: Server, seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(spec.shape, generator=generator) * 0.5 for name, spec in server.engine.parameter_specs().items()}
 
 
 async def push(addresses: list[str], weights, transport: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = 30.0):
@@ -113,7 +73,7 @@ async def test_after_a_gloo_sync_every_server_holds_the_trainer_s_tensors_and_a_
         assert all(torch.equal(held[name], tensor) for name, tensor in weights.items())
         assert (await server.greedy())[1] == {1}
     # A server started later (at the run's version) is a member of the next sync's group.
-    late = await Server().start(policy_version=1)
+    late = await TinyServer().start(policy_version=1)
     try:
         weights = new_weights(first, seed=2)
         result = await push([first.address, second.address, late.address], weights.items)
