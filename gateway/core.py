@@ -85,7 +85,7 @@ DEFAULT_GENERATE_TIMEOUT_S = 900.0
 # The engine may send nothing for this long (before the first token or between two) before the
 # generation is abandoned as hung: long enough for a long prompt's prefill on a CPU, or a call held
 # while a weight update pauses the server.
-DEFAULT_TOKEN_TIMEOUT_S = 120.0
+DEFAULT_TOKEN_TIMEOUT_S = 600.0
 # Each message of a token stream costs the gateway (and the inference server) about the same CPU,
 # 0.1-0.3 ms here (scripts/bench_token_stream.py), however many tokens it holds; an engine decoding a
 # token per step would send one per token. A tenth of a second still streams text to a harness smoothly.

@@ -175,7 +175,8 @@ class GatewayConfig:
     # hung: the harness gets a retryable "overloaded" error in its dialect (a stream ends with the
     # dialect's error event) and the call is recorded as failed. The wait counts from the prompt's
     # sending, so it covers the server's queue, a weight update's pause and the prompt's prefill.
-    token_timeout_s: Seconds = 120.0
+    # 16 CLI sessions' first calls queued on 2 CPU cores under load waited over 120 s.
+    token_timeout_s: Seconds = 600.0
     # The inference server sends a generation's tokens at most this often (the last at once): each
     # message costs the gateway and the server about the same CPU however many tokens it holds. 0 =
     # each step's tokens as soon as they are ready; at most 1.
@@ -316,7 +317,9 @@ class TrainerConfig:
     advantage_scale: Literal["std", "none"] = "std"  # "std": (r - mean) / std within the group; "none": r - mean
     leave_one_out: bool = False  # baseline = the mean of the group's other rewards
     loss_aggregation: Literal["token", "session"] = "token"  # "token": every trainable token weighs the same; "session": each session's mean
-    max_tokens_per_microbatch: Positive = 8192  # tokens computed in one forward pass; a longer trace is left out (too_long)
+    # tokens computed in one forward pass; a longer trace is left out (too_long). 0 = the model's context
+    # length, so no trace the model could hold is left out
+    max_tokens_per_microbatch: Count = 0
     # a trace longer than max_tokens_per_microbatch: "group" leaves its whole GRPO group out of the step,
     # "session" only its session (the group's advantages taken over the rest); counted and warned either way
     too_long: Literal["group", "session"] = "group"
@@ -327,7 +330,9 @@ class TrainerConfig:
     stale_groups: Literal["drop", "keep"] = "drop"  # groups past max_staleness: dropped, or kept (importance-weighted)
     train_truncated: bool = True  # train on traces with a call that a sampling cap cut short
     pass_threshold: float = 1.0  # a session passes when its reward is at least this (pass_rate, polar eval)
-    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
+    # recompute activations in the backward pass: less memory, about a third more time. "auto": when a full
+    # micro-batch's activations would take over a quarter of the device's memory (a CPU's: the machine's)
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     checkpoint_every: Count = 5  # steps between checkpoints; one is also written at the end and on a stop
     keep_checkpoints: Positive = 2  # newest checkpoints kept in the run folder
     seed: Count = 0  # dataset order and initialisation

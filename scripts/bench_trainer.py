@@ -328,7 +328,7 @@ def sharing_main(args) -> None:
     else:
         from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
-        backend = TorchBackend(TorchBackendOptions(model=model, device=args.device, lr=1e-6, gradient_checkpointing=True))
+        backend = TorchBackend(TorchBackendOptions(model=model, device=args.device, lr=1e-6, gradient_checkpointing="on"))
     card = torch.cuda.get_device_name() if backend.device.type == "cuda" else platform.processor() or platform.machine()
     results: dict = {"model": args.shape or args.model, "layers": backend.model_description["num_hidden_layers"],
                      "backend": args.backend, "device": str(backend.device), "card": card,

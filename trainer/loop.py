@@ -235,7 +235,7 @@ class TrainingRun:
         self.started = time.monotonic()
         self.step_timings = {"wait": 0.0, "train": 0.0, "sync": 0.0}
         self.progress = Progress(config.steps, out)
-        self.screener = Screener(config.max_tokens_per_microbatch, config.too_long, self._warn)
+        self.screener = Screener(self.backend.microbatch_tokens, config.too_long, self._warn)
 
     # -- the run -------------------------------------------------------------------------------------
 
@@ -377,7 +377,7 @@ class TrainingRun:
             clip_low=config.clip_low, clip_high=config.clip_high, importance_cap=config.importance_cap, kl_coef=config.kl_coef
         )
         micro_batches = [
-            pack(sequences, config.max_tokens_per_microbatch, share_prefixes=config.share_prefixes)
+            pack(sequences, self.backend.microbatch_tokens, share_prefixes=config.share_prefixes)
             for sequences in batch.sequences_per_update
         ]
         results = []

@@ -127,7 +127,6 @@ def write_run(tmp_path: Path, harnesses: list[str], harness_bin: Path, steps: in
         trainer={
             "model": "tiny", "device": "cpu", "dataset": tmp_path / "tasks.jsonl", "steps": steps,
             "groups_per_step": len(harnesses), "groups_ahead": 0, "lr": 1e-3, "seed": 0, "checkpoint_every": steps,
-            "max_tokens_per_microbatch": 32768,
         },
     )  # fmt: skip
 

@@ -160,7 +160,10 @@ async def test_gradient_checkpointing_changes_memory_not_results(server) -> None
     _, stub, _ = server
     tokens, logprobs, _ = await sample(stub, seed=8, temperature=1.0)
     [batch] = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
-    plain, recomputing = backend(lr=1e-3), backend(lr=1e-3, gradient_checkpointing=True)
+    plain, recomputing = backend(lr=1e-3), backend(lr=1e-3, gradient_checkpointing="on")
+    # By default a micro-batch holds the model's whole context, and the tiny model's fits in memory.
+    assert plain.microbatch_tokens == plain.model.config.max_position_embeddings
+    assert not plain.recomputes and recomputing.recomputes
     first, second = plain.update([batch], LossConfig()), recomputing.update([batch], LossConfig())
     assert first.grad_norm == pytest.approx(second.grad_norm, rel=1e-5) and first.grad_norm > 0
     recomputed = dict(recomputing.hf_weights())

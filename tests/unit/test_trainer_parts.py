@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from polar.config import TrainerConfig
 from polar.v1 import common_pb2
+from trainer.backends.base import BackendError, activation_bytes, recompute_activations
 from trainer.checkpoints import CheckpointError, TrainerState, check_compatible, latest_checkpoint, save_checkpoint
 from trainer.evaluation import pass_at_k
 from trainer.loop import group_sequences, stale_lag, too_stale, trace_sequence
@@ -222,3 +223,28 @@ def test_a_group_whose_traces_are_not_what_the_engine_sampled_stops_the_run() ->
     trace.token_ids[sampled] += 1  # a trainable token the engine never sampled
     with pytest.raises(TrainingError, match=r"session task\.0 of task task: its traces are not token-faithful"):
         check_faithful(Group("c1", [trajectory]))
+
+
+@given(
+    tokens=st.integers(1, 1 << 17), more=st.integers(1, 1 << 17), memory=st.integers(1 << 20, 1 << 40),
+    layers=st.integers(1, 80), hidden=st.integers(16, 8192),
+)
+def test_auto_recomputes_from_some_micro_batch_size_on_and_never_below_it(tokens, more, memory, layers, hidden) -> None:
+    def wanted(setting: str, count: int) -> bool:
+        size = activation_bytes(tokens=count, layers=layers, hidden=hidden, intermediate=4 * hidden, element_bytes=4)
+        return recompute_activations(setting, activations=size, device_memory=memory)
+
+    # More tokens never turn recomputation off; "on" and "off" are obeyed whatever the size.
+    assert wanted("auto", tokens + more) or not wanted("auto", tokens)
+    assert wanted("on", tokens) and not wanted("off", tokens)
+
+
+def test_auto_recomputes_smollm2_on_a_24_gb_cpu_at_its_context_but_not_the_tiny_model() -> None:
+    # SmolLM2-135M's shape at its 8192-token context, fp32: the micro-batch a CPU trainer was killed
+    # for memory on; the tiny test model at its 32768 tokens fits.
+    smollm2 = activation_bytes(tokens=8192, layers=30, hidden=576, intermediate=1536, element_bytes=4)
+    tiny = activation_bytes(tokens=32768, layers=2, hidden=64, intermediate=192, element_bytes=4)
+    assert recompute_activations("auto", activations=smollm2, device_memory=24 << 30)
+    assert not recompute_activations("auto", activations=tiny, device_memory=24 << 30)
+    with pytest.raises(BackendError, match="auto, on or off"):
+        recompute_activations("yes", activations=tiny, device_memory=24 << 30)

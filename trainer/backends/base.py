@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import math
+import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,36 @@ def shared_options(config) -> dict[str, object]:
         "reference_model": config.kl_coef > 0,  # the KL term needs the frozen starting policy
         "seed": config.seed,
         "cpu_threads": config.cpu_threads,
+        "max_tokens_per_microbatch": config.max_tokens_per_microbatch,
     }
+
+
+def activation_bytes(*, tokens: int, layers: int, hidden: int, intermediate: int, element_bytes: int) -> int:
+    """About what the backward pass keeps of a micro-batch of `tokens` tokens when nothing is
+    recomputed: per token and layer, some ten hidden-sized tensors (norms, q/k/v, the attention's
+    output, the residuals) and four MLP-sized ones (gate, up, the activation, their product), in the
+    compute dtype. SmolLM2-135M on a CPU in fp32 kept 0.9 MB a token measured, against 1.4 MB here:
+    an upper bound is what the choice below needs."""
+    return tokens * layers * (10 * hidden + 4 * intermediate) * element_bytes
+
+
+def recompute_activations(setting: str, *, activations: int, device_memory: int) -> bool:
+    """`gradient_checkpointing`: "on" or "off" as said; "auto" recomputes when a full micro-batch's
+    activations would take more than a quarter of the device's memory (the weights, gradients and
+    AdamW's two moments, the logits and the inference servers beside the trainer need the rest), and
+    otherwise keeps them, since recomputing costs about a third more time."""
+    if setting not in ("auto", "on", "off"):
+        raise BackendError(f"gradient_checkpointing must be auto, on or off, got {setting!r}")
+    if setting != "auto":
+        return setting == "on"
+    return activations > device_memory // 4
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory of a GPU, or of this machine for a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 class BackendError(RuntimeError):
@@ -71,6 +101,10 @@ class Backend(abc.ABC):
     """A model and its optimizer; see the module docstring for the contract."""
 
     name: str  # "torch" or "megatron"
+    # Tokens computed in one forward pass: [trainer] max_tokens_per_microbatch, or with 0 the model's
+    # context length, the longest trace the model can hold.
+    microbatch_tokens: int
+    recomputes: bool  # whether the backward pass recomputes activations (gradient_checkpointing)
 
     @property
     @abc.abstractmethod

@@ -26,7 +26,14 @@ from pathlib import Path
 
 import torch
 
-from trainer.backends.base import Backend, BackendError, UpdateResult
+from trainer.backends.base import (
+    Backend,
+    BackendError,
+    UpdateResult,
+    activation_bytes,
+    device_memory,
+    recompute_activations,
+)
 from trainer.batches import MicroBatch
 from trainer.grpo import LossConfig, constrained_logits, token_logprobs
 from trainer.tree_attention import TREE_ATTENTION, TreeLayout, register_with_transformers
@@ -44,7 +51,8 @@ class TorchBackendOptions:
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: str = "auto"  # "auto", "on" or "off" (base.recompute_activations)
+    max_tokens_per_microbatch: int = 0  # 0 = the model's context length
     reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
     seed: int = 0
     cpu_threads: int = 0  # 0 = torch's default
@@ -76,7 +84,15 @@ class TorchBackend(Backend):
                                                           attn_implementation=TREE_ATTENTION)
         self.model.to(self.device).train()
         self.model.config.use_cache = False
-        if options.gradient_checkpointing:
+        config = self.model.config
+        self.microbatch_tokens = options.max_tokens_per_microbatch or config.max_position_embeddings
+        activations = activation_bytes(
+            tokens=self.microbatch_tokens, layers=config.num_hidden_layers, hidden=config.hidden_size,
+            intermediate=config.intermediate_size, element_bytes=self.dtype.itemsize,
+        )
+        self.recomputes = recompute_activations(options.gradient_checkpointing, activations=activations,
+                                                device_memory=device_memory(self.device))
+        if self.recomputes:
             # transformers renamed it (the old name warns); older 5.x releases have only the old one.
             enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             enable()

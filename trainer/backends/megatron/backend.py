@@ -50,6 +50,9 @@ from trainer.backends.base import (
     BackendError,
     UpdateAborted,
     UpdateResult,
+    activation_bytes,
+    device_memory,
+    recompute_activations,
     shared_options,
 )
 from trainer.backends.megatron.convert import (
@@ -98,12 +101,15 @@ class MegatronBackendOptions:
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    recompute: str = "none"  # "none", "selective" (core attention) or "full" (whole layers); CUDA only
+    # "none", "selective" (core attention) or "full" (whole layers), CUDA only; "auto": "full" on CUDA
+    # when a micro-batch's activations would not fit comfortably (base.recompute_activations), else none
+    recompute: str = "auto"
     fused_swiglu: bool = False  # SwiGLU through torch.compile (CUDA only; needs Triton and a C compiler)
     fused_rope: bool = False  # RoPE through torch.compile (CUDA only; likewise)
     reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
     seed: int = 0
     cpu_threads: int = 0  # 0 = torch's default
+    max_tokens_per_microbatch: int = 0  # 0 = the model's context length
 
 
 def options_from_config(config: TrainerConfig, model: str) -> MegatronBackendOptions:
@@ -111,7 +117,8 @@ def options_from_config(config: TrainerConfig, model: str) -> MegatronBackendOpt
     gradient_checkpointing recomputes whole layers; SwiGLU and RoPE are compiled on a GPU."""
     cuda = torch.cuda.is_available()
     return MegatronBackendOptions(
-        model=model, tp_size=config.tensor_parallel, recompute="full" if config.gradient_checkpointing else "none",
+        model=model, tp_size=config.tensor_parallel,
+        recompute={"on": "full", "off": "none", "auto": "auto"}[config.gradient_checkpointing],
         fused_swiglu=cuda, fused_rope=cuda, **shared_options(config),
     )
 
@@ -169,7 +176,7 @@ class MegatronBackend(Backend):
         if options.dtype not in dtypes:
             raise BackendError(f"dtype must be one of {', '.join(dtypes)}, got {options.dtype!r}")
         self.dtype = dtypes[options.dtype]
-        if options.recompute != "none" and self.device.type != "cuda":
+        if options.recompute not in ("none", "auto") and self.device.type != "cuda":
             raise BackendError("recomputation needs CUDA: Megatron's checkpointing saves and restores CUDA's RNG state")
         for name in ("fused_swiglu", "fused_rope"):
             if getattr(options, name) and self.device.type != "cuda":
@@ -186,6 +193,9 @@ class MegatronBackend(Backend):
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder) if self.parallel.is_leader else None
         try:
             self.shape = ModelShape.from_hf_config(self.hf_config)
+            self.microbatch_tokens = options.max_tokens_per_microbatch or self.shape.max_position_embeddings
+            self.recompute = self._recompute()
+            self.recomputes = self.recompute != "none"
             self.model = self._build()
         except UnsupportedModel as exc:
             raise BackendError(f"cannot build {options.model!r} with Megatron: {exc}") from None
@@ -259,9 +269,24 @@ class MegatronBackend(Backend):
         (optimizer,) = chained.chained_optimizers
         return replicated, optimizer
 
+    def _recompute(self) -> str:
+        """options.recompute with "auto" decided: only CUDA can recompute (see __init__)."""
+        if self.options.recompute != "auto":
+            return self.options.recompute
+        if self.device.type != "cuda":
+            return "none"
+        shape = self.shape
+        # Tensor parallelism splits the MLP and attention activations over the group's ranks.
+        activations = activation_bytes(
+            tokens=self.microbatch_tokens, layers=shape.num_layers, hidden=shape.hidden_size,
+            intermediate=shape.ffn_hidden_size, element_bytes=self.dtype.itemsize,
+        ) // self.parallel.tp_size
+        wanted = recompute_activations("auto", activations=activations, device_memory=device_memory(self.device))
+        return "full" if wanted else "none"
+
     def _build(self):
         options = self.options
-        return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, options.recompute,
+        return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, self.recompute,
                            options.fused_swiglu, options.fused_rope)
 
     @property
