@@ -330,8 +330,8 @@ class TrainerConfig:
     stale_groups: Literal["drop", "keep"] = "drop"  # groups past max_staleness: dropped, or kept (importance-weighted)
     train_truncated: bool = True  # train on traces with a call that a sampling cap cut short
     pass_threshold: float = 1.0  # a session passes when its reward is at least this (pass_rate, polar eval)
-    # recompute activations in the backward pass: less memory, about a third more time. "auto": when a full
-    # micro-batch's activations would take over a quarter of the device's memory (a CPU's: the machine's)
+    # recompute activations in the backward pass: less memory, about a third more time. "auto": for each
+    # micro-batch whose activations would take over a quarter of the device's memory (a CPU's: the machine's)
     gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
     checkpoint_every: Count = 5  # steps between checkpoints; one is also written at the end and on a stop
     keep_checkpoints: Positive = 2  # newest checkpoints kept in the run folder

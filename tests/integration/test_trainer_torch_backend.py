@@ -163,12 +163,36 @@ async def test_gradient_checkpointing_changes_memory_not_results(server) -> None
     plain, recomputing = backend(lr=1e-3), backend(lr=1e-3, gradient_checkpointing="on")
     # By default a micro-batch holds the model's whole context, and the tiny model's fits in memory.
     assert plain.microbatch_tokens == plain.model.config.max_position_embeddings
-    assert not plain.recomputes and recomputing.recomputes
+    assert not plain.recomputes(plain.microbatch_tokens) and recomputing.recomputes(1)
     first, second = plain.update([batch], LossConfig()), recomputing.update([batch], LossConfig())
     assert first.grad_norm == pytest.approx(second.grad_norm, rel=1e-5) and first.grad_norm > 0
     recomputed = dict(recomputing.hf_weights())
     for name, tensor in plain.hf_weights():
         torch.testing.assert_close(tensor, recomputed[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+async def test_auto_recomputes_only_the_micro_batches_too_large_for_memory(server, monkeypatch) -> None:
+    _, stub, _ = server
+    tokens, logprobs, _ = await sample(stub, seed=9, temperature=1.0)
+    small = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0)], 256)
+    large = pack([sequence(tokens, logprobs, temperature=1.0, top_p=1.0, top_k=0, name=f"s/{i}") for i in range(4)], 256)
+    assert small[0].tokens < 40 < large[0].tokens
+    # A device whose quarter holds the activations of 40 tokens: the 4-trace micro-batch recomputes.
+    per_token = backend()._activations_per_token
+    monkeypatch.setattr("trainer.backends.torch_backend.device_memory", lambda device: 4 * 40 * per_token)
+    auto, plain = backend(lr=1e-3), backend(lr=1e-3, gradient_checkpointing="off")
+    recomputed = []
+    for layer in auto._recomputable:
+        checkpoint = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = lambda *args, _f=checkpoint, **kwargs: recomputed.append(1) or _f(*args, **kwargs)
+    for batches in (small, large):
+        before = len(recomputed)
+        first, second = auto.update(batches, LossConfig()), plain.update(batches, LossConfig())
+        assert first.grad_norm == pytest.approx(second.grad_norm, rel=1e-5)
+        assert (len(recomputed) > before) == (batches is large)
+    weights = dict(plain.hf_weights())
+    for name, tensor in auto.hf_weights():
+        torch.testing.assert_close(tensor, weights[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
 async def test_bf16_computation_keeps_fp32_weights_so_small_updates_land(server) -> None:

@@ -58,10 +58,11 @@ def activation_bytes(*, tokens: int, layers: int, hidden: int, intermediate: int
 
 
 def recompute_activations(setting: str, *, activations: int, device_memory: int) -> bool:
-    """`gradient_checkpointing`: "on" or "off" as said; "auto" recomputes when a full micro-batch's
-    activations would take more than a quarter of the device's memory (the weights, gradients and
-    AdamW's two moments, the logits and the inference servers beside the trainer need the rest), and
-    otherwise keeps them, since recomputing costs about a third more time."""
+    """Whether a micro-batch whose activations take `activations` bytes recomputes them in the
+    backward pass (`gradient_checkpointing`): "on" or "off" as said; "auto" when they would take more
+    than a quarter of the device's memory (the weights, gradients and AdamW's two moments, the logits
+    and the inference servers beside the trainer need the rest), since recomputing costs about a third
+    more time. Backends decide per micro-batch, so small ones never pay it."""
     if setting not in ("auto", "on", "off"):
         raise BackendError(f"gradient_checkpointing must be auto, on or off, got {setting!r}")
     if setting != "auto":
@@ -104,7 +105,10 @@ class Backend(abc.ABC):
     # Tokens computed in one forward pass: [trainer] max_tokens_per_microbatch, or with 0 the model's
     # context length, the longest trace the model can hold.
     microbatch_tokens: int
-    recomputes: bool  # whether the backward pass recomputes activations (gradient_checkpointing)
+
+    def recomputes(self, tokens: int) -> bool:
+        """Whether a micro-batch of `tokens` tokens recomputes its activations in the backward pass."""
+        return False
 
     @property
     @abc.abstractmethod

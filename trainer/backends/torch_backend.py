@@ -86,16 +86,20 @@ class TorchBackend(Backend):
         self.model.config.use_cache = False
         config = self.model.config
         self.microbatch_tokens = options.max_tokens_per_microbatch or config.max_position_embeddings
-        activations = activation_bytes(
-            tokens=self.microbatch_tokens, layers=config.num_hidden_layers, hidden=config.hidden_size,
+        self._activations_per_token = activation_bytes(
+            tokens=1, layers=config.num_hidden_layers, hidden=config.hidden_size,
             intermediate=config.intermediate_size, element_bytes=self.dtype.itemsize,
         )
-        self.recomputes = recompute_activations(options.gradient_checkpointing, activations=activations,
-                                                device_memory=device_memory(self.device))
-        if self.recomputes:
+        self._memory = device_memory(self.device)
+        recompute_activations(options.gradient_checkpointing, activations=0, device_memory=self._memory)  # checks it
+        # Layers that can recompute: transformers wraps each decoder layer once enabled, and reads the
+        # layer's flag at every forward, so each micro-batch sets it (_set_recompute).
+        self._recomputable: list[torch.nn.Module] = []
+        if options.gradient_checkpointing != "off":
             # transformers renamed it (the old name warns); older 5.x releases have only the old one.
             enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
             enable()
+            self._recomputable = [m for m in self.model.modules() if hasattr(m, "_gradient_checkpointing_func")]
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.reference = None
         if options.reference_model:
@@ -120,10 +124,21 @@ class TorchBackend(Backend):
 
     # -- scoring and learning ---------------------------------------------------------------------
 
+    def recomputes(self, tokens: int) -> bool:
+        return recompute_activations(self.options.gradient_checkpointing,
+                                     activations=tokens * self._activations_per_token, device_memory=self._memory)
+
+    def _set_recompute(self, tokens: int) -> None:
+        recompute = self.recomputes(tokens)
+        for module in self._recomputable:
+            module.gradient_checkpointing = recompute
+
     def _target_logprobs(self, model: torch.nn.Module, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [K] of the trainable targets, their flat indices [K] into [R * L])."""
         batch = batch.to(self.device)
         rows, length = batch.input_ids.shape
+        if model is self.model:
+            self._set_recompute(batch.input_ids.numel() if torch.is_grad_enabled() else 0)
         # Positions with a trainable target in any row: the only ones whose logits are needed.
         keep = batch.loss_mask.any(dim=0).nonzero().squeeze(-1)  # [P]
         # A packed row: its pieces (traces, or trees of them); padded rows: plain causal attention.

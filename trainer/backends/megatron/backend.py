@@ -194,8 +194,6 @@ class MegatronBackend(Backend):
         try:
             self.shape = ModelShape.from_hf_config(self.hf_config)
             self.microbatch_tokens = options.max_tokens_per_microbatch or self.shape.max_position_embeddings
-            self.recompute = self._recompute()
-            self.recomputes = self.recompute != "none"
             self.model = self._build()
         except UnsupportedModel as exc:
             raise BackendError(f"cannot build {options.model!r} with Megatron: {exc}") from None
@@ -269,24 +267,30 @@ class MegatronBackend(Backend):
         (optimizer,) = chained.chained_optimizers
         return replicated, optimizer
 
-    def _recompute(self) -> str:
-        """options.recompute with "auto" decided: only CUDA can recompute (see __init__)."""
+    def recomputes(self, tokens: int) -> bool:
         if self.options.recompute != "auto":
-            return self.options.recompute
+            return self.options.recompute == "full"
         if self.device.type != "cuda":
-            return "none"
+            return False  # only CUDA can recompute (see __init__)
         shape = self.shape
-        # Tensor parallelism splits the MLP and attention activations over the group's ranks.
-        activations = activation_bytes(
-            tokens=self.microbatch_tokens, layers=shape.num_layers, hidden=shape.hidden_size,
-            intermediate=shape.ffn_hidden_size, element_bytes=self.dtype.itemsize,
-        ) // self.parallel.tp_size
-        wanted = recompute_activations("auto", activations=activations, device_memory=device_memory(self.device))
-        return "full" if wanted else "none"
+        # Tensor parallelism splits the MLP's and the attention's activations over the group's ranks.
+        per_token = activation_bytes(tokens=1, layers=shape.num_layers, hidden=shape.hidden_size,
+                                     intermediate=shape.ffn_hidden_size, element_bytes=self.dtype.itemsize)
+        return recompute_activations("auto", activations=tokens * per_token // self.parallel.tp_size,
+                                     device_memory=device_memory(self.device))
+
+    def _set_recompute(self, tokens: int) -> None:
+        """With recompute "auto", the model is built to recompute whole layers, and Megatron's
+        TransformerBlock reads `recompute_granularity` at every forward: each micro-batch sets it."""
+        if self.options.recompute == "auto" and self.device.type == "cuda":
+            self.model.config.recompute_granularity = "full" if self.recomputes(tokens) else None
 
     def _build(self):
         options = self.options
-        return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, self.recompute,
+        recompute = options.recompute
+        if recompute == "auto":
+            recompute = "full" if self.device.type == "cuda" else "none"
+        return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, recompute,
                            options.fused_swiglu, options.fused_rope)
 
     @property
@@ -396,6 +400,8 @@ class MegatronBackend(Backend):
     def _target_logprobs(self, model, batch: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(logprobs [K] of the trainable targets, their flat indices [K] into [R * L])."""
         batch = batch.to(self.device)
+        if model is self.model:
+            self._set_recompute(batch.input_ids.numel() if torch.is_grad_enabled() else 0)
         keep = batch.loss_mask.reshape(-1).nonzero().squeeze(-1)  # [K]
         parents = [batch.row_parents(row) for row in range(len(batch.sequence_lengths))]
         logits = selected_logits(model, batch.input_ids, batch.position_ids, batch.sequence_lengths, parents,
