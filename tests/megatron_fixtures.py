@@ -138,9 +138,22 @@ def _free_port() -> int:
 
 
 def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str, recompute: str,
-             fused_swiglu: bool, fused_rope: bool, tp_size: int, max_tokens: int) -> None:
+             fused_swiglu: bool, fused_rope: bool, tp_size: int, max_tokens: int, recompute_above: int) -> None:
     """One rank of a job, as torchrun would start it: rank 0 drives the backend, the rest follow."""
     from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions, leave_job
+
+    # recompute "auto" on a device small enough that micro-batches over `recompute_above` tokens
+    # recompute: what each forward was set to is recorded.
+    granularities = []
+    if recompute_above:
+        set_recompute = MegatronBackend._set_recompute
+        MegatronBackend.recomputes = lambda self, tokens: tokens > recompute_above
+
+        def recording(self, tokens: int) -> None:
+            set_recompute(self, tokens)
+            granularities.append((tokens, self.model.config.recompute_granularity))
+
+        MegatronBackend._set_recompute = recording
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -160,16 +173,17 @@ def _tp_rank(rank: int, world: int, port: int, folder: str, out: str, dtype: str
     backend.load_optimizer(out / "optimizer.pt")
     backend.close()
     leave_job()
-    torch.save({"logprobs": logprobs, "result": result, "weights": weights}, out / "rank0.pt")
+    torch.save({"logprobs": logprobs, "result": result, "weights": weights, "granularities": granularities},
+               out / "rank0.pt")
 
 
 def run_tensor_parallel(world: int, folder: Path, out: Path, dtype: str, recompute: str = "none",
                         fused_swiglu: bool = False, tp_size: int = 0, max_tokens: int = 48,
-                        fused_rope: bool = False) -> dict:
+                        fused_rope: bool = False, recompute_above: int = 0) -> dict:
     """Spawn a `world`-rank job on the tiny model at `folder` (`tp_size` ranks per tensor-parallel
     group, 0 = all; the rest data parallel) over `micro_batches(max_tokens)`; rank 0's logprobs,
     update result and weights after the update (its saved model and optimizer are in `out`)."""
     job = (world, _free_port(), str(folder), str(out), dtype, recompute, fused_swiglu, fused_rope, tp_size,
-           max_tokens)
+           max_tokens, recompute_above)
     torch.multiprocessing.spawn(_tp_rank, args=job, nprocs=world)
     return torch.load(out / "rank0.pt", weights_only=False)

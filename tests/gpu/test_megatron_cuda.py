@@ -108,3 +108,12 @@ def test_recomputation_and_fusion_change_nothing(tmp_path, folder, torch_fp32, r
     compiled SwiGLU and RoPE give the same logprobs, loss and step."""
     ours = run_tensor_parallel(1, folder, tmp_path, "float32", recompute, fused_swiglu=fused, fused_rope=fused)
     assert_matches(torch_fp32, ours["logprobs"], ours["result"], ours["weights"], atol=FP32_ATOL)
+
+
+def test_auto_recomputes_only_the_large_micro_batches_and_changes_nothing(tmp_path, folder, torch_fp32):
+    """recompute "auto" switches Megatron's whole-layer recomputation per micro-batch (here: above 40
+    tokens, of micro-batches of 45 and 32): the same logprobs, loss and step as the torch backend."""
+    ours = run_tensor_parallel(1, folder, tmp_path, "float32", "auto", recompute_above=40)
+    # The update's forward passes (the scoring ones, without gradients, never recompute).
+    assert {(45, "full"), (32, None)} <= set(ours["granularities"])
+    assert_matches(torch_fp32, ours["logprobs"], ours["result"], ours["weights"], atol=FP32_ATOL)
