@@ -46,6 +46,9 @@ log = logging.getLogger("polar.rollout.isolation")
 MODES = ("auto", "namespace", "network", "none")
 SANDBOX = Path(__file__).with_name("sandbox.py")
 GATEWAY_SOCKET = "gateway.sock"  # in the session folder: the node's end of the harness URL
+# Where a sandboxed command finds its session folder (sandbox.py: on the tmpfs that hides /tmp), the
+# same for every session.
+SESSION_FOLDER = "/tmp/polar-session"
 PROBE_TIMEOUT_S = 20.0
 DOCKER_SOCKETS = ("/var/run/docker.sock", "/run/docker.sock")
 
@@ -132,6 +135,7 @@ def sandbox_argv(argv: list[str], isolation: Isolation, root: Path, *, network: 
     spec = {
         "hide": hidden_paths(root.parent),
         "keep": str(root.resolve()),
+        "mount_at": SESSION_FOLDER,
         "network": network,
         "forward": forward_target(isolation.harness_url) if network and isolation.harness_url else None,
         "uid": os.getuid(),
@@ -141,6 +145,20 @@ def sandbox_argv(argv: list[str], isolation: Isolation, root: Path, *, network: 
     }
     namespaces = [unshare, "--user", "--map-root-user", "--mount", *(["--net"] if network else [])]
     return [*namespaces, "--", sys.executable, "-I", str(SANDBOX), "leader", json.dumps(spec), "--", *argv]
+
+
+def as_seen_inside(value: str, root: Path) -> str:
+    """`value` (an argument or an environment variable's value, maybe a PATH-like list) with every
+    path in the session folder `root` rewritten to where a sandboxed command sees it (SESSION_FOLDER)."""
+    prefixes = {str(root), str(root.resolve())}
+
+    def one(part: str) -> str:
+        for prefix in prefixes:
+            if part == prefix or part.startswith(prefix + os.sep):
+                return SESSION_FOLDER + part[len(prefix):]
+        return part
+
+    return os.pathsep.join(one(part) for part in value.split(os.pathsep))
 
 
 def gateway_address(url: str) -> tuple[str, int]:

@@ -8,7 +8,11 @@ imports nothing but the standard library (the docker runtime runs it with the im
 of its own, and, with SPEC's "network", a network namespace holding only a loopback device:
 
 1. Every folder in SPEC's "hide" gets an empty tmpfs mounted over it, every file /dev/null bound
-   over it; "keep" (the session folder) is bound back where a hidden folder covered it.
+   over it; "keep" (the session folder) is bound at "mount_at", one fixed path on the tmpfs over /tmp,
+   and the command starts at the same place under it. Every session's files thus sit at the same
+   paths, and a CLI that writes its working folder and HOME into its system prompt (all five do)
+   sends the same prompt from every session: the inference engine's prefix cache and the trainer's
+   shared prefixes cover the whole of it, not only what comes before the first path.
 2. With "network": `lo` is brought up and a forwarder listens on SPEC's host and port (those of the
    harness's base URL); each connection is relayed to the Unix socket SPEC's "socket" (served by
    the node, which relays it to the gateway): the only way out of the namespace.
@@ -60,21 +64,23 @@ def mount(source: str, target: str, fstype: str | None, flags: int, data: str | 
         raise SetupError(f"cannot mount over {target}: {os.strerror(code)}")
 
 
-def hide(paths: list[list[str]], keep: str) -> None:
+def hide(paths: list[list[str]], keep: str, mount_at: str) -> None:
     """Cover each [path, mode] (a folder: an empty tmpfs of that mode; a file: /dev/null), then bind
-    `keep` back if one of them covered it."""
+    `keep` at `mount_at`, a path on one of the covering tmpfs (made here), the same for every
+    session: the session folder's own path, which differs from session to session, no longer exists."""
     keep_fd = os.open(keep, os.O_PATH | os.O_DIRECTORY)
-    covered = False
     try:
+        covers = []
         for path, mode in paths:
             if os.path.isdir(path):
                 mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"mode={mode}")
-                covered = covered or keep == path or keep.startswith(path.rstrip("/") + "/")
+                covers.append(path.rstrip("/") + "/")
             elif os.path.exists(path):
                 mount("/dev/null", path, None, MS_BIND, None)
-        if covered:
-            os.makedirs(keep, exist_ok=True)
-            mount(f"/proc/self/fd/{keep_fd}", keep, None, MS_BIND | MS_REC, None)
+        if not any(mount_at.startswith(cover) for cover in covers):
+            raise SetupError(f"{mount_at} is not on a hidden folder's tmpfs")
+        os.makedirs(mount_at, exist_ok=True)
+        mount(f"/proc/self/fd/{keep_fd}", mount_at, None, MS_BIND | MS_REC, None)
     finally:
         os.close(keep_fd)
 
@@ -170,11 +176,14 @@ def leader(spec: dict, argv: list[str]) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         # The group's SIGTERM is for the command; this process waits to end as the command does.
         signal.signal(signum, _ignore)
-    workspace = os.getcwd()
-    hide(spec["hide"], spec["keep"])
+    keep, mount_at = spec["keep"], spec["mount_at"]
+    # The command's working folder, as the command sees it: at the same place under mount_at.
+    cwd = os.getcwd()
+    workspace = mount_at + cwd[len(keep):] if cwd == keep or cwd.startswith(keep + "/") else mount_at
+    hide(spec["hide"], keep, mount_at)
     # Working folders resolved again through the new mounts: one kept from before would reach the
     # hidden folders through "..".
-    os.chdir(spec["keep"])
+    os.chdir(mount_at)
     if spec["network"]:
         loopback_up()
     if spec.get("forward"):

@@ -69,10 +69,34 @@ async def test_a_sandboxed_command_sees_nothing_of_the_node(tmp_path, state, mod
     assert f"cat: {state}/credentials/node: No such file or directory" in lines
     assert f"ls: cannot access '{other.root}': No such file or directory" in lines
     assert "mine" in lines
-    assert f"above: {runtime.root.name}" in lines  # this session only
+    assert "above: polar-session" in lines  # this session only, at the path every session has
     assert int(lines[-2]) <= 4  # init, sh, ls, grep
     assert lines[-1] == "umount -1"
     assert result.exit_code == 0
+
+
+@needs_namespaces
+@pytest.mark.parametrize("mode", ["namespace", "network"])
+async def test_every_session_sees_its_own_files_at_the_same_paths(tmp_path, state, mode):
+    """A CLI writes its working folder and HOME into its system prompt: the same paths in every
+    session make the same prompt, while each session still writes only its own folder."""
+    runtimes = [await runtime_in(tmp_path, Isolation(mode, "http://127.0.0.1:9")) for _ in range(2)]
+    try:
+        seen = []
+        for index, runtime in enumerate(runtimes):
+            variables = {**env(), "HOME": str(runtime.home), "REWARD": str(runtime.root / "reward")}
+            script = f'pwd; echo "$HOME"; echo "$REWARD"; echo {index} > mine.txt; echo {index} > "$REWARD"'
+            result = await runtime.run(["sh", "-c", script], env=variables, timeout_s=30)
+            assert result.exit_code == 0, result.output
+            seen.append(result.output.splitlines())
+        assert runtimes[0].root != runtimes[1].root
+        assert seen[0] == seen[1] == ["/tmp/polar-session/work", "/tmp/polar-session/home", "/tmp/polar-session/reward"]
+        for index, runtime in enumerate(runtimes):
+            assert (runtime.workspace / "mine.txt").read_text() == f"{index}\n"
+            assert (runtime.root / "reward").read_text() == f"{index}\n"
+    finally:
+        for runtime in runtimes:
+            await runtime.close()
 
 
 # Timeouts leave the sandbox (a second or so on a loaded machine) time to start the command first.

@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from polar import credentials
-from polar.rollout.isolation import NO_ISOLATION, GatewayRelay, Isolation, in_namespace_url, sandbox_argv
+from polar.rollout.isolation import (
+    NO_ISOLATION,
+    GatewayRelay,
+    Isolation,
+    as_seen_inside,
+    in_namespace_url,
+    sandbox_argv,
+)
 from polar.rollout.process import OUTPUT_LIMIT, ProcessResult, resolve_command, run_process
 from polar.rollout.runtimes.base import STEP_TIMEOUT_S, Runtime, RuntimeProvider, remove_tree
 from polar.rollout.templates import TemplateSources
@@ -39,7 +46,9 @@ class LocalRuntime(Runtime):
             network = self.isolation.mode == "network" and not preparing
             # Resolved here, where a missing command is a clear error, not inside the sandbox.
             argv = [resolve_command(argv[0], self.workspace, env.get("PATH", os.defpath)), *argv[1:]]
-            argv = sandbox_argv(argv, self.isolation, self.root, network=network)
+            # Inside, the session folder is at a fixed path (sandbox.py); so are the paths handed over.
+            argv = sandbox_argv([as_seen_inside(arg, self.root) for arg in argv], self.isolation, self.root, network=network)
+            env = {name: as_seen_inside(value, self.root) for name, value in env.items()}
         return await run_process(
             argv, cwd=self.workspace, env=env, timeout_s=timeout_s, output_limit=output_limit, cancel=cancel
         )
