@@ -12,7 +12,9 @@ Every dialect parses its options into the same two records, and this module turn
   `text.format` json_schema, Gemini `responseSchema` / `responseJsonSchema`) is kind "json_schema": the
   reply is one JSON value valid against it.
 
-A forced call wins over an output schema (the reply is then a call, not text). The grammar is
+A forced call wins over an output schema (the reply is then a call, not text). A constrained reply
+is constrained whole, so the client's stop strings are not applied to it (gateway/core.py): one
+would cut it into invalid JSON presented as complete. The grammar is
 compiled here first (cached per constraint, polar/inference/constraints.py), so a schema the compiler
 refuses is a 400 in the caller's dialect before anything is generated, naming the tool or field.
 """
