@@ -12,7 +12,9 @@ Every dialect parses its options into the same two records, and this module turn
   `text.format` json_schema, Gemini `responseSchema` / `responseJsonSchema`) is kind "json_schema": the
   reply is one JSON value valid against it.
 
-A forced call wins over an output schema (the reply is then a call, not text). The grammar is
+A forced call wins over an output schema (the reply is then a call, not text). A constrained reply
+is constrained whole, so the client's stop strings are not applied to it (gateway/core.py): one
+would cut it into invalid JSON presented as complete. The grammar is
 compiled here first (cached per constraint, polar/inference/constraints.py), so a schema the compiler
 refuses is a 400 in the caller's dialect before anything is generated, naming the tool or field.
 """
@@ -54,6 +56,14 @@ def forced_tools(conversation: Conversation) -> tuple[ToolSpec, ...]:
     return tuple(tool for tool in conversation.tools if tool.name in names)
 
 
+def tool_call_constraint(tools: tuple[ToolSpec, ...], chat_format: ChatFormat) -> OutputConstraint:
+    """One call of any of `tools` (at least one), in the chat format's tool-call delimiters; unchecked."""
+    schemas = [call_schema(tool) for tool in tools]
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    prefix, suffix = chat_format.tool_call_delimiters()
+    return OutputConstraint("tool_call", json.dumps(schema, ensure_ascii=False), prefix, suffix)
+
+
 def output_constraint(
     conversation: Conversation, output_schema: Mapping[str, Any] | None, chat_format: ChatFormat
 ) -> OutputConstraint | None:
@@ -62,12 +72,9 @@ def output_constraint(
     Raises GatewayError (INVALID_REQUEST) for a schema the grammar compiler refuses."""
     tools = forced_tools(conversation)
     if tools:
-        schemas = [call_schema(tool) for tool in tools]
-        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        prefix, suffix = chat_format.tool_call_delimiters()
-        constraint = OutputConstraint("tool_call", json.dumps(schema, ensure_ascii=False), prefix, suffix)
         names = ", ".join(repr(tool.name) for tool in tools)
-        return _checked(constraint, f"the parameters schema of the forced tool ({names})", "tools")
+        return _checked(tool_call_constraint(tools, chat_format), f"the parameters schema of the forced tool ({names})",
+                        "tools")
     if output_schema is not None:
         constraint = OutputConstraint("json_schema", json.dumps(output_schema, ensure_ascii=False))
         return _checked(constraint, "the response's JSON schema", None)

@@ -465,7 +465,9 @@ class Gateway:
         output = OutputAssembler(
             self.tokenizer,
             self.parser.stream(call_id=call_id),
-            stops=request.sampling.stop,
+            # A constrained reply is constrained whole, and its grammar alone says where it ends: a
+            # client stop string would cut it into invalid JSON presented as complete.
+            stops=request.sampling.stop if constraint is None else (),
             forced_text=forced_text,
             parse_tool_calls=request.parse_tool_calls,
         )

@@ -187,3 +187,33 @@ def run_tensor_parallel(world: int, folder: Path, out: Path, dtype: str, recompu
            max_tokens, recompute_above)
     torch.multiprocessing.spawn(_tp_rank, args=job, nprocs=world)
     return torch.load(out / "rank0.pt", weights_only=False)
+
+
+def _scoring_rank(rank: int, world: int, port: int, model: str, out: str, batch_sets: list,
+                  update_batches: list) -> None:
+    """One rank of a tensor-parallel job over given micro-batches: rank 0 scores each list of
+    `batch_sets`, takes one update on `update_batches` and saves what it got; the others follow."""
+    from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions, leave_job
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    backend = MegatronBackend(MegatronBackendOptions(model=model, tp_size=world, dtype="float32", lr=LR))
+    if rank != 0:
+        backend.follow()
+        return
+    logprobs = [backend.logprobs(batches) for batches in batch_sets]
+    result = backend.update(update_batches, LOSS)
+    weights = {name: t.cpu().clone() for name, t in backend.hf_weights()}
+    backend.close()
+    leave_job()
+    torch.save({"logprobs": logprobs, "result": result, "weights": weights}, Path(out) / "rank0.pt")
+
+
+def score_tensor_parallel(world: int, model: str, out: Path, batch_sets: list, update_batches: list) -> dict:
+    """Spawn a `world`-rank tensor-parallel job on `model`: rank 0's logprobs of each list of
+    micro-batches in `batch_sets`, then its update result and weights after one update on
+    `update_batches`."""
+    job = (world, _free_port(), model, str(out), batch_sets, update_batches)
+    torch.multiprocessing.spawn(_scoring_rank, args=job, nprocs=world)
+    return torch.load(out / "rank0.pt", weights_only=False)

@@ -146,15 +146,30 @@ class _SampledLogprob(torch.autograd.Function):
 
 
 def constrained_logits(
-    logits: torch.Tensor, flat: torch.Tensor, constraint_index: torch.Tensor, allowed: torch.Tensor
+    logits: torch.Tensor,
+    flat: torch.Tensor,
+    constraint_index: torch.Tensor,
+    allowed: torch.Tensor,
+    vocab_start: int = 0,
 ) -> torch.Tensor:
-    """logits [K, V] of the targets at flat positions flat [K] (ascending), with -inf wherever the
+    """logits [K, Vs] of the targets at flat positions flat [K] (ascending), with -inf wherever the
     constraint mask allowed [M, V] of position constraint_index [M] disallows a token; positions of
-    constraint_index that are not among flat (no trainable target) are skipped. Differentiable."""
+    constraint_index that are not among flat (no trainable target) are skipped. Differentiable.
+
+    The logits are vocabulary columns [vocab_start, vocab_start + Vs): the whole vocabulary (the torch
+    backend), or one tensor-parallel rank's slice of it (the megatron backend), which each rank masks
+    with its own columns of the mask; a slice's padding past the mask's V is masked too (no such
+    token exists). Every backend masks the logits here, before temperature, as the engine did."""
     constraint_index = constraint_index.to(flat.device)
     rows = torch.searchsorted(flat, constraint_index).clamp(max=max(len(flat) - 1, 0))  # [M]
     present = flat[rows] == constraint_index if len(flat) else torch.zeros_like(constraint_index, dtype=torch.bool)
-    return masked_logits(logits, rows[present], allowed.to(logits.device)[present])
+    columns = logits.shape[1]
+    shard = allowed[:, vocab_start : vocab_start + columns]  # [M, <= Vs]
+    if shard.shape[1] < columns:
+        padded = torch.zeros(shard.shape[0], columns, dtype=torch.bool)  # [M, Vs]
+        padded[:, : shard.shape[1]] = shard
+        shard = padded
+    return masked_logits(logits, rows[present], shard.to(logits.device)[present])
 
 
 def token_logprobs(

@@ -4,8 +4,8 @@ The tiny model (random weights) through the gateway: left alone it never writes 
 or JSON. Each dialect's forcing option, and each schema option, 50 calls (25 at a time): every reply holds a
 call the SDK parses, of an allowed function, with arguments valid for its schema (or JSON valid for
 the response schema), and the record says which constraint applied. A constrained reply cut by its
-max tokens is a length finish, recorded as truncated; a schema the compiler refuses is a 400 in the
-caller's dialect.
+max tokens is a length finish, recorded as truncated; a client's stop string never cuts a constrained
+reply; a schema the compiler refuses is a 400 in the caller's dialect.
 """
 
 from __future__ import annotations
@@ -252,6 +252,56 @@ async def test_a_constrained_reply_cut_by_max_tokens_is_a_truncated_length_finis
     assert len(record.sampled_token_ids) == 6
     with pytest.raises(json.JSONDecodeError):
         json.loads(completion.choices[0].message.content)
+
+
+# -- a client's stop string never cuts a constrained reply ------------------------------------------------
+# Each reply below holds the stop string ('"' in every JSON object with a key, "{" in every call): applied,
+# it would cut the reply into invalid JSON presented as complete. (Responses has no stop strings.)
+
+STOP_CALLS = 5
+
+
+async def chat_stopped(gateway, key) -> tuple[Any, str]:
+    completion = await _openai(gateway, key).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS, temperature=1.0,
+        stop=['"', "no"], response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}},
+    )
+    return json.loads(completion.choices[0].message.content), completion.choices[0].finish_reason
+
+
+async def anthropic_stopped(gateway, key) -> tuple[Any, str]:
+    message = await _anthropic(gateway, key).messages.create(
+        model="tiny", max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": PROMPT}],
+        tools=[{"name": "get_weather", "input_schema": WEATHER}], tool_choice={"type": "any"},
+        stop_sequences=["{", '"'],
+    )
+    assert message.stop_sequence is None
+    (call,) = [block for block in message.content if block.type == "tool_use"]
+    return call.input, message.stop_reason
+
+
+async def gemini_stopped(gateway, key) -> tuple[Any, str]:
+    config = types.GenerateContentConfig(
+        response_mime_type="application/json", response_json_schema=ANSWER, max_output_tokens=MAX_TOKENS,
+        temperature=1.0, stop_sequences=['"'],
+    )
+    response = await _gemini(gateway, key).generate_content(model="tiny", contents=PROMPT, config=config)
+    return json.loads(response.text), response.candidates[0].finish_reason.value
+
+
+STOPPED = {"chat": (chat_stopped, ANSWER, "stop"), "anthropic": (anthropic_stopped, WEATHER, "tool_use"),
+           "gemini": (gemini_stopped, ANSWER, "STOP")}
+
+
+@pytest.mark.parametrize("dialect", STOPPED)
+async def test_a_stop_string_does_not_cut_a_constrained_reply(gateway, dialect):
+    call, schema, complete = STOPPED[dialect]
+    key = gateway.open_session(task_id=f"stop {dialect}")
+    for value, finish in await _all(call(gateway, key) for _ in range(STOP_CALLS)):
+        jsonschema.validate(value, schema)
+        assert finish == complete
+    for record in gateway.records(key):
+        assert record.finish_reason == common_pb2.FINISH_REASON_STOP and not record.truncated
 
 
 # -- a schema the compiler refuses: 400 in each dialect, naming the problem -------------------------------

@@ -5,16 +5,12 @@ verify --model` re-checks that each constrained call's mask admitted every sampl
 
 from __future__ import annotations
 
-import asyncio
-import json
-
 import numpy as np
 import pytest
+from constrained_fixtures import ANSWER, ATOL, PROMPT, TOOL_CALL, constrained_trajectory, sample_constrained
 
 from polar.cli import main
-from polar.inference.constraints import ConstraintViolation, OutputConstraint, TokenGrammar
-from polar.inference.engines import EngineOptions, create_engine
-from polar.inference.engines.base import GenerationRequest, SamplingConfig, TokenChunk
+from polar.inference.constraints import ConstraintViolation, TokenGrammar
 from polar.trajectory import build
 from polar.trajectory.records import CallView, SamplingParams
 from polar.trajectory.session_file import session_trajectory, write_session
@@ -25,54 +21,16 @@ from trainer.loop import TrainingError, trace_sequence
 
 pytestmark = pytest.mark.slow
 
-PROMPT = [1, 504, 3570, 28, 9174, 30, 2, 198, 1, 520, 9531, 198]
-TOOL_CALL = OutputConstraint(
-    "tool_call",
-    json.dumps({
-        "type": "object",
-        "properties": {
-            "name": {"const": "get_weather"},
-            "arguments": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer"}},
-                "required": ["city", "days"],
-            },
-        },
-        "required": ["name", "arguments"],
-    }),
-    "<tool_call>\n",
-    "\n</tool_call>",
-)
-ANSWER = OutputConstraint("json_schema", json.dumps({"type": "object", "properties": {"note": {"type": "string"}}}))
 SAMPLINGS = [
     (TOOL_CALL, dict(temperature=1.0, top_p=1.0, top_k=0)),
     (ANSWER, dict(temperature=0.7, top_p=0.9, top_k=50)),
 ]
-# fp32 on the CPU: the engine's decode steps against the trainer's one forward over the whole trace.
-ATOL = 2e-5
 
 
 @pytest.fixture(scope="module")
 def samples():
     """Per sampling: (constraint, sampling, sampled ids, recorded logprobs), from the torch engine."""
-    engine = create_engine("torch", EngineOptions(model="tiny", device="cpu", max_batch_size=4))
-
-    async def sample(constraint, sampling, seed):
-        config = SamplingConfig(max_tokens=40, seed=seed, constraint=constraint, **sampling)
-        tokens, logprobs = [], []
-        async for item in engine.generate(GenerationRequest(f"r{seed}", tuple(PROMPT), config)):
-            if isinstance(item, TokenChunk):
-                tokens += item.token_ids
-                logprobs += item.logprobs
-        return constraint, sampling, tokens, logprobs
-
-    async def all_samples():
-        try:
-            return await asyncio.gather(*(sample(c, s, seed) for seed, (c, s) in enumerate(SAMPLINGS)))
-        finally:
-            await engine.stop()
-
-    return asyncio.run(all_samples())
+    return sample_constrained(SAMPLINGS)
 
 
 @pytest.fixture(scope="module")
@@ -86,27 +44,6 @@ def backend():
     return TorchBackend(TorchBackendOptions(model="tiny", device="cpu"))
 
 
-def trajectory(constraint, sampling, tokens, logprobs, *, recorded_constraint=True):
-    params = common_pb2.SamplingParams(max_tokens=40, **sampling)
-    if recorded_constraint:
-        params.constraint.CopyFrom(constraint.to_proto(common_pb2.OutputConstraint))
-    end = len(PROMPT) + len(tokens)
-    trace = common_pb2.Trace(
-        trace_id="t0",
-        token_ids=PROMPT + tokens,
-        loss_mask=[0] * len(PROMPT) + [1] * len(tokens),
-        behaviour_logprobs=[0.0] * len(PROMPT) + logprobs,
-        segments=[
-            common_pb2.TraceSegment(kind=common_pb2.TraceSegment.KIND_PROMPT, start=0, end=len(PROMPT), call_id="c1"),
-            common_pb2.TraceSegment(
-                kind=common_pb2.TraceSegment.KIND_SAMPLED, start=len(PROMPT), end=end, call_id="c1", sampling=params
-            ),
-        ],
-        weight=1.0,
-    )
-    return common_pb2.Trajectory(trajectory_id="s", session_id="s", traces=[trace]), trace
-
-
 def scored(backend, sequences):
     """The trainer's logprobs of each sequence's sampled tokens, in the sequences' order."""
     batches = [batch for sequence in sequences for batch in pack([sequence], max_tokens=1024)]
@@ -117,7 +54,7 @@ def scored(backend, sequences):
 def test_the_trainer_scores_constrained_tokens_as_the_engine_drew_them(samples, grammar, backend):
     sequences, recorded = [], []
     for constraint, sampling, tokens, logprobs in samples:
-        traj, trace = trajectory(constraint, sampling, tokens, logprobs)
+        traj, trace = constrained_trajectory(constraint, sampling, tokens, logprobs)
         sequences.append(trace_sequence(traj, trace, advantage=1.0, weight=1.0 / len(tokens), grammar=lambda: grammar))
         recorded += logprobs
     trainer = scored(backend, sequences)
@@ -132,7 +69,7 @@ def test_the_trainer_scores_constrained_tokens_as_the_engine_drew_them(samples, 
 def test_without_the_masks_the_logprobs_differ(samples, backend):
     sequences, recorded = [], []
     for constraint, sampling, tokens, logprobs in samples:
-        traj, trace = trajectory(constraint, sampling, tokens, logprobs, recorded_constraint=False)
+        traj, trace = constrained_trajectory(constraint, sampling, tokens, logprobs, recorded_constraint=False)
         sequences.append(trace_sequence(traj, trace, advantage=1.0, weight=1.0 / len(tokens)))
         recorded += logprobs
     unmasked = scored(backend, sequences)
@@ -143,7 +80,7 @@ def test_without_the_masks_the_logprobs_differ(samples, backend):
 def test_a_token_the_mask_refused_stops_training_with_the_trace_named(samples, grammar):
     constraint, sampling, tokens, logprobs = samples[0]
     forged = tokens[:3] + [tokens[3] + 1] + tokens[4:]
-    traj, trace = trajectory(constraint, sampling, forged, logprobs)
+    traj, trace = constrained_trajectory(constraint, sampling, forged, logprobs)
     with pytest.raises(TrainingError, match="s/t0.*not admitted"):
         trace_sequence(traj, trace, advantage=1.0, weight=1.0, grammar=lambda: grammar)
     with pytest.raises(ConstraintViolation):

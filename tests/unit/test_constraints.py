@@ -24,7 +24,8 @@ from polar.inference.constraints import (
     mask_logits_,
     masked_logits,
 )
-from trainer.grpo import constrained_logits
+from trainer.backends.megatron.logprobs import vocab_parallel_logprobs
+from trainer.grpo import constrained_logits, token_logprobs
 
 
 @given(st.integers(1, 4), st.integers(1, 200), st.randoms(use_true_random=False))
@@ -67,6 +68,37 @@ def test_the_trainer_masks_only_the_trainable_targets_it_holds():
     assert not torch.isinf(masked[:2]).any()
     masked[2, 1].backward()
     assert logits.grad[2, 1] == 1 and logits.grad.sum() == 1
+
+
+@given(st.integers(1, 6), st.integers(2, 40), st.integers(1, 4), st.integers(0, 3), st.randoms(use_true_random=False))
+@settings(max_examples=60, deadline=None)
+def test_each_vocabulary_slice_masked_is_the_whole_vocabulary_masked(targets, vocab, tp, padding, rng):
+    """A tensor-parallel rank masks its own slice of the (padded) vocabulary with the same function:
+    the slices joined, padding dropped, are the whole vocabulary masked; and the vocabulary-parallel
+    logprob over masked logits (fp32, one rank) is the engine's, values and gradients."""
+    width = -(-vocab // tp) + padding  # each rank's columns; the last ranks' may be padding only
+    logits = torch.randn(targets, width * tp, generator=torch.Generator().manual_seed(rng.randrange(2**31)))
+    flat = torch.tensor(sorted(rng.sample(range(3 * targets), targets)))  # [K] trainable targets' positions
+    index = torch.tensor(sorted(rng.sample(range(3 * targets), rng.randint(1, 2 * targets))))  # [M]
+    allowed = torch.tensor([[rng.random() < 0.4 for _ in range(vocab)] for _ in index])  # [M, V]
+    allowed[:, rng.randrange(vocab)] = True
+    whole = constrained_logits(logits[:, :vocab], flat, index, allowed)
+    slices = [constrained_logits(logits[:, r * width : (r + 1) * width], flat, index, allowed, vocab_start=r * width)
+              for r in range(tp)]
+    assert torch.equal(torch.cat(slices, 1)[:, :vocab], whole)
+    # Each target is a token its mask allows, sampled at a temperature.
+    allowed_ids = [row.isfinite().nonzero().squeeze(-1).tolist() for row in whole]
+    targets_ids = torch.tensor([rng.choice(ids) for ids in allowed_ids])
+    temperature = torch.tensor([rng.choice([0.0, 0.5, 1.0, 1.7]) for _ in range(targets)])
+    engine_logits, parallel_logits = (whole.detach().clone().requires_grad_() for _ in range(2))
+    engine = token_logprobs(engine_logits, targets_ids, temperature, torch.zeros(targets, dtype=torch.long),
+                            torch.ones(targets))
+    parallel = vocab_parallel_logprobs(parallel_logits, targets_ids, temperature, vocab_start=0, vocab_size=vocab)
+    torch.testing.assert_close(parallel, engine, atol=1e-5, rtol=0)
+    weights = torch.randn(targets)
+    (engine * weights).sum().backward()
+    (parallel * weights).sum().backward()
+    torch.testing.assert_close(parallel_logits.grad, engine_logits.grad, atol=1e-5, rtol=0)
 
 
 WEATHER = ToolSpec("get_weather", parameters={"type": "object", "properties": {"city": {"type": "string"}}})

@@ -503,6 +503,9 @@ class TorchEngine(Engine):
             return
         parts = ([decode_logits] if decoding else []) + prefill_logits
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)  # [len(batch), V]
+        batch, logits = self._constrain(batch, logits, outbox)
+        if not batch:
+            return
         try:
             tokens, logprobs = self._sample(batch, logits)
         except Exception as error:  # noqa: BLE001 - reported to the affected callers
@@ -589,11 +592,38 @@ class TorchEngine(Engine):
                 seq.prefix.tokens.append(seq.last_token)
         return logits
 
+    def _constrain(
+        self, batch: list[_Sequence], logits: torch.Tensor, outbox: _Outbox
+    ) -> tuple[list[_Sequence], torch.Tensor]:
+        """Mask the constrained sequences' logits [len(batch), V] in place to what their grammars allow
+        next; the batch and logits left to sample from. A sequence whose grammar allows no token (a
+        dead end) or whose mask could not be computed ends here with an error and leaves the step:
+        sampling from nothing would fail the whole batch, or, greedy, emit a token its grammar refuses."""
+        constrained = [row for row, s in enumerate(batch) if s.matcher is not None]
+        if not constrained:
+            return batch, logits
+        seqs = [batch[row] for row in constrained]
+        try:
+            masks = self._constraint_masks(seqs)
+            dead = {id(s): "its grammar allows no next token" for s, mask in zip(seqs, masks) if not mask.any()}
+        except Exception as error:  # noqa: BLE001 - the grammar library failed: these sequences end, not the step
+            masks, dead = None, {id(s): f"computing its grammar's mask failed: {error!r}" for s in seqs}
+        if dead:
+            for seq in seqs:
+                if id(seq) in dead:
+                    self._finish(seq, FinishReason.ERROR, outbox, f"constraint: {dead[id(seq)]}")
+            keep = [row for row, s in enumerate(batch) if id(s) not in dead]
+            if masks is not None:
+                masks = masks[[i for i, s in enumerate(seqs) if id(s) not in dead]]
+            batch = [batch[row] for row in keep]
+            logits = logits[to_device(torch.tensor(keep, dtype=torch.long), logits.device)]
+            constrained = [row for row, s in enumerate(batch) if s.matcher is not None]
+        if constrained:
+            mask_logits_(logits, constrained, masks)
+        return batch, logits
+
     def _sample(self, batch: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
         configs = [s.request.sampling for s in batch]
-        constrained = [row for row, s in enumerate(batch) if s.matcher is not None]
-        if constrained:
-            mask_logits_(logits, constrained, self._constraint_masks([batch[row] for row in constrained]))
         tokens, logprobs = sample_next_tokens(
             logits,
             torch.tensor([c.temperature for c in configs], dtype=torch.float32),

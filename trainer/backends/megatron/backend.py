@@ -25,7 +25,10 @@ only, steps that slice, and all-gathers the updated weights. A replica's last mi
 always in the last round (the rounds it sits out come first), so no replica has started its
 reduce-scatter when a stop between rounds cancels the update.
 
-Logprobs and the loss are computed in fp32.
+Logprobs and the loss are computed in fp32. A constrained call's tokens (a forced tool call, JSON-schema
+output) are scored over the logits masked by its grammar, replayed by the loop, as the engine sampled
+them: each rank masks its own vocabulary slice with the same function as the torch backend
+(grpo.constrained_logits), so the softmax over the whole vocabulary is over the masked, tempered logits.
 
 The gradient norm counts a replicated parameter (the norms) once and sums sharded ones over ranks;
 QK-norm weights are shared by all heads but each rank only sees its own heads, so their gradients are
@@ -81,7 +84,7 @@ from trainer.backends.megatron.runtime import (
 )
 from trainer.bf16_adamw import StochasticRoundingAdamW
 from trainer.batches import MicroBatch
-from trainer.grpo import LossConfig, LossStats
+from trainer.grpo import LossConfig, LossStats, constrained_logits
 
 if TYPE_CHECKING:
     from polar.config import TrainerConfig
@@ -389,11 +392,6 @@ class MegatronBackend(Backend):
 
     def _check(self, batches: Sequence[MicroBatch]) -> None:
         for batch in batches:
-            if batch.constraint_index is not None:
-                raise BackendError(
-                    "a trace holds a constrained call (forced tool call or JSON schema): the megatron backend does "
-                    "not mask its logits by the constraint yet; train such runs with the torch backend"
-                )
             mask = batch.loss_mask
             check_untruncated(self.shape.vocab_size, batch.temperature[mask], batch.top_k[mask], batch.top_p[mask])
 
@@ -406,6 +404,9 @@ class MegatronBackend(Backend):
         parents = [batch.row_parents(row) for row in range(len(batch.sequence_lengths))]
         logits = selected_logits(model, batch.input_ids, batch.position_ids, batch.sequence_lengths, parents,
                                  keep)  # [K, V/tp]
+        if batch.constraint_index is not None:  # each rank masks its own vocabulary slice
+            logits = constrained_logits(logits, keep, batch.constraint_index, batch.constraint_allowed,
+                                        vocab_start=self.vocab_start)
         values = vocab_parallel_logprobs(
             logits,
             batch.targets.reshape(-1)[keep],

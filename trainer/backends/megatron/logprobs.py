@@ -9,6 +9,10 @@ d logprob / d z_j = (1[j = target] - softmax_j) / T, and softmax_j needs only th
 the global logsumexp, which forward kept. Like grpo.token_logprobs, the fp32 [rows, V/tp] work is
 done a chunk of rows at a time and nothing of that size is kept for backward.
 
+Logits may hold -inf where a constrained call's grammar refused a token (grpo.constrained_logits masks
+each rank's slice first): a slice with no allowed token contributes a logsumexp of -inf, so the
+softmax is over the masked, tempered vocabulary, and nothing to the gradient.
+
 Only temperature is supported: top-k / top-p truncation keeps the tokens above a threshold found over
 the whole vocabulary, so truncated sampling is refused with TruncatedSamplingError.
 """
