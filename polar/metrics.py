@@ -78,7 +78,7 @@ async def start_metrics(
     when it cannot be bound; ValueError when it is not HOST:PORT."""
     host, port = _host_port(address)
     registry = CollectorRegistry(auto_describe=False)
-    ProcessCollector(registry=registry, pid=(lambda: pid) if pid is not None else (lambda: "self"))
+    ProcessCollector(registry=registry, pid=lambda: pid if pid is not None else "self")
     for collect in collectors:
         registry.register(Collect(collect))
 
