@@ -29,6 +29,7 @@ pytestmark = pytest.mark.anyio
 
 WAIT_S = 30.0
 ENVOY_ID = "envoy-metrics"
+INFERENCE_CLUSTER = (("envoy_cluster_name", "inference"),)  # the label of Envoy's statistics of that cluster
 # One chat call through the gateway, with the standard library only.
 CALL = """
 import json, os, urllib.request
@@ -92,6 +93,13 @@ async def test_every_service_serves_its_metrics_while_a_task_runs(tmp_path):
                 envoy_lines.wait_for, r"harness (http://\S+) .* inference \S+:(\d+) .*; metrics (http://\S+/metrics)", 60
             )
             base_url, inference_port, envoy_url = ready.group(1), ready.group(2), ready.group(3)
+
+            async def envoy_sends_to_inference() -> bool:
+                scraped = await asyncio.to_thread(scrape, envoy_url)
+                return scraped.get(("envoy_cluster_membership_healthy", INFERENCE_CLUSTER)) == 1
+
+            # Envoy and the inference server start side by side: the node starts once Envoy has it.
+            await until("Envoy's inference cluster has the server", envoy_sends_to_inference)
             node = await start_node(
                 NodeConfig(
                     rollout_address=rollout.address, envoy_node_id=ENVOY_ID, init_workers=1, ready_slots=1,
@@ -156,9 +164,8 @@ async def check_metrics(rollout_url: str, inference_url: str, node_url: str, env
     # Envoy's service: Envoy's own statistics, read from its admin at this scrape, and its process's.
     proxy = await asyncio.to_thread(scrape, envoy_url)
     assert proxy[("polar_envoy_stats_available", ())] == 1
-    inference_cluster = (("envoy_cluster_name", "inference"),)
-    assert proxy[("envoy_cluster_upstream_rq_total", inference_cluster)] >= 2  # the two sessions' Generate calls
-    assert proxy[("envoy_cluster_membership_healthy", inference_cluster)] == 1
+    assert proxy[("envoy_cluster_upstream_rq_total", INFERENCE_CLUSTER)] >= 2  # the two sessions' Generate calls
+    assert proxy[("envoy_cluster_membership_healthy", INFERENCE_CLUSTER)] == 1
     assert proxy[("process_cpu_seconds_total", ())] > 0
 
 
