@@ -146,6 +146,9 @@ class EnvoyConfig:
     # This Envoy's name to the control plane: gateways that join for it (a node's own gateway) are
     # its gateway_http endpoints; every Envoy gets every inference server
     node_id: str = "polar-envoy"
+    # HOST:PORT serving Prometheus /metrics (port 0 picks one): Envoy's own statistics (its admin's
+    # /stats/prometheus, read at each scrape) and its process's; "" = none
+    metrics_address: str = ""
 
 
 @dataclass

@@ -35,6 +35,8 @@ from pathlib import Path
 from polar import credentials
 from polar.children import dying_with_parent
 from polar.config import EnvoyConfig
+from polar.grpc_server import until_stop_signal
+from polar.metrics import EnvoyStats, MetricsEndpoint, start_metrics
 from polar.service import Ready, ServiceError, ServiceSpec, connectable, join_host_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.tmpl"
@@ -45,6 +47,7 @@ BINARY_IN_WHEEL = "envoy/_bin/envoy"
 READY_POLL_SECONDS = 0.05
 STARTUP_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+STATS_TIMEOUT_S = 2.0  # a scrape of `polar serve envoy`'s /metrics waits this long for Envoy's own statistics
 VALIDATE_REASON_CHARS = 600
 XDS_CLUSTER = "xds"  # the control plane's cluster in the bootstrap
 
@@ -352,13 +355,14 @@ def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_
 
 
 class _Stop(Exception):
-    """SIGTERM reached `polar serve envoy`."""
+    """SIGTERM reached `polar serve envoy` while Envoy was starting."""
 
 
-def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str] | None = None, gateway: str | None = None) -> None:
+async def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str] | None = None, gateway: str | None = None) -> None:
     """`polar serve envoy`: Envoy in the foreground until SIGINT/SIGTERM, between the gateway's HTTP
     address and these inference servers, or those its control plane names (`config.xds_address`);
-    a failure of Envoy raises EnvoyError."""
+    a failure of Envoy raises EnvoyError. With `config.metrics_address`, /metrics there serves
+    Envoy's own statistics (polar.metrics.EnvoyStats) and the Envoy process's CPU and memory."""
     if config.xds_address and (inference or gateway):
         raise EnvoyError("--inference and --gateway are fixed upstreams; with --xds the control plane names them")
     if not config.xds_address and not (inference and gateway):
@@ -373,26 +377,55 @@ def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str] | None = N
     def stop(signum: int, frame: object) -> None:
         raise _Stop
 
+    # Until Envoy is ready (started on this thread, so that it dies with this process), SIGTERM
+    # stops it here; then the event loop's handlers take over.
     previous = signal.signal(signal.SIGTERM, stop)
     try:
         with running(text, workers=config.workers) as envoy:
-            host = config.host
-            if config.xds_address:
-                upstreams = f"the upstreams of control plane {config.xds_address} (node {config.node_id})"
-            else:
-                upstreams = f"{len(inference)} inference server{'s' if len(inference) > 1 else ''}"
-            line = (
-                f"envoy: harness http://{join_host_port(host, envoy.harness_port)} -> gateway {gateway or 'from the control plane'}; "
-                f"inference {join_host_port(host, envoy.inference_port)} -> {upstreams}; admin {envoy.admin}"
-            )
-            base_url = "http://" + join_host_port(connectable(host), envoy.harness_port)
-            ready(envoy.inference_port, line, base_url=base_url, admin=envoy.admin)
-            code = envoy.process.wait()
-            raise EnvoyError(f"Envoy exited with code {code}")
+            metrics = await _start_metrics(config.metrics_address, envoy) if config.metrics_address else None
+            try:
+                host = config.host
+                if config.xds_address:
+                    upstreams = f"the upstreams of control plane {config.xds_address} (node {config.node_id})"
+                else:
+                    upstreams = f"{len(inference)} inference server{'s' if len(inference) > 1 else ''}"
+                line = (
+                    f"envoy: harness http://{join_host_port(host, envoy.harness_port)} -> gateway {gateway or 'from the control plane'}; "
+                    f"inference {join_host_port(host, envoy.inference_port)} -> {upstreams}; admin {envoy.admin}"
+                    + (f"; metrics {metrics.url}" if metrics is not None else "")
+                )
+                base_url = "http://" + join_host_port(connectable(host), envoy.harness_port)
+                ready(envoy.inference_port, line, base_url=base_url, admin=envoy.admin)
+                await _until_stopped_or_exited(envoy.process)
+            finally:
+                if metrics is not None:
+                    await metrics.stop()
     except _Stop:
         return
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+async def _start_metrics(address: str, envoy: RunningEnvoy) -> MetricsEndpoint:
+    stats = EnvoyStats(lambda: admin_get(envoy.admin, "/stats/prometheus", timeout_s=STATS_TIMEOUT_S))
+    try:
+        return await start_metrics(address, stats.collect, pid=envoy.process.pid, appended=stats.text)
+    except (OSError, ValueError) as exc:
+        raise EnvoyError(str(exc)) from None
+
+
+async def _until_stopped_or_exited(process: subprocess.Popen) -> None:
+    """Return on SIGINT or SIGTERM; EnvoyError when Envoy exits first."""
+    exited = asyncio.ensure_future(asyncio.to_thread(process.wait))
+    stopping = asyncio.ensure_future(until_stop_signal())
+    try:
+        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await stopping
+    if exited.done():
+        raise EnvoyError(f"Envoy exited with code {exited.result()}")
 
 
 # ---------------------------------------------------------------------------------------- helpers

@@ -22,14 +22,16 @@ the process's CPU and memory (`process_*`) beside:
                 polar_node_sessions
     trainer     polar_trainer_step, polar_trainer_policy_version, polar_trainer_trained_tokens_total,
                 polar_trainer_groups_consumed_total, polar_trainer_last{metric} (the latest metrics.jsonl row)
-
-Envoy's own statistics are on its admin interface, `/stats/prometheus`.
+    envoy       Envoy's own statistics (envoy_*: its admin interface's /stats/prometheus, read at each
+                scrape and appended), polar_envoy_stats_available (0 when Envoy did not answer in
+                time: the rest still comes back), and process_* of the Envoy process
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -66,17 +68,23 @@ class Collect:
         yield from self._collect()
 
 
-async def start_metrics(address: str, *collectors: Callable[[], Iterable[Metric]]) -> MetricsEndpoint:
-    """Serve `collectors` (and the process's own metrics) at http://address/metrics. OSError naming
-    the address when it cannot be bound; ValueError when it is not HOST:PORT."""
+async def start_metrics(
+    address: str, *collectors: Callable[[], Iterable[Metric]], pid: int | None = None,
+    appended: Callable[[], Awaitable[bytes]] | None = None,
+) -> MetricsEndpoint:  # fmt: skip
+    """Serve `collectors` (and the process_* metrics of process `pid`, default this one) at
+    http://address/metrics, followed by what `appended` gives at each scrape (another program's
+    metrics in the same text format, read before the collectors run). OSError naming the address
+    when it cannot be bound; ValueError when it is not HOST:PORT."""
     host, port = _host_port(address)
     registry = CollectorRegistry(auto_describe=False)
-    ProcessCollector(registry=registry)
+    ProcessCollector(registry=registry, pid=lambda: pid if pid is not None else "self")
     for collect in collectors:
         registry.register(Collect(collect))
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        more = await appended() if appended is not None else b""
+        return web.Response(body=generate_latest(registry) + more, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -271,3 +279,28 @@ def trainer_metrics(run) -> Callable[[], Iterable[Metric]]:
         yield _labelled(GaugeMetricFamily, "polar_trainer_last", "the latest step's metrics.jsonl values", "metric", numbers)
 
     return collect
+
+
+# --------------------------------------------------------------------------------------- envoy
+
+
+class EnvoyStats:
+    """Envoy's own statistics beside its service's: `read` (blocking, bounded by its own timeout)
+    returns the admin interface's /stats/prometheus text, or None when Envoy does not answer.
+    `text` reads it for a scrape, to append; `collect` then says whether that scrape has it."""
+
+    def __init__(self, read: Callable[[], str | None]) -> None:
+        self._read = read
+        self.available = False  # whether the latest read got Envoy's answer
+
+    async def text(self) -> bytes:
+        stats = await asyncio.to_thread(self._read)
+        self.available = stats is not None
+        return stats.encode() if stats is not None else b""
+
+    def collect(self) -> Iterator[Metric]:
+        # A scrape reads, then collects without yielding to the loop: the value is that read's.
+        yield _gauge(
+            "polar_envoy_stats_available", "1 when this scrape holds Envoy's own statistics (envoy_*); 0 when"
+            " its admin interface did not answer in time", float(self.available),
+        )  # fmt: skip

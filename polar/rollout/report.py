@@ -87,35 +87,41 @@ def render_status(
 
 
 def render_nodes(nodes: Sequence[rollout_pb2.NodeInfo]) -> str:
-    """The live nodes (registration order): sessions held, each pool's depth/capacity, heartbeat age."""
+    """The live nodes (registration order): sessions held, each pool's depth/capacity, heartbeat age,
+    and the credential each registered with."""
     if not nodes:
         return "no live nodes: sessions wait for one (`polar serve node`, or `polar up`)"
-    header = ["node", "sessions", *POOLS, "heartbeat"]
+    header = ["node", "sessions", *POOLS, "heartbeat", "credential"]
     rows = [header]
     for node in nodes:
         pools = {pool.name: f"{pool.depth}/{pool.capacity}" for pool in node.pools}
         # 0 while a heartbeat is open: the node is waiting for work right now.
         heartbeat = f"{node.seconds_since_heartbeat:.1f} s ago" if node.seconds_since_heartbeat else "now"
-        rows.append([node.node_id, str(node.session_count), *(pools.get(name, "-") for name in POOLS), heartbeat])
-    return _columns(rows, left=(0, len(header) - 1))
+        rows.append(
+            [node.node_id, str(node.session_count), *(pools.get(name, "-") for name in POOLS), heartbeat, _credential(node)]
+        )
+    return _columns(rows, left=(0, len(header) - 2, len(header) - 1))
 
 
 def render_envoys(response: rollout_pb2.ListUpstreamsResponse) -> str:
     """Envoy's upstreams (cluster, address, draining) and each Envoy with the endpoint version it
-    acknowledged against the version it should have; "" when there are none."""
+    acknowledged against the version it should have, each with the credential it joined or
+    connected with; "" when there are none."""
     if not response.upstreams and not response.envoys:
         return ""  # a rollout server no Envoy or upstream has used: nothing to show
-    rows = [["upstream", "cluster", "address", "envoy", "state", "heartbeat"]]
+    rows = [["upstream", "cluster", "address", "envoy", "state", "heartbeat", "credential"]]
     for u in response.upstreams:
         state = "draining" if u.draining else "serving"
-        rows.append([u.upstream_id, u.cluster, u.address, u.envoy or "every", state, f"{u.seconds_since_heartbeat:.1f} s ago"])
-    lines = [_columns(rows, left=tuple(range(6)))] if response.upstreams else []
-    rows = [["envoy", "connected", "version", "acknowledged", "rejected"]]
+        heartbeat = f"{u.seconds_since_heartbeat:.1f} s ago"
+        rows.append([u.upstream_id, u.cluster, u.address, u.envoy or "every", state, heartbeat, _credential(u)])
+    lines = [_columns(rows, left=tuple(range(7)))] if response.upstreams else []
+    rows = [["envoy", "connected", "version", "acknowledged", "credential", "rejected"]]
     for e in response.envoys:
         rejected = f"{e.rejected_version}: {e.error}" if e.rejected_version else "-"
-        rows.append([e.node_id, "yes" if e.connected else "no", e.version or "-", e.acknowledged_version or "-", rejected])
+        connected = "yes" if e.connected else "no"
+        rows.append([e.node_id, connected, e.version or "-", e.acknowledged_version or "-", _credential(e), rejected])
     if response.envoys:
-        lines.append(_columns(rows, left=tuple(range(5))))
+        lines.append(_columns(rows, left=tuple(range(6))))
     return "\n\n".join(lines)
 
 
@@ -141,6 +147,15 @@ def _row(task: rollout_pb2.TaskStatus) -> list[str]:
         f"{task.mean_reward:.3f}" if done else "-",
         "yes" if task.released else "no",
     ]
+
+
+def _credential(info: rollout_pb2.NodeInfo | rollout_pb2.UpstreamInfo | rollout_pb2.EnvoyInfo) -> str:
+    """Which credential a node, upstream or Envoy came with: "NAME (ROLE)" for one issued by name,
+    "stack's own (ROLE)" for the stack's own token, "-" where the server checks none."""
+    if not info.credential_role:
+        return "-"
+    name = info.credential or "stack's own"
+    return f"{name} ({info.credential_role})"
 
 
 def _columns(rows: list[list[str]], left: tuple[int, ...]) -> str:

@@ -88,7 +88,7 @@ from polar.rollout.tasks import normalize_task, validate_task
 from polar.service import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from polar.xds.membership import Membership, split_address
-from polar.xds.rpcs import UpstreamRpcs, WrongCredential
+from polar.xds.rpcs import UpstreamRpcs, WrongCredential, credential_fields
 from polar.xds.server import ADS_SERVICE, AggregatedDiscovery
 
 log = logging.getLogger("polar.rollout.server")
@@ -195,8 +195,11 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
         self._reaper: asyncio.Task | None = None
         # Envoy's upstreams and the control plane that tells Envoy about them (polar.xds).
         self.membership = membership or Membership(heartbeat_interval_s, node_timeout_s)
+        self.membership.discovery.credentials = credentials
         self._credentials = credentials
-        self._node_names: dict[str, str] = {}  # node id -> the issued credential it registered with
+        # Node id -> whose credential registered it (its issued name, "" for the stack's own token;
+        # none kept by a server that checks no credentials).
+        self._node_callers: dict[str, creds.Caller] = {}
 
     @property
     def store(self) -> RolloutStore:
@@ -283,6 +286,7 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
                     ],
                     session_count=self._store.held_count(node.node_id),
                     seconds_since_heartbeat=0.0 if node.node_id in self._polls else now - self._heard.get(node.node_id, now),
+                    **credential_fields(self._node_callers.get(node.node_id)),
                 )
                 for node in self._store.nodes()
             ]
@@ -319,15 +323,15 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
             raise InvalidArgument(_listed(problems))
         name = self._caller_name(context)
         if name:
-            for earlier, earlier_name in list(self._node_names.items()):
-                if earlier_name == name:
+            for earlier, registered in list(self._node_callers.items()):
+                if registered.name == name:
                     self._forget_node(earlier, f"node {earlier} registered again", f"credential {name} registered a new node")
         node_id = f"node-{uuid.uuid4().hex[:12]}"
         secret = secrets.token_hex(NODE_SECRET_BYTES)
         self._store.add_node(node_id, request, time.time(), secret=secret)
         self._heard[node_id] = time.monotonic()
-        if name:
-            self._node_names[node_id] = name
+        if (who := caller(self._credentials, context)) is not None:
+            self._node_callers[node_id] = who
         log.info(
             "node %s registered (gateway %s, runtimes %s)",
             node_id,
@@ -435,9 +439,10 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
 
     def _check_node_credential(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
         who = caller(self._credentials, context)
-        name = who.name if who is not None else ""
-        registered = self._node_names.setdefault(node_id, name)  # a restarted server learns it here
-        if name != registered:
+        if who is None:
+            return  # a server that checks no credentials
+        registered = self._node_callers.setdefault(node_id, who)  # a restarted server learns it here
+        if who.name != registered.name:
             raise WrongCredential(f"node {node_id} registered with another credential")
 
     def _remove_revoked(self) -> None:
@@ -445,8 +450,8 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
         if self._credentials is None:
             return
         issued = self.remove_revoked_upstreams()
-        for node_id, name in list(self._node_names.items()):
-            if name and name not in issued:
+        for node_id, registered in list(self._node_callers.items()):
+            if (name := registered.name) and name not in issued:
                 log.warning("node %s: its credential %s was revoked; forgotten", node_id, name)
                 self._forget_node(node_id, f"the credential of node {node_id} was revoked", "its credential was revoked")
 
@@ -479,7 +484,7 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
         """The node is gone: its sessions are dispatched again (or finished), and it is forgotten."""
         requeued = self._store.remove_node(node_id, reason, time.time(), self._max_attempts)
         self._heard.pop(node_id, None)
-        self._node_names.pop(node_id, None)
+        self._node_callers.pop(node_id, None)
         self._new_cancels.pop(node_id, None)
         if (poll := self._polls.pop(node_id, None)) is not None:
             poll.set()  # a heartbeat still waiting ends, assigning nothing

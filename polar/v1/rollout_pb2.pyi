@@ -347,7 +347,7 @@ class ListNodesRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("node_id", "gateway_address", "base_url", "runtimes", "pools", "session_count", "seconds_since_heartbeat")
+    __slots__ = ("node_id", "gateway_address", "base_url", "runtimes", "pools", "session_count", "seconds_since_heartbeat", "credential", "credential_role")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     GATEWAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     BASE_URL_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,8 @@ class NodeInfo(_message.Message):
     POOLS_FIELD_NUMBER: _ClassVar[int]
     SESSION_COUNT_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ROLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     gateway_address: str
     base_url: str
@@ -362,7 +364,9 @@ class NodeInfo(_message.Message):
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
     session_count: int
     seconds_since_heartbeat: float
-    def __init__(self, node_id: _Optional[str] = ..., gateway_address: _Optional[str] = ..., base_url: _Optional[str] = ..., runtimes: _Optional[_Iterable[str]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., session_count: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+    credential: str
+    credential_role: str
+    def __init__(self, node_id: _Optional[str] = ..., gateway_address: _Optional[str] = ..., base_url: _Optional[str] = ..., runtimes: _Optional[_Iterable[str]] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., session_count: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., credential: _Optional[str] = ..., credential_role: _Optional[str] = ...) -> None: ...
 
 class ListNodesResponse(_message.Message):
     __slots__ = ("nodes",)
@@ -429,36 +433,44 @@ class ListUpstreamsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class UpstreamInfo(_message.Message):
-    __slots__ = ("upstream_id", "cluster", "address", "envoy", "draining", "seconds_since_heartbeat")
+    __slots__ = ("upstream_id", "cluster", "address", "envoy", "draining", "seconds_since_heartbeat", "credential", "credential_role")
     UPSTREAM_ID_FIELD_NUMBER: _ClassVar[int]
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ENVOY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ROLE_FIELD_NUMBER: _ClassVar[int]
     upstream_id: str
     cluster: str
     address: str
     envoy: str
     draining: bool
     seconds_since_heartbeat: float
-    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., envoy: _Optional[str] = ..., draining: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+    credential: str
+    credential_role: str
+    def __init__(self, upstream_id: _Optional[str] = ..., cluster: _Optional[str] = ..., address: _Optional[str] = ..., envoy: _Optional[str] = ..., draining: _Optional[bool] = ..., seconds_since_heartbeat: _Optional[float] = ..., credential: _Optional[str] = ..., credential_role: _Optional[str] = ...) -> None: ...
 
 class EnvoyInfo(_message.Message):
-    __slots__ = ("node_id", "connected", "version", "acknowledged_version", "rejected_version", "error")
+    __slots__ = ("node_id", "connected", "version", "acknowledged_version", "rejected_version", "error", "credential", "credential_role")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CONNECTED_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACKNOWLEDGED_VERSION_FIELD_NUMBER: _ClassVar[int]
     REJECTED_VERSION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_ROLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     connected: bool
     version: str
     acknowledged_version: str
     rejected_version: str
     error: str
-    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., version: _Optional[str] = ..., acknowledged_version: _Optional[str] = ..., rejected_version: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    credential: str
+    credential_role: str
+    def __init__(self, node_id: _Optional[str] = ..., connected: _Optional[bool] = ..., version: _Optional[str] = ..., acknowledged_version: _Optional[str] = ..., rejected_version: _Optional[str] = ..., error: _Optional[str] = ..., credential: _Optional[str] = ..., credential_role: _Optional[str] = ...) -> None: ...
 
 class ListUpstreamsResponse(_message.Message):
     __slots__ = ("upstreams", "envoys")

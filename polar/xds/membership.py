@@ -53,6 +53,7 @@ class Member:
     secret_hash: bytes
     heard: float  # monotonic time of its latest heartbeat
     credential: str = ""  # the name of the issued credential it joined with; "" = the stack's own
+    credential_role: str = ""  # that credential's role; "" = a control plane that checks none
 
 
 class Membership:
@@ -83,11 +84,13 @@ class Membership:
 
     # -- joining and leaving --------------------------------------------------------------------
 
-    async def join(self, cluster: str, address: str, envoy: str = "", credential: str = "") -> tuple[str, str]:
+    async def join(
+        self, cluster: str, address: str, envoy: str = "", credential: str = "", credential_role: str = ""
+    ) -> tuple[str, str]:
         """A new upstream; its id and secret. BadUpstream when the cluster is unknown or the address
         is not HOST:PORT or does not resolve (EDS endpoints are IP addresses: a name is resolved
         here, once). A `credential` issued by name holds one upstream per cluster: its earlier one
-        there is removed."""
+        there is removed; `credential_role` is kept for status."""
         if cluster not in CLUSTERS:
             raise BadUpstream(f"cluster: {cluster!r} is not one of {', '.join(CLUSTERS)}")
         host, port = split_address(address)
@@ -103,7 +106,7 @@ class Membership:
             for earlier in [m for m in self._members.values() if (m.credential, m.upstream.cluster) == (credential, cluster)]:
                 self._members.pop(earlier.upstream_id)
                 log.info("%s (credential %s) replaced by a new join", earlier.upstream_id, credential)
-        self._members[upstream_id] = Member(upstream_id, upstream, _hash(secret), self._clock(), credential)
+        self._members[upstream_id] = Member(upstream_id, upstream, _hash(secret), self._clock(), credential, credential_role)
         log.info("%s joined %s at %s%s", upstream_id, cluster, address, f" (for Envoy {envoy})" if envoy else "")
         self.discovery.publish()
         return upstream_id, secret

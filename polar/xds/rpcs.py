@@ -30,6 +30,12 @@ class WrongCredential(PermissionError):
 CLUSTER_OF_ROLE = {NODE: GATEWAY_CLUSTER, INFERENCE: INFERENCE_CLUSTER}
 
 
+def credential_fields(who: creds.Caller | None) -> dict[str, str]:
+    """The `credential` and `credential_role` fields of NodeInfo, UpstreamInfo and EnvoyInfo for a
+    caller (None: a server that checks no credentials)."""
+    return {"credential": who.name, "credential_role": who.role} if who is not None else {}
+
+
 @status_codes(
     {
         BadUpstream: grpc.StatusCode.INVALID_ARGUMENT,
@@ -53,7 +59,9 @@ class UpstreamRpcs:
         name = self._caller_name(context)
         if name and request.cluster != CLUSTER_OF_ROLE.get(who.role):
             raise WrongCredential(f"credential {name} ({who.role}) may not join the {request.cluster!r} cluster")
-        upstream_id, secret = await self.membership.join(request.cluster, request.address, request.envoy, credential=name)
+        upstream_id, secret = await self.membership.join(
+            request.cluster, request.address, request.envoy, credential=name, credential_role=who.role if who else ""
+        )
         return rollout_pb2.JoinUpstreamResponse(
             upstream_id=upstream_id, upstream_secret=secret, heartbeat_interval_seconds=self._interval,
             accepted_credentials=self._accepted(request.cluster),
@@ -90,6 +98,7 @@ class UpstreamRpcs:
                     envoy=m.upstream.envoy,
                     draining=m.upstream.draining,
                     seconds_since_heartbeat=membership.seconds_since_heartbeat(m),
+                    **credential_fields(creds.Caller(m.credential_role, m.credential) if m.credential_role else None),
                 )
                 for m in membership.members()
             ],
@@ -101,6 +110,7 @@ class UpstreamRpcs:
                     acknowledged_version=envoy.endpoints().accepted,
                     rejected_version=envoy.endpoints().rejected,
                     error=envoy.endpoints().error,
+                    **credential_fields(envoy.caller),
                 )
                 for envoy in discovery.envoys.values()
             ],
@@ -129,9 +139,11 @@ class UpstreamRpcs:
         ]
 
     def remove_revoked_upstreams(self) -> set[str]:
-        """Remove the upstreams of credentials no longer issued; the names still issued."""
+        """Remove the upstreams of credentials no longer issued, and end the ADS streams opened with
+        them; the names still issued."""
         if self._credentials is None:
             return set()
         issued = self._credentials.issued.names()
         self.membership.remove_revoked(issued)
+        self.membership.discovery.end_revoked(issued)
         return issued

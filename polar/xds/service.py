@@ -7,7 +7,7 @@ world, EDS for the inference and gateway clusters) and the rpcs upstreams join w
 UpstreamHeartbeat, ListUpstreams of RolloutService, so an inference server's `--rollout` or a node's
 `[node] xds_address` may name it); every other RolloutService rpc is UNIMPLEMENTED. Credentials are
 checked as on the rollout server (issued ones from `[xds] issued_credentials`, re-read on change,
-a revoked one's upstreams removed within a second); TLS and /metrics are the rollout server's too.
+a revoked one's upstreams removed and its ADS streams ended within a second); TLS and /metrics are the rollout server's too.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class ControlPlane(UpstreamRpcs):
                 f" ({config.heartbeat_interval_s})"
             )
         self.membership = Membership(config.heartbeat_interval_s, config.upstream_timeout_s)
+        self.membership.discovery.credentials = credentials
         self._credentials = credentials
         self._interval = config.heartbeat_interval_s
         self._revocations: asyncio.Task | None = None

@@ -175,9 +175,10 @@ def test_up_runs_a_submitted_task_and_stops_on_sigint_leaving_no_child(spawn, st
     assert watched.returncode == 0, watched.stderr
     assert watched.stdout.splitlines()[-1].startswith("total: 1 task, 1 released; 2 sessions: 2 done")
     nodes = run("status", "--rollout", rollout).stdout.split("\n\n")[0].splitlines()
-    assert nodes[0].split() == ["node", "sessions", "init", "ready", "running", "postrun", "heartbeat"]
+    assert nodes[0].split() == ["node", "sessions", "init", "ready", "running", "postrun", "heartbeat", "credential"]
     [node] = nodes[1:]
     assert node.split()[4] == "0/2"  # the running pool: no harness now, [node] running_slots = 2
+    assert node.endswith("stack's own (node)")  # `polar up`'s node registers with the stack's own token
     exported = run("results", "--export", str(tmp_path / "out.jsonl"), "--rollout", rollout)
     assert exported.returncode == 0, exported.stderr
     trajectories = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]

@@ -1,8 +1,9 @@
 """Machines joining a stack with credentials of their own: the rollout server on 127.0.0.1 (with the
 stack's own tokens), an inference server on 127.0.0.3 and a node (Envoy and a gateway node) on
-127.0.0.2, each `polar up --role ...` with only the credential the operator issued it by name. The
-node runs sessions through its Envoy to the other machine's inference server; a token admits only
-its own name; revoking cuts each off. Every wait is bounded."""
+127.0.0.2, each `polar up --role ...` with only the credential the operator issued it by name.
+`polar status` shows which credential each joined with. The node runs sessions through its Envoy to
+the other machine's inference server; a token admits only its own name; revoking cuts each off, the
+node's Envoy's open ADS stream included. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -16,16 +17,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.protobuf import json_format
 
 from polar import codec, credentials
 from polar.config import RolloutConfig
 from polar.rollout.server import RunningRollout, start_rollout_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from polar.xds.snapshot import GATEWAY_CLUSTER, INFERENCE_CLUSTER
+from polar.xds.snapshot import ENDPOINT_TYPE, GATEWAY_CLUSTER, INFERENCE_CLUSTER
 from polar_cli import run, spawned
 
-pytestmark = [pytest.mark.anyio, pytest.mark.slow]
+pytestmark = pytest.mark.anyio
 
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 30.0
@@ -78,6 +81,10 @@ async def _is(status, expected: grpc.StatusCode) -> bool:
     return await status == expected
 
 
+async def _not(check) -> bool:
+    return not await check
+
+
 async def until(what: str, check, timeout_s: float = WAIT_S):
     deadline = time.monotonic() + timeout_s
     while not (result := await check()):
@@ -86,6 +93,7 @@ async def until(what: str, check, timeout_s: float = WAIT_S):
     return result
 
 
+@pytest.mark.slow
 async def test_machines_join_with_their_own_credentials_run_sessions_and_are_cut_off_when_revoked(tmp_path, monkeypatch):
     async with rollout_machine(tmp_path, monkeypatch) as (rollout, own), grpc.aio.insecure_channel(rollout.address) as channel:
         stub = rollout_pb2_grpc.RolloutServiceStub(channel)
@@ -110,6 +118,15 @@ async def test_machines_join_with_their_own_credentials_run_sessions_and_are_cut
             assert clusters[INFERENCE_CLUSTER].startswith("127.0.0.3:") and clusters[GATEWAY_CLUSTER].startswith("127.0.0.2:")
             members = {m.credential: m for m in rollout.servicer.membership.members()}
             assert set(members) == {"node-b", "gpu-c"}
+
+            # `polar status` names the credential (and its role) each node, upstream and Envoy came with.
+            status = await asyncio.to_thread(run, "status", "--rollout", rollout.address, env={**os.environ, credentials.ENV_VAR: str(own.folder)})
+            assert status.returncode == 0, status.stderr
+            rows = {line.split()[0]: line for line in status.stdout.splitlines() if line.strip()}
+            assert [row.endswith("node-b (node)") for name, row in rows.items() if name.startswith("node-")] == [True]
+            assert [row.endswith("gpu-c (inference)") for name, row in rows.items() if name.startswith("inference-")] == [True]
+            assert [row.endswith("node-b (node)") for name, row in rows.items() if name.startswith("gateway-")] == [True]
+            assert "node-b (node)" in rows["envoy-127.0.0.2"]
             task = json_format.ParseDict(TASK, rollout_pb2.Task())
             await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task]), metadata=operator, timeout=10)
 
@@ -154,10 +171,20 @@ async def test_machines_join_with_their_own_credentials_run_sessions_and_are_cut
                         return exc.code()
                 return grpc.StatusCode.OK
 
+            async def b_envoy_connected() -> bool:
+                listed = await stub.ListUpstreams(rollout_pb2.ListUpstreamsRequest(), metadata=operator, timeout=10)
+                return next(e.connected for e in listed.envoys if e.node_id == "envoy-127.0.0.2")
+
             assert await c_admits_b() == grpc.StatusCode.OK
+            assert await b_envoy_connected()
             revoked_at = time.monotonic()
             await revoke("node-b")
             await until("C refuses the revoked node", lambda: _is(c_admits_b(), grpc.StatusCode.UNAUTHENTICATED), timeout_s=5.0)
+            # B's Envoy held its ADS stream open with the revoked credential: the stream ends, and
+            # reconnecting (Envoy retries within a second) is refused.
+            await until("B's Envoy is cut off the control plane", lambda: _not(b_envoy_connected()), timeout_s=5.0)
+            await asyncio.sleep(1.5)
+            assert not await b_envoy_connected()
             await revoke("gpu-c")
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.RegisterNode(rollout_pb2.RegisterNodeRequest(runtimes=["local"]), metadata=stolen, timeout=10)
@@ -172,3 +199,43 @@ async def test_machines_join_with_their_own_credentials_run_sessions_and_are_cut
             assert time.monotonic() - revoked_at < 10.0
             for process in (b, c):
                 assert process.poll() is None  # still running, but refused: it stays out
+
+
+async def test_revoking_a_credential_ends_the_ads_streams_opened_with_it_and_refuses_it_again(tmp_path, monkeypatch):
+    async with rollout_machine(tmp_path, monkeypatch) as (rollout, own), grpc.aio.insecure_channel(rollout.address) as channel:
+        stolen = issue(own, "edge-9", credentials.NODE, tmp_path / "edge-credentials")
+        ads = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel)
+
+        async def subscribed(node_id: str, metadata) -> grpc.aio.StreamStreamCall:
+            """An ADS stream asking for the endpoints, as Envoy opens one, once answered."""
+            first = discovery_pb2.DiscoveryRequest(node=base_pb2.Node(id=node_id), type_url=ENDPOINT_TYPE)
+            requests: asyncio.Queue = asyncio.Queue()
+            requests.put_nowait(first)
+
+            async def sent():
+                while True:
+                    yield await requests.get()
+
+            call = ads.StreamAggregatedResources(sent(), metadata=metadata)
+            response = await asyncio.wait_for(call.read(), WAIT_S)
+            assert response.type_url == ENDPOINT_TYPE and response.version_info
+            return call
+
+        issued = await subscribed("edge-9", (("authorization", f"Bearer {stolen}"),))
+        stacks_own = await subscribed("stack-envoy", own.metadata(credentials.NODE))
+        done = await asyncio.to_thread(run, "credentials", "revoke", "edge-9", env={**os.environ, credentials.ENV_VAR: str(own.folder)})
+        assert done.returncode == 0, done.stderr
+
+        async def ended(call: grpc.aio.StreamStreamCall) -> grpc.StatusCode:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            return await call.code()
+
+        assert await asyncio.wait_for(ended(issued), 5.0) == grpc.StatusCode.UNAUTHENTICATED
+        assert "revoked" in await issued.details()
+        # The stack's own Envoy keeps its stream; the revoked credential cannot open another.
+        assert not stacks_own.done()
+        again = ads.StreamAggregatedResources(iter([discovery_pb2.DiscoveryRequest(node=base_pb2.Node(id="edge-9"), type_url=ENDPOINT_TYPE)]), metadata=(("authorization", f"Bearer {stolen}"),))
+        assert await asyncio.wait_for(ended(again), WAIT_S) == grpc.StatusCode.UNAUTHENTICATED
+        stacks_own.cancel()

@@ -1,8 +1,9 @@
 """Prometheus /metrics of each service, scraped while a task runs through them: the rollout server
 (sessions by state, its control plane's upstreams and the Envoy's acknowledged version), an
-inference server started as `polar serve inference` (calls, tokens, policy version), and a node
-(its gateway's calls, tokens and CPU per call, its pools). The real Envoy on the control plane sits
-between them. Every wait is bounded."""
+inference server started as `polar serve inference` (calls, tokens, policy version), a node (its
+gateway's calls, tokens and CPU per call, its pools), and the real Envoy between them, started as
+`polar serve envoy` on the control plane (Envoy's own statistics beside its service's). Every wait
+is bounded."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from polar import envoy
-from polar.config import EnvoyConfig, GatewayConfig, NodeConfig, RolloutConfig
-from polar.metrics import start_metrics
+from polar.config import GatewayConfig, NodeConfig, RolloutConfig
+from polar.metrics import EnvoyStats, start_metrics
 from polar.rollout.node import start_node
 from polar.rollout.server import start_rollout_server
 from polar.v1 import rollout_pb2, rollout_pb2_grpc
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.anyio
 
 WAIT_S = 30.0
 ENVOY_ID = "envoy-metrics"
+INFERENCE_CLUSTER = (("envoy_cluster_name", "inference"),)  # the label of Envoy's statistics of that cluster
 # One chat call through the gateway, with the standard library only.
 CALL = """
 import json, os, urllib.request
@@ -82,39 +84,52 @@ async def test_every_service_serves_its_metrics_while_a_task_runs(tmp_path):
                 "serve", "inference", "--engine", "scripted", "--script", str(script), "--host", "127.0.0.1", "--port", "0",
                 "--rollout", rollout.address, "--metrics-address", "127.0.0.1:0",
             )  # fmt: skip
+            _, envoy_lines = start(
+                "serve", "envoy", "--xds", rollout.address, "--node-id", ENVOY_ID, "--host", "127.0.0.1", "--harness-port", "0",
+                "--inference-port", "0", "--workers", "1", "--metrics-address", "127.0.0.1:0",
+            )  # fmt: skip
             inference_url = (await asyncio.to_thread(lines.wait_for, r"metrics (http://\S+/metrics)", 60)).group(1)
-            config = EnvoyConfig(harness_port=0, inference_port=0, admin_port=0, workers=1, xds_address=rollout.address, node_id=ENVOY_ID)
-            async with envoy.running_async(config) as proxy:
-                node = await start_node(
-                    NodeConfig(
-                        rollout_address=rollout.address, envoy_node_id=ENVOY_ID, init_workers=1, ready_slots=1,
-                        running_slots=2, postrun_workers=1, prewarm=False, harness_isolation="none",
-                        work_root=str(tmp_path / "work"),
-                    ),
-                    GatewayConfig(
-                        host="127.0.0.1", port=0, grpc_port=0, inference_address=f"127.0.0.1:{proxy.inference_port}",
-                        base_url=f"http://127.0.0.1:{proxy.harness_port}", metrics_address="127.0.0.1:0",
-                    ),
-                )  # fmt: skip
-                try:
-                    assert node.gateway.metrics is not None
-                    async with grpc.aio.insecure_channel(rollout.address) as channel:
-                        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-                        await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[TASK]), timeout=10)
+            ready = await asyncio.to_thread(
+                envoy_lines.wait_for, r"harness (http://\S+) .* inference \S+:(\d+) .*; metrics (http://\S+/metrics)", 60
+            )
+            base_url, inference_port, envoy_url = ready.group(1), ready.group(2), ready.group(3)
 
-                        async def released() -> bool:
-                            [status] = (await stub.GetTaskStatus(rollout_pb2.GetTaskStatusRequest(task_ids=["scraped"]))).tasks
-                            return status.released
+            async def envoy_sends_to_inference() -> bool:
+                scraped = await asyncio.to_thread(scrape, envoy_url)
+                return scraped.get(("envoy_cluster_membership_healthy", INFERENCE_CLUSTER)) == 1
 
-                        await until("the task's group is released", released)
-                    await check_metrics(rollout.metrics.url, inference_url, node.gateway.metrics.url)
-                finally:
-                    await node.stop()
+            # Envoy and the inference server start side by side: the node starts once Envoy has it.
+            await until("Envoy's inference cluster has the server", envoy_sends_to_inference)
+            node = await start_node(
+                NodeConfig(
+                    rollout_address=rollout.address, envoy_node_id=ENVOY_ID, init_workers=1, ready_slots=1,
+                    running_slots=2, postrun_workers=1, prewarm=False, harness_isolation="none",
+                    work_root=str(tmp_path / "work"),
+                ),
+                GatewayConfig(
+                    host="127.0.0.1", port=0, grpc_port=0, inference_address=f"127.0.0.1:{inference_port}",
+                    base_url=base_url, metrics_address="127.0.0.1:0",
+                ),
+            )  # fmt: skip
+            try:
+                assert node.gateway.metrics is not None
+                async with grpc.aio.insecure_channel(rollout.address) as channel:
+                    stub = rollout_pb2_grpc.RolloutServiceStub(channel)
+                    await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[TASK]), timeout=10)
+
+                    async def released() -> bool:
+                        [status] = (await stub.GetTaskStatus(rollout_pb2.GetTaskStatusRequest(task_ids=["scraped"]))).tasks
+                        return status.released
+
+                    await until("the task's group is released", released)
+                await check_metrics(rollout.metrics.url, inference_url, node.gateway.metrics.url, envoy_url)
+            finally:
+                await node.stop()
     finally:
         await rollout.stop(grace=0.5)
 
 
-async def check_metrics(rollout_url: str, inference_url: str, node_url: str) -> None:
+async def check_metrics(rollout_url: str, inference_url: str, node_url: str, envoy_url: str) -> None:
     rollout = await asyncio.to_thread(scrape, rollout_url)
     assert rollout[("polar_rollout_sessions", (("state", "DONE"),))] == 2
     assert rollout[("polar_rollout_sessions", (("state", "PENDING"),))] == 0
@@ -146,6 +161,13 @@ async def check_metrics(rollout_url: str, inference_url: str, node_url: str) -> 
     assert node[("polar_node_pool_depth", (("pool", "running"),))] == 0
     assert node[("polar_node_sessions", ())] == 0
 
+    # Envoy's service: Envoy's own statistics, read from its admin at this scrape, and its process's.
+    proxy = await asyncio.to_thread(scrape, envoy_url)
+    assert proxy[("polar_envoy_stats_available", ())] == 1
+    assert proxy[("envoy_cluster_upstream_rq_total", INFERENCE_CLUSTER)] >= 2  # the two sessions' Generate calls
+    assert proxy[("envoy_cluster_membership_healthy", INFERENCE_CLUSTER)] == 1
+    assert proxy[("process_cpu_seconds_total", ())] > 0
+
 
 async def test_a_metrics_address_that_cannot_serve_is_a_clear_error():
     with pytest.raises(ValueError, match="is not HOST:PORT"):
@@ -156,3 +178,15 @@ async def test_a_metrics_address_that_cannot_serve_is_a_clear_error():
             await start_metrics(f"127.0.0.1:{endpoint.port}")
     finally:
         await endpoint.stop()
+
+
+async def test_envoys_metrics_come_back_without_its_statistics_when_its_admin_does_not_answer(tmp_path):
+    stats = EnvoyStats(lambda: envoy.admin_get(f"unix:{tmp_path / 'gone.sock'}", "/stats/prometheus"))
+    endpoint = await start_metrics("127.0.0.1:0", stats.collect, appended=stats.text)
+    try:
+        scraped = await asyncio.to_thread(scrape, endpoint.url)
+    finally:
+        await endpoint.stop()
+    assert scraped[("polar_envoy_stats_available", ())] == 0
+    assert scraped[("process_cpu_seconds_total", ())] > 0
+    assert not [name for name, _ in scraped if name.startswith("envoy_")]

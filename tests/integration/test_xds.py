@@ -430,10 +430,12 @@ def test_an_inference_server_on_another_machine_joins_a_running_stack_and_leaves
             status = on(a, "status", "--rollout", rollout)
             assert status.returncode == 0, status.stderr
             joined = [line for line in status.stdout.splitlines() if line.startswith("inference-")]
-            assert len(joined) == 2 and any(f"{b.host}:" in line for line in joined)
+            # B's server joined with the credential A's operator issued it; A's own with the stack's.
+            assert len(joined) == 2 and any(f"{b.host}:" in line and line.endswith("machine-b (inference)") for line in joined)
+            assert any(f"{a.host}:" in line and line.endswith("stack's own (node)") for line in joined)
             [envoy_row] = [line for line in status.stdout.splitlines() if line.startswith("polar-envoy ")]
-            _, connected, version, acknowledged, _ = envoy_row.split()
-            assert connected == "yes" and version == acknowledged
+            _, connected, version, acknowledged = envoy_row.split()[:4]
+            assert connected == "yes" and version == acknowledged and "stack's own (node)" in envoy_row
 
             keys = on_a("open", gateway, "24")
             assert set(on_a("chat", base_url, *keys)) == {"from A", "from B"}

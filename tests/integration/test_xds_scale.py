@@ -1,32 +1,34 @@
-"""Scaling out behind the real Envoy, each "machine" on its own loopback address: the control plane
-(the rollout server) on 127.0.0.1, scripted inference servers on 127.0.0.2, .3 and .4, Envoy on
-127.0.0.5. While the set is stable every call of a session reaches one server; when a third server
-joins under load (512 sessions calling all along) no call fails, the new server takes about a third
-of new sessions, and most sessions already placed stay where they were. Every wait is bounded."""
+"""Scaling out behind the real Envoy, each "machine" on its own loopback address with its own
+processes: the control plane (the rollout server) on 127.0.0.1, scripted inference servers on
+127.0.0.2, .3 and .4 (each `polar serve inference --rollout`, joining the control plane as a stack's
+does), Envoy on 127.0.0.5. While the set is stable every call of a session reaches one server; when a
+third server starts and joins under load (512 sessions calling all along) no call fails, the new
+server takes about a third of new sessions, and most sessions already placed stay where they were.
+Every wait is bounded."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import json
+import re
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
 
 from polar import envoy
 from polar.config import EnvoyConfig, RolloutConfig
-from polar.inference.engines.scripted import ScriptedEngine
-from polar.inference.server import start_server
 from polar.rollout.server import start_rollout_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from polar.xds.member import UpstreamMember
 from polar.xds.snapshot import INFERENCE_CLUSTER
+from polar_cli import Lines, spawned
 
 pytestmark = pytest.mark.anyio
 
 WAIT_S = 15.0
+START_S = 60.0  # a `polar serve inference` process started on a machine other tests load too
 # Sessions placed before the third server joins, and new ones after: 512 each, so that the shares
 # measured are within a few points of the true ones (Maglev keeps 2/3 of the placed sessions).
 SESSIONS = 512
@@ -35,15 +37,22 @@ TOKEN = {"a": 11, "b": 21, "c": 31}  # what each server answers: who served a ca
 ENVOY_HOST = "127.0.0.5"
 
 
-@contextlib.asynccontextmanager
-async def inference_machine(name: str) -> AsyncIterator[str]:
-    engine = ScriptedEngine.from_script({"vocab_size": 100, "cycle": True, "outputs": [{"token_ids": [TOKEN[name]], "logprobs": [-0.1]}]})
-    server, port = await start_server(engine, f"{HOSTS[name]}:0")
-    try:
-        yield f"{HOSTS[name]}:{port}"
-    finally:
-        await server.stop(None)
-        await engine.stop()
+def inference_machine(start, folder: Path, name: str, rollout: str) -> Lines:
+    """Machine `name`'s inference server, its own process on its own address, answering TOKEN[name]
+    and joining the control plane at `rollout`; its output lines."""
+    script = folder / f"{name}.json"
+    script.write_text(json.dumps({"tokenizer": None, "vocab_size": 100, "cycle": True,
+                                  "outputs": [{"token_ids": [TOKEN[name]], "logprobs": [-0.1]}]}))  # fmt: skip
+    _, lines = start(
+        "serve", "inference", "--engine", "scripted", "--script", str(script), "--host", HOSTS[name], "--port", "0",
+        "--rollout", rollout,
+    )  # fmt: skip
+    return lines
+
+
+async def joined(lines: Lines, name: str) -> None:
+    """Until machine `name`'s server serves, which it says once it joined the control plane."""
+    await asyncio.to_thread(lines.wait_for, rf"^inference: serving .* on {re.escape(HOSTS[name])}:\d+", START_S)
 
 
 class Load:
@@ -87,17 +96,15 @@ async def until(what: str, check, timeout_s: float = WAIT_S) -> None:
 async def test_sessions_stay_on_their_server_and_a_joining_server_takes_a_third_of_new_ones(tmp_path):
     config = RolloutConfig(host="127.0.0.1", port=0, store=str(tmp_path / "r.db"), heartbeat_interval_s=0.2, node_timeout_s=2.0)
     rollout = await start_rollout_server(config)
-    members: list[UpstreamMember] = []
     try:
-        async with inference_machine("a") as a, inference_machine("b") as b, inference_machine("c") as c:
-            for address in (a, b):
-                members.append(UpstreamMember(rollout.address, INFERENCE_CLUSTER, address))
-                await members[-1].start(timeout_s=WAIT_S)
+        with spawned() as start:
+            a, b = (inference_machine(start, tmp_path, name, rollout.address) for name in "ab")
             proxy_config = EnvoyConfig(
                 host=ENVOY_HOST, harness_port=0, inference_port=0, admin_port=0, workers=1, health_check_interval_s=0.2,
                 xds_address=rollout.address, node_id="envoy-scale",
             )  # fmt: skip
             async with envoy.running_async(proxy_config) as proxy:
+                await asyncio.gather(joined(a, "a"), joined(b, "b"))
                 await until("Envoy sends to a and b", lambda: healthy_hosts(proxy) == {HOSTS["a"], HOSTS["b"]})
                 load = Load(f"{ENVOY_HOST}:{proxy.inference_port}")
                 placed = [f"placed-{i}" for i in range(SESSIONS)]
@@ -108,21 +115,20 @@ async def test_sessions_stay_on_their_server_and_a_joining_server_takes_a_third_
                 before = rounds[0]
                 assert set(before.values()) == {"a", "b"}
 
-                # Under load: the placed sessions keep calling while c joins.
-                joined = asyncio.Event()
+                # Under load: the placed sessions keep calling while c starts and joins.
+                ready = asyncio.Event()
 
                 async def keep_calling() -> list[dict[str, str]]:
                     seen = []
-                    while not joined.is_set():
+                    while not ready.is_set():
                         seen.append(await load.sessions(placed))
                     return seen
 
                 during = asyncio.create_task(keep_calling())
                 await asyncio.sleep(0.2)
-                members.append(UpstreamMember(rollout.address, INFERENCE_CLUSTER, c))
-                await members[-1].start(timeout_s=WAIT_S)
+                await joined(inference_machine(start, tmp_path, "c", rollout.address), "c")
                 await until("Envoy sends to c too", lambda: HOSTS["c"] in healthy_hosts(proxy))
-                joined.set()
+                ready.set()
                 await asyncio.wait_for(during, WAIT_S)
 
                 after = await load.sessions(placed)
@@ -140,6 +146,4 @@ async def test_sessions_stay_on_their_server_and_a_joining_server_takes_a_third_
                 assert load.calls >= 6 * SESSIONS
                 await load.channel.close()
     finally:
-        for member in members:
-            await member.leave()
         await rollout.stop(grace=0.5)

@@ -96,16 +96,20 @@ def test_a_batch_becomes_one_json_object_per_trajectory_in_the_protobuf_mapping(
     assert [json_format.Parse(line, common_pb2.Trajectory()) for line in lines] == trajectories
 
 
-def test_the_nodes_table_shows_each_pools_depth_of_capacity():
+def test_the_nodes_table_shows_each_pools_depth_of_capacity_and_the_credential_it_registered_with():
     pools = [rollout_pb2.PoolStatus(name=name, capacity=c, depth=d) for name, c, d in
              [("init", 4, 1), ("ready", 8, 2), ("running", 16, 3), ("postrun", 4, 0)]]  # fmt: skip
     nodes = [
-        rollout_pb2.NodeInfo(node_id="node-a", pools=pools, session_count=6, seconds_since_heartbeat=0.0),
-        rollout_pb2.NodeInfo(node_id="node-bb", pools=pools[:1], session_count=12, seconds_since_heartbeat=2.5),
-    ]
+        rollout_pb2.NodeInfo(node_id="node-a", pools=pools, session_count=6, seconds_since_heartbeat=0.0,
+                             credential_role="node"),
+        rollout_pb2.NodeInfo(node_id="node-bb", pools=pools[:1], session_count=12, seconds_since_heartbeat=2.5,
+                             credential="edge-7", credential_role="node"),
+        rollout_pb2.NodeInfo(node_id="node-c", session_count=0, seconds_since_heartbeat=1.0),
+    ]  # fmt: skip
     assert render_nodes(nodes).splitlines() == [
-        "node     sessions  init  ready  running  postrun  heartbeat",
-        "node-a          6   1/4    2/8     3/16      0/4  now",
-        "node-bb        12   1/4      -        -        -  2.5 s ago",
+        "node     sessions  init  ready  running  postrun  heartbeat  credential",
+        "node-a          6   1/4    2/8     3/16      0/4  now        stack's own (node)",
+        "node-bb        12   1/4      -        -        -  2.5 s ago  edge-7 (node)",
+        "node-c          0     -      -        -        -  1.0 s ago  -",
     ]
     assert render_nodes([]).startswith("no live nodes")

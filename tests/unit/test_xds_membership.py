@@ -134,16 +134,18 @@ async def test_nothing_is_told_during_the_warm_up():
     assert ("127.0.0.2", 1) in inference_hosts(members, "e1")
 
 
-def test_status_shows_each_envoys_acknowledged_and_refused_versions():
+def test_status_shows_each_envoys_acknowledged_and_refused_versions_and_who_joined_with_which_credential():
     response = rollout_pb2.ListUpstreamsResponse(
-        upstreams=[rollout_pb2.UpstreamInfo(upstream_id="inference-1", cluster="inference", address="10.0.0.2:50051", draining=True)],
+        upstreams=[rollout_pb2.UpstreamInfo(upstream_id="inference-1", cluster="inference", address="10.0.0.2:50051", draining=True,
+                                            credential="gpu-3", credential_role="inference")],
         envoys=[
             rollout_pb2.EnvoyInfo(node_id="edge-1", connected=True, version="9.3", acknowledged_version="9.2",
-                                  rejected_version="9.3", error="malformed IP address"),
+                                  rejected_version="9.3", error="malformed IP address", credential_role="node"),
         ],
     )  # fmt: skip
     text = render_envoys(response)
-    assert "inference-1" in text and "draining" in text and "10.0.0.2:50051" in text
+    [upstream] = [line for line in text.splitlines() if line.startswith("inference-1")]
+    assert "draining" in upstream and "10.0.0.2:50051" in upstream and upstream.endswith("gpu-3 (inference)")
     [row] = [line for line in text.splitlines() if line.startswith("edge-1")]
-    assert row.split()[:4] == ["edge-1", "yes", "9.3", "9.2"] and "9.3: malformed IP address" in row
+    assert row.split()[:4] == ["edge-1", "yes", "9.3", "9.2"] and row.endswith("stack's own (node)  9.3: malformed IP address")
     assert render_envoys(rollout_pb2.ListUpstreamsResponse()) == ""
