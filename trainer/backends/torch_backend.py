@@ -84,6 +84,10 @@ class TorchBackend(Backend):
                                                           attn_implementation=TREE_ATTENTION)
         self.model.to(self.device).train()
         self.model.config.use_cache = False
+        # transformers builds the input embedding with padding_idx = pad_token_id, whose row then never
+        # gets a gradient. Packed micro-batches hold no padding, and SmolLM2's pad id is a real token
+        # (<|im_end|>, which ends every turn): its embedding must learn like any other.
+        self.model.get_input_embeddings().padding_idx = None
         config = self.model.config
         self.microbatch_tokens = options.max_tokens_per_microbatch or config.max_position_embeddings
         self._activations_per_token = activation_bytes(
