@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import torch
 
@@ -94,11 +94,10 @@ class ReloadFromSharedWeights:
         """The engine's block, mapped once per name."""
         mapped = getattr(self, "_polar_mapped", None)
         if mapped is None or mapped[0] != block_name:
+            # Attaching registers the block with the resource tracker again (Python < 3.13); vLLM
+            # spawns this process with multiprocessing, so that is the engine's tracker, which
+            # holds the name once: unregistering here would drop the engine's own registration.
             memory = shared_memory.SharedMemory(name=block_name)
-            # Attaching registers the block with this process's resource tracker (Python < 3.13),
-            # which would unlink it when this process exits: the engine owns it, not the worker.
-            with contextlib.suppress(Exception):
-                resource_tracker.unregister(memory._name, "shared_memory")
             mapped = (block_name, memory, torch.frombuffer(memory.buf, dtype=torch.uint8))
             self._polar_mapped = mapped
         return mapped[2]
