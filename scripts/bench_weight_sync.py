@@ -16,7 +16,9 @@ with other (random) weights.
 Each collective path (gloo, nccl) runs twice, against servers of its own: as in a run, one trainer
 (InferencePool) sending every sync, so its group is kept between syncs; and "(rebuilt)", a new
 trainer side per sync, so each sync builds its group anew (as every sync did before groups were
-kept). Their ratio is the group's set-up cost.
+kept). Their ratio is the group's set-up cost. The trainer's side of the previous group is closed
+before a "(rebuilt)" sync's clock starts, so its teardown (which every sync also paid before, after
+its broadcasts) is not in that time.
 
     python scripts/bench_weight_sync.py --quick                 # CPU, under a minute on 2 cores
     python scripts/bench_weight_sync.py --device cuda --quick   # a GPU machine
