@@ -13,6 +13,13 @@ with other (random) weights.
   server on that GPU (as a server on another machine would be reached). Target: <= 2 s, >= 4 GB/s,
   on the card named.
 
+Each collective path (gloo, nccl) runs twice, against servers of its own: as in a run, one trainer
+(InferencePool) sending every sync, so its group is kept between syncs; and "(rebuilt)", a new
+trainer side per sync, so each sync builds its group anew (as every sync did before groups were
+kept). Their ratio is the group's set-up cost. The trainer's side of the previous group is closed
+before a "(rebuilt)" sync's clock starts, so its teardown (which every sync also paid before, after
+its broadcasts) is not in that time.
+
     python scripts/bench_weight_sync.py --quick                 # CPU, under a minute on 2 cores
     python scripts/bench_weight_sync.py --device cuda --quick   # a GPU machine
 """
@@ -144,14 +151,8 @@ def _baseline_servicer(base):
     return Baseline
 
 
-def push(address: str, weights: dict[str, torch.Tensor], transport: str, bucket_mb: int):
-    from trainer.weight_sync import InferencePool
-
-    pool = InferencePool([address], transport=transport, bucket_bytes=bucket_mb << 20)
-    try:
-        return pool.push(lambda: weights.items(), note="bench")
-    finally:
-        pool.close()
+def push(pool, weights: dict[str, torch.Tensor]):
+    return pool.push(lambda: weights.items(), note="bench")
 
 
 def main() -> None:
@@ -172,33 +173,47 @@ def main() -> None:
         from polar.inference.models import resolve_model
 
         args.tokenizer = Path(resolve_model("tiny"))
+    from trainer.weight_sync import InferencePool
+
     cuda = args.device.startswith("cuda")
     shape, dtype = ("qwen3-4b", torch.bfloat16) if cuda else ("smollm2-135m", torch.float32)
     rounds = 1 if args.quick else 3
     work = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     servers = []
+    pools = {}
     try:
         weights = model_folder(shape, dtype, args.device, args.tokenizer, work / shape)
         model_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-        # name -> (transport, the server as it was before, the GPU the server sees: "" for this one's)
+        # name -> (transport, the server as it was before, the GPU the server sees: "" for this one's,
+        # a new trainer side per sync)
         if cuda:
-            cases = {"cuda_ipc": ("auto", False, ""), "stream": ("stream", False, "")}
+            cases = {"cuda_ipc": ("auto", False, "", False), "stream": ("stream", False, "", False)}
             if torch.cuda.device_count() >= 2:
-                cases["nccl"] = ("nccl", False, second_gpu())
+                cases["nccl"] = ("nccl", False, second_gpu(), False)
+                cases["nccl (rebuilt)"] = ("nccl", False, second_gpu(), True)
         else:
-            cases = {"stream": ("stream", False, ""), "gloo": ("gloo", False, ""), "stream (before)": ("stream", True, "")}
+            cases = {
+                "stream": ("stream", False, "", False), "gloo": ("gloo", False, "", False),
+                "gloo (rebuilt)": ("gloo", False, "", True), "stream (before)": ("stream", True, "", False),
+            }  # fmt: skip
         # The servers start together, each in a process of its own.
-        servers = [start_server(work / shape, args.device, baseline, gpu) for _, baseline, gpu in cases.values()]
+        servers = [start_server(work / shape, args.device, baseline, gpu) for _, baseline, gpu, _ in cases.values()]
         addresses = {name: address_of(process) for name, process in zip(cases, servers)}
+        pools = {name: InferencePool([addresses[name]], transport=case[0], bucket_bytes=args.bucket_mb << 20) for name, case in cases.items()}
         times: dict[str, list[float]] = {name: [] for name in cases}
         used: dict[str, str] = {}
-        for name, (transport, _, _) in cases.items():  # warm-up: allocations, handles, first connection
-            used[name] = push(addresses[name], weights, transport, args.bucket_mb).transport
+        for name in cases:  # warm-up: allocations, handles, first connection, the kept group
+            used[name] = push(pools[name], weights).transport
         for _ in range(rounds):
-            for name, (transport, _, _) in cases.items():
-                result = push(addresses[name], weights, transport, args.bucket_mb)
+            for name, (transport, _, _, rebuilt) in cases.items():
+                if rebuilt:
+                    pools[name].close()
+                    pools[name] = InferencePool([addresses[name]], transport=transport, bucket_bytes=args.bucket_mb << 20)
+                result = push(pools[name], weights)
                 times[name].append(result.seconds)
     finally:
+        for pool in pools.values():
+            pool.close()
         for process in servers:
             process.stdin.close() if process.stdin else None
             process.kill()
@@ -220,6 +235,11 @@ def main() -> None:
         ratio = results["paths"]["stream (before)"]["seconds"] / results["paths"]["stream"]["seconds"]
         results["stream_speedup"] = ratio
         print(f"  stream now / before: {ratio:.2f}x faster")
+    for backend in ("gloo", "nccl"):
+        if f"{backend} (rebuilt)" in results["paths"]:
+            ratio = results["paths"][f"{backend} (rebuilt)"]["seconds"] / results["paths"][backend]["seconds"]
+            results[f"{backend}_kept_group_speedup"] = ratio
+            print(f"  {backend} kept group / rebuilt: {ratio:.2f}x faster")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(f"  figures in {args.out}")

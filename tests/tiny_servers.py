@@ -16,10 +16,11 @@ PROMPT = (1, 9690, 28, 905)
 class TinyServer:
     """The tiny model on the CPU in fp32, served by an InferenceService of this process."""
 
-    async def start(self, policy_version: int = 0) -> TinyServer:
+    async def start(self, policy_version: int = 0, port: int = 0) -> TinyServer:
+        """Serve on `port` (0: a free one)."""
         options = EngineOptions(model="tiny", device="cpu", dtype="float32", max_batch_size=2, policy_version=policy_version)
         self.engine = create_engine("torch", options)
-        self.server, port = await start_server(self.engine)
+        self.server, port = await start_server(self.engine, f"127.0.0.1:{port}")
         self.address = f"127.0.0.1:{port}"
         self.channel = grpc.aio.insecure_channel(self.address)
         self.stub = inference_pb2_grpc.InferenceServiceStub(self.channel)

@@ -1,10 +1,17 @@
 """The trainer's side of the collective transports ("nccl", "gloo"): one update broadcast to every
-server of a group at once, over a process group built for that update (polar/inference/collective.py).
+server of a group at once (polar/inference/collective.py).
 
-    UpdateWeightsCollective on each server (a header naming the group and its rank)
-      ->  every server marks itself joining in the trainer's store  ->  the group forms
+    UpdateWeightsCollective on each server (a header naming the group, its rank, the group's count
+    of updates so far)  ->  every server marks itself ready in the trainer's store
+      ->  a new group forms (a kept one is simply used again)
       ->  per bucket: announced on every call, then broadcast from the trainer's buffer
       ->  the calls end; each server answers with the update staged
+
+A group is kept for the next update while the same servers take part, because building one (the
+rendezvous, and NCCL's communicators) costs a good part of an update. A new one is built when a
+server joins or leaves, after an update that failed, and when a server says it no longer holds the
+kept group (NOT_FOUND: it restarted), in which case the same update goes out at once over a new
+group (nothing was broadcast yet: the servers refuse the header before any bucket).
 
 The tensors are packed into two buffers of `bucket_bytes` (trainer/weight_buckets.py): the trainer
 fills one while the other is being broadcast, so its extra memory is two buckets whatever the
@@ -27,6 +34,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import grpc
 import torch
@@ -127,15 +135,44 @@ def broadcast_buckets(
         group.wait(work)
 
 
+@dataclass
+class _KeptGroup:
+    """A group the trainer built, with the servers and device it was built for."""
+
+    backend: str
+    members: tuple[str, ...]  # the servers' addresses, in rank order from 1
+    device: torch.device
+    host: str  # the trainer's address the servers reach its store at
+    group_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    group: Group | None = None  # None until the first update over it builds it
+    syncs: int = 0  # updates it carried
+
+
+class _GroupLost(Exception):
+    """A server answered that it does not hold the kept group (it restarted)."""
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One update over a group: every server's answer, in order, and whether the group was built
+    for it (False: a kept group carried it)."""
+
+    results: list[inference_pb2.UpdateWeightsResponse]
+    new_group: bool
+
+
 class CollectiveSender:
-    """Sends updates over collective groups; keeps its rendezvous store and its buffers between them."""
+    """Sends updates over collective groups; keeps its rendezvous store, its buffers and, per
+    backend, its last group between them. `groups_built` counts the groups it built."""
 
     def __init__(self, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S, rpc_timeout_s: float = 600.0) -> None:
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.groups_built = 0
         self._store = None
         self._buffers: list[torch.Tensor] = []
+        self._kept: dict[str, _KeptGroup] = {}
 
     def _buffers_on(self, device: torch.device) -> list[torch.Tensor]:
         if not self._buffers or self._buffers[0].device != device:
@@ -143,35 +180,63 @@ class CollectiveSender:
             self._buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(_BUFFERS)]
         return self._buffers
 
+    def close(self) -> None:
+        """Leave every kept group (the servers leave theirs when the next header names another)."""
+        for backend in list(self._kept):
+            self._drop(backend)
+
+    def _drop(self, backend: str) -> None:
+        kept = self._kept.pop(backend, None)
+        if kept is not None and kept.group is not None:
+            kept.group.close()
+
     def send(
         self, backend: str, servers: Sequence[tuple[str, object]], weights: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str
-    ) -> list[inference_pb2.UpdateWeightsResponse]:
+    ) -> Sent:
         """Stage `weights` on every server of `servers` ((address, stub) pairs) over one `backend`
-        group; their answers, in order. Raises GroupFailed."""
+        group: the group kept from the last update when it was built for the same servers, else a
+        new one. Raises GroupFailed."""
         if self._store is None:
             self._store = collective.open_store(self.timeout_s)
         tensors = sized(weights)
-        group_id = uuid.uuid4().hex
+        addresses = tuple(address for address, _ in servers)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == collective.NCCL else torch.device("cpu")
+        kept = self._kept.get(backend)
+        if kept is not None and (kept.members, kept.device) == (addresses, device):
+            try:
+                return Sent(self._over(kept, servers, tensors, note, update_id), new_group=False)
+            except _GroupLost:
+                pass  # _over dropped it; nothing was broadcast, so the update goes over a new group
+        self._drop(backend)  # a server joined or left: the old group goes
+        kept = _KeptGroup(backend, addresses, device, rendezvous_host(addresses))
+        self._kept[backend] = kept
+        self.groups_built += 1
+        return Sent(self._over(kept, servers, tensors, note, update_id), new_group=True)
+
+    def _over(
+        self, kept: _KeptGroup, servers: Sequence[tuple[str, object]], tensors, note: str, update_id: str
+    ) -> list[inference_pb2.UpdateWeightsResponse]:
+        """One update over `kept` (built here on its first); any failure drops the group."""
+        backend = kept.backend
         world_size = len(servers) + 1
-        host = rendezvous_host([address for address, _ in servers])
+        host = kept.host
         rendezvous = f"[{host}]:{self._store.port}" if ":" in host else f"{host}:{self._store.port}"
         failures: list[_Call] = []
         lock = threading.Lock()
-        group: Group | None = None
 
         def on_failure(call: _Call) -> None:
             with lock:
                 failures.append(call)
                 first = len(failures) == 1
-            if first and group is not None:
-                group.interrupt()  # a broadcast waiting on this server fails now, where the backend allows
+            if first and kept.group is not None:
+                kept.group.interrupt()  # a broadcast waiting on this server fails now, where the backend allows
 
         calls = []
         for rank, (address, stub) in enumerate(servers, start=1):
             header = inference_pb2.CollectiveWeightsHeader(
                 tensor_count=len(tensors), note=note, update_id=update_id, backend=backend, rendezvous=rendezvous,
-                group_id=group_id, world_size=world_size, rank=rank, bucket_bytes=self.bucket_bytes,
-                buffer_count=_BUFFERS, timeout_seconds=self.timeout_s,
+                group_id=kept.group_id, world_size=world_size, rank=rank, bucket_bytes=self.bucket_bytes,
+                buffer_count=_BUFFERS, timeout_seconds=self.timeout_s, group_sync=kept.syncs,
             )  # fmt: skip
             calls.append(_Call(address, stub, header, on_failure, self.rpc_timeout_s))
 
@@ -183,42 +248,45 @@ class CollectiveSender:
 
         sent = False
         try:
-            members = collective.group_store(self._store, group_id)
-            self._wait_for_joining(members, world_size, failures)
-            device = torch.device("cuda", torch.cuda.current_device()) if backend == collective.NCCL else torch.device("cpu")
-            group = Group(backend, members, 0, world_size, device, host, self.timeout_s)
+            members = collective.group_store(self._store, kept.group_id)
+            self._wait_for_ready(members, world_size, kept, failures)
+            if kept.group is None:
+                kept.group = Group(backend, members, 0, world_size, kept.device, host, self.timeout_s)
             if failures:
                 raise CollectiveFailed("a server of the group failed")
+            device = kept.device
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                broadcast_buckets(tensors, group, self._buffers_on(device), announce)
+                broadcast_buckets(tensors, kept.group, self._buffers_on(device), announce)
             for call in calls:
                 call.end()
             results = [call.outcome(self.rpc_timeout_s) for call in calls]
             sent = True
         except (CollectiveFailed, GroupFailed) as exc:
-            if group is not None:
-                group.close()  # the servers still in a broadcast fail now, and say so
+            self._drop(backend)  # the servers still in a broadcast fail now, and say so
             raise self._failed(backend, calls, failures, exc) from None
         finally:
-            if group is not None:
-                group.close()
             if not sent:
+                self._drop(backend)
                 for call in calls:
                     call.cancel()
         if failures:
+            self._drop(backend)
             raise self._failed(backend, calls, failures, None)
         missing = [call.address for call, result in zip(calls, results) if result is None]
         if missing:
+            self._drop(backend)
             raise GroupFailed(f"inference servers {', '.join(missing)} did not answer the {backend} update within {self.rpc_timeout_s:g} s")
+        kept.syncs += 1
         return results
 
-    def _wait_for_joining(self, members, world_size: int, failures: list[_Call]) -> None:
-        """Until every server accepted its header and is entering the group's rendezvous: a server
-        that refuses it fails its call instead, which ends the wait at once."""
+    def _wait_for_ready(self, members, world_size: int, kept: _KeptGroup, failures: list[_Call]) -> None:
+        """Until every server accepted its header (and, for a new group, is entering its
+        rendezvous): a server that refuses it fails its call instead, which ends the wait at once."""
         deadline = time.monotonic() + self.timeout_s
-        while not collective.joined(members, range(1, world_size)):
+        while not collective.ready(members, range(1, world_size), kept.syncs):
             if failures:
-                raise CollectiveFailed("a server refused the update")
+                lost = kept.group is not None and any(c.error.code() == grpc.StatusCode.NOT_FOUND for c in list(failures))
+                raise _GroupLost() if lost else CollectiveFailed("a server refused the update")
             if time.monotonic() > deadline:
                 raise GroupFailed(f"not every inference server joined the weight group within {self.timeout_s:g} s")
             time.sleep(_JOIN_POLL_S)

@@ -12,7 +12,8 @@ it offers (GetModelInfo's weight_transports):
   buckets whatever the model's size;
 * "nccl" (a server on a GPU, on any machine) and "gloo" (a server on a CPU): the tensors are
   broadcast a bucket at a time, from the same two buffers, to every server of that transport at
-  once, over a group built for the update (trainer/weight_collective.py);
+  once, over a group kept between syncs while those servers stay the same
+  (trainer/weight_collective.py);
 * "stream" (any server): UpdateWeights, each tensor streamed in chunks straight from the backend's
   parameters (one tensor in flight at a time, never a second copy of the model).
 
@@ -58,6 +59,7 @@ class ServerSync:
     transport: str  # "cuda_ipc", "nccl", "gloo" or "stream"
     seconds: float  # this server's transfer, staged (a collective group's: every member's the same)
     bytes_received: int = 0
+    group: str = ""  # collective transports: "new" (built for this sync) or "kept" (from the last); else ""
 
     @property
     def gb_per_s(self) -> float:
@@ -65,7 +67,8 @@ class ServerSync:
 
     def metrics(self) -> dict:
         """This server's line in a step's metrics."""
-        return {"address": self.address, "transport": self.transport, "seconds": self.seconds, "gbps": self.gb_per_s}
+        line = {"address": self.address, "transport": self.transport, "seconds": self.seconds, "gbps": self.gb_per_s}
+        return {**line, "group": self.group} if self.group else line
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,7 @@ class InferencePool:
         self._collective = CollectiveSender(bucket_bytes, timeout_s, RPC_TIMEOUT_S)
 
     def close(self) -> None:
+        self._collective.close()
         for channel in self._channels:
             channel.close()
 
@@ -242,15 +246,15 @@ class InferencePool:
                         continue
                     began = time.perf_counter()
                     try:
-                        responses = self._collective.send(
+                        group = self._collective.send(
                             backend, [(self.addresses[i], self._stubs[i]) for i in members], weights(), note, update_id
                         )
                     except GroupFailed as exc:
                         raise WeightSyncError(f"{exc}; no server was switched to them") from None
                     seconds = time.perf_counter() - began
-                    for i, response in zip(members, responses):
+                    for i, response in zip(members, group.results):
                         sent = response.bytes_received
-                        transfers.append(ServerSync(self.addresses[i], backend, seconds, sent))
+                        transfers.append(ServerSync(self.addresses[i], backend, seconds, sent, "new" if group.new_group else "kept"))
                 responses = list(pool.map(self._commit, self.addresses, self._stubs, [update_id] * len(self._stubs)))
             finally:
                 list(pool.map(self._resume, self.addresses, self._stubs))

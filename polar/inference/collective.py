@@ -1,12 +1,17 @@
 """Weights broadcast over a collective group: NCCL between GPUs, gloo between CPUs, any machines.
 
-The group is built for one update from torch.distributed's parts, without its global default group
-(the trainer and a server are unrelated processes, and the trainer may run a torch.distributed world
-of its own): the trainer opens a TCPStore (`open_store`) and tells every server of the update, on
-its UpdateWeightsCollective stream, the store's address, the group's id (a key prefix in the store,
-fresh for each update), the group's size and the server's rank; every member then builds the
-backend's process group directly over that prefix (`Group`). A server that joins the trainer's run
-later is simply a member of the next update's group.
+The group is built from torch.distributed's parts, without its global default group (the trainer
+and a server are unrelated processes, and the trainer may run a torch.distributed world of its
+own): the trainer opens a TCPStore (`open_store`) and tells every server of the update, on its
+UpdateWeightsCollective stream, the store's address, the group's id (a key prefix in the store,
+fresh for each group), the group's size, the server's rank, and how many updates the group carried
+before (`group_sync`); for a new group every member builds the backend's process group directly
+over that prefix (`Group`). A group is kept for the next update while its members stay the same:
+building one costs a rendezvous and, for NCCL, its communicators' set-up, a large part of a small
+update. A server holds the group it joined (`Membership`) until a header names another, or an
+update over it fails; the trainer builds a new one when a server joins or leaves, or an update
+failed. Before each update every server marks itself ready in the store (`mark_ready`), so the
+trainer broadcasts only once each accepted its header over the group it holds.
 
 Each bucket of tensors travels by one broadcast from the trainer's buffer (rank 0) into the
 servers' buffer of the same index; a server then copies the bucket's pieces into its staged
@@ -27,6 +32,7 @@ import os
 import socket
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -40,7 +46,7 @@ GLOO = "gloo"
 BACKENDS = (NCCL, GLOO)
 # Every member's keys live under this prefix of the trainer's store, then the group's id.
 _STORE_PREFIX = "polar-weights"
-_JOINING = "joining"  # set by a server once it checked the header, before it enters the rendezvous
+_READY = "ready"  # set by a server once it accepted a header: "ready/<group_sync>/<rank>"
 
 
 class CollectiveFailed(RuntimeError):
@@ -98,14 +104,15 @@ def group_store(store: dist.Store, group_id: str) -> dist.Store:
     return dist.PrefixStore(f"{_STORE_PREFIX}/{group_id}/", store)
 
 
-def mark_joining(store: dist.Store, rank: int) -> None:
-    """A server tells the trainer it accepted the header and is entering the rendezvous."""
-    store.set(f"{_JOINING}/{rank}", b"1")
+def mark_ready(store: dist.Store, rank: int, group_sync: int) -> None:
+    """A server tells the trainer it accepted the header of the group's update number `group_sync`:
+    it is entering the rendezvous (a new group) or waiting for the first broadcast (a kept one)."""
+    store.set(f"{_READY}/{group_sync}/{rank}", b"1")
 
 
-def joined(store: dist.Store, ranks: range) -> bool:
-    """Whether every rank of `ranks` has marked itself joining (never blocks)."""
-    return store.check([f"{_JOINING}/{rank}" for rank in ranks])
+def ready(store: dist.Store, ranks: range, group_sync: int) -> bool:
+    """Whether every rank of `ranks` has marked itself ready for update `group_sync` (never blocks)."""
+    return store.check([f"{_READY}/{group_sync}/{rank}" for rank in ranks])
 
 
 def _seconds(timeout_s: float) -> datetime.timedelta:
@@ -229,23 +236,63 @@ def check_header(header: inference_pb2.CollectiveWeightsHeader, offered: list[st
         raise WeightUpdateError(f"header.bucket_bytes = {header.bucket_bytes} and buffer_count = {header.buffer_count} must be > 0")
     if not header.timeout_seconds > 0:
         raise WeightUpdateError(f"header.timeout_seconds = {header.timeout_seconds} must be > 0")
+    if header.group_sync < 0:
+        raise WeightUpdateError(f"header.group_sync = {header.group_sync} must be >= 0")
 
 
 class TransportUnavailable(RuntimeError):
     """The server cannot take part with this backend (FAILED_PRECONDITION)."""
 
 
-def join(header: inference_pb2.CollectiveWeightsHeader, device: torch.device) -> Group:
-    """A server joins the group its header names (blocking, at most header.timeout_seconds)."""
-    host, port = split_host_port(header.rendezvous)
-    timeout = _seconds(header.timeout_seconds)
-    try:
-        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
-    except RuntimeError as exc:
-        raise CollectiveFailed(f"could not reach the trainer's rendezvous {header.rendezvous}: {exc}") from None
-    members = group_store(store, header.group_id)
-    mark_joining(members, header.rank)
-    return Group(header.backend, members, header.rank, header.world_size, device, address_toward(host), header.timeout_seconds)
+class GroupNotHeld(LookupError):
+    """A header names a kept group this server does not hold (NOT_FOUND): the trainer builds a new one."""
+
+
+def _identity(header: inference_pb2.CollectiveWeightsHeader) -> tuple:
+    return (header.rendezvous, header.group_id, header.backend, header.rank, header.world_size)
+
+
+class Membership:
+    """A server's place in the trainer's group, kept between updates: the group, its store, and the
+    one thread that runs it from joining to closing (gloo allows no other)."""
+
+    def __init__(self, header: inference_pb2.CollectiveWeightsHeader) -> None:
+        self.identity = _identity(header)
+        self.syncs = 0  # updates received over the group
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polar-weight-group")
+        self.group: Group | None = None
+        self._store: dist.Store | None = None
+
+    def holds(self, header: inference_pb2.CollectiveWeightsHeader) -> bool:
+        """Whether `header` continues this group: the same group, and its next update."""
+        return self.group is not None and _identity(header) == self.identity and header.group_sync == self.syncs
+
+    def join(self, header: inference_pb2.CollectiveWeightsHeader, device: torch.device) -> None:
+        """Join the new group `header` names (on the group's thread; blocking, at most
+        header.timeout_seconds)."""
+        host, port = split_host_port(header.rendezvous)
+        timeout = _seconds(header.timeout_seconds)
+        try:
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+        except RuntimeError as exc:
+            raise CollectiveFailed(f"could not reach the trainer's rendezvous {header.rendezvous}: {exc}") from None
+        self._store = group_store(store, header.group_id)
+        mark_ready(self._store, header.rank, 0)
+        self.group = Group(header.backend, self._store, header.rank, header.world_size, device, address_toward(host), header.timeout_seconds)
+
+    def ready(self, header: inference_pb2.CollectiveWeightsHeader) -> None:
+        """Tell the trainer this kept group is ready for the update `header` announces."""
+        try:
+            mark_ready(self._store, header.rank, header.group_sync)
+        except RuntimeError as exc:
+            raise CollectiveFailed(f"could not reach the trainer's rendezvous {header.rendezvous}: {exc}") from None
+
+    def close(self) -> None:
+        """Leave the group. The close is queued behind a broadcast still blocked on the thread (a
+        cancelled call) and never awaited."""
+        if self.group is not None:
+            self.thread.submit(self.group.close)
+        self.thread.shutdown(wait=False)
 
 
 def receive_bucket(group: Group, bucket: inference_pb2.SharedBucket, receiver: WeightsReceiver, buffers: list[torch.Tensor]) -> None:

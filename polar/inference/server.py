@@ -8,12 +8,14 @@ those become gRPC status codes here, and only here:
     WeightUpdateError  -> INVALID_ARGUMENT        engine failure during Generate -> INTERNAL
     NothingStaged, SharingUnavailable -> FAILED_PRECONDITION
     TransportUnavailable -> FAILED_PRECONDITION   CollectiveFailed -> ABORTED (a peer of the group failed)
+    GroupNotHeld       -> NOT_FOUND               (a kept weight group this server does not hold)
     WeightsFixed       -> FAILED_PRECONDITION     (an engine whose weights another server holds)
 
 UpdateWeights takes its messages serialized (no request deserializer): `weights` reads each chunk's
 bytes straight out of the received message into the staged tensor, which protobuf's parse would
 first copy. UpdateWeightsShared reads the tensors from GPU buffers the trainer shares (`sharing`);
-UpdateWeightsCollective receives them by broadcast over a group built for the update (`collective`).
+UpdateWeightsCollective receives them by broadcast over the trainer's group, kept between updates
+while its members stay the same (`collective`).
 
 `serve_inference` is `polar serve inference`: the engine an `InferenceConfig` names, served until
 SIGINT or SIGTERM. `start_server` also serves gRPC health checking and server reflection (so grpcurl can list and call
@@ -26,7 +28,6 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -148,6 +149,7 @@ class NothingStaged(RuntimeError):
         sharing.SharingUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
         collective.TransportUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
         collective.CollectiveFailed: grpc.StatusCode.ABORTED,
+        collective.GroupNotHeld: grpc.StatusCode.NOT_FOUND,
     }
 )
 class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
@@ -164,6 +166,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self._device_staging: Staging | None = None
         self._staged: tuple[str, dict, Staging, int] | None = None  # update id, tensors, their staging, bytes
         self._collective_buffers: list = []  # UpdateWeightsCollective's, kept between updates
+        self._membership: collective.Membership | None = None  # the trainer's group, kept between updates
 
     # Server-streaming.
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
@@ -265,22 +268,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             receiver = WeightsReceiver(self._engine.parameter_specs(), staging)
             receiver.header(Header(header.tensor_count, header.note, header.update_id))
             buffers = self._buffers_for(header, collective.buffer_device(header.backend, device))
-            # One thread runs the group from joining to closing: gloo allows no other. Closing is
-            # queued behind a broadcast still blocked there (a cancelled call) and never awaited.
-            thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="polar-weight-group")
+            membership = self._membership_for(header)
             loop = asyncio.get_running_loop()
-            group = None
+            kept = False
             try:
-                group = await loop.run_in_executor(thread, collective.join, header, buffers[0].device)
+                if membership.group is None:
+                    await loop.run_in_executor(membership.thread, membership.join, header, buffers[0].device)
+                else:
+                    await loop.run_in_executor(membership.thread, membership.ready, header)
                 async for message in messages:
                     if message.WhichOneof("payload") != "bucket":
                         raise WeightUpdateError("only the first message of the stream may be a header; every later one is a bucket")
-                    await loop.run_in_executor(thread, collective.receive_bucket, group, message.bucket, receiver, buffers)
-                tensors = await loop.run_in_executor(thread, _finished, receiver)
+                    await loop.run_in_executor(membership.thread, collective.receive_bucket, membership.group, message.bucket, receiver, buffers)
+                tensors = await loop.run_in_executor(membership.thread, _finished, receiver)
+                membership.syncs += 1
+                kept = True
             finally:
-                if group is not None:
-                    thread.submit(group.close)
-                thread.shutdown(wait=False)
+                if not kept:  # a failed update leaves the group: the trainer builds a new one
+                    membership.close()
+                    self._membership = None
             result = await self._staged_or_applied(receiver, tensors, staging)
         yield inference_pb2.UpdateWeightsCollectiveResponse(result=result)
 
@@ -291,6 +297,22 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         if self._device_staging is None:
             self._device_staging = Staging(device)
         return self._device_staging
+
+    def _membership_for(self, header: inference_pb2.CollectiveWeightsHeader) -> collective.Membership:
+        """The group `header` names: the one held, kept; or for a new group a fresh membership, not
+        yet joined (the one held is left)."""
+        held = self._membership
+        if held is not None and held.holds(header):
+            return held
+        if header.group_sync > 0:
+            raise collective.GroupNotHeld(
+                f"this server does not hold weight group {header.group_id} after {header.group_sync} updates "
+                f"(it holds {'none' if held is None else f'{held.identity[1]} after {held.syncs}'})"
+            )
+        if held is not None:
+            held.close()
+        self._membership = collective.Membership(header)
+        return self._membership
 
     def _buffers_for(self, header: inference_pb2.CollectiveWeightsHeader, device: torch.device) -> list[torch.Tensor]:
         """The buffers broadcasts land in: the last update's, where they fit this one."""

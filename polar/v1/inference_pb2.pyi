@@ -178,7 +178,7 @@ class UpdateWeightsCollectiveRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[CollectiveWeightsHeader, _Mapping]] = ..., bucket: _Optional[_Union[SharedBucket, _Mapping]] = ...) -> None: ...
 
 class CollectiveWeightsHeader(_message.Message):
-    __slots__ = ("tensor_count", "note", "update_id", "backend", "rendezvous", "group_id", "world_size", "rank", "bucket_bytes", "buffer_count", "timeout_seconds")
+    __slots__ = ("tensor_count", "note", "update_id", "backend", "rendezvous", "group_id", "world_size", "rank", "bucket_bytes", "buffer_count", "timeout_seconds", "group_sync")
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class CollectiveWeightsHeader(_message.Message):
     BUCKET_BYTES_FIELD_NUMBER: _ClassVar[int]
     BUFFER_COUNT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SYNC_FIELD_NUMBER: _ClassVar[int]
     tensor_count: int
     note: str
     update_id: str
@@ -201,7 +202,8 @@ class CollectiveWeightsHeader(_message.Message):
     bucket_bytes: int
     buffer_count: int
     timeout_seconds: float
-    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., backend: _Optional[str] = ..., rendezvous: _Optional[str] = ..., group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., buffer_count: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    group_sync: int
+    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., backend: _Optional[str] = ..., rendezvous: _Optional[str] = ..., group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., buffer_count: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_sync: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsCollectiveResponse(_message.Message):
     __slots__ = ("result",)

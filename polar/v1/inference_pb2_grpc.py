@@ -153,13 +153,16 @@ class InferenceServiceServicer:
         server's buffer of that index (header.buffer_count buffers of header.bucket_bytes each). The
         tensors are staged and applied as UpdateWeights applies them: at once when the stream ends, or
         by CommitWeights when header.update_id is set. The one response, once the stream ended, carries
-        the outcome. A group lives for one update: a server that joins the trainer's run later is simply
-        in the next update's group.
+        the outcome. A group is kept for the next update while its members stay the same
+        (header.group_sync counts its updates): the trainer builds a new one when a server joins or
+        leaves, or an update over it failed, and the server then leaves the one it held.
         Errors: INVALID_ARGUMENT as UpdateWeights (unknown name, shape, dtype, bytes outside a buffer, a
         bucket naming a buffer the header did not ask for, a bad header); FAILED_PRECONDITION when the
-        server cannot take part (a backend it does not offer); ABORTED when the group could not be
-        joined, or a broadcast failed or took longer than header.timeout_seconds (another member failed:
-        the trainer, or a server that died): no update is staged then.
+        server cannot take part (a backend it does not offer); NOT_FOUND when header.group_sync > 0 names
+        a group this server does not hold (it restarted, or left the group after a failure): the trainer
+        then builds a new group; ABORTED when the group could not be joined, or a broadcast failed or
+        took longer than header.timeout_seconds (another member failed: the trainer, or a server that
+        died): no update is staged then, and the server leaves the group.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,7 +1,7 @@
 """Weight sync over NCCL between two GPUs: the trainer (this process, cuda:0) broadcasts new weights
 to an inference server (a process of its own, on the second GPU) over a group set up through the server's
-UpdateWeightsCollective stream; afterwards the server's logprobs of its own samples equal the
-trainer's within the spread of bf16 itself.
+UpdateWeightsCollective stream, built for the first sync and kept for the second; afterwards the
+server's logprobs of its own samples equal the trainer's within the spread of bf16 itself.
 
 Runs on a machine with two GPUs (`python -m pytest -m gpu tests/gpu/test_weight_sync_nccl.py`);
 skipped with fewer.
@@ -40,16 +40,19 @@ def test_after_an_nccl_sync_the_server_on_the_other_gpu_scores_as_the_trainer(ad
     torch.cuda.set_device(0)
     backend = TorchBackend(TorchBackendOptions(model="tiny", device="cuda:0", dtype="bfloat16"))
     generator = torch.Generator(device="cuda:0").manual_seed(7)
-    with torch.no_grad():
-        for parameter in backend.model.parameters():
-            parameter.add_(torch.randn(parameter.shape, device="cuda:0", generator=generator) * 0.02)
     # 1 MiB buckets: the embedding (and more) goes in pieces over several broadcasts.
     pool = InferencePool([address], transport="nccl", bucket_bytes=1 << 20, timeout_s=60)
+    results = []
     try:
         assert pool.transports() == ["nccl"]
-        results = [pool.push(backend.hf_weights, note=f"step {step}") for step in (1, 2)]  # a new group each sync
+        for step in (1, 2):  # other weights each step: the second sync goes over the kept group
+            with torch.no_grad():
+                for parameter in backend.model.parameters():
+                    parameter.add_(torch.randn(parameter.shape, device="cuda:0", generator=generator) * 0.02)
+            results.append(pool.push(backend.hf_weights, note=f"step {step}"))
     finally:
         pool.close()
+    assert [[s.group for s in r.servers] for r in results] == [["new"], ["kept"]]
     result = results[-1]
     assert result.transport == "nccl" and result.policy_version == results[0].policy_version + 1
     assert result.bytes_sent == sum(t.numel() * 2 for _, t in backend.hf_weights())

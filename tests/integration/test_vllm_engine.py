@@ -15,6 +15,9 @@ changes the values by 0.05 or more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+from pathlib import Path
 
 import pytest
 
@@ -41,6 +44,9 @@ MODEL = "smollm2-135m"
 LOGPROB_ATOL = 2e-3
 PROMPT = (1, 9690, 1229, 28, 314, 1488, 34, 30, 223, 17, 1340, 282, 253, 1025, 30, 2, 198)
 UPDATED = "model.layers.3.mlp.down_proj.weight"
+# Halves of fused layers (q/k/v, gate/up): vLLM reloads such a layer whole, so an update of one half
+# must leave the other as it was.
+FUSED_HALVES = ("model.layers.5.self_attn.q_proj.weight", "model.layers.7.mlp.gate_proj.weight")
 
 
 @pytest.fixture(scope="module")
@@ -215,11 +221,26 @@ def test_closing_the_stream_aborts_the_request(engine, loop):
     assert len(tokens) == 3 and end.finish_reason is FinishReason.LENGTH
 
 
-def test_update_weights_changes_outputs_and_version(engine, loop, reference):
+def _bytes_written() -> int:
+    """Bytes this process and its children (vLLM's engine core and worker) passed to write calls
+    so far: any file written, on disk or tmpfs, counts; a copy into shared memory does not."""
+    import psutil
+
+    pids = [os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))]
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError):  # a child that ended meanwhile
+            lines = Path(f"/proc/{pid}/io").read_text().splitlines()
+            total += int(next(line for line in lines if line.startswith("wchar:")).split()[1])
+    return total
+
+
+def test_update_weights_changes_outputs_and_version_without_writing_a_checkpoint(engine, loop, reference):
     greedy = request(temperature=0.0, ignore_eos=True)
     before, _, _, _ = loop.run_until_complete(collect(engine, greedy))
     version = engine.policy_version
-    original = reference.state_dict()[UPDATED].clone()
+    names = (UPDATED, *FUSED_HALVES)
+    originals = {name: reference.state_dict()[name].clone() for name in names}
 
     with pytest.raises(WeightUpdateError):
         loop.run_until_complete(engine.update_weights({"model.nope.weight": torch.zeros(3)}))
@@ -227,29 +248,37 @@ def test_update_weights_changes_outputs_and_version(engine, loop, reference):
         loop.run_until_complete(engine.update_weights({UPDATED: torch.zeros(3, 4)}))
     assert engine.policy_version == version
 
-    changed = original * 3.0
-    assert loop.run_until_complete(engine.update_weights({UPDATED: changed})) == version + 1
+    changed = {name: t * factor for (name, t), factor in zip(originals.items(), (3.0, 1.5, -1.0))}
+    written = _bytes_written()
+    assert loop.run_until_complete(engine.update_weights(changed)) == version + 1
+    # The tensors reach vLLM's worker through the engine's block of shared memory: no checkpoint
+    # is written anywhere (one would be the whole model, 538 MB; the RPCs write a few KB).
+    written = _bytes_written() - written
+    model_bytes = sum(torch.Size(s.shape).numel() * 4 for s in engine.parameter_specs().values())
+    assert written < model_bytes / 100, f"{written} bytes written during the update"
     assert engine.policy_version == version + 1
     tokens, logprobs, versions, _ = loop.run_until_complete(collect(engine, greedy))
     assert tokens != before
     assert versions == [version + 1] * len(tokens)
 
-    # vLLM now computes what the Hugging Face model computes with the same change, so the reload
+    # vLLM now computes what the Hugging Face model computes with the same changes, so the reload
     # left every other (fused, repacked) weight intact.
     with torch.no_grad():
-        reference.get_parameter(UPDATED).copy_(changed)
+        for name, tensor in changed.items():
+            reference.get_parameter(name).copy_(tensor)
     try:
         expected = reference_logits(reference, PROMPT, tokens).log_softmax(-1)
     finally:
         with torch.no_grad():
-            reference.get_parameter(UPDATED).copy_(original)
+            for name, tensor in originals.items():
+                reference.get_parameter(name).copy_(tensor)
     assert tokens == expected.argmax(-1).tolist()
     sampled = expected.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(logprobs), sampled, atol=LOGPROB_ATOL, rtol=0)
 
     # Restoring the weights restores the output: nothing computed with the changed weights (KV in
     # the prefix cache) is reused.
-    assert loop.run_until_complete(engine.update_weights({UPDATED: original})) == version + 2
+    assert loop.run_until_complete(engine.update_weights(originals)) == version + 2
     assert loop.run_until_complete(collect(engine, greedy))[0] == before
 
 

@@ -3,7 +3,8 @@ inference servers (the tiny model) on loopback ports, the group set up through t
 UpdateWeightsCollective streams. After a sync every server's parameters are the trainer's tensors
 bit for bit; a server killed mid-sync leaves the trainer with an error naming it within the timeout,
 and the other server on the old version, serving; a server that joins later is in the next sync's
-group."""
+group; a group is kept between syncs while its servers stay the same, and built anew when one joins,
+restarts, or a sync failed."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 from tiny_servers import TinyServer, new_weights
 
 from polar.inference import collective
+from polar.v1 import inference_pb2_grpc
+from trainer.weight_collective import CollectiveSender
 from trainer.weight_sync import InferencePool, WeightSyncError
 
 pytestmark = [
@@ -138,3 +142,73 @@ async def test_a_transport_a_server_does_not_offer_is_refused_naming_it(servers)
         await push([servers[0].address], new_weights(servers[0], seed=4).items, transport="nccl")
     assert servers[0].address in str(caught.value) and "does not offer the nccl" in str(caught.value)
     assert (await servers[0].info()).policy_version == 0
+
+
+async def test_a_group_is_kept_between_syncs_and_built_anew_when_a_server_joins_restarts_or_a_sync_failed(servers):
+    """The trainer's CollectiveSender against real servers: consecutive syncs to the same servers go
+    over one group; a server joining, a failed sync, and a server restarted at the same address
+    (which no longer holds the group) each lead to a new one, and every sync lands whole."""
+    first, second = servers
+    sender = CollectiveSender(bucket_bytes=1 << 20, timeout_s=30.0)
+    channels: list[grpc.Channel] = []
+
+    def member(server: TinyServer) -> tuple[str, object]:
+        channels.append(grpc.insecure_channel(server.address))
+        return server.address, inference_pb2_grpc.InferenceServiceStub(channels[-1])
+
+    async def sync(members, weights) -> bool:
+        sent = await asyncio.to_thread(sender.send, "gloo", members, weights.items(), "", "")
+        assert len(sent.results) == len(members)
+        return sent.new_group
+
+    late = None
+    try:
+        pair = [member(first), member(second)]
+        weights = new_weights(first, seed=5)
+        assert await sync(pair, weights) and not await sync(pair, new_weights(first, seed=6))
+        assert sender.groups_built == 1
+        weights = new_weights(first, seed=7)
+        assert not await sync(pair, weights) and sender.groups_built == 1
+        assert all(torch.equal(s.parameters()[n], t) for s in servers for n, t in weights.items())
+        versions = [s.engine.policy_version for s in servers]
+
+        # A server joins: a new group of three.
+        late = await TinyServer().start()
+        trio = [*pair, member(late)]
+        assert await sync(trio, new_weights(first, seed=8)) and sender.groups_built == 2
+        assert not await sync(trio, new_weights(first, seed=9)) and sender.groups_built == 2
+
+        # A sync that fails half-way (the trainer's weights break off): the group is not used again.
+        def broken():
+            for index, item in enumerate(new_weights(first, seed=10).items()):
+                if index == 3:
+                    raise RuntimeError("the trainer's weights broke off")
+                yield item
+
+        class Broken:
+            def __len__(self) -> int:
+                return len(first.engine.parameter_specs())
+
+            def __iter__(self):
+                return broken()
+
+        with pytest.raises(RuntimeError, match="broke off"):
+            await asyncio.to_thread(sender.send, "gloo", trio, Broken(), "", "")
+        weights = new_weights(first, seed=11)
+        assert await sync(trio, weights) and sender.groups_built == 3
+        assert all(torch.equal(s.parameters()[n], t) for s in (*servers, late) for n, t in weights.items())
+        assert [s.engine.policy_version for s in servers] == [v + 3 for v in versions]
+
+        # A server restarted at the same address holds no group: the sync goes over a new one.
+        port = int(late.address.rsplit(":", 1)[1])
+        await late.stop()
+        late = await TinyServer().start(port=port)
+        weights = new_weights(first, seed=12)
+        assert await sync(trio, weights) and sender.groups_built == 4
+        assert all(torch.equal(s.parameters()[n], t) for s in (*servers, late) for n, t in weights.items())
+    finally:
+        sender.close()
+        for channel in channels:
+            channel.close()
+        if late is not None:
+            await late.stop()

@@ -55,7 +55,9 @@ class _Server(threading.Thread):
     def run(self) -> None:
         try:
             buffers = [torch.empty(self.header.bucket_bytes, dtype=torch.uint8) for _ in range(self.header.buffer_count)]
-            self.group = collective.join(self.header, torch.device("cpu"))
+            membership = collective.Membership(self.header)
+            membership.join(self.header, torch.device("cpu"))  # on this thread, which also runs every broadcast
+            self.group = membership.group
             while (bucket := self.inbox.get()) is not None:
                 collective.receive_bucket(self.group, bucket, self.receiver, buffers)
             self.received = self.receiver.finish()
@@ -69,7 +71,7 @@ class _Server(threading.Thread):
 def _trainer_group(world_size: int, group_id: str, timeout_s: float = 30) -> collective.Group:
     members = collective.group_store(_store(), group_id)
     deadline = time.monotonic() + timeout_s
-    while not collective.joined(members, range(1, world_size)):
+    while not collective.ready(members, range(1, world_size), 0):
         assert time.monotonic() < deadline, "the servers never joined"
         time.sleep(0.005)
     return collective.Group("gloo", members, 0, world_size, torch.device("cpu"), "127.0.0.1", timeout_s)

