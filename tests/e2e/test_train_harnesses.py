@@ -37,10 +37,11 @@ from trainer.metrics import read_metrics
 pytestmark = [pytest.mark.slow, pytest.mark.node]
 
 REPO = Path(__file__).resolve().parents[2]
-# The Pi run takes two steps: its second trains on sessions sampled after the first weight update,
-# in all four dialects. The long-prompt run takes one: a second step there repeated the Pi run's
-# checks at the price of sixteen more 9k-21k-token sessions and another 110k-token step on a CPU.
-STEPS = {"pi": 2, "long-prompts": 1}
+# Both runs take two steps: the second trains on sessions sampled after the first weight update. The
+# long-prompt run's second step cost 140 s more than its first on a loaded machine when every session had
+# a path of its own in its prompt; with one path for all (polar/rollout/sandbox.py) its sessions share
+# their 9k-21k-token prompts, and both steps took 253 s together under a load of 8.
+STEPS = {"pi": 2, "long-prompts": 2}
 GROUP_SIZE = 2
 # Measured on 2 CPU cores shared with other work: the Pi run 64 s (5 minutes under a load of 30 to
 # 68); the long-prompt run 26 minutes under that load, before the engine's prefix cache and the
