@@ -341,10 +341,10 @@ class TrainerConfig:
     seed: Count = 0  # dataset order and initialisation
     cpu_threads: Count = 0  # torch threads on a CPU; 0 = torch's default
     # how weights reach each inference server: "auto" = the fastest it offers that the trainer can use (CUDA
-    # IPC for a GPU server on this machine, an NCCL broadcast for one on another machine, else the gRPC
-    # stream); "stream", "nccl" or "gloo" = that one for every server
-    weight_sync: Literal["auto", "stream", "nccl", "gloo"] = "auto"
-    # CUDA IPC, NCCL, gloo: MiB of each of the two buffers the weights pass through (the trainer's extra memory)
+    # IPC for a GPU server on this machine, shared memory for a CPU one, an NCCL broadcast for one on another
+    # machine, else the gRPC stream); "stream", "shm", "nccl" or "gloo" = that one for every server
+    weight_sync: Literal["auto", "stream", "shm", "nccl", "gloo"] = "auto"
+    # CUDA IPC, shared memory, NCCL, gloo: MiB of each of the two buffers the weights pass through (the trainer's extra memory)
     weight_sync_bucket_mb: Positive = 256
     # NCCL, gloo: seconds joining a sync's group, and each broadcast, may take before the sync fails
     weight_sync_timeout_s: PositiveFloat = 120.0

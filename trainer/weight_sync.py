@@ -10,6 +10,8 @@ it offers (GetModelInfo's weight_transports):
   buffers of `bucket_bytes` that the server opens by CUDA IPC handle: the trainer fills one while
   the server copies the other out (UpdateWeightsShared), so the trainer's extra GPU memory is two
   buckets whatever the model's size;
+* "shm" (a server on this machine with its engine on a CPU): the same, through two blocks of POSIX
+  shared memory the trainer keeps between syncs and unlinks when it closes;
 * "nccl" (a server on a GPU, on any machine) and "gloo" (a server on a CPU): the tensors are
   broadcast a bucket at a time, from the same two buffers, to every server of that transport at
   once, over a group kept between syncs while those servers stay the same
@@ -24,6 +26,8 @@ the same version, which becomes the trainer's policy version.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import queue
 import time
@@ -46,7 +50,7 @@ CHUNK_BYTES = 16 * 1024 * 1024  # the inference server accepts messages up to 64
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
 RPC_TIMEOUT_S = 600.0  # a pause waits for the longest generation in flight
 UPDATE_WEIGHTS = "/polar.v1.InferenceService/UpdateWeights"
-TRANSPORTS = ("auto", sharing.STREAM, collective.NCCL, collective.GLOO)
+TRANSPORTS = ("auto", sharing.STREAM, sharing.SHM, collective.NCCL, collective.GLOO)
 
 
 class WeightSyncError(RuntimeError):
@@ -164,6 +168,9 @@ class InferencePool:
             for a in addresses
         ]
         self._stubs = [inference_pb2_grpc.InferenceServiceStub(c) for c in self._channels]
+        # "shm": each server's two blocks, kept between syncs: a fresh block costs a page fault on
+        # every page at its first write, on both sides (about 6x the copy itself, measured here).
+        self._host_buffers: dict[int, sharing.HostBuffers] = {}
         # UpdateWeights over messages tensor_messages serialized already (no request serializer).
         self._updates = [
             channel.stream_unary(UPDATE_WEIGHTS, response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
@@ -173,6 +180,9 @@ class InferencePool:
 
     def close(self) -> None:
         self._collective.close()
+        for blocks in self._host_buffers.values():
+            blocks.close()
+        self._host_buffers.clear()
         for channel in self._channels:
             channel.close()
 
@@ -206,6 +216,8 @@ class InferencePool:
                 chosen.append(self.transport)
                 continue
             usable = {sharing.STREAM, collective.GLOO}
+            if here and info.host_id == here:
+                usable.add(sharing.SHM)
             if cuda:
                 usable.add(collective.NCCL)
                 if here and info.host_id == here:
@@ -229,8 +241,8 @@ class InferencePool:
                         continue
                     began = time.perf_counter()
                     try:
-                        if transport == sharing.CUDA_IPC:
-                            response = self._send_shared(index, weights(), note, update_id)
+                        if transport in (sharing.CUDA_IPC, sharing.SHM):
+                            response = self._send_shared(index, weights(), note, update_id, host=transport == sharing.SHM)
                         else:
                             response = self._updates[index](tensor_messages(weights(), note, update_id), timeout=RPC_TIMEOUT_S)
                     except grpc.RpcError as exc:
@@ -265,26 +277,33 @@ class InferencePool:
         return SyncResult(versions.pop(), sent, time.perf_counter() - started, tuple(transfers))
 
     def _send_shared(
-        self, index: int, weights: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str
+        self, index: int, weights: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str, *, host: bool = False
     ) -> inference_pb2.UpdateWeightsResponse:
-        """UpdateWeightsShared through two buffers: the server's answer for each bucket frees its
-        buffer for the next one."""
+        """UpdateWeightsShared through two buffers, on this process's GPU (CUDA IPC) or, with `host`,
+        in shared memory: the server's answer for each bucket frees its buffer for the next one."""
         tensors = sized(weights)
-        device = torch.device("cuda", torch.cuda.current_device())
-        buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         free: queue.Queue = queue.Queue()
+        header = inference_pb2.SharedWeightsHeader(tensor_count=len(tensors), note=note, update_id=update_id)
+        if host:
+            blocks = self._host_buffers.get(index)
+            if blocks is None:
+                blocks = self._host_buffers[index] = sharing.HostBuffers(2, self.bucket_bytes)
+            buffers, device = blocks.tensors, None
+            header.host_buffers.extend(blocks.described)
+        else:
+            blocks, device = None, torch.device("cuda", torch.cuda.current_device())
+            buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+            header.buffers.extend(sharing.share(b) for b in buffers)
         for buffer_index in range(len(buffers)):
             free.put(buffer_index)
-        header = inference_pb2.SharedWeightsHeader(
-            tensor_count=len(tensors), note=note, update_id=update_id, buffers=[sharing.share(b) for b in buffers]
-        )
 
         failed: list[BaseException] = []
 
         def requests() -> Iterator[inference_pb2.UpdateWeightsSharedRequest]:
             yield inference_pb2.UpdateWeightsSharedRequest(header=header)
             try:
-                with torch.cuda.device(device):  # gRPC reads this iterator on a thread of its own
+                # gRPC reads this iterator on a thread of its own: the CUDA device is set there.
+                with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
                     yield from bucket_messages(tensors, buffers, free)
             except Exception as exc:  # gRPC would only cancel the call: the cause is raised below
                 failed.append(exc)
@@ -298,8 +317,11 @@ class InferencePool:
                     result = response.result
                 else:
                     free.put(response.buffer_released)
-        except grpc.RpcError:
-            if failed:
+        except BaseException as exc:
+            if blocks is not None:  # a failed sync's blocks are not used again
+                self._host_buffers.pop(index, None)
+                blocks.close()
+            if isinstance(exc, grpc.RpcError) and failed:
                 raise failed[0] from None
             raise
         finally:

@@ -13,7 +13,7 @@ those become gRPC status codes here, and only here:
 
 UpdateWeights takes its messages serialized (no request deserializer): `weights` reads each chunk's
 bytes straight out of the received message into the staged tensor, which protobuf's parse would
-first copy. UpdateWeightsShared reads the tensors from GPU buffers the trainer shares (`sharing`);
+first copy. UpdateWeightsShared reads the tensors from GPU or shared host buffers the trainer shares (`sharing`);
 UpdateWeightsCollective receives them by broadcast over the trainer's group, kept between updates
 while its members stay the same (`collective`).
 
@@ -163,6 +163,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         # memory, the shared GPU buffers' on the engine's device.
         self._receiving = asyncio.Lock()
         self._staging = Staging("cpu")
+        self._host_maps = sharing.HostMaps()  # "shm": the trainer's blocks, mapped once
         self._device_staging: Staging | None = None
         self._staged: tuple[str, dict, Staging, int] | None = None  # update id, tensors, their staging, bytes
         self._collective_buffers: list = []  # UpdateWeightsCollective's, kept between updates
@@ -227,7 +228,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
     async def UpdateWeightsShared(
         self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsSharedRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.UpdateWeightsSharedResponse]:
-        device = sharing.require_cuda(self._engine.description.device)
+        device = torch.device(self._engine.description.device or "cpu")
         async with self._receiving:
             self._staged = None  # a staged update is replaced by this one, whatever its outcome
             if self._device_staging is None:
@@ -237,7 +238,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             try:
                 async for message in request_iterator:
                     if buffers is None:
-                        buffers = sharing.open_header(message, receiver, device)
+                        buffers = sharing.open_header(message, receiver, device, self._host_maps)
                         continue
                     released = sharing.copy_bucket(message, receiver, buffers)
                     yield inference_pb2.UpdateWeightsSharedResponse(buffer_released=released)
@@ -245,7 +246,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     raise WeightUpdateError("the stream ended without a header")
                 tensors = receiver.finish()
             finally:
-                del buffers  # the trainer's memory is let go before the call ends
+                del buffers  # the trainer's GPU memory is let go before the call ends
             result = await self._staged_or_applied(receiver, tensors, self._device_staging)
         yield inference_pb2.UpdateWeightsSharedResponse(result=result)
 
@@ -400,12 +401,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
 
 def weight_transports(device: str) -> list[str]:
     """How a server whose engine runs on `device` receives weights, fastest first: on a GPU, CUDA
-    IPC (same machine), NCCL, the stream; on a CPU, the stream before gloo (measured no faster
-    over loopback: scripts/bench_weight_sync.py)."""
-    ipc = [t for t in sharing.transports(device) if t != sharing.STREAM]
+    IPC (same machine), NCCL, the stream; on a CPU, shared memory (same machine), the stream, then
+    gloo (measured no faster than the stream over loopback: scripts/bench_weight_sync.py)."""
+    shared = [t for t in sharing.transports(device) if t != sharing.STREAM]
     if device.startswith("cuda"):
-        return ipc + collective.transports(device) + [sharing.STREAM]
-    return [sharing.STREAM] + collective.transports(device)
+        return shared + collective.transports(device) + [sharing.STREAM]
+    return shared + [sharing.STREAM] + collective.transports(device)
 
 
 def _finished(receiver: WeightsReceiver) -> dict[str, torch.Tensor]:

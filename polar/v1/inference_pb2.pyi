@@ -106,16 +106,26 @@ class UpdateWeightsSharedRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SharedWeightsHeader, _Mapping]] = ..., bucket: _Optional[_Union[SharedBucket, _Mapping]] = ...) -> None: ...
 
 class SharedWeightsHeader(_message.Message):
-    __slots__ = ("tensor_count", "note", "update_id", "buffers")
+    __slots__ = ("tensor_count", "note", "update_id", "buffers", "host_buffers")
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_BUFFERS_FIELD_NUMBER: _ClassVar[int]
     tensor_count: int
     note: str
     update_id: str
     buffers: _containers.RepeatedCompositeFieldContainer[CudaIpcBuffer]
-    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ...) -> None: ...
+    host_buffers: _containers.RepeatedCompositeFieldContainer[HostSharedBuffer]
+    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., host_buffers: _Optional[_Iterable[_Union[HostSharedBuffer, _Mapping]]] = ...) -> None: ...
+
+class HostSharedBuffer(_message.Message):
+    __slots__ = ("name", "size_bytes")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_bytes: int
+    def __init__(self, name: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class CudaIpcBuffer(_message.Message):
     __slots__ = ("device", "handle", "size_bytes", "offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")

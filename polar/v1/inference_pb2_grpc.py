@@ -127,16 +127,17 @@ class InferenceServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeightsShared(self, request_iterator, context):
-        """Bidirectional-streaming. A weight update through GPU memory the trainer shares with this
-        server (CUDA IPC; same machine only; offered when ModelInfo.weight_transports lists
-        "cuda_ipc"). The first message is a header naming the shared buffers; then each message names
+        """Bidirectional-streaming. A weight update through memory the trainer shares with this server on
+        its machine: GPU memory (CUDA IPC; offered when ModelInfo.weight_transports lists "cuda_ipc")
+        or, for a server on a CPU, POSIX shared memory (offered as "shm"). The first message is a
+        header naming the shared buffers; then each message names
         the tensors one buffer holds now (a bucket), and the server answers each bucket once it has
         copied them out, so the trainer may refill that buffer. The tensors are staged on the server's
         device and applied as UpdateWeights applies them: at once when the stream ends, or by
         CommitWeights when header.update_id is set; the last response carries the outcome.
         Errors: INVALID_ARGUMENT as UpdateWeights (unknown name, shape, dtype, bytes outside a buffer,
         a bucket naming a buffer the header did not share), FAILED_PRECONDITION when the server cannot
-        open the buffers (no CUDA, another machine).
+        open the buffers (CUDA buffers without CUDA, host buffers for a GPU engine, another machine).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
