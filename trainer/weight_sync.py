@@ -171,6 +171,7 @@ class InferencePool:
         # "shm": each server's two blocks, kept between syncs: a fresh block costs a page fault on
         # every page at its first write, on both sides (about 6x the copy itself, measured here).
         self._host_buffers: dict[int, sharing.HostBuffers] = {}
+        self._shm_refused: set[int] = set()  # servers that could not open the blocks: sent the stream
         # UpdateWeights over messages tensor_messages serialized already (no request serializer).
         self._updates = [
             channel.stream_unary(UPDATE_WEIGHTS, response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
@@ -216,7 +217,7 @@ class InferencePool:
                 chosen.append(self.transport)
                 continue
             usable = {sharing.STREAM, collective.GLOO}
-            if here and info.host_id == here:
+            if here and info.host_id == here and len(chosen) not in self._shm_refused:
                 usable.add(sharing.SHM)
             if cuda:
                 usable.add(collective.NCCL)
@@ -241,9 +242,20 @@ class InferencePool:
                         continue
                     began = time.perf_counter()
                     try:
-                        if transport in (sharing.CUDA_IPC, sharing.SHM):
-                            response = self._send_shared(index, weights(), note, update_id, host=transport == sharing.SHM)
-                        else:
+                        response = None
+                        if transport == sharing.SHM:
+                            try:
+                                response = self._send_shared(index, weights(), note, update_id, host=True)
+                            except grpc.RpcError as exc:
+                                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                                    raise
+                                # The same boot id but another /dev/shm (containers of one host): the
+                                # stream, in this sync and the next ones.
+                                self._shm_refused.add(index)
+                                transport = sharing.STREAM
+                        elif transport == sharing.CUDA_IPC:
+                            response = self._send_shared(index, weights(), note, update_id)
+                        if response is None:
                             response = self._updates[index](tensor_messages(weights(), note, update_id), timeout=RPC_TIMEOUT_S)
                     except grpc.RpcError as exc:
                         raise WeightSyncError(

@@ -27,7 +27,8 @@ async def servers():
         await server.stop()
 
 
-async def test_a_server_that_dies_mid_sync_leaves_the_others_on_the_old_version(servers):
+@pytest.mark.parametrize("transport", ["stream", "shm"])
+async def test_a_server_that_dies_mid_sync_leaves_the_others_on_the_old_version(servers, transport):
     first, second = servers
     before = await first.greedy()
     weights = new_weights(first, seed=1)
@@ -43,7 +44,7 @@ async def test_a_server_that_dies_mid_sync_leaves_the_others_on_the_old_version(
                 asyncio.run_coroutine_threadsafe(second.server.stop(None), loop).result()
             yield item
 
-    pool = InferencePool([first.address, second.address])
+    pool = InferencePool([first.address, second.address], transport=transport)
     try:
         with pytest.raises(WeightSyncError) as caught:
             await asyncio.to_thread(pool.push, dying_second_server, "step 1")
@@ -55,12 +56,12 @@ async def test_a_server_that_dies_mid_sync_leaves_the_others_on_the_old_version(
     assert info.policy_version == 0 and not info.paused
     assert await first.greedy() == (before[0], {0})  # the old weights, serving again
     # The first server received the update whole but never applied it: the next sync is complete.
-    pool = InferencePool([first.address])
+    pool = InferencePool([first.address], transport=transport)
     try:
         result = await asyncio.to_thread(pool.push, weights.items, "step 1")
     finally:
         pool.close()
-    assert result.policy_version == 1 and result.transport == "stream"
+    assert result.policy_version == 1 and result.transport == transport
     assert (await first.greedy())[0] != before[0]
 
 

@@ -82,3 +82,23 @@ async def test_buffers_the_server_cannot_open_fail_cleanly_and_change_nothing(se
     assert (await server.info()).policy_version == version
     for name, tensor in server.parameters().items():
         assert torch.equal(tensor, before[name]), name
+
+
+async def test_a_server_that_cannot_open_the_blocks_gets_the_stream_in_that_sync_and_the_next(server, monkeypatch):
+    """The same boot id but another /dev/shm (two containers of one host): the server refuses the
+    blocks (FAILED_PRECONDITION), and the trainer sends the stream instead, without failing the sync."""
+
+    def elsewhere(described):
+        raise sharing.SharingUnavailable(f"cannot open the trainer's shared memory {described.name!r}")
+
+    monkeypatch.setattr(sharing, "open_host_buffer", elsewhere)
+    pool = InferencePool([server.address], transport="auto", bucket_bytes=64 << 10)
+    try:
+        for seed in (3, 4):
+            weights = new_weights(server, seed=seed)
+            result = await asyncio.to_thread(pool.push, lambda: iter(weights.items()), f"seed {seed}")
+            assert result.transport == sharing.STREAM
+            parameters = server.parameters()
+            assert all(torch.equal(parameters[name], tensor) for name, tensor in weights.items())
+    finally:
+        pool.close()
