@@ -53,6 +53,10 @@ UPDATE_WEIGHTS = "/polar.v1.InferenceService/UpdateWeights"
 TRANSPORTS = ("auto", sharing.STREAM, sharing.SHM, collective.NCCL, collective.GLOO)
 
 
+class HostBuffersUnavailable(RuntimeError):
+    """This machine's shared memory cannot hold the "shm" transport's two blocks."""
+
+
 class WeightSyncError(RuntimeError):
     """An inference server refused or failed the update; the message names it."""
 
@@ -246,11 +250,11 @@ class InferencePool:
                         if transport == sharing.SHM:
                             try:
                                 response = self._send_shared(index, weights(), note, update_id, host=True)
-                            except grpc.RpcError as exc:
-                                if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                            except (grpc.RpcError, HostBuffersUnavailable) as exc:
+                                if isinstance(exc, grpc.RpcError) and exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                                     raise
-                                # The same boot id but another /dev/shm (containers of one host): the
-                                # stream, in this sync and the next ones.
+                                # The same boot id but another /dev/shm (containers of one host), or no
+                                # room in it here: the stream, in this sync and the next ones.
                                 self._shm_refused.add(index)
                                 transport = sharing.STREAM
                         elif transport == sharing.CUDA_IPC:
@@ -299,7 +303,10 @@ class InferencePool:
         if host:
             blocks = self._host_buffers.get(index)
             if blocks is None:
-                blocks = self._host_buffers[index] = sharing.HostBuffers(2, self.bucket_bytes)
+                try:
+                    blocks = self._host_buffers[index] = sharing.HostBuffers(2, self.bucket_bytes)
+                except OSError as exc:
+                    raise HostBuffersUnavailable(f"no room for two {self.bucket_bytes >> 20} MiB blocks in shared memory: {exc}") from None
             buffers, device = blocks.tensors, None
             header.host_buffers.extend(blocks.described)
         else:

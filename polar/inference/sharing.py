@@ -24,7 +24,8 @@ import contextlib
 import functools
 import mmap
 import os
-from multiprocessing import shared_memory
+import secrets
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import torch
@@ -88,28 +89,42 @@ def share(buffer: torch.Tensor) -> inference_pb2.CudaIpcBuffer:
 
 class HostBuffers:
     """`count` blocks of shared memory of `size` bytes each, as flat uint8 tensors (`tensors`) and as
-    the header describes them (`described`); `close` unlinks them (the server's mappings last until
-    it lets them go)."""
+    the header describes them (`described`); `close` unlinks them.
+
+    A block is never unmapped by hand: a view of it may still be in a thread's hands (gRPC's request
+    thread, when a sync fails mid-copy), and a write to an unmapped page kills the process. Each
+    view holds a reference to its mapping (torch.frombuffer), which goes with the last view."""
 
     def __init__(self, count: int, size: int) -> None:
-        self._blocks: list[shared_memory.SharedMemory] = []
+        self._names: list[str] = []
+        self.tensors: list[torch.Tensor] = []
         try:
             for _ in range(count):
-                self._blocks.append(shared_memory.SharedMemory(create=True, size=size))
+                name = f"polar-{secrets.token_hex(8)}"
+                descriptor = os.open(_SHM_FOLDER / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                self._names.append(name)
+                # The resource tracker unlinks the block if this process dies without doing so.
+                resource_tracker.register(f"/{name}", "shared_memory")
+                try:
+                    # Reserve the pages now: /dev/shm may hold less than the block's size (64 MB in a
+                    # default container), and a write past what it holds kills the process (SIGBUS).
+                    os.posix_fallocate(descriptor, 0, size)
+                    mapped = mmap.mmap(descriptor, size)
+                finally:
+                    os.close(descriptor)
+                self.tensors.append(torch.frombuffer(mapped, dtype=torch.uint8, count=size))
         except OSError:
             self.close()
             raise
-        self.tensors = [torch.frombuffer(block.buf, dtype=torch.uint8, count=size) for block in self._blocks]
-        self.described = [inference_pb2.HostSharedBuffer(name=block.name, size_bytes=size) for block in self._blocks]
+        self.described = [inference_pb2.HostSharedBuffer(name=name, size_bytes=size) for name in self._names]
 
     def close(self) -> None:
         self.tensors = []
-        for block in self._blocks:
-            with contextlib.suppress(BufferError):  # a view still held elsewhere: unlinking frees it later
-                block.close()
+        for name in self._names:
             with contextlib.suppress(FileNotFoundError):
-                block.unlink()
-        self._blocks = []
+                os.unlink(_SHM_FOLDER / name)
+            resource_tracker.unregister(f"/{name}", "shared_memory")
+        self._names = []
 
 
 # ----------------------------------------------------------------------------- the server's side
@@ -157,7 +172,7 @@ def open_host_buffer(described: inference_pb2.HostSharedBuffer) -> tuple[mmap.mm
 class HostMaps:
     """A server's mappings of the trainer's blocks, kept between updates (the trainer keeps its
     blocks too): mapping a block again would fault in every page again. Blocks the latest update no
-    longer names are unmapped."""
+    longer names are let go."""
 
     def __init__(self) -> None:
         self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
@@ -181,9 +196,8 @@ class HostMaps:
             self._unmap(name)
 
     def _unmap(self, name: str) -> None:
-        mapped, _ = self._maps.pop(name)
-        with contextlib.suppress(BufferError):  # a view still held elsewhere: unmapped when it goes
-            mapped.close()
+        # Not closed by hand: the mapping goes with the last view of it (see HostBuffers).
+        del self._maps[name]
 
 
 def open_header(

@@ -102,3 +102,21 @@ async def test_a_server_that_cannot_open_the_blocks_gets_the_stream_in_that_sync
             assert all(torch.equal(parameters[name], tensor) for name, tensor in weights.items())
     finally:
         pool.close()
+
+
+async def test_without_room_in_shared_memory_the_trainer_sends_the_stream(server, monkeypatch):
+    """/dev/shm smaller than two blocks (64 MB in a default container): the blocks' pages are
+    reserved when made, so that fails there, not as a SIGBUS mid-copy, and the stream goes instead."""
+
+    def full(count, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sharing, "HostBuffers", full)
+    weights = new_weights(server, seed=5)
+    pool = InferencePool([server.address], transport="auto", bucket_bytes=64 << 10)
+    try:
+        result = await asyncio.to_thread(pool.push, lambda: iter(weights.items()), "step 1")
+    finally:
+        pool.close()
+    assert result.transport == sharing.STREAM
+    assert all(torch.equal(server.parameters()[name], tensor) for name, tensor in weights.items())
