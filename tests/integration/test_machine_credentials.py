@@ -209,14 +209,11 @@ async def test_revoking_a_credential_ends_the_ads_streams_opened_with_it_and_ref
         async def subscribed(node_id: str, metadata) -> grpc.aio.StreamStreamCall:
             """An ADS stream asking for the endpoints, as Envoy opens one, once answered."""
             first = discovery_pb2.DiscoveryRequest(node=base_pb2.Node(id=node_id), type_url=ENDPOINT_TYPE)
-            requests: asyncio.Queue = asyncio.Queue()
-            requests.put_nowait(first)
-
-            async def sent():
-                while True:
-                    yield await requests.get()
-
-            call = ads.StreamAggregatedResources(sent(), metadata=metadata)
+            # Written with call.write, the stream left open as Envoy leaves it: no request generator
+            # of this test is left suspended when the call ends (anyio's loop runs the next test,
+            # which would see that generator finalized mid-await).
+            call = ads.StreamAggregatedResources(metadata=metadata)
+            await call.write(first)
             response = await asyncio.wait_for(call.read(), WAIT_S)
             assert response.type_url == ENDPOINT_TYPE and response.version_info
             return call
