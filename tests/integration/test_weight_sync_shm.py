@@ -33,16 +33,23 @@ async def server():
     await started.stop()
 
 
+async def push(server: TinyServer, weights: dict[str, torch.Tensor], pool: InferencePool | None = None):
+    """One sync of `weights` to `server` in 64 KiB buckets (most tensors of the tiny model span
+    several, and the two buffers alternate), through `pool` or a pool of its own."""
+    own = pool is None
+    pool = pool or InferencePool([server.address], transport="auto", bucket_bytes=64 << 10)
+    try:
+        return await asyncio.to_thread(pool.push, lambda: iter(weights.items()), "step")
+    finally:
+        if own:
+            pool.close()
+
+
 async def test_a_cpu_server_on_this_machine_takes_the_weights_through_shared_memory_bit_for_bit(server):
     assert (await server.info()).weight_transports[0] == sharing.SHM
     weights = new_weights(server, seed=1)
     blocks_before = set(SHM.iterdir())
-    # 64 KiB buckets: most tensors of the tiny model span several, and the two buffers alternate.
-    pool = InferencePool([server.address], transport="auto", bucket_bytes=64 << 10)
-    try:
-        result = await asyncio.to_thread(pool.push, lambda: iter(weights.items()), "step 1")
-    finally:
-        pool.close()
+    result = await push(server, weights)
     assert result.transport == sharing.SHM
     assert result.bytes_sent == sum(t.numel() * t.element_size() for t in weights.values())
     parameters = server.parameters()
@@ -96,7 +103,7 @@ async def test_a_server_that_cannot_open_the_blocks_gets_the_stream_in_that_sync
     try:
         for seed in (3, 4):
             weights = new_weights(server, seed=seed)
-            result = await asyncio.to_thread(pool.push, lambda: iter(weights.items()), f"seed {seed}")
+            result = await push(server, weights, pool)
             assert result.transport == sharing.STREAM
             parameters = server.parameters()
             assert all(torch.equal(parameters[name], tensor) for name, tensor in weights.items())
@@ -113,10 +120,6 @@ async def test_without_room_in_shared_memory_the_trainer_sends_the_stream(server
 
     monkeypatch.setattr(sharing, "HostBuffers", full)
     weights = new_weights(server, seed=5)
-    pool = InferencePool([server.address], transport="auto", bucket_bytes=64 << 10)
-    try:
-        result = await asyncio.to_thread(pool.push, lambda: iter(weights.items()), "step 1")
-    finally:
-        pool.close()
+    result = await push(server, weights)
     assert result.transport == sharing.STREAM
     assert all(torch.equal(server.parameters()[name], tensor) for name, tensor in weights.items())
