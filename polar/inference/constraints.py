@@ -80,6 +80,73 @@ class OutputConstraint:
         return message_class(kind=self.kind, json_schema=self.json_schema, prefix=self.prefix, suffix=self.suffix)
 
 
+# Keywords that say nothing about which values are valid.
+ANNOTATIONS = frozenset(
+    {"description", "title", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly", "$schema"}
+)
+# Keywords whose value is one subschema, a list of them, or a mapping of names to them.
+_SUBSCHEMA = frozenset({"additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
+                        "unevaluatedProperties", "unevaluatedItems", "additionalItems"})  # fmt: skip
+_SUBSCHEMA_LISTS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
+_SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def expressible_schema(schema: Any) -> Any:
+    """`schema` with each `propertyNames` the grammar compiler lacks rewritten into keywords it has,
+    where the rewrite admits exactly the same values; any other `propertyNames` is left for the
+    compiler to refuse.
+
+    Zod, which most JavaScript CLIs build their tool schemas with, writes every record as
+    `propertyNames: {"type": "string"}` (Claude Code's TaskCreate and TaskUpdate): a name is always a
+    string, so that says nothing and goes. A `pattern` becomes `patternProperties`, an `enum` or a
+    `const` becomes `properties` with no other property allowed."""
+    if isinstance(schema, list):
+        return [expressible_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    rewritten: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SUBSCHEMA or key in _SUBSCHEMA_LISTS:
+            rewritten[key] = expressible_schema(value)
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            rewritten[key] = {name: expressible_schema(sub) for name, sub in value.items()}
+        else:
+            rewritten[key] = value
+    names = rewritten.get("propertyNames")
+    return rewritten if names is None else _without_property_names(rewritten, names)
+
+
+def _without_property_names(schema: dict[str, Any], names: Any) -> dict[str, Any]:
+    names = {} if names is True else names
+    if not isinstance(names, dict):
+        return schema
+    rule = {key: value for key, value in names.items() if key not in ANNOTATIONS and (key, value) != ("type", "string")}
+    rest = {key: value for key, value in schema.items() if key != "propertyNames"}
+    if not rule:
+        return rest
+    properties = rest.get("properties", {})
+    others = rest.get("additionalProperties", True)
+    if "patternProperties" in rest:
+        return schema
+    if list(rule) == ["pattern"] and isinstance(rule["pattern"], str) and (not properties or others in (True, {})):
+        # A named property matching the pattern is also checked against patternProperties: only a
+        # schema that admits everything keeps its own unchanged.
+        pattern = re.compile(rule["pattern"])
+        if not all(pattern.search(name) for name in properties):
+            return schema
+        return {**rest, "patternProperties": {rule["pattern"]: others}, "additionalProperties": False}
+    allowed = rule.get("enum") if list(rule) == ["enum"] else [rule["const"]] if list(rule) == ["const"] else None
+    if not isinstance(allowed, list) or not all(isinstance(name, str) for name in allowed):
+        return schema
+    if not set(rest.get("required", ())) <= set(allowed):
+        return schema
+    return {
+        **rest,
+        "properties": {name: properties.get(name, others) for name in allowed},
+        "additionalProperties": False,
+    }
+
+
 def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
@@ -93,7 +160,7 @@ def _compile(constraint: OutputConstraint) -> tuple[str, str]:
         return "", f"the JSON schema is not JSON: {exc}"
     if not isinstance(schema, dict):
         return "", "the JSON schema must be a JSON object"
-    schema = {**schema, "x-guidance": JSON_OPTIONS}
+    schema = {**expressible_schema(schema), "x-guidance": JSON_OPTIONS}
     parts = [_lark_string(constraint.prefix)] if constraint.prefix else []
     parts.append("value")
     if constraint.suffix:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -24,8 +25,12 @@ from google.genai import errors as genai_errors
 from google.genai import types
 
 from gateway.testing import running_gateway
+from polar.inference.constraints import TokenGrammar
 from polar.inference.engines import create_engine
 from polar.inference.engines.base import EngineOptions
+from polar.trajectory.records import views_from_protos
+from polar.trajectory.session_file import read_trajectory
+from polar.trajectory.verify import check_constraints
 from polar.v1 import common_pb2
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
@@ -60,6 +65,7 @@ ANSWER = {
     "required": ["answer", "score"],
     "additionalProperties": False,
 }
+SESSIONS = Path(__file__).parents[1] / "fixtures" / "sessions"
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
 
 CLIENTS: list[httpx2.AsyncClient] = []
@@ -177,6 +183,23 @@ async def test_a_forced_call_is_always_a_valid_call_of_an_allowed_function(gatew
         assert record.sampling.constraint.kind == "tool_call"
         assert record.finish_reason == common_pb2.FINISH_REASON_STOP and not record.truncated
         assert record.forced_token_count == 0  # the grammar opens the call: every token is sampled
+
+
+async def test_claude_codes_own_request_with_a_forced_call_is_decoded_under_its_whole_tool_list(gateway):
+    """Claude Code's first recorded request (its 24 tools; TaskCreate and TaskUpdate hold zod records,
+    `propertyNames`, which the grammar compiler lacks) with `tool_choice` any, through the Anthropic SDK:
+    a reply, not a 400, and every sampled token one the grammar admitted."""
+    body = json.loads(read_trajectory(SESSIONS / "claude-code.json.zst").calls[0].request_body)
+    key = gateway.open_session(task_id="claude code forced")
+    message = await _anthropic(gateway, key).messages.create(
+        model="tiny", max_tokens=24, system=body["system"], messages=body["messages"], tools=body["tools"],
+        tool_choice={"type": "any"},
+    )
+    assert message.stop_reason == "max_tokens"  # a random model's free strings do not end in 24 tokens
+    (record,) = gateway.records(key)
+    assert record.sampling.constraint.kind == "tool_call" and record.truncated
+    assert '"TaskCreate"' in record.sampling.constraint.json_schema
+    assert check_constraints(views_from_protos([record]), TokenGrammar.for_model("tiny")) == []
 
 
 # -- JSON-schema output per dialect: returns the reply's text --------------------------------------------

@@ -4,7 +4,9 @@ and schema options as the one constraint (gateway/constraint.py)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -18,14 +20,20 @@ from gateway.dialects import anthropic, gemini, openai_chat, openai_responses
 from gateway.dialects.base import ErrorKind, GatewayError, Route
 from polar.inference.constraints import (
     ConstraintError,
+    ConstraintViolation,
     OutputConstraint,
+    TokenGrammar,
     bitmask_to_bool,
+    expressible_schema,
     grammar,
     mask_logits_,
     masked_logits,
 )
+from polar.trajectory.session_file import read_trajectory
 from trainer.backends.megatron.logprobs import vocab_parallel_logprobs
 from trainer.grpo import constrained_logits, token_logprobs
+
+SESSIONS = Path(__file__).parents[1] / "fixtures" / "sessions"
 
 
 @given(st.integers(1, 4), st.integers(1, 200), st.randoms(use_true_random=False))
@@ -177,3 +185,86 @@ def test_each_dialects_schema_option_is_the_output_schema(module, body, route, e
         base.pop("messages")
     request = module.DIALECT.parse_request({**base, **body}, route)
     assert request.output_schema == expected
+
+
+# -- propertyNames, which the grammar compiler lacks, rewritten where the rewrite is exact -------------
+
+NAMES = ("a", "b", "xa", "xb")
+NAME_RULES = st.sampled_from(
+    [{}, {"type": "string"}, {"type": "string", "description": "a key"}, {"pattern": "^x"}, {"enum": ["a", "xb"]},
+     {"const": "b"}, {"maxLength": 1}]
+)  # fmt: skip
+VALUE_SCHEMAS = st.sampled_from([{}, {"type": "integer"}, {"type": "string"}])
+
+
+@st.composite
+def objects_with_property_names(draw):
+    """(a schema with propertyNames, an instance that may or may not be valid for it)."""
+    schema: dict = {"type": "object", "propertyNames": draw(NAME_RULES)}
+    named = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=2))
+    if named:
+        schema["properties"] = {name: draw(VALUE_SCHEMAS) for name in named}
+    if draw(st.booleans()):
+        schema["additionalProperties"] = draw(st.sampled_from([{}, {"type": "integer"}, False]))
+    if named and draw(st.booleans()):
+        schema["required"] = named[:1]
+    keys = draw(st.lists(st.sampled_from(NAMES), unique=True, max_size=3))
+    # The grammar writes named properties first, in the schema's order (as a model is prompted to).
+    keys.sort(key=lambda key: named.index(key) if key in named else len(named))
+    instance = {key: draw(st.one_of(st.integers(0, 9), st.sampled_from(["s", "t"]))) for key in keys}
+    return schema, instance
+
+
+@pytest.fixture(scope="module")
+def tiny_grammar():
+    return TokenGrammar.for_model("tiny")
+
+
+def _admits(token_grammar: TokenGrammar, schema: dict, value: object) -> bool:
+    """Whether the grammar admits `value` written canonically, token by token, up to the end of the reply."""
+    constraint = OutputConstraint("json_schema", json.dumps(schema))
+    tokenizer = token_grammar.tokenizer
+    ids = tokenizer.tokenize_str(json.dumps(value))
+    try:
+        token_grammar.replay(constraint, ids)
+    except ConstraintViolation:
+        return False
+    matcher = token_grammar.matcher(constraint)
+    assert matcher.consume_tokens(ids)
+    return matcher.is_accepting()
+
+
+@given(objects_with_property_names())
+@settings(max_examples=60, deadline=None)
+def test_a_rewritten_property_names_rule_admits_exactly_what_the_schema_does(tiny_grammar, case):
+    schema, instance = case
+    rewritten = expressible_schema(schema)
+    valid = jsonschema.Draft202012Validator(schema).is_valid(instance)
+    assert jsonschema.Draft202012Validator(rewritten).is_valid(instance) == valid
+    if schema["propertyNames"].get("type", "string") == "string" and set(schema["propertyNames"]) <= {"type", "description"}:
+        assert "propertyNames" not in rewritten  # a rule that admits every name says nothing
+    if "propertyNames" in rewritten:  # not expressible: left for the compiler to refuse, as before
+        with pytest.raises(ConstraintError, match="propertyNames"):
+            grammar(OutputConstraint("json_schema", json.dumps(schema)))
+        return
+    assert _admits(tiny_grammar, schema, instance) == valid
+
+
+@pytest.mark.parametrize("rule", [{"pattern": "^x"}, {"enum": ["a", "xb"]}, {"const": "b"}])
+def test_a_pattern_an_enum_or_a_const_rule_becomes_keywords_the_compiler_has(rule):
+    schema = {"type": "object", "propertyNames": rule, "additionalProperties": {"type": "integer"}}
+    rewritten = expressible_schema({"type": "array", "items": schema})
+    assert "propertyNames" not in json.dumps(rewritten)
+    grammar(OutputConstraint("json_schema", json.dumps(rewritten)))
+
+
+def test_claude_codes_records_compile_and_a_forced_call_to_them_is_checked_whole(tiny_grammar):
+    """Claude Code writes its records (TaskCreate's metadata) as zod does: propertyNames {type: string}."""
+    first = read_trajectory(SESSIONS / "claude-code.json.zst").calls[0]
+    tools = {tool["name"]: tool["input_schema"] for tool in json.loads(first.request_body)["tools"]}
+    task_create = tools["TaskCreate"]
+    assert task_create["properties"]["metadata"]["propertyNames"] == {"type": "string"}
+    call = {"subject": "Run tests", "description": "all of them", "metadata": {"owner": "me", "n": 2}}
+    assert _admits(tiny_grammar, task_create, call)
+    assert not _admits(tiny_grammar, task_create, {**call, "extra": 1})
+    assert not _admits(tiny_grammar, task_create, {"subject": "no description"})
