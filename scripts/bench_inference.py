@@ -22,7 +22,8 @@ round's instructions are new: the cached server's first round computes the CLI's
 (median and worst of the sessions), tokens/s (all sampled tokens over the time to the last one) and
 the share of prompt tokens reused.
 
-`--constraint compare` measures what constrained decoding costs the torch engine: tokens/s at 1 and 32
+`--constraint compare` measures what constrained decoding costs the torch engine (or, with --engine
+vllm, run from .venv-vllm, the vLLM engine): tokens/s at 1 and 32
 streams (--streams) with and without a constraint, on one server, in alternating rounds (--rounds,
 default 3, --quick 2; the median of each point is reported, and the cost 1 - with/without). The
 constraint is a JSON schema whose reply cannot end within max_tokens (an object with a string of at
@@ -34,6 +35,7 @@ ignore end-of-sequence, so both sample exactly max_tokens tokens.
     python scripts/bench_inference.py --device cuda        # on a GPU machine
     python scripts/bench_inference.py --prefix-cache compare [--quick]
     python scripts/bench_inference.py --constraint compare [--quick] [--models tiny smollm2-135m]
+    .venv-vllm/bin/python scripts/bench_inference.py --constraint compare --engine vllm [--quick]
 
 Prints a table and writes JSON (default bench-results/inference.json).
 """
@@ -63,6 +65,7 @@ from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCH_MODELS = ("tiny", "smollm2-135m")
+VLLM_MODEL = "smollm2-135m"  # vLLM's CPU attention refuses tiny's head size
 TORCH_STREAMS = (1, 8, 32)
 SCRIPTED_STREAMS = (1, 8, 32, 128)
 SCRIPTED_TOKENS_PER_MESSAGE = (1, 32)
@@ -155,6 +158,10 @@ def _parse_args() -> argparse.Namespace:
         "--constraint", choices=("compare",), help="measure constrained decoding: tokens/s with and without a constraint"
     )
     parser.add_argument(
+        "--engine", choices=("torch", "vllm"), default="torch",
+        help="--constraint: the engine measured (vllm: from .venv-vllm, on the CPU; default: %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--streams", type=int, nargs="+", help=f"--constraint: concurrent streams (default: {' '.join(map(str, CONSTRAINT_STREAMS))})"
     )
     parser.add_argument(
@@ -177,8 +184,11 @@ def _parse_args() -> argparse.Namespace:
     compare = args.prefix_cache == "compare"
     constraint = args.constraint == "compare"
     args.models = args.models or (
-        [PREFIX_MODEL] if compare else ["tiny"] if constraint and args.quick else list(TORCH_MODELS)
-    )
+        [PREFIX_MODEL] if compare else [VLLM_MODEL] if constraint and args.engine == "vllm"
+        else ["tiny"] if constraint and args.quick else list(TORCH_MODELS)
+    )  # fmt: skip
+    if args.engine != "torch" and not constraint:
+        parser.error("--engine vllm is measured with --constraint compare only")
     args.streams = args.streams or list(CONSTRAINT_STREAMS)
     default_out = (
         "inference-prefix-cache.json" if compare else "inference-constraint.json" if constraint else "inference.json"
@@ -301,6 +311,7 @@ LONG_STRING = {"type": "object", "properties": {"text": {"type": "string", "minL
 class ConstraintPoint:
     """Tokens/s of one model at one number of streams, with and without a constraint (medians of rounds)."""
 
+    engine: str
     model: str
     device: str
     streams: int
@@ -319,16 +330,16 @@ def _constraint_main(args: argparse.Namespace, machine: dict) -> int:
     points: list[ConstraintPoint] = []
     for model in args.models:
         config = InferenceConfig(
-            engine="torch", model=model, port=0, device=args.device, dtype=args.dtype,
+            engine=args.engine, model=model, port=0, device=args.device, dtype=args.dtype,
             max_batch_size=max(args.streams), prefix_cache_mib=0,
         )  # fmt: skip
         with running(inference_spec(config), STARTUP_TIMEOUT_S, stop_timeout_s=10.0) as service:
             points += asyncio.run(_constraint_points(service, args.streams, _Work(max_tokens, 1, cap), rounds))
     print(f"constrained decoding, {machine['cpu'] if args.device == 'cpu' else machine['card']}: tokens/s, "
           f"median of {rounds} alternating rounds; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    header = ("model", "device", "streams", "max_tokens", "without tok/s", "with tok/s", "cost")
+    header = ("engine", "model", "device", "streams", "max_tokens", "without tok/s", "with tok/s", "cost")
     rows = [
-        (p.model, p.device, str(p.streams), str(p.max_tokens), f"{p.unconstrained_tokens_per_s:.1f}",
+        (p.engine, p.model, p.device, str(p.streams), str(p.max_tokens), f"{p.unconstrained_tokens_per_s:.1f}",
          f"{p.constrained_tokens_per_s:.1f}", f"{p.cost:+.1%}")
         for p in points
     ]  # fmt: skip
@@ -378,7 +389,7 @@ async def _constraint_points(service: Service, streams: list[int], work: _Work, 
             without, with_ = statistics.median(rates[(False, n)]), statistics.median(rates[(True, n)])
             points.append(
                 ConstraintPoint(
-                    model=info.name, device=info.device, streams=n, max_tokens=work.max_tokens, rounds=rounds,
+                    engine=info.engine, model=info.name, device=info.device, streams=n, max_tokens=work.max_tokens, rounds=rounds,
                     unconstrained_tokens_per_s=without, constrained_tokens_per_s=with_, cost=1 - with_ / without,
                     unconstrained_rounds=rates[(False, n)], constrained_rounds=rates[(True, n)],
                 )
