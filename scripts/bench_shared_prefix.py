@@ -108,9 +108,10 @@ def _timed_update(backend, batches) -> float:
     return time.perf_counter() - started
 
 
-def compare(backend, sequences: list[TrainSequence], budget: int, rounds: int) -> dict:
+def compare(backend, sequences: list[TrainSequence], budget: int, rounds: int, profile: bool = False) -> dict:
     """Best seconds of one optimizer update with and without sharing, measured in alternating rounds
-    (after one untimed update of each)."""
+    (after one untimed update of each); `profile`: then one more update of each under torch's
+    profiler, its costliest operations printed and returned."""
     layouts = {"shared": pack(sequences, budget, share_prefixes=True), "plain": pack(sequences, budget)}
     seconds = {name: float("inf") for name in layouts}
     for name, batches in layouts.items():
@@ -118,6 +119,7 @@ def compare(backend, sequences: list[TrainSequence], budget: int, rounds: int) -
     for _ in range(rounds):
         for name, batches in layouts.items():
             seconds[name] = min(seconds[name], _timed_update(backend, batches))
+    profiles = {name: _profiled_update(backend, batches) for name, batches in layouts.items()} if profile else {}
     return {
         "traces": len(sequences),
         "budget": budget,
@@ -126,11 +128,32 @@ def compare(backend, sequences: list[TrainSequence], budget: int, rounds: int) -
         "micro_batches": {name: len(batches) for name, batches in layouts.items()},
         "seconds": seconds,
         "speedup": seconds["plain"] / seconds["shared"],
+        **({"profile": profiles} if profile else {}),
     }
 
 
+PROFILE_ROWS = 15
+
+
+def _profiled_update(backend, batches) -> list[dict]:
+    """One update under torch's profiler: its costliest operations by their own device time (the
+    CPU's where there is no GPU), printed as the profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = backend.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        _timed_update(backend, batches)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    averages = profiler.key_averages()
+    print(averages.table(sort_by=key, row_limit=PROFILE_ROWS))
+    top = sorted(averages, key=lambda event: getattr(event, key), reverse=True)
+    return [{"name": event.key, "calls": event.count, "self_ms": getattr(event, key) / 1e3}
+            for event in top[:PROFILE_ROWS]]  # fmt: skip
+
+
 def bench_shared_prefix(backend, clis: list[str], groups: int, turns: tuple[int, int], rounds: int,
-                        shapes: tuple[str, ...] = ("coding",)) -> dict:
+                        shapes: tuple[str, ...] = ("coding",), profile: bool = False) -> dict:
     """Per CLI and session shape ("coding", "recorded"; rows named `cli` and `cli/recorded`)."""
     vocab = backend.model_description["vocab_size"]
     results = {}
@@ -139,7 +162,7 @@ def bench_shared_prefix(backend, clis: list[str], groups: int, turns: tuple[int,
             name = cli if shape == "coding" else f"{cli}/{shape}"
             sequences = cli_step(cli, groups, turns, vocab, shape=shape)
             budget = max(8192, _tree_budget(sequences))
-            results[name] = compare(backend, sequences, budget, rounds)
+            results[name] = compare(backend, sequences, budget, rounds, profile)
             results[name]["target"] = TARGETS.get(cli)
             _print_row(name, results[name])
     return results

@@ -34,6 +34,7 @@ Pi-shaped ones, no slower where nothing is shared.
                                                                 # nothing shared, SmolLM2 cut to 1 layer
     python scripts/bench_trainer.py --harness claude-code
     python scripts/bench_trainer.py --shared-prefix compare --backend megatron --shape qwen3-4b --device cuda
+    python scripts/bench_trainer.py --shared-prefix compare --profile ...   # where each layout's time goes
 """
 
 from __future__ import annotations
@@ -243,6 +244,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=0, help="the model's shape cut to this many layers (random weights)")
     parser.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="--shared-prefix, --harness")
     parser.add_argument("--shape", choices=("qwen3-4b",), help="a random model of this shape instead of --model")
+    parser.add_argument("--profile", action="store_true",
+                        help="--shared-prefix: one more update per layout under torch's profiler, its costliest operations")
     parser.add_argument("--out", type=Path, default=Path("bench-results/trainer.json"))
     args = parser.parse_args()
     if args.shared_prefix or args.harness:
@@ -342,8 +345,8 @@ def sharing_main(args) -> None:
         print_header()
         shapes = tuple((args.session_shape or ("recorded" if args.quick else "coding,recorded")).split(","))
         if not set(shapes) <= {"coding", "recorded"}:
-            parser.error(f"--session-shape: coding and/or recorded, not {args.session_shape!r}")
-        results["shared_prefix"] = bench_shared_prefix(backend, clis, groups, turns, rounds, shapes)
+            raise SystemExit(f"--session-shape: coding and/or recorded, not {args.session_shape!r}")
+        results["shared_prefix"] = bench_shared_prefix(backend, clis, groups, turns, rounds, shapes, args.profile)
     if args.harness:
         results["harness"] = {args.harness: bench_harness(backend, args.harness, rounds)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
