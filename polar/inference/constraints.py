@@ -10,8 +10,8 @@ grammar for llguidance, whose JSON compiler turns the schema into grammar rules:
 
 The same grammar serves three places, so each masks exactly the same tokens:
 
-- the inference engine samples only what the mask allows at each step (`TokenGrammar.masks`), the
-  mask applied to the logits before temperature, top-k and top-p;
+- the inference engine samples only what the mask allows at each step (`TokenGrammar.bitmasks`),
+  the mask applied to the logits before temperature, top-k and top-p;
 - the trainer replays the grammar over the sampled ids (`TokenGrammar.replay`) and computes its
   logprobs under the same masks, so the importance ratio of an unchanged policy is 1;
 - `polar verify` replays it too, and a sampled id the mask did not admit is a violation.
@@ -243,8 +243,10 @@ class TokenGrammar:
                 self._compiled.move_to_end(constraint)
         return compiled.deep_copy()
 
-    def masks(self, matchers: Sequence[LLMatcher]) -> np.ndarray:
-        """bool [len(matchers), vocab_size]: the tokens each matcher allows next (computed in parallel)."""
+    def bitmasks(self, matchers: Sequence[LLMatcher]) -> np.ndarray:
+        """int32 [len(matchers), words]: the tokens each matcher allows next, a bit each (bit j of word
+        w: token 32w + j; computed in parallel). A 32nd of the bool masks' bytes, which is what a GPU
+        engine sends to the device each step."""
         bitmask = np.zeros((len(matchers), self._words), dtype=np.int32)
         self._executor.unsafe_compute_mask_ptr(
             [(matcher, row) for row, matcher in enumerate(matchers)],
@@ -252,7 +254,11 @@ class TokenGrammar:
             self._words * 4,
             len(matchers),
         )
-        return bitmask_to_bool(bitmask, self.vocab_size)
+        return bitmask
+
+    def masks(self, matchers: Sequence[LLMatcher]) -> np.ndarray:
+        """bool [len(matchers), vocab_size]: the tokens each matcher allows next."""
+        return bitmask_to_bool(self.bitmasks(matchers), self.vocab_size)
 
     def replay(self, constraint: OutputConstraint, token_ids: Sequence[int]) -> np.ndarray:
         """bool [len(token_ids), vocab_size]: the mask each token was sampled under.
@@ -270,16 +276,19 @@ class TokenGrammar:
         return masks
 
 
-def mask_logits_(logits: torch.Tensor, rows: Sequence[int], allowed: np.ndarray) -> None:
-    """Set logits [N, V] to -inf in place where allowed [len(rows), V] is False, for those rows: the
-    constraint's mask, applied before temperature, top-k and top-p, so that the distribution sampled
-    from is renormalised over it. On the CPU through numpy (torch's masked fill took ten times as
-    long on two busy cores); on a GPU the mask goes over once, pinned."""
+def mask_logits_(logits: torch.Tensor, rows: Sequence[int], bitmask: np.ndarray) -> None:
+    """Set logits [N, V] to -inf in place where bitmask int32 [len(rows), words] (TokenGrammar.bitmasks)
+    has no bit, for those rows: the constraint's mask, applied before temperature, top-k and top-p, so
+    that the distribution sampled from is renormalised over it. On the CPU through numpy (torch's
+    masked fill took ten times as long on two busy cores); on a GPU the bitmask goes over, pinned (a
+    32nd of the bool mask's bytes, and a copy the host does not wait for), and is unpacked there."""
     import torch
 
     from polar.inference.sampling import to_device
 
+    vocab = logits.shape[1]
     if logits.device.type == "cpu":
+        allowed = bitmask_to_bool(bitmask, vocab)
         view = logits.numpy()
         if len(rows) == view.shape[0]:
             np.putmask(view, ~allowed, -np.inf)
@@ -287,9 +296,18 @@ def mask_logits_(logits: torch.Tensor, rows: Sequence[int], allowed: np.ndarray)
             for row, mask in zip(rows, allowed):
                 np.putmask(view[row], ~mask, -np.inf)
         return
-    index = torch.as_tensor(list(rows), device=logits.device)
-    disallowed = to_device(torch.from_numpy(~allowed), logits.device)
-    logits[index] = logits[index].masked_fill(disallowed, -torch.inf)
+    words = to_device(torch.from_numpy(np.ascontiguousarray(bitmask)), logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [rows, words * 32]
+    if allowed.shape[1] >= vocab:
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    if len(rows) == logits.shape[0]:
+        logits.masked_fill_(~allowed, -torch.inf)
+        return
+    index = to_device(torch.tensor(list(rows), dtype=torch.long), logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, -torch.inf)
 
 
 def masked_logits(logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:

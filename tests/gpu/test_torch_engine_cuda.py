@@ -6,6 +6,7 @@ Runs on the device machine only (`python -m pytest -m gpu tests/gpu`); skipped w
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -99,3 +100,31 @@ def test_bfloat16_serves_and_updates_weights():
         assert after != before
     finally:
         asyncio.run(engine.stop())
+
+
+def test_constrained_replies_on_cuda_follow_the_grammar_with_the_masked_logprobs(fp32_engine):
+    """32 constrained streams at once (the grammar's bitmasks unpacked on the GPU): every reply is
+    admitted by the grammar, and each logprob is that of the masked, renormalised distribution."""
+    from polar.inference.constraints import OutputConstraint, TokenGrammar
+
+    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+              "required": ["note", "n"]}  # fmt: skip
+    constraint = OutputConstraint("json_schema", json.dumps(schema))
+    requests = [
+        GenerationRequest(f"c{i}", request.prompt_token_ids,
+                          SamplingConfig(max_tokens=24, seed=700 + i, temperature=1.0, constraint=constraint))
+        for i, request in enumerate(_request(i % 4) for i in range(MAX_BATCH))
+    ]  # fmt: skip
+
+    async def together():
+        return await asyncio.gather(*(_collect(fp32_engine, r) for r in requests))
+
+    grammar = TokenGrammar.for_model("tiny", fp32_engine.description.vocab_size)
+    for request, (tokens, logprobs) in zip(requests, asyncio.run(together()), strict=True):
+        masks = torch.from_numpy(grammar.replay(constraint, tokens)).cuda()
+        ids = torch.tensor([list(request.prompt_token_ids) + tokens], device="cuda")
+        with torch.no_grad():
+            logits = fp32_engine.model(ids).logits[0, len(request.prompt_token_ids) - 1 : -1].float()
+        expected = processed_logprobs(logits.masked_fill(~masks, float("-inf")), 1.0)
+        expected = expected.gather(-1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(-1).cpu()
+        assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)

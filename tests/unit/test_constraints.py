@@ -50,6 +50,14 @@ def test_a_bitmask_unpacks_to_the_tokens_of_its_set_bits(rows, vocab, rng):
     assert unpacked.shape == (rows, vocab) and (unpacked == expected).all()
 
 
+def packed(allowed: np.ndarray) -> np.ndarray:
+    """bool [N, V] -> the grammar's int32 bitmask [N, ceil(V / 32)] (bit j of word w: token 32w + j)."""
+    words = (allowed.shape[1] + 31) // 32
+    padded = np.zeros((allowed.shape[0], words * 32), dtype=bool)
+    padded[:, : allowed.shape[1]] = allowed
+    return np.packbits(padded, axis=-1, bitorder="little").view(np.int32)
+
+
 @given(st.integers(2, 6), st.integers(2, 40), st.data())
 @settings(max_examples=50, deadline=None)
 def test_masking_in_place_and_differentiably_agree(rows, vocab, data):
@@ -58,7 +66,7 @@ def test_masking_in_place_and_differentiably_agree(rows, vocab, data):
     allowed = np.random.default_rng(rows * vocab).random((len(picked), vocab)) < 0.5
     allowed[:, 0] = True  # a mask always leaves a token
     in_place = logits.clone()
-    mask_logits_(in_place, picked, allowed)
+    mask_logits_(in_place, picked, packed(allowed))
     differentiable = masked_logits(logits, torch.tensor(picked), torch.from_numpy(allowed))
     assert torch.equal(in_place, differentiable)
     untouched = [row for row in range(rows) if row not in picked]

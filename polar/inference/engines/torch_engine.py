@@ -433,10 +433,11 @@ class TorchEngine(Engine):
         only when the next step feeds them, after it has taken these masks)."""
         ahead = [s for s in self._admitted if s.matcher is not None and s.last_token >= 0]
         if ahead:
-            self._masks_ahead = (ahead, self._mask_thread.submit(self._grammar.masks, [s.matcher for s in ahead]))
+            self._masks_ahead = (ahead, self._mask_thread.submit(self._grammar.bitmasks, [s.matcher for s in ahead]))
 
     def _constraint_masks(self, seqs: list[_Sequence]) -> np.ndarray:
-        """bool [len(seqs), V]: what each sequence's constraint allows next; computed ahead where it was."""
+        """int32 [len(seqs), words]: the tokens each sequence's constraint allows next, a bit each
+        (TokenGrammar.bitmasks); computed ahead where it was."""
         known: dict[int, np.ndarray] = {}
         if self._masks_ahead is not None:
             ahead, future = self._masks_ahead
@@ -447,7 +448,7 @@ class TorchEngine(Engine):
             known = {id(s): row for s, row in zip(ahead, masks)}
         missing = [s for s in seqs if id(s) not in known]
         if missing:
-            known.update(zip(map(id, missing), self._grammar.masks([s.matcher for s in missing])))
+            known.update(zip(map(id, missing), self._grammar.bitmasks([s.matcher for s in missing])))
         return np.stack([known[id(s)] for s in seqs])
 
     def _admission_problem(self, request: GenerationRequest) -> tuple[FinishReason, str] | None:
