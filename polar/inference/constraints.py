@@ -211,7 +211,7 @@ class TokenGrammar:
 
         self.tokenizer: LLTokenizer = from_tokenizer(hf_tokenizer, eos_token=list(eos_ids))
         self.vocab_size = vocab_size
-        self._words = (self.tokenizer.vocab_size + 31) // 32
+        self.words = (self.tokenizer.vocab_size + 31) // 32  # int32 words of a bitmask row
         self._executor = LLExecutor()
         self._compiled: OrderedDict[OutputConstraint, LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
@@ -247,11 +247,11 @@ class TokenGrammar:
         """int32 [len(matchers), words]: the tokens each matcher allows next, a bit each (bit j of word
         w: token 32w + j; computed in parallel). A 32nd of the bool masks' bytes, which is what a GPU
         engine sends to the device each step."""
-        bitmask = np.zeros((len(matchers), self._words), dtype=np.int32)
+        bitmask = np.zeros((len(matchers), self.words), dtype=np.int32)
         self._executor.unsafe_compute_mask_ptr(
             [(matcher, row) for row, matcher in enumerate(matchers)],
             bitmask.ctypes.data,
-            self._words * 4,
+            self.words * 4,
             len(matchers),
         )
         return bitmask
@@ -276,12 +276,41 @@ class TokenGrammar:
         return masks
 
 
-def mask_logits_(logits: torch.Tensor, rows: Sequence[int], bitmask: np.ndarray) -> None:
+class BitmaskUpload:
+    """A GPU engine's way for its steps' bitmasks to the device: one pinned host buffer, allocated
+    once (pinning a new block every step cost the host more than the rest of the mask's work, on an
+    H100), written again only once the previous copy out of it has run."""
+
+    def __init__(self, rows: int, words: int, device: torch.device) -> None:
+        import torch
+
+        self._host = torch.empty((rows, words), dtype=torch.int32, pin_memory=True)
+        self._device = device
+        self._copied: torch.cuda.Event | None = None
+
+    def __call__(self, bitmask: np.ndarray) -> torch.Tensor:
+        """int32 [n, words] on the device, queued behind the work already there (n <= rows)."""
+        import torch
+
+        if self._copied is not None:
+            self._copied.synchronize()
+        staged = self._host[: len(bitmask)]
+        staged.numpy()[...] = bitmask
+        on_device = staged.to(self._device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return on_device
+
+
+def mask_logits_(
+    logits: torch.Tensor, rows: Sequence[int], bitmask: np.ndarray, upload: BitmaskUpload | None = None
+) -> None:
     """Set logits [N, V] to -inf in place where bitmask int32 [len(rows), words] (TokenGrammar.bitmasks)
     has no bit, for those rows: the constraint's mask, applied before temperature, top-k and top-p, so
     that the distribution sampled from is renormalised over it. On the CPU through numpy (torch's
     masked fill took ten times as long on two busy cores); on a GPU the bitmask goes over, pinned (a
-    32nd of the bool mask's bytes, and a copy the host does not wait for), and is unpacked there."""
+    32nd of the bool mask's bytes, and a copy the host does not wait for; through `upload` where the
+    engine has one), and is unpacked there."""
     import torch
 
     from polar.inference.sampling import to_device
@@ -296,7 +325,10 @@ def mask_logits_(logits: torch.Tensor, rows: Sequence[int], bitmask: np.ndarray)
             for row, mask in zip(rows, allowed):
                 np.putmask(view[row], ~mask, -np.inf)
         return
-    words = to_device(torch.from_numpy(np.ascontiguousarray(bitmask)), logits.device)
+    if upload is not None:
+        words = upload(bitmask)
+    else:
+        words = to_device(torch.from_numpy(np.ascontiguousarray(bitmask)), logits.device)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [rows, words * 32]
     if allowed.shape[1] >= vocab:

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from polar.inference import models
-from polar.inference.constraints import ConstraintError, TokenGrammar, mask_logits_
+from polar.inference.constraints import BitmaskUpload, ConstraintError, TokenGrammar, mask_logits_
 from polar.inference.engines.base import (
     Engine,
     EngineOptions,
@@ -245,6 +245,7 @@ class TorchEngine(Engine):
         self._tokenizer = tokenizer
         self._grammar: TokenGrammar | None = None  # made for the first constrained request
         self._mask_thread: ThreadPoolExecutor | None = None  # made with it
+        self._mask_upload: BitmaskUpload | None = None  # made with it, on a GPU
         # The next step's masks, being computed: the sequences, and their masks [len, V] to come.
         self._masks_ahead: tuple[list[_Sequence], Future] | None = None
 
@@ -426,6 +427,8 @@ class TorchEngine(Engine):
         if self._grammar is None:
             self._grammar = TokenGrammar(self._tokenizer, self.description.eos_token_ids, self.description.vocab_size)
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="polar-grammar-masks")
+            if self.device.type == "cuda":
+                self._mask_upload = BitmaskUpload(self.max_batch_size, self._grammar.words, self.device)
         return self._grammar
 
     def _compute_masks_ahead(self) -> None:
@@ -620,7 +623,7 @@ class TorchEngine(Engine):
             logits = logits[to_device(torch.tensor(keep, dtype=torch.long), logits.device)]
             constrained = [row for row, s in enumerate(batch) if s.matcher is not None]
         if constrained:
-            mask_logits_(logits, constrained, masks)
+            mask_logits_(logits, constrained, masks, self._mask_upload)
         return batch, logits
 
     def _sample(self, batch: list[_Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
@@ -692,4 +695,4 @@ class TorchEngine(Engine):
         self._runner.cache.release()
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=True)
-            self._grammar, self._mask_thread, self._masks_ahead = None, None, None
+            self._grammar, self._mask_thread, self._masks_ahead, self._mask_upload = None, None, None, None
