@@ -76,3 +76,27 @@ def test_megatron_backend_tree_within_bf16_spread(tmp_path):
         return backends[dtype]
 
     _assert_within_bf16_spread(make, sequences, max_tokens=200)
+
+
+def test_a_branch_through_cudnn_is_attention_over_its_ancestors_and_itself():
+    """A piece below others, in bf16: its output and the gradients of its queries, keys and values
+    match fp32 attention under the lower-right causal mask, within bf16's rounding."""
+    import torch.nn.functional as F
+
+    from trainer.tree_attention import TreeLayout, tree_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim, above, own = 8, 2, 128, 700, 300
+    layout = TreeLayout.from_pieces([above, own], [-1, 0])
+    query = torch.randn(heads, above + own, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    key = torch.randn(kv_heads, above + own, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    value = torch.randn(kv_heads, above + own, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(heads, above + own, dim, device="cuda", dtype=torch.bfloat16)
+    tree_attention(query, key, value, layout).backward(grad)
+    exact = [t.detach().float().requires_grad_() for t in (query, key, value)]
+    causal = torch.ones(above + own, above + own, dtype=torch.bool, device="cuda").tril()
+    expected = F.scaled_dot_product_attention(*(t[None] for t in exact), attn_mask=causal, enable_gqa=True)[0]
+    expected.backward(grad.float())
+    ours = tree_attention(query.detach(), key.detach(), value.detach(), layout)
+    for mine, reference in [(ours, expected)] + [(t.grad, e.grad) for t, e in zip((query, key, value), exact)]:
+        assert (mine.float() - reference).norm() <= 2e-2 * reference.norm()  # bf16 keeps 8 bits
