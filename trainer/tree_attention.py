@@ -92,7 +92,7 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                 spans = (*ancestors, (start, end))
                 k = torch.cat([key[:, a:b] for a, b in spans], dim=1)[None]  # [1, kv_heads, m + n, d]
                 v = torch.cat([value[:, a:b] for a, b in spans], dim=1)[None]
-            if _cudnn_takes(q):
+            if end - start > 1 and _cudnn_takes(q):  # cuDNN refuses one query over one key
                 m = k.shape[2] - (end - start)
                 out = _BranchAttention.apply(q, k[:, :, :m], v[:, :, :m], k[:, :, m:], v[:, :, m:],
                                              scale if scale is not None else q.shape[-1] ** -0.5)
