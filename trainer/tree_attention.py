@@ -14,11 +14,12 @@ two cuDNN calls merged by their log-sum-exps (`_BranchAttention`); otherwise it 
 lower-right CausalBias, which SDPA hands to a fused kernel where one takes it (flash attention, or
 memory-efficient attention, which takes no GQA) and materialises otherwise. On a CPU the lower-right
 mask of a piece is materialised, [n, m + n] booleans, per call. Measured on one H100 (Qwen3-4B's heads,
-a 20.3k-token prompt and 8 branches of 0.6k-3k tokens, forward and backward of one layer): 80 ms this
-way, 73 ms with FlexAttention over one block mask (compiled), 89 ms with flash attention's
-variable-length kernel over each piece's gathered keys, 198 ms for the traces one by one. Splitting
-the tree into flash attention calls merged by their log-sum-exps (no gather) made a whole Megatron
-step slower than this (13.9 s against 12.3 s): torch's flash kernel is not its fastest on Hopper.
+a 20.3k-token prompt and 8 branches of 0.6k-3k tokens, forward and backward of one layer), before the
+cuDNN split: 80 ms with the CausalBias, 73 ms with FlexAttention over one block mask (compiled),
+89 ms with flash attention's variable-length kernel over each piece's gathered keys, 198 ms for the
+traces one by one; the branches alone took 52 ms with the CausalBias and 65 ms with a materialised
+mask (cuDNN forced or not). The same split over flash attention calls made a whole Megatron step
+slower (13.9 s against 12.3 s): torch's flash kernel runs at under half of cuDNN's speed on Hopper.
 
 Both backends use it: the torch backend through transformers' attention interface (registered as
 ``TREE_ATTENTION``, the row's layout passed as the ``tree_layout`` keyword of the model's forward),
