@@ -17,9 +17,9 @@ mask of a piece is materialised, [n, m + n] booleans, per call. Measured on one 
 a 20.3k-token prompt and 8 branches of 0.6k-3k tokens, forward and backward of one layer), before the
 cuDNN split: 80 ms with the CausalBias, 73 ms with FlexAttention over one block mask (compiled),
 89 ms with flash attention's variable-length kernel over each piece's gathered keys, 198 ms for the
-traces one by one; the branches alone took 52 ms with the CausalBias and 65 ms with a materialised
-mask (cuDNN forced or not). The same split over flash attention calls made a whole Megatron step
-slower (13.9 s against 12.3 s): torch's flash kernel runs at under half of cuDNN's speed on Hopper.
+traces one by one; a materialised mask instead of the CausalBias (cuDNN forced or not) was slower
+still. The same split over flash attention calls made a whole Megatron step slower (13.9 s against
+12.3 s): torch's flash kernel runs at under half of cuDNN's speed on Hopper.
 
 Both backends use it: the torch backend through transformers' attention interface (registered as
 ``TREE_ATTENTION``, the row's layout passed as the ``tree_layout`` keyword of the model's forward),
@@ -131,8 +131,9 @@ class _BranchAttention(torch.autograd.Function):
     its own (causal), two cuDNN calls merged by their log-sum-exps. Each part's backward is cuDNN's,
     given the merged output and log-sum-exp: that is the gradient of one part of a softmax over the
     union of the keys. torch sends a lower-right causal mask to flash attention, which ran at less than
-    half of cuDNN's speed on an H100; this made a Claude Code-shaped Megatron step 14% faster there
-    (6.30 s to 5.44 s, scripts/bench_trainer.py --shared-prefix compare, 4B shape)."""
+    half of cuDNN's speed on an H100. There, a Claude Code-shaped Megatron step of the 4B shape took
+    6.08 s before and 5.32 s after (scripts/bench_trainer.py --shared-prefix compare --backend megatron
+    --shape qwen3-4b --device cuda --clis claude-code --session-shape coding --groups 1)."""
 
     @staticmethod
     def forward(ctx, q, k_above, v_above, k_own, v_own, scale: float):
