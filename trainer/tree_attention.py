@@ -69,7 +69,8 @@ class TreeLayout:
 def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: TreeLayout,
                    scale: float | None = None) -> torch.Tensor:
     """Attention of one stream: query [heads, T, d], key and value [kv_heads, T, d] (kv_heads divides
-    heads) -> [heads, T, d]."""
+    heads) -> [heads, T, d], a view of a tensor laid out token by token ([T, heads, d] contiguous),
+    the layout both callers want back."""
     gqa = query.shape[0] != key.shape[0]
     device = query.device.type
     if torch.is_autocast_enabled(device):
@@ -78,30 +79,50 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         # Qwen3 hands over fp32 queries and keys, after their norm, with bf16 values).
         dtype = torch.get_autocast_dtype(device)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    outputs = []
+    segments: list[tuple[int, torch.Tensor]] = []  # (where in the stream, output [n, heads, d])
+    siblings: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}  # ancestors -> spans below them
+    cudnn = _cudnn_takes(query)
     for (start, end), ancestors in zip(layout.spans, layout.ancestors):
         q = query[None, :, start:end]  # [1, heads, n, d]
         if not ancestors:
             k, v = key[None, :, start:end], value[None, :, start:end]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        elif cudnn and end - start > 1:  # cuDNN refuses one query over one key
+            siblings.setdefault(ancestors, []).append((start, end))
+            continue
         else:
-            first = ancestors[0][0]
-            contiguous = all(a[1] == b[0] for a, b in zip(ancestors, ancestors[1:] + ((start, end),)))
-            if contiguous:  # a first child right after its parent: no copy
-                k, v = key[None, :, first:end], value[None, :, first:end]
-            else:
-                spans = (*ancestors, (start, end))
-                k = torch.cat([key[:, a:b] for a, b in spans], dim=1)[None]  # [1, kv_heads, m + n, d]
-                v = torch.cat([value[:, a:b] for a, b in spans], dim=1)[None]
-            if end - start > 1 and _cudnn_takes(q):  # cuDNN refuses one query over one key
-                m = k.shape[2] - (end - start)
-                out = _BranchAttention.apply(q, k[:, :, :m], v[:, :, :m], k[:, :, m:], v[:, :, m:],
-                                             scale if scale is not None else q.shape[-1] ** -0.5)
-            else:
-                mask = _lower_right(end - start, k.shape[2], query.device)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        outputs.append(out[0])
-    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+            spans = (*ancestors, (start, end))
+            k, v = _gather(key, spans), _gather(value, spans)
+            mask = _lower_right(end - start, k.shape[2], query.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        segments.append((start, out[0].transpose(0, 1)))
+    for ancestors, spans in siblings.items():
+        out = _SiblingAttention.apply(
+            _gather(query, spans), _gather(key, ancestors), _gather(value, ancestors), _gather(key, spans),
+            _gather(value, spans), tuple(end - start for start, end in spans),
+            scale if scale is not None else query.shape[-1] ** -0.5,
+        )[0].transpose(0, 1)  # fmt: skip
+        if _follow_each_other(spans):
+            segments.append((spans[0][0], out))
+            continue
+        at = 0
+        for start, end in spans:
+            segments.append((start, out[at : at + end - start]))
+            at += end - start
+    segments.sort(key=lambda segment: segment[0])
+    out = segments[0][1] if len(segments) == 1 else torch.cat([out for _, out in segments])
+    return out.transpose(0, 1)
+
+
+def _follow_each_other(spans: Sequence[tuple[int, int]]) -> bool:
+    return all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def _gather(stream: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """[heads, T, d] -> [1, heads, n, d]: the spans' rows in order; a view where they follow each other."""
+    if _follow_each_other(spans):
+        return stream[None, :, spans[0][0] : spans[-1][1]]
+    return torch.cat([stream[:, a:b].transpose(0, 1) for a, b in spans]).transpose(0, 1)[None]
 
 
 def _cudnn_takes(query: torch.Tensor) -> bool:
@@ -111,39 +132,55 @@ def _cudnn_takes(query: torch.Tensor) -> bool:
 
 
 def _cudnn_attention(q, k, v, causal: bool, scale: float):
-    """cuDNN's attention: (output [1, heads, n, d], its log-sum-exp [1, heads, n, 1], what its backward needs)."""
-    result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, False, scale=scale
-    )
+    """cuDNN's attention over contiguous q, k, v: (output [1, heads, n, d], its log-sum-exp [1, heads,
+    n, 1], what its backward needs)."""
+    result = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
     return result[0], result[1], (result[4], result[5], result[6], result[7])
 
 
 def _cudnn_attention_backward(dout, q, k, v, out, lse, saved, causal: bool, scale: float):
     max_q, max_k, seed, offset = saved
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q.contiguous(), k.contiguous(), v.contiguous(), out, lse, seed, offset, None, None, None, max_q, max_k,
-        0.0, causal, scale=scale,
-    )  # fmt: skip
+        dout, q, k, v, out, lse, seed, offset, None, None, None, max_q, max_k, 0.0, causal, scale=scale)  # fmt: skip
 
 
-class _BranchAttention(torch.autograd.Function):
-    """A piece below others, on a GPU: its queries against its ancestors' keys (no mask) and against
-    its own (causal), two cuDNN calls merged by their log-sum-exps. Each part's backward is cuDNN's,
-    given the merged output and log-sum-exp: that is the gradient of one part of a softmax over the
-    union of the keys. torch sends a lower-right causal mask to flash attention, which ran at less than
-    half of cuDNN's speed on an H100. There, a Claude Code-shaped Megatron step of the 4B shape took
-    6.08 s before and 5.32 s after (scripts/bench_trainer.py --shared-prefix compare --backend megatron
-    --shape qwen3-4b --device cuda --clis claude-code --session-shape coding --groups 1)."""
+def _merge(out_above, lse_above, out_own, lse_own):
+    """Two attentions over disjoint keys -> the attention over their union: (output, log-sum-exp)."""
+    lse = torch.logaddexp(lse_above, lse_own)
+    out = out_above.float() * (lse_above - lse).exp() + out_own.float() * (lse_own - lse).exp()
+    return out.to(out_above.dtype).contiguous(), lse.contiguous()
+
+
+class _SiblingAttention(torch.autograd.Function):
+    """The pieces below the same ancestors, on a GPU: all their queries against the ancestors' keys in
+    one cuDNN call (no mask), each piece's queries against its own keys in one more (causal), merged
+    by their log-sum-exps. Each part's backward is cuDNN's, given the merged output and log-sum-exp:
+    that is the gradient of one part of a softmax over the union of the keys, and the one call over
+    the ancestors sums their key and value gradients over the siblings.
+
+    Why: torch sends a lower-right causal mask to flash attention, which ran at less than half of
+    cuDNN's speed on an H100; and one call per sibling over the ancestors left cuDNN's backward,
+    which walks the queries for each block of keys, a few hundred queries to walk.
+
+    Every tensor handed to cuDNN is contiguous: torch caches cuDNN's graphs by the sizes and strides
+    of q, k and v alone, and a graph replayed with an output or output gradient laid out otherwise
+    than when it was built computes wrong gradients (the GPU tier caught it with Megatron's layout)."""
 
     @staticmethod
-    def forward(ctx, q, k_above, v_above, k_own, v_own, scale: float):
+    def forward(ctx, q, k_above, v_above, k_own, v_own, lengths: tuple[int, ...], scale: float):
+        q, k_above, v_above, k_own, v_own = (t.contiguous() for t in (q, k_above, v_above, k_own, v_own))
         out_above, lse_above, saved_above = _cudnn_attention(q, k_above, v_above, False, scale)
-        out_own, lse_own, saved_own = _cudnn_attention(q, k_own, v_own, True, scale)
-        lse = torch.logaddexp(lse_above, lse_own)
-        out = (out_above.float() * (lse_above - lse).exp() + out_own.float() * (lse_own - lse).exp()).to(q.dtype)
+        own, at = [], 0
+        for length in lengths:
+            piece = slice(at, at + length)
+            own.append(_cudnn_attention(*(t[:, :, piece].contiguous() for t in (q, k_own, v_own)), True, scale))
+            at += length
+        out_own = own[0][0] if len(own) == 1 else torch.cat([out for out, _, _ in own], dim=2)
+        lse_own = own[0][1] if len(own) == 1 else torch.cat([lse for _, lse, _ in own], dim=2)
+        out, lse = _merge(out_above, lse_above, out_own, lse_own)
         ctx.save_for_backward(q, k_above, v_above, k_own, v_own, out, lse)
-        ctx.saved = (saved_above, saved_own)
-        ctx.scale = scale
+        ctx.saved = (saved_above, [saved for _, _, saved in own])
+        ctx.lengths, ctx.scale = lengths, scale
         return out
 
     @staticmethod
@@ -151,10 +188,19 @@ class _BranchAttention(torch.autograd.Function):
         q, k_above, v_above, k_own, v_own, out, lse = ctx.saved_tensors
         saved_above, saved_own = ctx.saved
         dout = dout.contiguous()
-        dq_above, dk_above, dv_above = _cudnn_attention_backward(
+        dq, dk_above, dv_above = _cudnn_attention_backward(
             dout, q, k_above, v_above, out, lse, saved_above, False, ctx.scale)  # fmt: skip
-        dq_own, dk_own, dv_own = _cudnn_attention_backward(dout, q, k_own, v_own, out, lse, saved_own, True, ctx.scale)
-        return dq_above + dq_own, dk_above, dv_above, dk_own, dv_own, None
+        own, at = [], 0
+        for length, saved in zip(ctx.lengths, saved_own):
+            piece = slice(at, at + length)
+            parts = (t[:, :, piece].contiguous() for t in (dout, q, k_own, v_own, out, lse))
+            own.append(_cudnn_attention_backward(*parts, saved, True, ctx.scale))
+            at += length
+        if len(own) == 1:
+            dq_own, dk_own, dv_own = own[0]
+        else:
+            dq_own, dk_own, dv_own = (torch.cat([part[i] for part in own], dim=2) for i in range(3))
+        return dq + dq_own, dk_above, dv_above, dk_own, dv_own, None, None
 
 
 def _lower_right(queries: int, keys: int, device: torch.device):
@@ -174,12 +220,11 @@ def hf_tree_attention(module, query, key, value, attention_mask, dropout: float 
     reads). transformers builds no mask for an implementation it does not know, so none is read."""
     if dropout:
         raise ValueError("tree attention has no dropout")
-    if tree_layout is None:
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])
-    else:
-        out = torch.stack([tree_attention(q, k, v, layout, scaling)
-                           for q, k, v, layout in zip(query, key, value, tree_layout, strict=True)])
+    if tree_layout is not None:
+        return torch.stack([tree_attention(q, k, v, layout, scaling).transpose(0, 1)
+                            for q, k, v, layout in zip(query, key, value, tree_layout, strict=True)]), None
+    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -100,3 +100,43 @@ def test_a_branch_through_cudnn_is_attention_over_its_ancestors_and_itself():
     ours = tree_attention(query.detach(), key.detach(), value.detach(), layout)
     for mine, reference in [(ours, expected)] + [(t.grad, e.grad) for t, e in zip((query, key, value), exact)]:
         assert (mine.float() - reference).norm() <= 2e-2 * reference.norm()  # bf16 keeps 8 bits
+
+
+@pytest.mark.parametrize("layout", ["heads first", "tokens first"])
+def test_siblings_through_cudnn_are_attention_over_their_ancestors_and_themselves(layout):
+    """Siblings below one root (one of them a single token) and a grandchild, in bf16: the output and
+    the gradients of queries, keys and values match fp32 attention under the tree's mask. "tokens
+    first": laid out as Megatron hands them over, queries and keys [T, heads, d], values a view of a
+    fused projection (heads further apart than d)."""
+    import torch.nn.functional as F
+
+    from trainer.tree_attention import TreeLayout, tree_attention
+
+    torch.manual_seed(0)
+    heads, kv_heads, dim = 8, 2, 128
+    tree = TreeLayout.from_pieces([700, 300, 1, 200, 150], [-1, 0, 0, 0, 1])
+    total = tree.spans[-1][1]
+    allowed = torch.zeros(total, total, dtype=torch.bool, device="cuda")
+    for (start, end), ancestors in zip(tree.spans, tree.ancestors):
+        for above_start, above_end in ancestors:
+            allowed[start:end, above_start:above_end] = True
+        allowed[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+    query = torch.randn(heads, total, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    key = torch.randn(kv_heads, total, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    value = torch.randn(kv_heads, total, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(heads, total, dim, device="cuda", dtype=torch.bfloat16)
+
+    def laid_out(query, key, value):
+        if layout == "heads first":
+            return query, key, value
+        fused = torch.stack([key.transpose(0, 1), value.transpose(0, 1)], dim=2)  # [T, kv_heads, 2, d]
+        return query.transpose(0, 1).contiguous().transpose(0, 1), key.transpose(0, 1).contiguous().transpose(0, 1), \
+            fused[:, :, 1].transpose(0, 1)
+
+    out = tree_attention(*laid_out(query, key, value), tree)
+    out.backward(grad)
+    exact = [t.detach().float().requires_grad_() for t in (query, key, value)]
+    expected = F.scaled_dot_product_attention(*(t[None] for t in exact), attn_mask=allowed, enable_gqa=True)[0]
+    expected.backward(grad.float())
+    for mine, reference in [(out, expected)] + [(t.grad, e.grad) for t, e in zip((query, key, value), exact)]:
+        assert (mine.float() - reference).norm() <= 2e-2 * reference.norm()  # bf16 keeps 8 bits
