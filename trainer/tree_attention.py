@@ -1,25 +1,25 @@
 """Attention over a packed stream of pieces (trainer/batches.py): each piece attends causally to itself
 and fully to its ancestor pieces, never to anything else.
 
-One scaled_dot_product_attention call per piece: the piece's queries against the keys and values of
-its ancestors (root first) followed by its own, with the causal mask aligned to the lower right
-(query i of an n-token piece below m ancestor tokens sees keys 0 .. m + i). A root piece is plain
-causal attention. So a trace's tokens see exactly the keys they see when the trace runs alone, and
-the cost is what the tree holds: a shared prefix's queries are computed once, each branch's queries
-attend over prefix + branch. The alternative, one call over the whole row with an [L, L] mask, costs
-L^2 whatever the tree, which on a 20k-token prompt is most of the work sharing is meant to save.
+A root piece is one causal attention call. The pieces below the same ancestors (the sessions of a
+group below their shared prompt) run as two parts merged by their log-sum-exps (`_SiblingAttention`):
+all their queries against the ancestors' keys in one call with no mask, and each piece's queries
+against its own keys, causal. So a trace's tokens see exactly the keys they see when the trace runs
+alone, and the cost is what the tree holds: a shared prefix's queries are computed once, each
+branch's queries attend over prefix + branch, and no call computes a pair the mask would drop. The
+alternative, one call over the whole row with an [L, L] mask, costs L^2 whatever the tree, which on
+a 20k-token prompt is most of the work sharing is meant to save.
 
-On a GPU a root piece runs the fused causal kernels. A piece below others, in half precision, runs
-two cuDNN calls merged by their log-sum-exps (`_BranchAttention`); otherwise it passes its mask as a
-lower-right CausalBias, which SDPA hands to a fused kernel where one takes it (flash attention, or
-memory-efficient attention, which takes no GQA) and materialises otherwise. On a CPU the lower-right
-mask of a piece is materialised, [n, m + n] booleans, per call. Measured on one H100 (Qwen3-4B's heads,
-a 20.3k-token prompt and 8 branches of 0.6k-3k tokens, forward and backward of one layer), before the
-cuDNN split: 80 ms with the CausalBias, 73 ms with FlexAttention over one block mask (compiled),
-89 ms with flash attention's variable-length kernel over each piece's gathered keys, 198 ms for the
-traces one by one; a materialised mask instead of the CausalBias (cuDNN forced or not) was slower
-still. The same split over flash attention calls made a whole Megatron step slower (13.9 s against
-12.3 s): torch's flash kernel runs at under half of cuDNN's speed on Hopper.
+The split runs on cuDNN on a GPU (half precision, heads of at most 128) and on torch's flash
+attention for the CPU. Elsewhere (fp32 on a GPU; a one-token piece on cuDNN, which refuses one query
+over one key) a piece is one call over its ancestors' keys and its own under the lower-right causal
+mask (query i of an n-token piece below m ancestor tokens sees keys 0 .. m + i).
+
+`scripts/bench_trainer.py --shared-prefix compare` on Claude Code-shaped coding sessions (8 below
+one 20.3k-token prompt), the step's time without sharing over its time with: on one H100, Megatron
+with the 4B shape, 3.16x with each branch under a lower-right mask (torch sends it to flash
+attention, at under half of cuDNN's speed on Hopper), 3.65x with one cuDNN split per branch, 4.10x
+with the siblings' one call over their ancestors.
 
 Both backends use it: the torch backend through transformers' attention interface (registered as
 ``TREE_ATTENTION``, the row's layout passed as the ``tree_layout`` keyword of the model's forward),
@@ -81,13 +81,13 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     segments: list[tuple[int, torch.Tensor]] = []  # (where in the stream, output [n, heads, d])
     siblings: dict[tuple[tuple[int, int], ...], list[tuple[int, int]]] = {}  # ancestors -> spans below them
-    cudnn = _cudnn_takes(query)
+    kernel = _split_kernel(query)
     for (start, end), ancestors in zip(layout.spans, layout.ancestors):
         q = query[None, :, start:end]  # [1, heads, n, d]
         if not ancestors:
             k, v = key[None, :, start:end], value[None, :, start:end]
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-        elif cudnn and end - start > 1:  # cuDNN refuses one query over one key
+        elif kernel == "cpu" or (kernel == "cudnn" and end - start > 1):  # cuDNN refuses one query over one key
             siblings.setdefault(ancestors, []).append((start, end))
             continue
         else:
@@ -99,7 +99,7 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     for ancestors, spans in siblings.items():
         out = _SiblingAttention.apply(
             _gather(query, spans), _gather(key, ancestors), _gather(value, ancestors), _gather(key, spans),
-            _gather(value, spans), tuple(end - start for start, end in spans),
+            _gather(value, spans), kernel, tuple(end - start for start, end in spans),
             scale if scale is not None else query.shape[-1] ** -0.5,
         )[0].transpose(0, 1)  # fmt: skip
         if _follow_each_other(spans):
@@ -125,10 +125,16 @@ def _gather(stream: torch.Tensor, spans: Sequence[tuple[int, int]]) -> torch.Ten
     return torch.cat([stream[:, a:b].transpose(0, 1) for a, b in spans]).transpose(0, 1)[None]
 
 
-def _cudnn_takes(query: torch.Tensor) -> bool:
-    """Whether cuDNN's attention serves this piece: half precision on a GPU, heads of at most 128."""
-    return (query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 128
-            and torch.backends.cuda.cudnn_sdp_enabled())  # fmt: skip
+def _split_kernel(query: torch.Tensor) -> str | None:
+    """The kernel that runs pieces below others as two calls merged by their log-sum-exps: "cudnn"
+    (half precision on a GPU, heads of at most 128), "cpu" (torch's flash attention for the CPU),
+    or None (one call per piece under its lower-right causal mask)."""
+    if query.is_cuda:
+        cudnn = query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] <= 128
+        return "cudnn" if cudnn and torch.backends.cuda.cudnn_sdp_enabled() else None
+    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return "cpu"
+    return None
 
 
 def _cudnn_attention(q, k, v, causal: bool, scale: float):
@@ -144,6 +150,20 @@ def _cudnn_attention_backward(dout, q, k, v, out, lse, saved, causal: bool, scal
         dout, q, k, v, out, lse, seed, offset, None, None, None, max_q, max_k, 0.0, causal, scale=scale)  # fmt: skip
 
 
+def _cpu_attention(q, k, v, causal: bool, scale: float):
+    """torch's flash attention for the CPU, over contiguous q, k, v (kv heads dividing heads)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.unsqueeze(-1), None
+
+
+def _cpu_attention_backward(dout, q, k, v, out, lse, saved, causal: bool, scale: float):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale)  # fmt: skip
+
+
+_KERNELS = {"cudnn": (_cudnn_attention, _cudnn_attention_backward), "cpu": (_cpu_attention, _cpu_attention_backward)}
+
+
 def _merge(out_above, lse_above, out_own, lse_own):
     """Two attentions over disjoint keys -> the attention over their union: (output, log-sum-exp)."""
     lse = torch.logaddexp(lse_above, lse_own)
@@ -152,55 +172,59 @@ def _merge(out_above, lse_above, out_own, lse_own):
 
 
 class _SiblingAttention(torch.autograd.Function):
-    """The pieces below the same ancestors, on a GPU: all their queries against the ancestors' keys in
-    one cuDNN call (no mask), each piece's queries against its own keys in one more (causal), merged
-    by their log-sum-exps. Each part's backward is cuDNN's, given the merged output and log-sum-exp:
+    """The pieces below the same ancestors: all their queries against the ancestors' keys in one call
+    (no mask), each piece's queries against its own keys in one more (causal), merged by their
+    log-sum-exps. Each part's backward is the kernel's, given the merged output and log-sum-exp:
     that is the gradient of one part of a softmax over the union of the keys, and the one call over
     the ancestors sums their key and value gradients over the siblings.
 
-    Why: torch sends a lower-right causal mask to flash attention, which ran at less than half of
-    cuDNN's speed on an H100; and one call per sibling over the ancestors left cuDNN's backward,
-    which walks the queries for each block of keys, a few hundred queries to walk.
+    Why: on a GPU, torch sends a lower-right causal mask to flash attention, which ran at less than
+    half of cuDNN's speed on an H100; and one call per sibling over the ancestors left cuDNN's
+    backward, which walks the queries for each block of keys, a few hundred queries to walk. On a
+    CPU, a masked call computes every query-key pair of the piece and its ancestors, and copies the
+    ancestors' keys and values next to the piece's own.
 
-    Every tensor handed to cuDNN is contiguous: torch caches cuDNN's graphs by the sizes and strides
-    of q, k and v alone, and a graph replayed with an output or output gradient laid out otherwise
-    than when it was built computes wrong gradients (the GPU tier caught it with Megatron's layout)."""
+    Every tensor handed to the kernel is contiguous: torch caches cuDNN's graphs by the sizes and
+    strides of q, k and v alone, and a graph replayed with an output or output gradient laid out
+    otherwise than when it was built computes wrong gradients (the GPU tier caught it with
+    Megatron's layout)."""
 
     @staticmethod
-    def forward(ctx, q, k_above, v_above, k_own, v_own, lengths: tuple[int, ...], scale: float):
+    def forward(ctx, q, k_above, v_above, k_own, v_own, kernel: str, lengths: tuple[int, ...], scale: float):
+        attention, _ = _KERNELS[kernel]
         q, k_above, v_above, k_own, v_own = (t.contiguous() for t in (q, k_above, v_above, k_own, v_own))
-        out_above, lse_above, saved_above = _cudnn_attention(q, k_above, v_above, False, scale)
+        out_above, lse_above, saved_above = attention(q, k_above, v_above, False, scale)
         own, at = [], 0
         for length in lengths:
             piece = slice(at, at + length)
-            own.append(_cudnn_attention(*(t[:, :, piece].contiguous() for t in (q, k_own, v_own)), True, scale))
+            own.append(attention(*(t[:, :, piece].contiguous() for t in (q, k_own, v_own)), True, scale))
             at += length
         out_own = own[0][0] if len(own) == 1 else torch.cat([out for out, _, _ in own], dim=2)
         lse_own = own[0][1] if len(own) == 1 else torch.cat([lse for _, lse, _ in own], dim=2)
         out, lse = _merge(out_above, lse_above, out_own, lse_own)
         ctx.save_for_backward(q, k_above, v_above, k_own, v_own, out, lse)
         ctx.saved = (saved_above, [saved for _, _, saved in own])
-        ctx.lengths, ctx.scale = lengths, scale
+        ctx.kernel, ctx.lengths, ctx.scale = kernel, lengths, scale
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k_above, v_above, k_own, v_own, out, lse = ctx.saved_tensors
         saved_above, saved_own = ctx.saved
+        _, backward = _KERNELS[ctx.kernel]
         dout = dout.contiguous()
-        dq, dk_above, dv_above = _cudnn_attention_backward(
-            dout, q, k_above, v_above, out, lse, saved_above, False, ctx.scale)  # fmt: skip
+        dq, dk_above, dv_above = backward(dout, q, k_above, v_above, out, lse, saved_above, False, ctx.scale)
         own, at = [], 0
         for length, saved in zip(ctx.lengths, saved_own):
             piece = slice(at, at + length)
             parts = (t[:, :, piece].contiguous() for t in (dout, q, k_own, v_own, out, lse))
-            own.append(_cudnn_attention_backward(*parts, saved, True, ctx.scale))
+            own.append(backward(*parts, saved, True, ctx.scale))
             at += length
         if len(own) == 1:
             dq_own, dk_own, dv_own = own[0]
         else:
             dq_own, dk_own, dv_own = (torch.cat([part[i] for part in own], dim=2) for i in range(3))
-        return dq + dq_own, dk_above, dv_above, dk_own, dv_own, None, None
+        return dq + dq_own, dk_above, dv_above, dk_own, dv_own, None, None, None
 
 
 def _lower_right(queries: int, keys: int, device: torch.device):
