@@ -3,11 +3,11 @@
 Every test runs twice: on the torch engine with the tiny model (random weights: left alone it never
 writes a tool call or JSON), and, in the vLLM tier (.venv-vllm), on the vLLM engine with SmolLM2-135M,
 whose structured outputs take the same grammar. Each dialect's forcing option, and each schema option,
-50 calls (25 at a time on the torch engine, all at once on vLLM): every reply holds a call the SDK parses, of an allowed function, with
-arguments valid for its schema (or JSON valid for the response schema), and the record says which
-constraint applied. A constrained reply cut by its max tokens is a length finish, recorded as
-truncated; a client's stop string never cuts a constrained reply; a schema the compiler refuses is a
-400 in the caller's dialect.
+50 calls (25 at a time on the torch engine, all at once on vLLM): every reply holds a call the SDK
+parses, of an allowed function, with arguments valid for its schema (or JSON valid for the response
+schema), and the record says which constraint applied. A constrained reply cut by its max tokens is a
+length finish, recorded as truncated; a client's stop string never cuts a constrained reply; a schema
+the compiler refuses is a 400 in the caller's dialect.
 """
 
 from __future__ import annotations
