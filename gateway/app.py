@@ -7,7 +7,8 @@
     POST /{v1,v1beta}/models/{model}:generateContent   gemini
     POST /{v1,v1beta}/models/{model}:streamGenerateContent[?alt=sse]
     POST /{v1,v1beta}/models/{model}:countTokens       gemini (prompt tokens only, no generation)
-    GET  /v1/models                                    OpenAI's list shape; Anthropic's with anthropic-version
+    GET  /v1/models                                    OpenAI's list shape (with vLLM's max_model_len, the
+                                                       context window); Anthropic's with anthropic-version
     HEAD /                                             liveness, without a key (Claude Code probes it): 200
     GET  /, GET /ready (and HEAD /ready)               readiness, without a key: 200 while the inference
                                                        service answers, else 503 with a JSON body naming it
@@ -268,7 +269,12 @@ async def _models(request: web.Request) -> web.StreamResponse:
         entry = {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z"}
         body = {"data": [entry], "has_more": False, "first_id": name, "last_id": name}
     else:
-        body = {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "polar"}]}
+        # max_model_len: the context window, under the name vLLM's list gives it.
+        context = gateway.model.context_length
+        body = {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "created": 0, "owned_by": "polar", "max_model_len": context}],
+        }
     return web.Response(body=json_bytes(body), content_type="application/json")
 
 
@@ -303,6 +309,6 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
             raise
         kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
         return neutral_error(exc.status, kind, exc.reason)
-    except Exception:  # noqa: BLE001 - never a traceback to the client
+    except Exception:
         log.exception("gateway: %s %s failed", request.method, request.path)
         return neutral_error(500, "internal_error", "internal error in the gateway; see its log")

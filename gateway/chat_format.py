@@ -1,43 +1,9 @@
 """Model-family chat formats: the conversation rendered to the token ids the model sees.
 
-A format renders each message on its own and concatenates the ids. Every turn is
-`<|im_start|>role\\n…<|im_end|>` followed by `\\n`, and the text between two special tokens is encoded
-alone: byte-pair merges never cross a special token, so these ids equal the ids of the whole rendered
-text encoded in one go, and rendering k messages is a token prefix of rendering k + 1. That is what
-lets `gateway.render` splice new turns after a call's sampled ids without re-rendering the history.
-
-`hermes` is ChatML with the Hermes / Qwen2.5 tool convention, for models whose own template ignores
-tools (SmolLM2's bare ChatML):
-
-- tools: a `# Tools` block with one JSON schema per line inside `<tools></tools>`, in the system turn
-  (a system turn is opened for it when the conversation has none);
-- assistant turns: `<think>\\n…\\n</think>\\n\\n` when there is reasoning, then the content, then one
-  `<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>` block per call, separated by `\\n`;
-- tool results: each in its own `user` turn wrapped in `<tool_response>\\n…\\n</tool_response>`. Qwen2.5
-  groups consecutive results into one user turn, but then whether a turn is closed depends on the
-  message after it, which would break the prefix property; one turn per result keeps every turn
-  self-contained.
-
-Message text is encoded as plain text: a special-token string inside content (a file that contains
-`<|im_end|>`) stays text and can never end a turn early. Ids and names of tool calls and results are
-not rendered.
-
-Text is tokenized once per gateway, not once per call or session. The encoder cuts text into lines
-(before each line break that a non-space character follows) and keeps the ids of every line it encoded,
-and of every text as a whole, in a bounded cache shared by all sessions: a harness's 20k-token system
-prompt and tools block are encoded by its first session and are one lookup for the next, and later
-sessions whose system prompt differs in a line (a working directory, a date) encode that line only.
-Cutting there is exact for GPT-2-style byte-level BPE (SmolLM2's):
-its pre-tokenizer makes such a line break a word of its own, so no merge crosses the cut. The encoder
-checks the cut on probe texts when it is made and encodes whole texts for a tokenizer that fails
-(Qwen2's pre-tokenizer, for one, joins `}` and the line break after it). The turn separator and the
-generation prompt are encoded once, when the format is made, and the tools' JSON once per set of tools.
-A turn is looked up by the parts its text joins (its role line, the message, the tools block), so a
-cached turn costs a hash of the message, never a copy of it. Each cached text keeps its ids' packed
-wire form too (`Encoded`), and the `*_packed` renders return the prompt in that form for the engine.
-
-The format's rule for past reasoning (`template_history`, used by the `template` history policy) is
-Qwen3's: reasoning of assistant turns before the last user turn is dropped.
+Each message is rendered on its own and the ids concatenated, so rendering k messages is a token
+prefix of rendering k + 1, which lets `gateway.render` splice new turns after sampled ids. `hermes`
+is ChatML with the Hermes / Qwen2.5 tool convention. Text is encoded once per gateway, line by line
+through a cache all sessions share. The format and why it is exact: docs/design/rendering.md.
 """
 
 from __future__ import annotations
@@ -80,8 +46,14 @@ class UnknownChatFormatError(LookupError):
 LINE_BREAK = re.compile(r"\n(?=\S)")
 # Text pairs that must encode to the same ids apart as together for the encoder to cut text.
 LINE_BREAK_PROBES = (
-    ("a", "\nb"), ("a ", "\n{\"b\": 1}"), ("}", "\n{"), ("a\n", "\n# Tools"), ("1", "\n2"), ("é", "\nü"),
-    ("a", "\n<|im_end|>"), ("\t", "\n's"),
+    ("a", "\nb"),
+    ("a ", '\n{"b": 1}'),
+    ("}", "\n{"),
+    ("a\n", "\n# Tools"),
+    ("1", "\n2"),
+    ("é", "\nü"),
+    ("a", "\n<|im_end|>"),
+    ("\t", "\n's"),
 )
 # About 40 bytes a token in the cache (ids and their packed form): 1M tokens hold some fifty
 # harness-sized system prompts and tools.
@@ -231,9 +203,7 @@ class ChatFormat(Protocol):
 
     name: str
 
-    def render_message(
-        self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False
-    ) -> list[int]:
+    def render_message(self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False) -> list[int]:
         """Ids of one message; `first` marks the conversation's opening message (it carries the tools)."""
 
     def render_messages(
@@ -249,9 +219,7 @@ class ChatFormat(Protocol):
     def render_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         """Ids of a whole conversation, ending with the opening of the assistant's turn if asked."""
 
-    def render_prompt_packed(
-        self, conversation: Conversation, add_generation_prompt: bool = True
-    ) -> tuple[int, bytes]:
+    def render_prompt_packed(self, conversation: Conversation, add_generation_prompt: bool = True) -> tuple[int, bytes]:
         """`render_prompt` as the number of ids and their packed wire form (polar.codec.packed_ids)."""
 
     def render_text(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:
@@ -456,9 +424,7 @@ class HermesFormat:
 
     # -- ChatFormat ------------------------------------------------------------------------------
 
-    def render_message(
-        self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False
-    ) -> list[int]:
+    def render_message(self, message: Message, *, tools: Sequence[ToolSpec] = (), first: bool = False) -> list[int]:
         return self._encode(self._message_pieces(message, tools, first))
 
     def render_messages(
@@ -474,9 +440,7 @@ class HermesFormat:
     def render_prompt(self, conversation: Conversation, add_generation_prompt: bool = True) -> list[int]:
         return self._encode(self._conversation_pieces(conversation, add_generation_prompt))
 
-    def render_prompt_packed(
-        self, conversation: Conversation, add_generation_prompt: bool = True
-    ) -> tuple[int, bytes]:
+    def render_prompt_packed(self, conversation: Conversation, add_generation_prompt: bool = True) -> tuple[int, bytes]:
         return self._encode_packed(self._conversation_pieces(conversation, add_generation_prompt))
 
     def render_text(self, conversation: Conversation, add_generation_prompt: bool = True) -> str:

@@ -136,9 +136,7 @@ def turns_match(incoming: Message, recorded: Message, *, strict_reasoning: bool 
     With `strict_reasoning` the reasoning must be identical, empty included: used where the prompt is
     what the template renders from the harness's messages, so a missing reasoning changes the tokens.
     """
-    reasoning_ok = incoming.reasoning == recorded.reasoning or (
-        not strict_reasoning and not incoming.reasoning
-    )
+    reasoning_ok = incoming.reasoning == recorded.reasoning or (not strict_reasoning and not incoming.reasoning)
     return (
         incoming.role == recorded.role
         and incoming.content == recorded.content

@@ -1,39 +1,8 @@
 """The gateway's pipeline, the same for every dialect: session → render → generate → record.
 
-    key ──authorize──▶ session            (401: unknown or closed key)
-    body ──dialect.parse_request──▶ DialectRequest
-    forcing and schema options ──output_constraint──▶ SamplingParams.constraint (gateway/constraint.py;
-        a schema the grammar compiler refuses: INVALID_REQUEST; an engine without constrained decoding:
-        none, and a forced tool call's opening is forced into the prompt instead)
-    conversation + session's prior calls ──render_request──▶ prompt ids (+ forced tool-call opening)
-    request's sampling + session's policy ──effective_sampling──▶ the engine's SamplingParams
-        (gateway/sampling.py: the task's temperature/top_p replace the harness's; max_tokens is the
-        smallest of the harness's, the task's per-call cap, the session budget's rest and what the
-        context leaves; prompt alone over the context: CONTEXT_LENGTH; budget used up: INVALID_REQUEST,
-        refused before anything is generated)
-    prompt ──InferenceService.Generate (gRPC, x-polar-session)──▶ sampled ids + logprobs, as they come
-    ids ──incremental detokenisation──▶ text ──client stop strings──▶ output parser ──▶ events
-                                         (gateway/output.py)
-    events ──dialect's StreamRenderer──▶ SSE bytes, sent at once   (or, unstreamed, render_response)
-    one CallRecord appended to the session, whatever happened once the prompt went to the engine: the
-        request as sent, the sampling the engine was asked for, and `truncated` when a limit the
-        harness did not ask for (the task's cap or budget, the context) ended the generation; a prompt
-        over the context is recorded too (`prompt_too_long`, nothing sampled), so that what the
-        harness sends after the error (compacted history) reads as the new branch it is
-
-Errors: everything below the edge raises `GatewayError`; `Gateway.call` turns it into the dialect's
-error reply (or, once a stream has started, the renderer's in-stream error and terminator). An
-unexpected exception is logged here with its traceback and reaches the client as a plain INTERNAL
-error. gRPC failures map as: UNAVAILABLE, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED → OVERLOADED;
-INVALID_ARGUMENT → INVALID_REQUEST; NOT_FOUND → NOT_FOUND; anything else → INTERNAL.
-
-Hung engines: a generation is cancelled when the engine sends nothing for `token_timeout_s` (no
-token, no message; the wait in the server's queue and its prefill included), and in any case after
-`generate_timeout_s` in all; either way the client gets OVERLOADED saying which, and the call is
-recorded as failed with the tokens that came before.
-
-The core never builds a dialect's bodies itself; it only hands records to the dialect's hooks (see
-gateway/dialects/base.py for the contract and the order they are called in).
+`Gateway.call` authorizes the key, has the dialect read the body, renders the prompt, asks the engine
+to sample, streams the reply through the dialect and appends one CallRecord to the session. The
+pipeline step by step, its error mapping and its timeouts: docs/design/gateway-pipeline.md.
 """
 
 from __future__ import annotations
@@ -48,8 +17,8 @@ from typing import Any, Protocol, runtime_checkable
 import grpc
 from tokenizers import Tokenizer
 
+from gateway.body_decoder import BodyDecoder
 from gateway.chat_format import ChatFormat
-from gateway.constraint import output_constraint
 from gateway.conversation import ToolChoice
 from gateway.dialects.base import (
     CallInfo,
@@ -66,15 +35,16 @@ from gateway.dialects.base import (
     Usage,
     json_bytes,
 )
-from gateway.json_body import BodyDecoder
-from gateway.output import OutputAssembler
+from gateway.output_assembler import OutputAssembler
 from gateway.parsers import OutputParser, ParseEvent, collect
 from gateway.render import PriorCall, RenderedPrompt, render_request
-from gateway.sampling import NO_POLICY, Limit, effective_sampling
+from gateway.request_constraint import output_constraint
+from gateway.sampling import Limit, effective_sampling
 from gateway.sessions import RecordParts, Session, SessionError, SessionStore
 from polar import credentials
+from polar.batched_stream import ReadAhead, StreamIdle
 from polar.codec import length_delimited_header
-from polar.read_ahead import ReadAhead, StreamIdle
+from polar.sampling_policy import NO_POLICY
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("polar.gateway")
@@ -392,7 +362,7 @@ class Gateway:
     generate_timeout_s: float = DEFAULT_GENERATE_TIMEOUT_S
     token_timeout_s: float = DEFAULT_TOKEN_TIMEOUT_S
     message_interval_s: float = DEFAULT_MESSAGE_INTERVAL_S  # GenerateRequest.message_interval_seconds
-    # Request bodies, with the tools and system prompts harnesses repeat read once (gateway/json_body.py).
+    # Request bodies, with the tools and system prompts harnesses repeat read once (gateway/body_decoder.py).
     bodies: BodyDecoder = field(default_factory=BodyDecoder)
 
     def authorize(self, key: str | None) -> Session:
@@ -410,7 +380,7 @@ class Gateway:
             call = self._prepare(session, dialect, request, raw, received_ns, started)
         except GatewayError as exc:
             return self.error_reply(dialect, exc)
-        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
+        except Exception:
             log.exception("gateway: request failed before generation")
             return self.error_reply(dialect, internal_error())
         return await self._generate(call, sink)
@@ -428,14 +398,14 @@ class Gateway:
             return Reply(200, json_bytes(dialect.count_tokens_response(rendered.token_count)))
         except GatewayError as exc:
             return self.error_reply(dialect, exc)
-        except Exception:  # noqa: BLE001 - a bug must not reach the client as a traceback
+        except Exception:
             log.exception("gateway: counting tokens failed")
             return self.error_reply(dialect, internal_error())
 
     def error_reply(self, dialect: Dialect, error: GatewayError) -> Reply:
         try:
             return error_reply(dialect, error)
-        except Exception:  # noqa: BLE001 - a dialect's error hook failing still answers the client
+        except Exception:
             log.exception("gateway: the %s dialect could not render an error", dialect.name)
             return Reply(500, json_bytes({"error": {"type": "internal", "message": error.message}}))
 
@@ -534,6 +504,7 @@ class Gateway:
             sampling=call.sampling,
             session_id=call.session.session_id,
             message_interval_seconds=self.message_interval_s,
+            adapter=call.session.adapter,
         )
         prompt = call.rendered.packed_ids
         return b"".join((request.SerializeToString(), length_delimited_header(PROMPT_FIELD, len(prompt)), prompt))
@@ -580,7 +551,9 @@ class Gateway:
         finally:
             messages.close()
             grpc_call.cancel()
-            self.store.record(call.session, call.record(), call.prior(), RecordParts(call.prompt, call.raw, call.response_body))
+            self.store.record(
+                call.session, call.record(), call.prior(), RecordParts(call.prompt, call.raw, call.response_body)
+            )
         return reply
 
     async def _fail(self, call: _Call, stream: _StreamWriter, error: GatewayError) -> Reply | None:
@@ -593,7 +566,7 @@ class Gateway:
             await stream.send_error(error)
         except ClientGone:
             call.aborted = True
-        except Exception:  # noqa: BLE001 - the stream is lost either way; the record says why
+        except Exception:
             log.exception("gateway: the %s dialect could not end a stream with an error", call.dialect.name)
         return None
 
@@ -603,7 +576,7 @@ def _recorded_body(call: _Call, result: DialectResult) -> bytes:
     had. The client already has the whole stream, so a dialect failing here only leaves it out."""
     try:
         return json_bytes(call.dialect.render_response(call.request, result))
-    except Exception:  # noqa: BLE001 - logged; the call itself succeeded
+    except Exception:
         log.exception("gateway: the %s dialect could not render the recorded response", call.dialect.name)
         return b""
 

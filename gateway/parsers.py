@@ -221,7 +221,7 @@ class _Channel:
             self._pending_whitespace += text
             return
         events.append(self._delta_type(self._pending_whitespace + body))
-        self._pending_whitespace = text[len(body):]
+        self._pending_whitespace = text[len(body) :]
         self._emitted = True
 
     def end_segment(self) -> None:
@@ -276,7 +276,7 @@ class HermesStream:
             return False
         start, tag = opening
         self._content.write(self._buffer[:start], events)
-        self._buffer = self._buffer[start + len(tag):]
+        self._buffer = self._buffer[start + len(tag) :]
         if tag == THINK_OPEN:
             self._content.end_segment()
             self._mode = "reasoning"
@@ -291,7 +291,7 @@ class HermesStream:
             return False
         self._reasoning.write(self._buffer[:end], events)
         self._reasoning.end_segment()
-        self._buffer = self._buffer[end + len(THINK_CLOSE):]
+        self._buffer = self._buffer[end + len(THINK_CLOSE) :]
         self._mode = "text"
         return True
 
@@ -302,7 +302,7 @@ class HermesStream:
             self._scanned = max(0, len(self._buffer) - len(CALL_CLOSE) + 1)
             return False
         body = self._buffer[:end]
-        self._buffer = self._buffer[end + len(CALL_CLOSE):]
+        self._buffer = self._buffer[end + len(CALL_CLOSE) :]
         self._mode = "text"
         parsed = parse_tool_call_body(body)
         if parsed is None:
@@ -317,12 +317,10 @@ class HermesStream:
         events.append(ToolCallEnd(index))
         return True
 
-    def _emit_all_but_tag_start(
-        self, channel: _Channel, tags: tuple[str, ...], events: list[ParseEvent]
-    ) -> None:
+    def _emit_all_but_tag_start(self, channel: _Channel, tags: tuple[str, ...], events: list[ParseEvent]) -> None:
         held = _held_suffix(self._buffer, tags)
         channel.write(self._buffer[: len(self._buffer) - held], events)
-        self._buffer = self._buffer[len(self._buffer) - held:]
+        self._buffer = self._buffer[len(self._buffer) - held :]
 
 
 OUTPUT_PARSERS: dict[str, OutputParser] = {"hermes": HermesParser()}

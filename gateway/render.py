@@ -1,33 +1,8 @@
 """Token-faithful prompts: a request that continues an earlier call reuses that call's exact tokens.
 
-For a new request the session's earlier calls are searched for one whose messages plus its parsed reply
-the new messages extend (`turns_match`: arguments as parsed JSON, ids ignored; longest history wins,
-then the latest call). The prompt is then
-
-    that call's prompt ids + its sampled ids + the tokens closing the sampled turn
-    + the chat format's ids for the messages after the reply + the generation prompt
-    (+ the forced opening of a tool call, when tool_choice forces one)
-
-so the model sees exactly the tokens it sampled, and the new prompt extends the old prompt + sample token
-for token. The closing tokens are the end-of-turn token when the sample does not already end with it
-(cut at max_tokens) and the turn separator. Only the new messages are encoded; the history is never
-re-rendered.
-
-When no earlier call fits, the prompt is rendered fresh and `fresh_reason` says why: `first_call`,
-`history_diverged` (the harness rewrote, compacted or edited history, or it is another agent's
-conversation), `tools_changed` (the tools block of the system turn differs), or
-`template_drops_sampled_reasoning` (see below).
-
-History policy:
-
-- `faithful` (default): earlier assistant turns are shown exactly as sampled, reasoning included, even
-  when the harness does not send the reasoning back.
-- `template`: the conversation is first passed through the format's rule for past reasoning
-  (`ChatFormat.template_history`, e.g. Qwen3 drops `<think>` of turns before the last user turn), and
-  reasoning is compared exactly. Where that view differs from what was sampled (the rule dropped the
-  reasoning, or the harness did not echo it), the call cannot be extended and a new chain starts with
-  reason `template_drops_sampled_reasoning`: explicit, never a silent rewrite of sampled tokens. Only
-  reasoning is subject to the rule; sampled tool-call JSON is always kept as sampled.
+The prompt is that call's prompt ids + its sampled ids + the tokens closing the turn + the new
+messages' ids; when no earlier call fits, it is rendered fresh and `fresh_reason` says why. The rule
+and the history policies (`faithful`, `template`): docs/design/rendering.md.
 """
 
 from __future__ import annotations
@@ -152,9 +127,11 @@ def render_request(
             matched=tuple(messages),
         )
     reply_index = len(prior.conversation.messages)
-    new_messages = messages[reply_index + 1:]
+    new_messages = messages[reply_index + 1 :]
     after_reply = (*prior.sampled_ids, *chat_format.close_sampled_turn(prior.sampled_ids))
-    new_count, new_packed = chat_format.render_messages_packed(new_messages, tools=conversation.tools, start=reply_index + 1)
+    new_count, new_packed = chat_format.render_messages_packed(
+        new_messages, tools=conversation.tools, start=reply_index + 1
+    )
     opening = (*chat_format.generation_prompt(), *forced)
     # The extended prompt is joined as it is; only the sampled ids and the few ids around the new
     # messages are converted here.
@@ -200,14 +177,14 @@ def _mismatch(
     # (ConversationFold), each already found to match its recorded turn: only the others are compared.
     pairs = [
         (incoming, seen)
-        for incoming, seen, earlier in zip_longest(messages[: len(recorded)], recorded, prior.prompt.matched[: len(recorded)])
+        for incoming, seen, earlier in zip_longest(
+            messages[: len(recorded)], recorded, prior.prompt.matched[: len(recorded)]
+        )
         if incoming is not earlier
     ]
     if not all(turns_match(incoming, seen) for incoming, seen in pairs):
         return HISTORY_DIVERGED
-    if strict_reasoning and not all(
-        turns_match(incoming, seen, strict_reasoning=True) for incoming, seen in pairs
-    ):
+    if strict_reasoning and not all(turns_match(incoming, seen, strict_reasoning=True) for incoming, seen in pairs):
         return TEMPLATE_DROPS_SAMPLED_REASONING
     if prior.conversation.tools != conversation.tools:
         return TOOLS_CHANGED

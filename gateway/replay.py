@@ -2,7 +2,8 @@
 
 A `CallRecord` keeps the request body as the harness sent it and the dialect, but not the URL; each
 dialect has one route, and Gemini's names the model and whether the reply streams, both recorded too.
-Used to check rendering against recorded sessions and to replay them as load (scripts/bench_gateway.py).
+Used to check rendering against recorded sessions and to replay them as load
+(scripts/bench_gateway_replay.py).
 """
 
 from __future__ import annotations

@@ -17,17 +17,17 @@ import grpc
 from aiohttp import web
 
 from gateway.app import create_app
-from gateway.bodies import SpillFolder
+from gateway.body_store import SpillFolder
 from gateway.chat_format import get_chat_format
 from gateway.core import Gateway, InferenceClient, ModelSpec
 from gateway.dialects.base import Dialect
+from gateway.grpc_service import GatewayServicer, start_grpc
 from gateway.parsers import get_output_parser
-from gateway.service import GatewayServicer, start_grpc
 from gateway.sessions import SessionStore
 from polar.config import GatewayConfig
 from polar.grpc_server import serve_until_stopped
 from polar.metrics import MetricsEndpoint, gateway_metrics, start_metrics
-from polar.service import Ready, ServiceError, connectable, join_host_port
+from polar.service_base import Ready, ServiceError, connectable, join_host_port
 
 # How long start-up waits for the inference service to answer GetModelInfo.
 DEFAULT_STARTUP_TIMEOUT_S = 60.0

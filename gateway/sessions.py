@@ -12,7 +12,7 @@ A session may carry its task's `SamplingPolicy` (gateway/sampling.py), which the
 call; `sampled_tokens` counts what its calls sampled, as the tokens arrive, for the policy's budget.
 
 Records are held in parts: the request and response bodies apart, as the gateway received and sent
-them, in memory up to the session's cap and past it in a file (gateway/bodies.py), and the prompt ids
+them, in memory up to the session's cap and past it in a file (gateway/body_store.py), and the prompt ids
 of the gateway's own calls packed, as the engine was sent them. Every record leaves the store whole
 (`whole` parsed, `serialized` for the wire).
 
@@ -31,11 +31,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 
-from gateway.bodies import DEFAULT_MAX_SESSION_BODY_BYTES, SessionBodies, SpillFolder
-from gateway.json_body import KnownConversations
+from gateway.body_decoder import KnownConversations
+from gateway.body_store import DEFAULT_MAX_SESSION_BODY_BYTES, SessionBodies, SpillFolder
 from gateway.render import History, PriorCall, PriorCalls
-from gateway.sampling import NO_POLICY, SamplingPolicy
 from polar.codec import length_delimited_header
+from polar.sampling_policy import NO_POLICY, SamplingPolicy
 from polar.v1 import common_pb2, gateway_pb2
 
 # 32 random bytes: far past the 128 bits the contract asks for, and URL-safe for `?key=`.
@@ -103,6 +103,7 @@ class Session:
     task_id: str = ""
     metadata: Mapping[str, str] = field(default_factory=dict)
     sampling: SamplingPolicy = NO_POLICY
+    adapter: str = ""  # the LoRA adapter its calls sample with (GenerateRequest.adapter); "" = the default
     clock: Callable[[], int] = time.time_ns  # Unix epoch nanoseconds (the store's)
     opened_unix_ns: int = 0  # 0: now, by the clock
     closed_unix_ns: int = 0
@@ -112,7 +113,7 @@ class Session:
     # Its records as held: bodies left out (in `bodies`), and the prompt ids of the gateway's own
     # left out too, held packed in `prompts`; `whole` and `serialized` put both back.
     records: list[common_pb2.CallRecord] = field(default_factory=list)
-    # Its conversations as its latest calls sent them, read once (gateway/json_body.py).
+    # Its conversations as its latest calls sent them, read once (gateway/body_decoder.py).
     conversations: KnownConversations = field(default_factory=KnownConversations)
     # Packed prompt ids (polar.codec.packed_ids) by call id (RecordParts.prompt), which leave the
     # gateway as they are.
@@ -206,6 +207,7 @@ class Session:
             metadata=dict(self.metadata),
             sampling=self.sampling.to_proto(),
             expired=self.expired,
+            adapter=self.adapter,
         )
 
     async def watch(self) -> AsyncIterator[common_pb2.CallRecord]:
@@ -282,6 +284,7 @@ class SessionStore:
         history: History | None = None,
         metadata: Mapping[str, str] | None = None,
         sampling: SamplingPolicy = NO_POLICY,
+        adapter: str = "",
     ) -> Session:
         """A new session; `history` None takes the gateway's default policy; `sampling` is applied to
         every call (ValueError naming each field out of range)."""
@@ -303,6 +306,7 @@ class SessionStore:
             task_id=task_id,
             metadata=dict(metadata or {}),
             sampling=sampling,
+            adapter=adapter,
             clock=self.clock,
         )
         self._by_key[key] = session
@@ -366,7 +370,11 @@ class SessionStore:
         return len(stale)
 
     def record(
-        self, session: Session, record: common_pb2.CallRecord, prior: PriorCall | None = None, apart: RecordParts = RecordParts()
+        self,
+        session: Session,
+        record: common_pb2.CallRecord,
+        prior: PriorCall | None = None,
+        apart: RecordParts = RecordParts(),
     ) -> None:
         """Record a call of the session (`Session.finish_call`)."""
         session.finish_call(record, prior, apart)

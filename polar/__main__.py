@@ -2,7 +2,7 @@
 
 import sys
 
-from polar.cli import main
+from polar.app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

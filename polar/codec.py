@@ -83,7 +83,7 @@ def packed_ids(ids: Sequence[int]) -> bytes:
     start = 1
     while wire[start] & 0x80:
         start += 1
-    return wire[start + 1:]
+    return wire[start + 1 :]
 
 
 def unpacked_ids(payload: bytes) -> tuple[int, ...]:

@@ -1,34 +1,9 @@
 """Configuration of the stack that `polar up` runs.
 
-Every value has an embedded default, so `polar up` with no file runs a working stack. A TOML file
-overrides any subset, one table per section:
-
-    [inference]
-    engine = "scripted"
-    script = "replies.json"
-    port = 0
-
-    [gateway]
-    # port = 8000                 # HTTP, the dialect routes
-    # grpc_port = 50060           # GatewayService
-    # history = "faithful"        # or "template"
-    # inference_address = ""      # "" = through Envoy's inference listener
-
-    [envoy]
-    # harness_port = 8080         # harnesses' base URL: http://127.0.0.1:8080
-    # inference_port = 50050      # gRPC, balanced over the inference servers
-    # access_log = "-"            # JSON lines: "-" = stdout, or a file
-
-    [rollout]
-    # port = 50070                # RolloutService: `polar submit/status/results --rollout host:port`
-    # store = "polar-rollout.db"  # SQLite file; tasks and results survive a restart
-
-    [node]
-    # running_slots = 16          # harnesses run at once
-    # work_root = ""              # "" = a temporary folder for session workspaces
-
-Keys that no dataclass field names are rejected by their dotted name, and values must have the
-field's type, so a typo fails at load time instead of silently leaving a default in place.
+One dataclass per section, every field with an embedded default and a comment (the flag's help of
+`polar serve`), so `polar up` with no file runs a working stack; a TOML file overrides any subset, and
+an unknown key or a value of the wrong type fails at load time. The file and its sections:
+docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -64,6 +39,10 @@ Seconds = Annotated[float, Check(lambda v: 0 < v < float("inf"), "a finite numbe
 PositiveFloat = Annotated[float, Check(lambda v: 0 < v < float("inf"), "a finite number > 0")]
 MessageInterval = Annotated[float, Check(lambda v: 0 <= v <= 1, "in [0, 1] (seconds)")]
 Rate = Annotated[float, Check(lambda v: 0 <= v < float("inf"), "a finite number >= 0")]
+# [trainer] and [inference] lora_targets' default: every projection of a Llama / Qwen decoder layer.
+# Adapters on the MLP as well as the attention learn about as well as full training does at the ranks
+# RL needs; attention-only ones fall behind.
+DEFAULT_LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 Fraction = Annotated[float, Check(lambda v: 0 <= v < 1, "in [0, 1)")]
 
 
@@ -105,10 +84,23 @@ class InferenceConfig:
     metrics_address: str = ""  # HOST:PORT serving Prometheus /metrics (port 0 picks one); "" = none
     # upstream engine: the server's base URL, e.g. http://127.0.0.1:8000, or unix:PATH (vLLM's --uds)
     upstream_url: str = ""
-    # upstream engine: "vllm" (POST /v1/completions; start vLLM with --logprobs-mode processed_logprobs)
-    # or "sglang" (POST /generate)
-    upstream_api: Literal["vllm", "sglang"] = "vllm"
+    # upstream engine: "vllm" (POST /v1/completions; start vLLM with --logprobs-mode processed_logprobs),
+    # "sglang" (POST /generate) or "nemo_rl" (the vLLM HTTP server NeMo RL exposes: POST
+    # /v1/chat/completions with the prompt pinned as token ids, answered whole)
+    upstream_api: Literal["vllm", "sglang", "nemo_rl"] = "vllm"
     upstream_model: str = ""  # upstream engine, vllm: the served model name to ask for; "" = the first it lists
+    # torch engine: serve the model plus a LoRA adapter of this rank on lora_targets, zero (the model
+    # as it is) until a trainer pushes it; `polar train` sets the three from [trainer]. 0 = no adapter
+    lora_rank: Count = 0
+    lora_alpha: PositiveFloat = 32.0  # torch engine, with lora_rank: the adapter's scale is lora_alpha / lora_rank
+    lora_targets: str = DEFAULT_LORA_TARGETS  # torch engine, with lora_rank: the adapted projections, comma-separated
+    # torch engine: a LoRA adapter folder in the PEFT layout (adapter_config.json, whose rank, alpha and
+    # targets replace the lora_ settings, and adapter_model.safetensors) served on top of model; "" = none
+    adapter: str = ""
+    # torch engine, with lora_rank: room for this many named adapters beside the default one, which
+    # training runs load and unload (LoadAdapter), each of rank <= lora_rank on lora_targets, so that
+    # several runs share this server (docs/lora.md); 0 = the default adapter alone
+    max_adapters: Count = 0
     # upstream engine: seconds the upstream may stay silent (connecting, or between two streamed
     # tokens) before the generation fails
     upstream_timeout_s: Seconds = 120.0
@@ -162,7 +154,8 @@ class GatewayConfig:
     grpc_port: Port = 50060  # GatewayService: `polar session open/show/close --gateway host:grpc_port`
     chat_format: str = "hermes"  # how prompts are rendered: "hermes" or "smollm2" (gateway/chat_format.py)
     parser: str = "hermes"  # how outputs are read back into text, reasoning and tool calls
-    history: Literal["faithful", "template"] = "faithful"  # default history policy of new sessions: "faithful" or "template"
+    # default history policy of new sessions: "faithful" or "template"
+    history: Literal["faithful", "template"] = "faithful"
     # gRPC address the gateway sends generations to; "" = Envoy's inference listener, which
     # balances them over the [inference] servers with session affinity.
     inference_address: str = ""
@@ -269,14 +262,21 @@ class NodeConfig:
     # remote git repositories a task's runtime.template may be cloned from: comma-separated URL
     # prefixes, e.g. "https://github.com/acme/,git@github.com:acme/"; "" = none
     template_git: str = ""
-    # How the local runtime keeps harnesses and evaluators from the node (README, "The local
-    # runtime"): "namespace" hides the credentials, other sessions, the temporary folders and the node's
+    # How the local runtime keeps harnesses and evaluators from the node (docs/credentials.md):
+    # "namespace" hides the credentials, other sessions, the temporary folders and the node's
     # processes; "network" also leaves only the harness URL reachable; "auto" = "namespace" where this
     # machine allows it, else "none" (and `polar up` says that harnesses can read the credentials)
     harness_isolation: Literal["auto", "namespace", "network", "none"] = "auto"
     # The Envoy in front of this node (its [envoy] node_id): the control plane tells that Envoy to
     # forward harness requests to this node's gateway
     envoy_node_id: str = "polar-envoy"
+    # The docker runtime (docs/containers.md): a container's limits unless its task sets them
+    # (RuntimeSpec cpus, memory_bytes, max_processes), and how many containers start at once.
+    docker_cpus: Rate = 0.0  # CPUs a container may use; 0 = no limit
+    docker_memory_bytes: Count = 0  # a container's memory, swap included; 0 = no limit
+    docker_max_processes: Count = 4096  # processes a container may hold at once; 0 = no limit
+    # containers being started at once (starting many at once only slows every one of them down)
+    docker_start_limit: Positive = 4
 
 
 @dataclass
@@ -315,11 +315,13 @@ class TrainerConfig:
     grad_clip: Rate = 1.0  # largest gradient norm; 0 = no clipping
     clip_low: Fraction = 0.2  # the policy ratio is clipped below at 1 - clip_low
     clip_high: Rate = 0.28  # and above at 1 + clip_high (asymmetric: more room to raise rare tokens)
-    importance_cap: PositiveFloat = 2.0  # cap of the importance weight against the behaviour logprobs the gateway recorded
+    # cap of the importance weight against the behaviour logprobs the gateway recorded
+    importance_cap: PositiveFloat = 2.0
     kl_coef: Rate = 0.0  # weight of the low-variance KL to the starting policy; 0 = none (no reference model kept)
     advantage_scale: Literal["std", "none"] = "std"  # "std": (r - mean) / std within the group; "none": r - mean
     leave_one_out: bool = False  # baseline = the mean of the group's other rewards
-    loss_aggregation: Literal["token", "session"] = "token"  # "token": every trainable token weighs the same; "session": each session's mean
+    # "token": every trainable token weighs the same; "session": each session's mean
+    loss_aggregation: Literal["token", "session"] = "token"
     # tokens computed in one forward pass; a longer trace is left out (too_long). 0 = the model's context
     # length, so no trace the model could hold is left out
     max_tokens_per_microbatch: Count = 0
@@ -348,6 +350,19 @@ class TrainerConfig:
     weight_sync_bucket_mb: Positive = 256
     # NCCL, gloo: seconds joining a sync's group, and each broadcast, may take before the sync fails
     weight_sync_timeout_s: PositiveFloat = 120.0
+    # LoRA: train a low-rank adapter of this rank on each of lora_targets instead of every weight (the
+    # base stays frozen, the optimizer holds only the adapters, a weight push sends only them, and a
+    # checkpoint is a PEFT adapter folder: docs/lora.md); 0 = full training. It usually wants a larger lr
+    lora_rank: Count = 0
+    lora_alpha: PositiveFloat = 32.0  # LoRA: the adapter's output is scaled by lora_alpha / lora_rank
+    # LoRA: the projections that get an adapter, comma-separated module names (a module is adapted when
+    # its name ends with one); the default is every linear layer of a Llama / Qwen decoder layer
+    lora_targets: str = DEFAULT_LORA_TARGETS
+    # LoRA on inference servers several runs share ([inference] max_adapters): this run's adapter's name
+    # there, loaded when the run starts, sampled from by its tasks' sessions alone, updated alone by its
+    # pushes and unloaded when it ends (docs/lora.md). Each run sharing the servers needs a name and a
+    # task_prefix of its own. "" = the servers' default adapter (a server of the run's own)
+    lora_adapter_name: str = ""
     eval_samples: Positive = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
 
 

@@ -1,38 +1,9 @@
-"""The stack's credentials: one secret token per role, which every gRPC call carries and every Polar
-gRPC server checks (polar.grpc_server's interceptor).
+"""The stack's credentials: one secret token per role (node, inference, trainer, operator), which
+every gRPC call carries and every Polar gRPC server checks (polar.grpc_server's interceptor), and the
+credentials issued to other machines by name (`polar credentials`), kept hashed.
 
-    node       a gateway node: RegisterNode, Heartbeat, ReportSession; Generate on inference
-    inference  an inference server on another machine: JoinUpstream, UpstreamHeartbeat
-    trainer    the trainer: tasks and results on the rollout server; Pause, UpdateWeights, Resume
-    operator   the person at the `polar` command line: everything
-
-Other machines get credentials of their own, issued by name (`polar credentials issue NAME ROLE`,
-roles node and inference): the rollout server keeps only each one's SHA-256 with its name and role
-(`issued.json` beside the tokens, or [rollout] issued_credentials), reads the file again when it
-changes, and admits a named credential only as its own name (one node, one upstream per cluster);
-`polar credentials revoke NAME` cuts it off (its next call is UNAUTHENTICATED, and the rollout
-server forgets its node and upstreams). An inference server on another machine learns from the
-control plane (its heartbeats) the hashes of the credentials that may call it, so it admits the
-nodes the rollout server admits without holding their tokens. The stack's own node token is for
-the rollout machine's own services: another machine presenting it is refused.
-
-Where they live: `polar up` (and `polar train`) keep them in the state folder's `credentials/`
-folder (mode 0700), one file per role named after it holding 64 hex characters (mode 0600). The
-state folder is $POLAR_STATE_DIR, else $XDG_STATE_HOME/polar, else ~/.local/state/polar. A stack
-reuses the tokens it finds there and creates the missing ones, so a restarted stack and the
-commands run against it agree.
-
-Who gets them: `polar up` hands the folder to its children as $POLAR_CREDENTIALS; a served process
-sends its role's token (`metadata(role)`) and its server accepts any of the three, each for the rpcs
-its role may call. The `polar` commands read $POLAR_CREDENTIALS, else the state folder's
-`credentials/`, and call as the operator. Harnesses never get the variable: their environment is
-built from an allow-list (polar.rollout.harness), and evaluators and prepare steps run without it.
-A harness of the local runtime still runs as the same user; the node's `harness_isolation`
-(polar.rollout.isolation) hides the files from it in a mount namespace, and where that cannot be
-made, `polar up` says at start that harnesses can read them.
-
-A server started without credentials (no $POLAR_CREDENTIALS: `polar serve NAME` alone, the servers
-tests start in their own process) accepts every caller, and says so when it starts.
+Where the tokens live and who gets them: docs/design/credentials.md; the roles and the sandbox that
+keeps them from harnesses: docs/credentials.md.
 """
 
 from __future__ import annotations
@@ -289,7 +260,10 @@ def read_issued(path: Path) -> list[IssuedCredential]:
     cannot be read."""
     try:
         data = json.loads(Path(path).read_text())
-        return [IssuedCredential(e["name"], e["role"], e["sha256"], float(e.get("issued_at", 0))) for e in data["credentials"]]
+        return [
+            IssuedCredential(e["name"], e["role"], e["sha256"], float(e.get("issued_at", 0)))
+            for e in data["credentials"]
+        ]
     except FileNotFoundError:
         return []
     except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -301,13 +275,17 @@ def issue(path: Path, name: str, role: str) -> str:
     token returned (shown once, kept nowhere else). IssuedError for a bad or taken name or a role
     that is not issued."""
     if not NAME_PATTERN.fullmatch(name):
-        raise IssuedError(f"name {name!r}: letters, digits, '.', '_' and '-', at most 64, starting with a letter or digit")
+        raise IssuedError(
+            f"name {name!r}: letters, digits, '.', '_' and '-', at most 64, starting with a letter or digit"
+        )
     if role not in ISSUED_ROLES:
         raise IssuedError(f"role {role!r}: issued credentials are {' or '.join(ISSUED_ROLES)}")
     token = secrets.token_hex(TOKEN_BYTES)
     with _locked(path) as entries:
         if any(entry.name == name for entry in entries):
-            raise IssuedError(f"a credential named {name!r} is issued already: revoke it first (`polar credentials revoke {name}`)")
+            raise IssuedError(
+                f"a credential named {name!r} is issued already: revoke it first (`polar credentials revoke {name}`)"
+            )
         entries.append(IssuedCredential(name, role, _digest(token), time.time()))
     return token
 

@@ -33,11 +33,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from polar import credentials
-from polar.children import dying_with_parent
+from polar.child_processes import dying_with_parent
 from polar.config import EnvoyConfig
 from polar.grpc_server import until_stop_signal
 from polar.metrics import EnvoyStats, MetricsEndpoint, start_metrics
-from polar.service import Ready, ServiceError, ServiceSpec, connectable, join_host_port
+from polar.service_base import Ready, ServiceError, ServiceSpec, connectable, join_host_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml.tmpl"
 # Where `running` puts the admin interface's Unix socket: replaced by a path in its scratch folder.
@@ -142,7 +142,10 @@ def _xds_cluster(control_plane: list[tuple[str, int]], config: EnvoyConfig) -> d
         "name": XDS_CLUSTER,
         "type": _cluster_type(control_plane),
         "connect_timeout": _duration(config.connect_timeout_s, allow_zero=False),
-        "load_assignment": {"cluster_name": XDS_CLUSTER, "endpoints": [{"lb_endpoints": json.loads(_lb_endpoints(control_plane))}]},
+        "load_assignment": {
+            "cluster_name": XDS_CLUSTER,
+            "endpoints": [{"lb_endpoints": json.loads(_lb_endpoints(control_plane))}],
+        },
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
@@ -191,7 +194,16 @@ def _ads_config(token: str) -> dict:
 def validate(config_text: str) -> None:
     """Have Envoy check a configuration without serving it; EnvoyError carries Envoy's complaint."""
     result = subprocess.run(
-        [str(envoy_binary()), "--mode", "validate", "--config-yaml", config_text, "--disable-hot-restart", "-l", "error"],
+        [
+            str(envoy_binary()),
+            "--mode",
+            "validate",
+            "--config-yaml",
+            config_text,
+            "--disable-hot-restart",
+            "-l",
+            "error",
+        ],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -228,15 +240,20 @@ def running(config_text: str, workers: int = 0, startup_timeout_s: float = START
         config_path = Path(scratch) / "envoy.yaml"
         config_path.write_text(config_text.replace(ADMIN_SOCKET, str(admin_socket)))
         argv = [
-            str(envoy_binary()), "--config-path", str(config_path),
+            str(envoy_binary()),
+            "--config-path",
+            str(config_path),
             # Envoy writes its bound admin address here, which is how an admin port of 0 is found.
-            "--admin-address-path", str(admin_path),
+            "--admin-address-path",
+            str(admin_path),
             # Hot restart would make every Envoy on the machine share one base id: a second one fails.
             "--disable-hot-restart",
             # Access log lines reach their file within a second (Envoy's default waits 10 s).
-            "--file-flush-interval-msec", "1000",
-            "--log-level", "warning",
-        ]  # fmt: skip
+            "--file-flush-interval-msec",
+            "1000",
+            "--log-level",
+            "warning",
+        ]
         if workers:
             argv += ["--concurrency", str(workers)]
         process = subprocess.Popen(dying_with_parent(argv), stdin=subprocess.DEVNULL)
@@ -344,7 +361,7 @@ def envoy_spec(config: EnvoyConfig, inference_endpoints: Sequence[str], gateway_
     so the supervisor's health check reaches an inference server through Envoy; it also reports
     `base_url` (the harness listener's) and `admin`, bound by Envoy where the config says 0. With
     `config.xds_address` the upstreams come from that control plane instead of the arguments."""
-    from polar.services import ENVOY
+    from polar.service_table import ENVOY
 
     if config.xds_address:
         where = f"upstreams from the control plane {config.xds_address.strip('{}')} (node {config.node_id})"
@@ -358,7 +375,9 @@ class _Stop(Exception):
     """SIGTERM reached `polar serve envoy` while Envoy was starting."""
 
 
-async def serve(config: EnvoyConfig, ready: Ready, inference: Sequence[str] | None = None, gateway: str | None = None) -> None:
+async def serve(
+    config: EnvoyConfig, ready: Ready, inference: Sequence[str] | None = None, gateway: str | None = None
+) -> None:
     """`polar serve envoy`: Envoy in the foreground until SIGINT/SIGTERM, between the gateway's HTTP
     address and these inference servers, or those its control plane names (`config.xds_address`);
     a failure of Envoy raises EnvoyError. With `config.metrics_address`, /metrics there serves
@@ -473,5 +492,8 @@ def _cluster_type(endpoints: list[tuple[str, int]]) -> str:
 def _lb_endpoints(endpoints: list[tuple[str, int]]) -> str:
     # JSON is YAML flow syntax, so the list drops into the template whatever its indentation.
     return json.dumps(
-        [{"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}} for host, port in endpoints]
+        [
+            {"endpoint": {"address": {"socket_address": {"address": host, "port_value": port}}}}
+            for host, port in endpoints
+        ]
     )

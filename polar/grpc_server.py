@@ -183,7 +183,9 @@ def callers(table: Mapping[str, Collection[str]]):
     roles = {rpc: frozenset(allowed) for rpc, allowed in table.items()}
 
     def decorate(cls: type) -> type:
-        rpcs = {name for base in cls.__mro__ for name, value in vars(base).items() if name[:1].isupper() and callable(value)}
+        rpcs = {
+            name for base in cls.__mro__ for name, value in vars(base).items() if name[:1].isupper() and callable(value)
+        }
         if missing := rpcs - set(roles):
             raise TypeError(f"{cls.__name__}: no callers declared for {', '.join(sorted(missing))}")
         if unknown := set(roles) - rpcs:
@@ -284,7 +286,9 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
         (True, True): grpc.stream_stream_rpc_method_handler,
     }
     make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+    return make(
+        refuse, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
 
 
 # ------------------------------------------------------------------ already serialized messages
@@ -392,7 +396,7 @@ def run_service(main: Coroutine[Any, Any, None]) -> None:
 
     libuv's loop costs less per callback and per socket write than asyncio's own, which tells in the
     gateway: it takes a loop turn per streamed token. grpc.aio runs on any asyncio loop. The node
-    starts its children with subprocess.Popen (polar.rollout.process), never the loop's
+    starts its children with subprocess.Popen (polar.app.node.process), never the loop's
     subprocess_exec: uvloop's spawns them with fork(), which runs gRPC's fork handlers in the parent.
     """
     with asyncio.Runner(loop_factory=_uvloop_factory()) as runner:

@@ -1,30 +1,8 @@
 """Prometheus `/metrics` for every Polar service (prometheus_client's text format).
 
-A service whose section sets `metrics_address` ("HOST:PORT"; port 0 picks one) serves
-`http://HOST:PORT/metrics` from its own event loop, so every value is read where the service keeps
-it, at scrape time, with nothing added to its hot paths beyond a few integer counters. Each service
-has a registry of its own (several servers in one process, as tests run them, do not mix), with
-the process's CPU and memory (`process_*`) beside:
-
-    rollout     polar_rollout_sessions{state}, polar_rollout_nodes, polar_rollout_groups_released_total,
-                and the control plane's (`polar serve xds` has these alone):
-                polar_xds_upstreams{cluster,draining}, polar_xds_envoy_connected{envoy},
-                polar_xds_envoy_version{envoy} / polar_xds_envoy_acknowledged_version{envoy} (N of EPOCH.N),
-                polar_xds_envoy_up_to_date{envoy}, polar_xds_envoy_rejected{envoy}
-    inference   polar_inference_calls_total{outcome}, polar_inference_prompt_tokens_total,
-                polar_inference_completion_tokens_total, polar_inference_queue_seconds_total,
-                polar_inference_in_flight, polar_inference_waiting, polar_inference_paused,
-                polar_inference_policy_version
-    gateway     polar_gateway_calls_total{outcome}, polar_gateway_prompt_tokens_total,
-                polar_gateway_completion_tokens_total, polar_gateway_sessions_open,
-                polar_gateway_calls_in_flight, polar_gateway_cpu_seconds_per_call
-    node        (the gateway's, and) polar_node_pool_depth{pool}, polar_node_pool_capacity{pool},
-                polar_node_sessions
-    trainer     polar_trainer_step, polar_trainer_policy_version, polar_trainer_trained_tokens_total,
-                polar_trainer_groups_consumed_total, polar_trainer_last{metric} (the latest metrics.jsonl row)
-    envoy       Envoy's own statistics (envoy_*: its admin interface's /stats/prometheus, read at each
-                scrape and appended), polar_envoy_stats_available (0 when Envoy did not answer in
-                time: the rest still comes back), and process_* of the Envoy process
+A service whose section sets `metrics_address` serves it from its own event loop, each value read at
+scrape time, with a registry per service and the process's `process_*` beside. What each service
+reports: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -38,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from polar.service import join_host_port
+from polar.service_base import join_host_port
 from polar.v1 import rollout_pb2
 
 
@@ -69,9 +47,11 @@ class Collect:
 
 
 async def start_metrics(
-    address: str, *collectors: Callable[[], Iterable[Metric]], pid: int | None = None,
+    address: str,
+    *collectors: Callable[[], Iterable[Metric]],
+    pid: int | None = None,
     appended: Callable[[], Awaitable[bytes]] | None = None,
-) -> MetricsEndpoint:  # fmt: skip
+) -> MetricsEndpoint:
     """Serve `collectors` (and the process_* metrics of process `pid`, default this one) at
     http://address/metrics, followed by what `appended` gives at each scrape (another program's
     metrics in the same text format, read before the collectors run). OSError naming the address
@@ -135,11 +115,16 @@ def rollout_metrics(servicer) -> Callable[[], Iterable[Metric]]:
         store = servicer.store
         counts = store.session_counts()
         yield _labelled(
-            GaugeMetricFamily, "polar_rollout_sessions", "sessions per state", "state",
+            GaugeMetricFamily,
+            "polar_rollout_sessions",
+            "sessions per state",
+            "state",
             {rollout_pb2.SessionState.Name(s).removeprefix("SESSION_STATE_"): counts.get(s, 0) for s in STATES},
-        )  # fmt: skip
+        )
         yield _gauge("polar_rollout_nodes", "live gateway nodes", len(store.nodes()))
-        yield _counter("polar_rollout_groups_released", "GRPO groups released to the results stream", store.last_release())
+        yield _counter(
+            "polar_rollout_groups_released", "GRPO groups released to the results stream", store.last_release()
+        )
         yield from control_plane(servicer.membership)
 
     return collect
@@ -152,7 +137,9 @@ def control_plane_metrics(membership) -> Callable[[], Iterable[Metric]]:
 
 def control_plane(membership) -> Iterator[Metric]:
     """The control plane's metrics families."""
-    upstreams = GaugeMetricFamily("polar_xds_upstreams", "upstreams joined, per cluster", labels=["cluster", "draining"])
+    upstreams = GaugeMetricFamily(
+        "polar_xds_upstreams", "upstreams joined, per cluster", labels=["cluster", "draining"]
+    )
     tally: dict[tuple[str, str], int] = {}
     for member in membership.members():
         key = (member.upstream.cluster, "true" if member.upstream.draining else "false")
@@ -161,15 +148,24 @@ def control_plane(membership) -> Iterator[Metric]:
         upstreams.add_metric(list(key), count)
     yield upstreams
     families = {
-        "connected": GaugeMetricFamily("polar_xds_envoy_connected", "1 while the Envoy has an ADS stream open", labels=["envoy"]),
-        "version": GaugeMetricFamily("polar_xds_envoy_version", "N of the EPOCH.N version the Envoy should have", labels=["envoy"]),
+        "connected": GaugeMetricFamily(
+            "polar_xds_envoy_connected", "1 while the Envoy has an ADS stream open", labels=["envoy"]
+        ),
+        "version": GaugeMetricFamily(
+            "polar_xds_envoy_version", "N of the EPOCH.N version the Envoy should have", labels=["envoy"]
+        ),
         "acknowledged": GaugeMetricFamily(
-            "polar_xds_envoy_acknowledged_version", "N of the EPOCH.N version the Envoy acknowledged (0: none this epoch)",
+            "polar_xds_envoy_acknowledged_version",
+            "N of the EPOCH.N version the Envoy acknowledged (0: none this epoch)",
             labels=["envoy"],
         ),
-        "up_to_date": GaugeMetricFamily("polar_xds_envoy_up_to_date", "1 when it acknowledged its current version", labels=["envoy"]),
-        "rejected": GaugeMetricFamily("polar_xds_envoy_rejected", "1 while its latest answer was a NACK", labels=["envoy"]),
-    }  # fmt: skip
+        "up_to_date": GaugeMetricFamily(
+            "polar_xds_envoy_up_to_date", "1 when it acknowledged its current version", labels=["envoy"]
+        ),
+        "rejected": GaugeMetricFamily(
+            "polar_xds_envoy_rejected", "1 while its latest answer was a NACK", labels=["envoy"]
+        ),
+    }
     cache = membership.discovery.cache
     for envoy in membership.discovery.envoys.values():
         snapshot = cache.current(envoy.node_id)
@@ -208,12 +204,19 @@ def inference_metrics(servicer) -> Callable[[], Iterable[Metric]]:
     def collect() -> Iterator[Metric]:
         counts = servicer.counts
         yield _labelled(
-            CounterMetricFamily, "polar_inference_calls", "Generate calls finished", "outcome",
+            CounterMetricFamily,
+            "polar_inference_calls",
+            "Generate calls finished",
+            "outcome",
             {"completed": counts.completed, "failed": counts.failed},
-        )  # fmt: skip
+        )
         yield _counter("polar_inference_prompt_tokens", "prompt tokens of finished calls", counts.prompt_tokens)
-        yield _counter("polar_inference_completion_tokens", "tokens sampled by finished calls", counts.completion_tokens)
-        yield _counter("polar_inference_queue_seconds", "seconds calls waited in the engine's queue", counts.queue_seconds)
+        yield _counter(
+            "polar_inference_completion_tokens", "tokens sampled by finished calls", counts.completion_tokens
+        )
+        yield _counter(
+            "polar_inference_queue_seconds", "seconds calls waited in the engine's queue", counts.queue_seconds
+        )
         gate = servicer.gate
         yield _gauge("polar_inference_in_flight", "Generate calls admitted and not finished", gate.in_flight)
         yield _gauge("polar_inference_waiting", "Generate calls held by a pause (a weight update)", gate.waiting)
@@ -234,15 +237,20 @@ def gateway_metrics(store, started_cpu_s: float | None = None) -> Callable[[], I
     def collect() -> Iterator[Metric]:
         counts = store.counts
         yield _labelled(
-            CounterMetricFamily, "polar_gateway_calls", "model calls recorded", "outcome",
+            CounterMetricFamily,
+            "polar_gateway_calls",
+            "model calls recorded",
+            "outcome",
             {"completed": store.calls_total - counts.failed, "failed": counts.failed},
-        )  # fmt: skip
+        )
         yield _counter("polar_gateway_prompt_tokens", "prompt tokens of recorded calls", counts.prompt_tokens)
         yield _counter("polar_gateway_completion_tokens", "sampled tokens of recorded calls", counts.completion_tokens)
         yield _gauge("polar_gateway_sessions_open", "sessions open", store.open_sessions())
         yield _gauge("polar_gateway_calls_in_flight", "calls being served", store.calls_in_flight())
         per_call = (time.process_time() - start) / store.calls_total if store.calls_total else 0.0
-        yield _gauge("polar_gateway_cpu_seconds_per_call", "process CPU seconds per recorded call since start", per_call)
+        yield _gauge(
+            "polar_gateway_cpu_seconds_per_call", "process CPU seconds per recorded call since start", per_call
+        )
 
     return collect
 
@@ -252,9 +260,15 @@ def node_metrics(node) -> Callable[[], Iterable[Metric]]:
 
     def collect() -> Iterator[Metric]:
         pools = node.pool_status()
-        yield _labelled(GaugeMetricFamily, "polar_node_pool_depth", "work in each pool", "pool", {p.name: p.depth for p in pools})
         yield _labelled(
-            GaugeMetricFamily, "polar_node_pool_capacity", "each pool's capacity", "pool", {p.name: p.capacity for p in pools}
+            GaugeMetricFamily, "polar_node_pool_depth", "work in each pool", "pool", {p.name: p.depth for p in pools}
+        )
+        yield _labelled(
+            GaugeMetricFamily,
+            "polar_node_pool_capacity",
+            "each pool's capacity",
+            "pool",
+            {p.name: p.capacity for p in pools},
         )
         yield _gauge("polar_node_sessions", "sessions the node holds", len(node.runs))
 
@@ -274,9 +288,13 @@ def trainer_metrics(run) -> Callable[[], Iterable[Metric]]:
         yield _gauge("polar_trainer_step", "steps done", state.step)
         yield _gauge("polar_trainer_policy_version", "the policy version last pushed", state.policy_version)
         yield _counter("polar_trainer_trained_tokens", "tokens trained on", state.trained_tokens)
-        yield _counter("polar_trainer_groups_consumed", "GRPO groups taken from the results stream", state.groups_consumed)
+        yield _counter(
+            "polar_trainer_groups_consumed", "GRPO groups taken from the results stream", state.groups_consumed
+        )
         numbers = {k: float(v) for k, v in last.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        yield _labelled(GaugeMetricFamily, "polar_trainer_last", "the latest step's metrics.jsonl values", "metric", numbers)
+        yield _labelled(
+            GaugeMetricFamily, "polar_trainer_last", "the latest step's metrics.jsonl values", "metric", numbers
+        )
 
     return collect
 
@@ -301,6 +319,8 @@ class EnvoyStats:
     def collect(self) -> Iterator[Metric]:
         # A scrape reads, then collects without yielding to the loop: the value is that read's.
         yield _gauge(
-            "polar_envoy_stats_available", "1 when this scrape holds Envoy's own statistics (envoy_*); 0 when"
-            " its admin interface did not answer in time", float(self.available),
-        )  # fmt: skip
+            "polar_envoy_stats_available",
+            "1 when this scrape holds Envoy's own statistics (envoy_*); 0 when"
+            " its admin interface did not answer in time",
+            float(self.available),
+        )

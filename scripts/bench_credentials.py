@@ -21,11 +21,8 @@ Prints a table and writes JSON (default bench-results/credentials.json).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -36,19 +33,21 @@ from pathlib import Path
 import grpc
 
 from polar import credentials
+from polar.app.stack import inference_spec, rollout_spec, running
 from polar.config import InferenceConfig, RolloutConfig
 from polar.grpc_server import CallerCheck
 from polar.rollout.server import RolloutServicer
-from polar.stack import inference_spec, rollout_spec, running
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+import benchmark_common
+
 CONCURRENCY = 32
 TOKENS_PER_CALL = 16
 
 
 def main() -> int:
-    args = _parse_args()
+    quick = "2 s windows instead of 10, 5 rounds instead of 7"
+    args = benchmark_common.parser(__doc__, quick, "credentials.json").parse_args()
     window_s, rounds = (2.0, 5) if args.quick else (10.0, 7)
     results: dict[str, dict[str, list[tuple[float, float]]]] = {
         "inference Generate": {"open": [], "checked": []},
@@ -65,9 +64,11 @@ def main() -> int:
             for setup in order:
                 given = issued if setup == "checked" else None
                 results["inference Generate"][setup].append(_inference_rate(script, given, window_s))
-                results["rollout unary"][setup].append(_rollout_rate(scratch_path / f"r{round_index}{setup}.db", given, window_s))
+                results["rollout unary"][setup].append(
+                    _rollout_rate(scratch_path / f"r{round_index}{setup}.db", given, window_s)
+                )
     report = {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "python": sys.version.split()[0]},
+        "machine": benchmark_common.machine("grpcio"),
         "window_s": window_s,
         "rounds": rounds,
         "concurrency": CONCURRENCY,
@@ -75,15 +76,15 @@ def main() -> int:
         "points": [_point(what, rates) for what, rates in results.items()],
     }
     _print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    benchmark_common.write_json(report, args.out, "credentials.json")
     return 0
 
 
 def _point(what: str, rates: dict[str, list[tuple[float, float]]]) -> dict:
-    median = {setup: (statistics.median(r for r, _ in runs), statistics.median(c for _, c in runs)) for setup, runs in rates.items()}
+    median = {
+        setup: (statistics.median(r for r, _ in runs), statistics.median(c for _, c in runs))
+        for setup, runs in rates.items()
+    }
     return {
         "what": what,
         "open_per_s": median["open"][0],
@@ -127,30 +128,20 @@ class CallDetails:
     invocation_metadata: tuple[tuple[str, str], ...]
 
 
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short windows and 3 rounds")
-    parser.add_argument("--out", default=str(ROOT / "bench-results" / "credentials.json"), help="JSON report (default: %(default)s)")
-    return parser.parse_args()
-
-
 def _measured(pid: int, run) -> tuple[float, float]:
     """(calls/s, the server's CPU microseconds per call) of one point; `run` returns (calls/s, calls)."""
-    cpu_before = _cpu_seconds(pid)
+    cpu_before = benchmark_common.cpu_seconds(pid)
     rate, calls = run()
-    return rate, (_cpu_seconds(pid) - cpu_before) / calls * 1e6
+    return rate, (benchmark_common.cpu_seconds(pid) - cpu_before) / calls * 1e6
 
 
 def _inference_rate(script: Path, given: credentials.Credentials | None, window_s: float) -> tuple[float, float]:
     spec = inference_spec(InferenceConfig(engine="scripted", script=str(script), port=0))
     with credentials.handed_to_children(given), running(spec, startup_timeout_s=120, stop_timeout_s=10) as server:
         metadata = credentials.metadata(credentials.NODE, given)
-        return _measured(server.process.pid, lambda: asyncio.run(_generate_loop(server.dial_address, metadata, window_s)))
+        return _measured(
+            server.process.pid, lambda: asyncio.run(_generate_loop(server.dial_address, metadata, window_s))
+        )
 
 
 async def _generate_loop(address: str, metadata, window_s: float) -> tuple[float, int]:
@@ -201,14 +192,24 @@ async def _count_calls(make_call, window_s: float) -> tuple[float, int]:
 
 
 def _print_table(report: dict) -> None:
-    print(f"credential check cost, {report['concurrency']} concurrent callers, median of {report['rounds']} rounds "
-          f"of {report['window_s']:g} s ({report['machine']['cpus']} CPUs)")  # fmt: skip
-    print(f"  {'what':<20} {'calls/s open':>13} {'checked':>8} {'change':>7}   {'server CPU us/call open':>23} {'checked':>8} {'change':>7}")
-    for p in report["points"]:
-        print(
-            f"  {p['what']:<20} {p['open_per_s']:>13.0f} {p['checked_per_s']:>8.0f} {-p['throughput_overhead_pct']:>+6.1f}%"
-            f"   {p['open_server_cpu_us_per_call']:>23.0f} {p['checked_server_cpu_us_per_call']:>8.0f} {p['cpu_overhead_pct']:>+6.1f}%"
+    print(
+        f"credential check cost, {report['concurrency']} concurrent callers, median of {report['rounds']} rounds "
+        f"of {report['window_s']:g} s ({report['machine']['cpu_cores']} cores)"
+    )
+    header = ("what", "calls/s open", "checked", "change", "server CPU us/call open", "checked", "change")
+    rows = [
+        (
+            p["what"],
+            f"{p['open_per_s']:.0f}",
+            f"{p['checked_per_s']:.0f}",
+            f"{-p['throughput_overhead_pct']:+.1f}%",
+            f"{p['open_server_cpu_us_per_call']:.0f}",
+            f"{p['checked_server_cpu_us_per_call']:.0f}",
+            f"{p['cpu_overhead_pct']:+.1f}%",
         )
+        for p in report["points"]
+    ]
+    benchmark_common.print_table(header, rows, indent="  ")
     print(f"  the check itself: {report['check_us']:.2f} us per allowed call")
 
 

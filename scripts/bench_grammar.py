@@ -5,7 +5,7 @@ The constraints:
 - a forced tool call for each recorded CLI session's first request (tests/fixtures/sessions: its whole
   tool list, tool_choice required): the Hermes tool-call grammar `<tool_call>\\n{"name": N,
   "arguments": A}\\n</tool_call>`, N any of the session's tools and A valid against its parameters,
-  exactly as gateway/constraint.py builds it;
+  exactly as gateway/request_constraint.py builds it;
 - JSON-schema output: a small bounded answer (enums, an integer range) and an object with a free string.
 
 Measured per constraint and library, over the tiny model's tokenizer (SmolLM2's, 49,152 tokens), in
@@ -39,18 +39,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ROOT / "tests" / "fixtures" / "sessions"
+import benchmark_common
+
 MODEL = "tiny"  # SmolLM2's tokenizer
 ANSWER = {
     "type": "object",
@@ -132,7 +130,9 @@ class Xgrammar(Library):
         self.name = f"xgrammar {_version('xgrammar')}"
         self.threads = len(os.sched_getaffinity(0))
         self._xgr, self._torch = xgrammar, torch
-        self._info = xgrammar.TokenizerInfo.from_huggingface(hf_tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids)
+        self._info = xgrammar.TokenizerInfo.from_huggingface(
+            hf_tokenizer, vocab_size=vocab_size, stop_token_ids=eos_ids
+        )
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # torch int32 [1, words]
 
     def compile(self, constraint) -> object:
@@ -140,8 +140,11 @@ class Xgrammar(Library):
         compiler = xgr.GrammarCompiler(self._info, max_threads=self.threads, cache_enabled=False)
         # Polar's canonical JSON (constraints.JSON_OPTIONS): json.dumps's separators, no other whitespace;
         # properties a schema does not forbid are allowed, as in llguidance.
-        parts = [xgr.Grammar.from_json_schema(constraint.json_schema, any_whitespace=False,
-                                              separators=(", ", ": "), strict_mode=False)]  # fmt: skip
+        parts = [
+            xgr.Grammar.from_json_schema(
+                constraint.json_schema, any_whitespace=False, separators=(", ", ": "), strict_mode=False
+            )
+        ]
         if constraint.prefix:
             parts.insert(0, xgr.Grammar.from_ebnf(f"root ::= {json.dumps(constraint.prefix)}"))
         if constraint.suffix:
@@ -167,14 +170,14 @@ def _version(package: str) -> str:
 def constraints_of_sessions(quick: bool) -> list[tuple[str, object]]:
     """(label, OutputConstraint): a forced call over each recorded session's tools, then the JSON schemas."""
     from gateway.chat_format import get_chat_format
-    from gateway.constraint import tool_call_constraint
     from gateway.replay import recorded_request
+    from gateway.request_constraint import tool_call_constraint
     from polar.inference.constraints import OutputConstraint
     from polar.trajectory.session_file import read_trajectory
 
     chat_format = get_chat_format("hermes", _hf_tokenizer())
     found = []
-    paths = sorted(FIXTURES.glob("*.json.zst"))
+    paths = sorted(benchmark_common.RECORDED_SESSIONS.glob("*.json.zst"))
     for path in paths[:2] if quick else paths:
         first = read_trajectory(path).calls[0]
         request = recorded_request(first)
@@ -209,7 +212,9 @@ def allowed(bitmask: np.ndarray, vocab: int) -> np.ndarray:
     return bitmask_to_bool(bitmask[None, :], vocab)[0]
 
 
-def walk(libraries: list[Library], constraint, length: int, vocab: int, words: int, seed: int) -> tuple[list[int], float]:
+def walk(
+    libraries: list[Library], constraint, length: int, vocab: int, words: int, seed: int
+) -> tuple[list[int], float]:
     """A reply the constraint admits: at each step a token every library allows, drawn at random (the
     end-of-sequence token only when nothing else is allowed), up to `length` tokens; and the share of
     steps at which the libraries allowed the same tokens."""
@@ -285,7 +290,7 @@ def main() -> int:
             try:
                 library.compile(constraint)
                 compiling.append(library)
-            except Exception as exc:  # noqa: BLE001 - a refusal is a result: reported, the rest goes on
+            except Exception as exc:
                 refused[library.name] = str(exc).splitlines()[0][:200]
         points += [Point(label, len(constraint.json_schema), name, reason) for name, reason in refused.items()]
         if not compiling:
@@ -301,64 +306,85 @@ def main() -> int:
                 results[library.name][2].extend(masks)
         for library in compiling:
             compiles, firsts, masks = results[library.name]
-            points.append(Point(
-                constraint=label, schema_bytes=len(constraint.json_schema), library=library.name, refused="",
-                compile_ms=statistics.median(compiles), first_mask_ms=statistics.median(firsts),
-                mask_us_p50=float(np.percentile(masks, 50)) if masks else 0.0,
-                mask_us_p99=float(np.percentile(masks, 99)) if masks else 0.0,
-                tokens=len(tokens), agree=agree, compile_rounds_ms=tuple(compiles),
-            ))  # fmt: skip
-    machine = _machine()
+            points.append(
+                Point(
+                    constraint=label,
+                    schema_bytes=len(constraint.json_schema),
+                    library=library.name,
+                    refused="",
+                    compile_ms=statistics.median(compiles),
+                    first_mask_ms=statistics.median(firsts),
+                    mask_us_p50=float(np.percentile(masks, 50)) if masks else 0.0,
+                    mask_us_p99=float(np.percentile(masks, 99)) if masks else 0.0,
+                    tokens=len(tokens),
+                    agree=agree,
+                    compile_rounds_ms=tuple(compiles),
+                )
+            )
+    machine = benchmark_common.machine()
     _print_table(points, machine, args.rounds)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"quick": args.quick, "rounds": args.rounds, "tokens": args.tokens, "model": MODEL, "vocab": vocab,
-                "xgrammar_threads": getattr(libraries[-1], "threads", 0), "missing": missing,
-                "load_average_1min": os.getloadavg()[0]}  # fmt: skip
+    settings = {
+        "quick": args.quick,
+        "rounds": args.rounds,
+        "tokens": args.tokens,
+        "model": MODEL,
+        "vocab": vocab,
+        "xgrammar_threads": getattr(libraries[-1], "threads", 0),
+        "missing": missing,
+        "load_average_1min": os.getloadavg()[0],
+    }
     report = {"machine": machine, "settings": settings, "points": [asdict(p) for p in points]}
-    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    print(f"\nwrote {out}")
+    benchmark_common.write_json(report, args.out, "grammar.json")
     return 0
 
 
 def _parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two sessions' tool lists, short replies: under a minute")
+    quick = "two sessions' tool lists, short replies: under a minute"
+    parser = benchmark_common.parser(__doc__, quick, "grammar.json")
     parser.add_argument("--rounds", type=int, help="alternating rounds per constraint (default: 5, --quick 2)")
     parser.add_argument("--tokens", type=int, help="tokens of each walked reply, at most (default: 256, --quick 64)")
-    parser.add_argument("--out", default=str(ROOT / "bench-results" / "grammar.json"), help="JSON report path")
     args = parser.parse_args()
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.tokens = args.tokens or (64 if args.quick else 256)
     return args
 
 
-def _machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    return {"cpu": cpu, "cpu_cores": len(os.sched_getaffinity(0)), "python": platform.python_version()}
-
-
 def _print_table(points: list[Point], machine: dict, rounds: int) -> None:
-    print(f"\ngrammar libraries, {machine['cpu']} ({machine['cpu_cores']} cores): medians of {rounds} alternating "
-          f"rounds; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    header = ("constraint", "schema B", "library", "compile ms", "1st mask ms", "mask µs p50", "mask µs p99",
-              "tokens", "agree")  # fmt: skip
+    print(
+        f"\ngrammar libraries, {machine['cpu']} ({machine['cpu_cores']} cores): medians of {rounds} alternating "
+        f"rounds; load average {os.getloadavg()[0]:.1f}"
+    )
+    header = (
+        "constraint",
+        "schema B",
+        "library",
+        "compile ms",
+        "1st mask ms",
+        "mask µs p50",
+        "mask µs p99",
+        "tokens",
+        "agree",
+    )
     rows = [
-        (p.constraint, str(p.schema_bytes), p.library, f"{p.compile_ms:.1f}", f"{p.first_mask_ms:.2f}",
-         f"{p.mask_us_p50:.0f}", f"{p.mask_us_p99:.0f}", str(p.tokens), f"{p.agree:.0%}") if not p.refused
+        (
+            p.constraint,
+            str(p.schema_bytes),
+            p.library,
+            f"{p.compile_ms:.1f}",
+            f"{p.first_mask_ms:.2f}",
+            f"{p.mask_us_p50:.0f}",
+            f"{p.mask_us_p99:.0f}",
+            str(p.tokens),
+            f"{p.agree:.0%}",
+        )
+        if not p.refused
         else (p.constraint, str(p.schema_bytes), p.library, "refused", "", "", "", "", "")
         for p in points
-    ]  # fmt: skip
-    refusals = [f"  {p.library} refused {p.constraint}: {p.refused}" for p in points if p.refused]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    for line in (header, *rows):
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)))
-    for line in refusals:
-        print(line)
+    ]
+    benchmark_common.print_table(header, rows, left=len(header))
+    for p in points:
+        if p.refused:
+            print(f"  {p.library} refused {p.constraint}: {p.refused}")
 
 
 if __name__ == "__main__":

@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
-import platform
 import random
 import statistics
 import sys
@@ -58,12 +56,13 @@ from pathlib import Path
 
 import grpc
 
+from polar.app.stack import Service, inference_spec, running
 from polar.config import InferenceConfig
-from polar.service import join_host_port
-from polar.stack import Service, inference_spec, running
+from polar.service_base import join_host_port
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+import benchmark_common
+
 TORCH_MODELS = ("tiny", "smollm2-135m")
 VLLM_MODEL = "smollm2-135m"  # vLLM's CPU attention refuses tiny's head size
 TORCH_STREAMS = (1, 8, 32)
@@ -81,7 +80,7 @@ class Point:
     engine: str
     model: str
     device: str  # as the server reports it (GetModelInfo.device); "" for the scripted engine
-    card: str  # GPU name on cuda, else the CPU's model name
+    card: str  # the GPU's name on cuda, else the CPU's model
     streams: int
     max_tokens: int  # per Generate call
     seconds: float  # from the start of the point until its last token (or its window or cap)
@@ -96,7 +95,7 @@ class Point:
 
 def main() -> int:
     args = _parse_args()
-    machine = _machine(args.device)
+    machine = benchmark_common.machine("torch", "grpcio", device=args.device)
     if args.prefix_cache == "compare":
         return _prefix_cache_main(args, machine)
     if args.constraint == "compare":
@@ -122,13 +121,10 @@ def main() -> int:
             work = _Work(SCRIPTED_MAX_TOKENS, calls=None, seconds=window)
             points += _bench_server(config, SCRIPTED_STREAMS, work, machine, label=f"{per_message} tok/chunk")
     _print_table(points, machine)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     # Other work on the machine skews every figure; the load average says how much there was.
     settings = {"quick": args.quick, "prompt_tokens": PROMPT_TOKENS, "load_average_1min": os.getloadavg()[0]}
-    report = {"machine": machine, "settings": settings, "points": [_json_point(p) for p in points]}
-    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    print(f"\nwrote {out}")
+    report = {"machine": machine, "settings": settings, "points": [asdict(p) for p in points]}
+    benchmark_common.write_json(report, args.out, "inference.json")
     return 0
 
 
@@ -142,8 +138,9 @@ class _Work:
 
 
 def _parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short windows: the whole run in under a minute")
+    quick = "short windows: the whole run in under a minute"
+    outs = "inference.json; inference-prefix-cache.json with --prefix-cache compare, inference-constraint.json with "
+    parser = benchmark_common.parser(__doc__, quick, outs + "--constraint compare")
     parser.add_argument("--device", default="cpu", help="device of the torch engine: cpu, cuda, cuda:N (default: cpu)")
     parser.add_argument("--dtype", default="auto", help="torch engine dtype (default: auto)")
     parser.add_argument(
@@ -155,17 +152,27 @@ def _parse_args() -> argparse.Namespace:
         "--prefix-cache", choices=("compare",), help="measure the prefix cache: sessions of one CLI with and without it"
     )
     parser.add_argument(
-        "--constraint", choices=("compare",), help="measure constrained decoding: tokens/s with and without a constraint"
+        "--constraint",
+        choices=("compare",),
+        help="measure constrained decoding: tokens/s with and without a constraint",
     )
     parser.add_argument(
-        "--engine", choices=("torch", "vllm"), default="torch",
+        "--engine",
+        choices=("torch", "vllm"),
+        default="torch",
         help="--constraint: the engine measured (vllm: from .venv-vllm, on the CPU; default: %(default)s)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--streams", type=int, nargs="+", help=f"--constraint: concurrent streams (default: {' '.join(map(str, CONSTRAINT_STREAMS))})"
     )
     parser.add_argument(
-        "--harness", default="pi", choices=HARNESSES, help="--prefix-cache: whose recorded prompt (default: %(default)s)"
+        "--streams",
+        type=int,
+        nargs="+",
+        help=f"--constraint: concurrent streams (default: {' '.join(map(str, CONSTRAINT_STREAMS))})",
+    )
+    parser.add_argument(
+        "--harness",
+        default="pi",
+        choices=HARNESSES,
+        help="--prefix-cache: whose recorded prompt (default: %(default)s)",
     )
     parser.add_argument(
         "--sessions",
@@ -175,25 +182,21 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, help="--prefix-cache: rounds on each server, the first cold (default: 2, --quick 1)"
     )
-    parser.add_argument(
-        "--out",
-        help="JSON report path (default: bench-results/inference.json; with --prefix-cache compare: "
-        "bench-results/inference-prefix-cache.json)",
-    )
     args = parser.parse_args()
     compare = args.prefix_cache == "compare"
     constraint = args.constraint == "compare"
     args.models = args.models or (
-        [PREFIX_MODEL] if compare else [VLLM_MODEL] if constraint and args.engine == "vllm"
-        else ["tiny"] if constraint and args.quick else list(TORCH_MODELS)
-    )  # fmt: skip
+        [PREFIX_MODEL]
+        if compare
+        else [VLLM_MODEL]
+        if constraint and args.engine == "vllm"
+        else ["tiny"]
+        if constraint and args.quick
+        else list(TORCH_MODELS)
+    )
     if args.engine != "torch" and not constraint:
         parser.error("--engine vllm is measured with --constraint compare only")
     args.streams = args.streams or list(CONSTRAINT_STREAMS)
-    default_out = (
-        "inference-prefix-cache.json" if compare else "inference-constraint.json" if constraint else "inference.json"
-    )
-    args.out = args.out or str(ROOT / "bench-results" / default_out)
     return args
 
 
@@ -235,10 +238,10 @@ async def _bench_points(
         await _run_point(stub, warm_up, streams=1, work=_Work(4, calls=1, seconds=work.seconds))
         points: list[Point] = []
         for n in streams:
-            server_cpu = _process_cpu_seconds(service.process.pid)
+            server_cpu = benchmark_common.cpu_seconds(service.process.pid)
             client_cpu = time.process_time()
             tokens, messages, seconds, first_token = await _run_point(stub, request, n, work)
-            server_cpu = _process_cpu_seconds(service.process.pid) - server_cpu
+            server_cpu = benchmark_common.cpu_seconds(service.process.pid) - server_cpu
             client_cpu = time.process_time() - client_cpu
             rate = tokens / seconds
             points.append(
@@ -246,7 +249,7 @@ async def _bench_points(
                     engine=info.engine,
                     model=f"{info.name} ({label})" if label else info.name,
                     device=info.device,
-                    card=machine["card"] if info.device.startswith("cuda") else machine["cpu"],
+                    card=machine["gpu"] if info.device.startswith("cuda") else machine["cpu"],
                     streams=n,
                     max_tokens=work.max_tokens,
                     seconds=seconds,
@@ -330,29 +333,44 @@ def _constraint_main(args: argparse.Namespace, machine: dict) -> int:
     points: list[ConstraintPoint] = []
     for model in args.models:
         config = InferenceConfig(
-            engine=args.engine, model=model, port=0, device=args.device, dtype=args.dtype,
-            max_batch_size=max(args.streams), prefix_cache_mib=0,
-        )  # fmt: skip
+            engine=args.engine,
+            model=model,
+            port=0,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=max(args.streams),
+            prefix_cache_mib=0,
+        )
         with running(inference_spec(config), STARTUP_TIMEOUT_S, stop_timeout_s=10.0) as service:
             points += asyncio.run(_constraint_points(service, args.streams, _Work(max_tokens, 1, cap), rounds))
-    print(f"constrained decoding, {machine['cpu'] if args.device == 'cpu' else machine['card']}: tokens/s, "
-          f"median of {rounds} alternating rounds; load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    print(
+        f"constrained decoding, {machine['gpu'] or machine['cpu']}: tokens/s, "
+        f"median of {rounds} alternating rounds; load average {os.getloadavg()[0]:.1f}"
+    )
     header = ("engine", "model", "device", "streams", "max_tokens", "without tok/s", "with tok/s", "cost")
     rows = [
-        (p.engine, p.model, p.device, str(p.streams), str(p.max_tokens), f"{p.unconstrained_tokens_per_s:.1f}",
-         f"{p.constrained_tokens_per_s:.1f}", f"{p.cost:+.1%}")
+        (
+            p.engine,
+            p.model,
+            p.device,
+            str(p.streams),
+            str(p.max_tokens),
+            f"{p.unconstrained_tokens_per_s:.1f}",
+            f"{p.constrained_tokens_per_s:.1f}",
+            f"{p.cost:+.1%}",
+        )
         for p in points
-    ]  # fmt: skip
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    for line in (header, *rows):
-        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"quick": args.quick, "rounds": rounds, "prompt_tokens": PROMPT_TOKENS, "schema": LONG_STRING,
-                "load_average_1min": os.getloadavg()[0]}  # fmt: skip
+    ]
+    benchmark_common.print_table(header, rows, left=len(header))
+    settings = {
+        "quick": args.quick,
+        "rounds": rounds,
+        "prompt_tokens": PROMPT_TOKENS,
+        "schema": LONG_STRING,
+        "load_average_1min": os.getloadavg()[0],
+    }
     report = {"machine": machine, "settings": settings, "points": [asdict(p) for p in points]}
-    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    print(f"\nwrote {out}")
+    benchmark_common.write_json(report, args.out, "inference-constraint.json")
     return 0
 
 
@@ -382,24 +400,33 @@ async def _constraint_points(service: Service, streams: list[int], work: _Work, 
                     request = constrained if with_constraint else free
                     tokens, _, seconds, _ = await _run_point(stub, request, n, work)
                     if tokens < n * work.max_tokens:
-                        raise RuntimeError(f"{n} streams sampled {tokens} tokens, not {n * work.max_tokens}: cut at the cap")
+                        raise RuntimeError(
+                            f"{n} streams sampled {tokens} tokens, not {n * work.max_tokens}: cut at the cap"
+                        )
                     rates.setdefault((with_constraint, n), []).append(tokens / seconds)
         points = []
         for n in streams:
             without, with_ = statistics.median(rates[(False, n)]), statistics.median(rates[(True, n)])
             points.append(
                 ConstraintPoint(
-                    engine=info.engine, model=info.name, device=info.device, streams=n, max_tokens=work.max_tokens, rounds=rounds,
-                    unconstrained_tokens_per_s=without, constrained_tokens_per_s=with_, cost=1 - with_ / without,
-                    unconstrained_rounds=rates[(False, n)], constrained_rounds=rates[(True, n)],
+                    engine=info.engine,
+                    model=info.name,
+                    device=info.device,
+                    streams=n,
+                    max_tokens=work.max_tokens,
+                    rounds=rounds,
+                    unconstrained_tokens_per_s=without,
+                    constrained_tokens_per_s=with_,
+                    cost=1 - with_ / without,
+                    unconstrained_rounds=rates[(False, n)],
+                    constrained_rounds=rates[(True, n)],
                 )
-            )  # fmt: skip
+            )
         return points
 
 
 # ------------------------------------------------------------------------ the prefix cache compared
 
-FIXTURES = ROOT / "tests" / "fixtures" / "sessions"
 HARNESSES = ("pi", "codex", "gemini-cli", "qwen-code", "claude-code")
 PREFIX_MODEL = "smollm2-135m"
 PREFIX_SESSIONS = 32
@@ -436,31 +463,40 @@ def _prefix_cache_main(args: argparse.Namespace, machine: dict) -> int:
     recorded, at = _recorded_first_prompt(args.harness, tokenizer)
     configs = {
         cache: InferenceConfig(
-            engine="torch", model=model, port=0, device=args.device, dtype=args.dtype,
-            max_batch_size=sessions, prefix_cache_mib=PREFIX_CACHE_MIB if cache else 0,
+            engine="torch",
+            model=model,
+            port=0,
+            device=args.device,
+            dtype=args.dtype,
+            max_batch_size=sessions,
+            prefix_cache_mib=PREFIX_CACHE_MIB if cache else 0,
         )
         for cache in (False, True)
-    }  # fmt: skip
+    }
     with (
         running(inference_spec(configs[False]), STARTUP_TIMEOUT_S, stop_timeout_s=10.0) as without,
         running(inference_spec(configs[True]), STARTUP_TIMEOUT_S, stop_timeout_s=10.0) as with_cache,
     ):
         servers = {False: f"127.0.0.1:{without.port}", True: f"127.0.0.1:{with_cache.port}"}
-        results, device = asyncio.run(
-            _prefix_rounds(servers, recorded, at, tokenizer, sessions, rounds, max_tokens)
-        )
+        results, device = asyncio.run(_prefix_rounds(servers, recorded, at, tokenizer, sessions, rounds, max_tokens))
     _print_prefix_table(results, machine, args.harness, model, device, len(recorded))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     settings = {
-        "quick": args.quick, "harness": args.harness, "model": model, "device": device,
-        "recorded_prompt_tokens": len(recorded), "max_tokens": max_tokens, "prefix_cache_mib": PREFIX_CACHE_MIB,
+        "quick": args.quick,
+        "harness": args.harness,
+        "model": model,
+        "device": device,
+        "recorded_prompt_tokens": len(recorded),
+        "max_tokens": max_tokens,
+        "prefix_cache_mib": PREFIX_CACHE_MIB,
         "load_average_1min": os.getloadavg()[0],
-    }  # fmt: skip
-    report = {"machine": machine, "settings": settings, "rounds": [asdict(r) for r in results],
-              "first_token_speedup": _prefix_speedups(results)}  # fmt: skip
-    out.write_text(json.dumps(report, indent=2, allow_nan=False) + "\n")
-    print(f"\nwrote {out}")
+    }
+    report = {
+        "machine": machine,
+        "settings": settings,
+        "rounds": [asdict(r) for r in results],
+        "first_token_speedup": _prefix_speedups(results),
+    }
+    benchmark_common.write_json(report, args.out, "inference-prefix-cache.json")
     return 0
 
 
@@ -469,10 +505,16 @@ def _recorded_first_prompt(harness: str, tokenizer) -> tuple[list[int], int]:
     text begins (after the turn's header): where each session's own instruction goes."""
     from polar.trajectory.session_file import read_trajectory
 
-    calls = sorted(read_trajectory(FIXTURES / f"{harness}.json.zst").calls, key=lambda call: call.call_id)
+    calls = sorted(
+        read_trajectory(benchmark_common.RECORDED_SESSIONS / f"{harness}.json.zst").calls, key=lambda call: call.call_id
+    )
     prompt = list(calls[0].prompt_token_ids)
     start = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    turns = [i for i, token in enumerate(prompt) if token == start and tokenizer.decode(prompt[i + 1 : i + 3]).startswith("user")]
+    turns = [
+        i
+        for i, token in enumerate(prompt)
+        if token == start and tokenizer.decode(prompt[i + 1 : i + 3]).startswith("user")
+    ]
     if not turns:
         raise SystemExit(f"the first recorded {harness} prompt has no user turn")
     at = turns[-1] + 1
@@ -494,21 +536,25 @@ async def _prefix_rounds(
             await _prefix_calls(stub, [warm_up], 2)
         results = []
         for r in range(rounds):
-            prompts = [
-                recorded[:at] + tokenizer.encode(f"Session {r}-{i}: ") + recorded[at:] for i in range(sessions)
-            ]
+            prompts = [recorded[:at] + tokenizer.encode(f"Session {r}-{i}: ") + recorded[at:] for i in range(sessions)]
             for cache in (False, True) if r % 2 == 0 else (True, False):
                 started = time.perf_counter()
                 first, tokens, last, cached = await _prefix_calls(stubs[cache], prompts, max_tokens)
                 seconds = max(last) - started
                 results.append(
                     PrefixRound(
-                        prefix_cache=cache, round=r, warm=cache and r > 0, sessions=sessions,
-                        prompt_tokens=sum(map(len, prompts)), cached_prompt_tokens=cached,
-                        first_token_ms_p50=statistics.median(first) * 1000, first_token_ms_max=max(first) * 1000,
-                        seconds=seconds, tokens_per_s=tokens / seconds,
+                        prefix_cache=cache,
+                        round=r,
+                        warm=cache and r > 0,
+                        sessions=sessions,
+                        prompt_tokens=sum(map(len, prompts)),
+                        cached_prompt_tokens=cached,
+                        first_token_ms_p50=statistics.median(first) * 1000,
+                        first_token_ms_max=max(first) * 1000,
+                        seconds=seconds,
+                        tokens_per_s=tokens / seconds,
                     )
-                )  # fmt: skip
+                )
         return results, info.device
     finally:
         for channel in channels.values():
@@ -549,70 +595,56 @@ def _prefix_speedups(results: list[PrefixRound]) -> dict[str, float | None]:
     return {"cold": ratios.get(0), "warm": statistics.median(warm) if warm else None}
 
 
-def _print_prefix_table(results: list[PrefixRound], machine: dict, harness: str, model: str, device: str, prompt: int) -> None:
+def _print_prefix_table(
+    results: list[PrefixRound], machine: dict, harness: str, model: str, device: str, prompt: int
+) -> None:
     cores = f"{machine['cpu']} ({machine['cpu_cores']} cores)"
-    print(f"\nmachine: {cores}{', ' + machine['card'] if machine['card'] else ''}")
+    print(f"\nmachine: {cores}{', ' + machine['gpu'] if machine['gpu'] else ''}")
     sessions = results[0].sessions
-    print(f"{sessions} sessions of {harness}'s recorded first prompt ({prompt:,} tokens) each with its own "
-          f"instruction, all at once; {model} on {device}")  # fmt: skip
+    print(
+        f"{sessions} sessions of {harness}'s recorded first prompt ({prompt:,} tokens) each with its own "
+        f"instruction, all at once; {model} on {device}"
+    )
     header = ("round", "prefix cache", "1st tok p50 ms", "1st tok max ms", "tokens/s", "prompt reused")
-    rows = [header]
+    rows = []
     for r in results:
         state = ("on, warm" if r.warm else "on, cold") if r.prefix_cache else "off"
         rows.append(
             (
-                str(r.round), state, f"{r.first_token_ms_p50:,.0f}", f"{r.first_token_ms_max:,.0f}",
-                f"{r.tokens_per_s:.1f}", f"{r.cached_prompt_tokens / r.prompt_tokens:.0%}",
+                str(r.round),
+                state,
+                f"{r.first_token_ms_p50:,.0f}",
+                f"{r.first_token_ms_max:,.0f}",
+                f"{r.tokens_per_s:.1f}",
+                f"{r.cached_prompt_tokens / r.prompt_tokens:.0%}",
             )
-        )  # fmt: skip
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+        )
+    benchmark_common.print_table(header, rows, left=2)
     speedups = _prefix_speedups(results)
     parts = [f"{kind} {ratio:.1f}×" for kind, ratio in speedups.items() if ratio is not None]
     print(f"time to first token (median), without the cache over with it, same round: {', '.join(parts)}")
-
-
-def _json_point(point: Point) -> dict:
-    # A point without tokens has no rates; JSON has no NaN, so those are null.
-    return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(point).items()}
 
 
 def _speedup(rate: float, one_stream_rate: float) -> float:
     return rate / one_stream_rate if one_stream_rate else float("nan")
 
 
-def _process_cpu_seconds(pid: int) -> float:
-    # Fields 14 and 15 of /proc/PID/stat: user and system time in clock ticks, all threads included.
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _machine(device: str) -> dict:
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    card = ""
-    if device.startswith("cuda"):
-        card = torch.cuda.get_device_name(torch.device(device))
-    return {
-        "cpu": cpu,
-        "cpu_cores": len(os.sched_getaffinity(0)),
-        "card": card,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "grpcio": grpc.__version__,
-    }
-
-
 def _print_table(points: list[Point], machine: dict) -> None:
-    print(f"\nmachine: {machine['cpu']} ({machine['cpu_cores']} cores){', ' + machine['card'] if machine['card'] else ''}")
-    header = ("engine", "model", "device", "streams", "tok/msg", "tokens/s", "vs 1", "1st tok ms", "srv µs/tok", "cli µs/tok")
-    rows = [header]
+    gpu = f", {machine['gpu']}" if machine["gpu"] else ""
+    print(f"\nmachine: {machine['cpu']} ({machine['cpu_cores']} cores){gpu}")
+    header = (
+        "engine",
+        "model",
+        "device",
+        "streams",
+        "tok/msg",
+        "tokens/s",
+        "vs 1",
+        "1st tok ms",
+        "srv µs/tok",
+        "cli µs/tok",
+    )
+    rows = []
     for p in points:
         rows.append(
             (
@@ -628,9 +660,7 @@ def _print_table(points: list[Point], machine: dict) -> None:
                 f"{p.client_cpu_us_per_token:.1f}",
             )
         )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        print("  ".join(cell.ljust(w) if i < 3 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))))
+    benchmark_common.print_table(header, rows, left=3)
 
 
 if __name__ == "__main__":

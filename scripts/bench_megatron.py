@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
@@ -49,26 +48,40 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from trainer.batches import pack
+from trainer.grpo import LossConfig
+from trainer.sequences import TrainSequence
 
-from trainer.batches import pack  # noqa: E402
-
-from trainer.sequences import TrainSequence  # noqa: E402
-from trainer.grpo import LossConfig  # noqa: E402
+import benchmark_common
 
 SKIPPED = "skipped"  # a point's error when the machine lacks its GPUs: not a failure
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4}  # dense, SXM
 
 QWEN3_4B = dict(
-    vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=True,
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
 )
 QUICK = dict(
-    vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=64, max_position_embeddings=8192, rope_theta=1_000_000.0,
-    rms_norm_eps=1e-6, tie_word_embeddings=True,
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
 )
 
 
@@ -77,7 +90,7 @@ class Point:
     backend: str  # "megatron" or "torch"
     tp: int  # tensor-parallel size
     dp: int  # data-parallel replicas (GPUs used: tp * dp)
-    card: str
+    card: str  # the GPU's name, or the CPU's model
     tokens_per_step: int
     trainable_tokens_per_step: int
     step_seconds: float  # median over the timed steps
@@ -90,8 +103,9 @@ class Point:
 
 def step_flops(config: dict, sequence_lengths: list[int], trainable: int) -> float:
     """Model FLOPs of one training step (forward + backward) over sequences of these lengths."""
-    hidden, heads, kv_heads, head_dim = (config[k] for k in ("hidden_size", "num_attention_heads",
-                                                              "num_key_value_heads", "head_dim"))
+    hidden, heads, kv_heads, head_dim = (
+        config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+    )
     layer_matmul_params = (
         hidden * (heads + 2 * kv_heads) * head_dim  # q, k, v
         + heads * head_dim * hidden  # o
@@ -116,26 +130,22 @@ def micro_batches(config: dict, tokens: int, sequence_length: int, count: int, s
         for index, length in enumerate(lengths):
             mask = np.zeros(length, dtype=bool)
             mask[length // 2 :] = True
-            sequences.append(TrainSequence(
-                name=f"r{row}/s{index}",
-                token_ids=rng.integers(0, config["vocab_size"], length),
-                loss_mask=mask,
-                behaviour_logprobs=np.where(mask, -rng.uniform(0.1, 5.0, length), 0).astype(np.float32),
-                advantage=float(rng.normal()),
-                token_weight=1.0 / (count * len(lengths) * int(mask.sum())),
-                temperature=np.ones(length, dtype=np.float32),
-                top_p=np.ones(length, dtype=np.float32),
-                top_k=np.zeros(length, dtype=np.int32),
-            ))
+            sequences.append(
+                TrainSequence(
+                    name=f"r{row}/s{index}",
+                    token_ids=rng.integers(0, config["vocab_size"], length),
+                    loss_mask=mask,
+                    behaviour_logprobs=np.where(mask, -rng.uniform(0.1, 5.0, length), 0).astype(np.float32),
+                    advantage=float(rng.normal()),
+                    token_weight=1.0 / (count * len(lengths) * int(mask.sum())),
+                    temperature=np.ones(length, dtype=np.float32),
+                    top_p=np.ones(length, dtype=np.float32),
+                    top_k=np.zeros(length, dtype=np.int32),
+                )
+            )
     batches = pack(sequences, tokens)
     assert len(batches) == count, [b.sequence_lengths for b in batches]
     return batches, lengths
-
-
-def _card(device: str) -> str:
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    return platform.processor() or platform.machine()
 
 
 def _peak_tflops(card: str, override: float) -> float:
@@ -176,8 +186,9 @@ def _copy_tokenizer_stub(folder: Path) -> None:
 def _run_point(rank: int, tp: int, dp: int, port: int, backend_name: str, args: dict, out: str) -> None:
     """One rank of one point; rank 0 times the steps and writes the Point as JSON to `out`."""
     world = tp * dp
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     if tp > 1:
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # read when CUDA starts, which is later
     config, device = args["config"], args["device"]
@@ -190,17 +201,33 @@ def _run_point(rank: int, tp: int, dp: int, port: int, backend_name: str, args: 
         if backend_name == "megatron":
             from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
 
-            backend = MegatronBackend(MegatronBackendOptions(
-                model=args["folder"], tp_size=tp, dtype=args["dtype"], recompute=args["recompute"],
-                fused_swiglu=args["fused_swiglu"], fused_rope=args["fused_rope"], lr=1e-6))
+            backend = MegatronBackend(
+                MegatronBackendOptions(
+                    model=args["folder"],
+                    tp_size=tp,
+                    dtype=args["dtype"],
+                    recompute=args["recompute"],
+                    fused_swiglu=args["fused_swiglu"],
+                    fused_rope=args["fused_rope"],
+                    lr=1e-6,
+                )
+            )
             if rank != 0:
                 backend.follow()
                 return
         else:
             from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
-            backend = TorchBackend(TorchBackendOptions(model=args["folder"], device=device, dtype=args["dtype"], lr=1e-6,
-                                                       gradient_checkpointing=args["recompute"] == "full"))
+            checkpointing = "on" if args["recompute"] == "full" else "off"
+            backend = TorchBackend(
+                TorchBackendOptions(
+                    model=args["folder"],
+                    device=device,
+                    dtype=args["dtype"],
+                    lr=1e-6,
+                    gradient_checkpointing=checkpointing,
+                )
+            )
         loss = LossConfig()
         seconds = []
         for step in range(args["warmup"] + args["steps"]):
@@ -215,8 +242,15 @@ def _run_point(rank: int, tp: int, dp: int, port: int, backend_name: str, args: 
         per_gpu = flops / step_seconds / world
         peak = _peak_tflops(card, args["peak_tflops"]) * 1e12 if device == "cuda" else 0.0
         point = Point(
-            backend=backend_name, tp=tp, dp=dp, card=card, tokens_per_step=tokens, trainable_tokens_per_step=trainable,
-            step_seconds=step_seconds, tokens_per_s=tokens / step_seconds, tflops_per_gpu=per_gpu / 1e12,
+            backend=backend_name,
+            tp=tp,
+            dp=dp,
+            card=card,
+            tokens_per_step=tokens,
+            trainable_tokens_per_step=trainable,
+            step_seconds=step_seconds,
+            tokens_per_s=tokens / step_seconds,
+            tflops_per_gpu=per_gpu / 1e12,
             mfu=per_gpu / peak if peak else 0.0,
             peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
         )
@@ -234,9 +268,27 @@ def _run_point(rank: int, tp: int, dp: int, port: int, backend_name: str, args: 
         backend.close()
 
 
+def _card(device: str) -> str:
+    """The GPU's name on cuda (naming it starts CUDA in this process), else the CPU's model."""
+    facts = benchmark_common.machine(device=device)
+    return facts["gpu"] or facts["cpu"]
+
+
 def _failed(backend: str, tp: int, dp: int, card: str, error: str) -> Point:
-    return Point(backend=backend, tp=tp, dp=dp, card=card, tokens_per_step=0, trainable_tokens_per_step=0, step_seconds=0.0,
-                 tokens_per_s=0.0, tflops_per_gpu=0.0, mfu=0.0, peak_memory_gib=0.0, error=error)
+    return Point(
+        backend=backend,
+        tp=tp,
+        dp=dp,
+        card=card,
+        tokens_per_step=0,
+        trainable_tokens_per_step=0,
+        step_seconds=0.0,
+        tokens_per_s=0.0,
+        tflops_per_gpu=0.0,
+        mfu=0.0,
+        peak_memory_gib=0.0,
+        error=error,
+    )
 
 
 def _free_port() -> int:
@@ -246,26 +298,43 @@ def _free_port() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small model and 2k-token rows: under a minute")
+    parser = benchmark_common.parser(__doc__, "a small model and 2k-token rows: under a minute", "megatron.json")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--layouts", default="1x1,2x1,1x2",
-                        help="megatron points as TPxDP: tensor-parallel size x data-parallel replicas")
+    parser.add_argument(
+        "--layouts",
+        default="1x1,2x1,1x2",
+        help="megatron points as TPxDP: tensor-parallel size x data-parallel replicas",
+    )
     parser.add_argument("--backends", default="megatron,torch", help="torch runs on one GPU only")
     parser.add_argument("--tokens", type=int, help="tokens per packed row (default 8192, 2048 with --quick)")
-    parser.add_argument("--sequence-length", type=int, help="tokens per packed sequence (default 2048, 512 with --quick)")
-    parser.add_argument("--micro-batches", type=int, default=0, help="rows per optimizer step (default 4, 2 with --quick)")
+    parser.add_argument(
+        "--sequence-length", type=int, help="tokens per packed sequence (default 2048, 512 with --quick)"
+    )
+    parser.add_argument(
+        "--micro-batches", type=int, default=0, help="rows per optimizer step (default 4, 2 with --quick)"
+    )
     parser.add_argument("--steps", type=int, default=0, help="timed steps (default 5, 2 with --quick)")
     parser.add_argument("--warmup", type=int, default=0, help="untimed steps first (default 2, 1 with --quick)")
-    parser.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
-                        help="megatron's recomputation; full also turns on the torch backend's gradient checkpointing")
-    parser.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=None,
-                        help="megatron: SwiGLU through torch.compile (default: on a GPU)")
-    parser.add_argument("--fused-rope", action=argparse.BooleanOptionalAction, default=None,
-                        help="megatron: RoPE through torch.compile (default: on a GPU)")
+    parser.add_argument(
+        "--recompute",
+        default="none",
+        choices=("none", "selective", "full"),
+        help="megatron's recomputation; full also turns on the torch backend's gradient checkpointing",
+    )
+    parser.add_argument(
+        "--fused-swiglu",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="megatron: SwiGLU through torch.compile (default: on a GPU)",
+    )
+    parser.add_argument(
+        "--fused-rope",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="megatron: RoPE through torch.compile (default: on a GPU)",
+    )
     parser.add_argument("--model", help="a Hugging Face Qwen3 folder to use instead of a random one of the shape")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s of one GPU")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "megatron.json")
     args = parser.parse_args()
 
     config = dict(QUICK if args.quick else QWEN3_4B)
@@ -301,10 +370,16 @@ def main() -> int:
             _copy_tokenizer_stub(folder)
             print(f"random model written in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         shared = {
-            "config": config, "device": device, "folder": str(folder), "tokens": tokens,
-            "sequence_length": sequence_length, "micro_batches": args.micro_batches or (2 if args.quick else 4),
-            "steps": args.steps or (2 if args.quick else 5), "warmup": args.warmup or (1 if args.quick else 2),
-            "recompute": args.recompute, "peak_tflops": args.peak_tflops,
+            "config": config,
+            "device": device,
+            "folder": str(folder),
+            "tokens": tokens,
+            "sequence_length": sequence_length,
+            "micro_batches": args.micro_batches or (2 if args.quick else 4),
+            "steps": args.steps or (2 if args.quick else 5),
+            "warmup": args.warmup or (1 if args.quick else 2),
+            "recompute": args.recompute,
+            "peak_tflops": args.peak_tflops,
             "fused_swiglu": device == "cuda" if args.fused_swiglu is None else args.fused_swiglu,
             "fused_rope": device == "cuda" if args.fused_rope is None else args.fused_rope,
             "dtype": "bfloat16" if device == "cuda" else "float32",
@@ -316,39 +391,53 @@ def main() -> int:
                 continue
             result = scratch / f"{name}-{tp}x{dp}.json"
             try:
-                torch.multiprocessing.spawn(_run_point, args=(tp, dp, _free_port(), name, shared, str(result)),
-                                            nprocs=tp * dp)
+                torch.multiprocessing.spawn(
+                    _run_point, args=(tp, dp, _free_port(), name, shared, str(result)), nprocs=tp * dp
+                )
             except Exception as exc:  # a rank died (out of memory on a follower, say): others still run
                 if not result.exists():
-                    result.write_text(json.dumps(asdict(_failed(name, tp, dp, _card(device), f"a rank failed: {exc}"))))
+                    failed = _failed(name, tp, dp, _card(device), f"a rank failed: {exc}")
+                    result.write_text(json.dumps(asdict(failed)))
             points.append(Point(**json.loads(result.read_text())))
-            print(_row(points[-1]), file=sys.stderr)
+            print("  ".join(_cells(points[-1])), file=sys.stderr)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
-    print(_table(points, shared))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"shape": config, "settings": {k: v for k, v in shared.items() if k not in ("config", "folder")},
-              "points": [asdict(p) for p in points]}
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    _print_table(points, shared)
+    settings = {k: v for k, v in shared.items() if k not in ("config", "folder")}
+    # Only now: naming the GPU starts CUDA in this process, which would hold memory on it while ranks run.
+    machine = benchmark_common.machine("torch", "megatron-core", device=device)
+    report = {"machine": machine, "shape": config, "settings": settings, "points": [asdict(p) for p in points]}
+    benchmark_common.write_json(report, args.out, "megatron.json")
     return 0 if all(not p.error or p.error.startswith(SKIPPED) for p in points) else 1
 
 
-def _row(p: Point) -> str:
+def _cells(p: Point) -> tuple[str, ...]:
     if p.error:
-        return f"{p.backend:<9} {p.tp:>3} {p.dp:>3}  {p.error}"
-    return (f"{p.backend:<9} {p.tp:>3} {p.dp:>3} {p.step_seconds * 1e3:>10.0f} {p.tokens_per_s:>10.0f} "
-            f"{p.tflops_per_gpu:>10.1f} {100 * p.mfu:>6.1f} {p.peak_memory_gib:>9.1f}")
+        return (p.backend, str(p.tp), str(p.dp), p.error)
+    return (
+        p.backend,
+        str(p.tp),
+        str(p.dp),
+        f"{p.step_seconds * 1e3:.0f}",
+        f"{p.tokens_per_s:.0f}",
+        f"{p.tflops_per_gpu:.1f}",
+        f"{100 * p.mfu:.1f}",
+        f"{p.peak_memory_gib:.1f}",
+    )
 
 
-def _table(points: list[Point], settings: dict) -> str:
-    head = (f"{settings['micro_batches']} rows x {settings['tokens']} tokens "
-            f"(sequences of {settings['sequence_length']}) per step, recompute={settings['recompute']}, "
-            f"fused_swiglu={settings['fused_swiglu']}, fused_rope={settings['fused_rope']}, "
-            f"{points[0].card if points else ''}\n"
-            f"{'backend':<9} {'tp':>3} {'dp':>3} {'step ms':>10} {'tok/s':>10} {'TFLOP/s':>10} {'MFU %':>6} {'peak GiB':>9}")
-    return "\n".join([head] + [_row(p) for p in points])
+def _print_table(points: list[Point], settings: dict) -> None:
+    print(
+        f"{settings['micro_batches']} rows x {settings['tokens']} tokens (sequences of {settings['sequence_length']}) "
+        f"per step, recompute={settings['recompute']}, fused_swiglu={settings['fused_swiglu']}, "
+        f"fused_rope={settings['fused_rope']}, {points[0].card if points else ''}"
+    )
+    header = ("backend", "tp", "dp", "step ms", "tok/s", "TFLOP/s", "MFU %", "peak GiB")
+    benchmark_common.print_table(header, [_cells(p) for p in points if not p.error])
+    for p in points:
+        if p.error:
+            print(f"{p.backend} tp={p.tp} dp={p.dp}: {p.error}")
 
 
 if __name__ == "__main__":

@@ -17,18 +17,17 @@ Targets: at least 5.39x less trainer time than per_request; building faster than
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from polar.inference.models import resolve_model
+from polar.testing.trajectories import BENCH_SHAPE, SessionShape, tool_session
 from polar.trajectory import BUILDERS, build, verify_or_raise, views_from_protos
-from polar.trajectory.synthetic import BENCH_SHAPE, SessionShape, tool_session
+
+import benchmark_common
 
 # Half the size of BENCH_SHAPE so that --quick stays under a minute on 2 CPU cores. Much smaller
 # sessions would mislead: with the tiny model's 49k-token vocabulary and 64-wide layers, the output
@@ -46,8 +45,7 @@ BUILD_TARGET = 1_000_000
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller sessions, finishes in under a minute")
+    parser = benchmark_common.parser(__doc__, "smaller sessions, finishes in under a minute", "merge.json")
     parser.add_argument("--sessions", type=int, help="sessions to generate (default 4, quick 1)")
     parser.add_argument(
         "--rounds", type=int, help="timed rounds, builders alternating; the fastest counts (default 3, quick 1)"
@@ -57,7 +55,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="torch device for forward+backward (cpu, cuda)")
     parser.add_argument("--build-repeats", type=int, default=20, help="builds timed per builder")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench-results/merge.json", help="where the JSON results go")
     return parser.parse_args()
 
 
@@ -123,7 +120,7 @@ def main() -> None:
     records = [[c.to_proto() for c in calls] for calls in sessions]
 
     results = {name: [build(name, calls) for calls in sessions] for name in BUILDERS}
-    for name, built in results.items():
+    for built in results.values():
         for calls, result in zip(sessions, built):
             verify_or_raise(calls, result.traces)
 
@@ -169,8 +166,7 @@ def main() -> None:
         "session_tokens": sum(sum(c.total_tokens for c in calls) for calls in sessions),
         "model": args.model,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-        "torch": torch.__version__,
-        "python": platform.python_version(),
+        "machine": benchmark_common.machine("torch", device=args.device),
         "builders": rows,
         "ratios_per_request_over_prefix_merging": ratios,
         "targets": {
@@ -181,9 +177,11 @@ def main() -> None:
         },
     }
 
-    print(f"{n_sessions} generated {args.turns}-turn tool sessions, {report['session_tokens']:,} session tokens; "
-          f"model {args.model} on {report['device']}")
-    print(f"{'':32}{'per_request':>16}{'prefix_merging':>16}{'ratio':>10}")
+    print(
+        f"{n_sessions} generated {args.turns}-turn tool sessions, {report['session_tokens']:,} session tokens; "
+        f"model {args.model} on {report['device']}"
+    )
+    table = []
     for key, label, fmt in (
         ("traces", "traces", "{:,.0f}"),
         ("trainer_tokens", "trainer tokens", "{:,.0f}"),
@@ -194,19 +192,20 @@ def main() -> None:
     ):
         a, b = base[key], merged[key]
         if fmt is None:
-            print(f"{label:32}{a / 1e6:>16.1f}{b / 1e6:>16.1f}")
+            table.append((label, f"{a / 1e6:.1f}", f"{b / 1e6:.1f}", ""))
         else:
-            ratio = f"{a / b:>9.2f}x" if key != "trainable_tokens" else ""
-            print(f"{label:32}{fmt.format(a):>16}{fmt.format(b):>16}{ratio:>10}")
+            ratio = f"{a / b:.2f}x" if key != "trainable_tokens" else ""
+            table.append((label, fmt.format(a), fmt.format(b), ratio))
+    benchmark_common.print_table(("", "per_request", "prefix_merging", "ratio"), table)
     targets = report["targets"]
     trainer_met = "met" if targets["trainer_time_ratio_met"] else "NOT met"
     build_met = "met" if targets["build_tokens_per_s_met"] else "NOT met"
-    print(f"trainer time ratio {ratios['forward_backward_s']:.2f}x (target >= {TRAINER_TARGET}x: {trainer_met}); "
-          f"slowest build {slowest_build / 1e6:.1f}M tokens/s (target > 1M: {build_met})")
+    print(
+        f"trainer time ratio {ratios['forward_backward_s']:.2f}x (target >= {TRAINER_TARGET}x: {trainer_met}); "
+        f"slowest build {slowest_build / 1e6:.1f}M tokens/s (target > 1M: {build_met})"
+    )
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    benchmark_common.write_json(report, args.out, "merge.json")
 
 
 if __name__ == "__main__":

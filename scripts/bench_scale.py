@@ -22,13 +22,11 @@ ratios measured side by side mean much.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,24 +37,29 @@ from pathlib import Path
 import grpc
 
 from polar import envoy
+from polar.app.stack import Service, inference_spec, rollout_spec, running
 from polar.config import EnvoyConfig, InferenceConfig, RolloutConfig
-from polar.stack import Service, inference_spec, rollout_spec, running
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 
-ROOT = Path(__file__).resolve().parent.parent
+import benchmark_common
+
 CONCURRENCY = 32
 TOKENS_PER_CALL = 8
 FIRST_TOKEN = 10  # server i answers tokens starting at FIRST_TOKEN + 10 * i: a reply names its server
 
 
 def main() -> int:
-    args = _parse_args()
+    args = benchmark_common.parser(
+        __doc__, "short windows, 1 and 2 servers (under a minute)", "scale.json"
+    ).parse_args()
     window_s, rounds = (2.0, 2) if args.quick else (8.0, 5)
     counts = (1, 2) if args.quick else (1, 2, 4)
     with tempfile.TemporaryDirectory(prefix="polar-bench-scale-") as scratch, contextlib.ExitStack() as stack:
         folder = Path(scratch)
         rollout = stack.enter_context(
-            running(rollout_spec(RolloutConfig(port=0, store=str(folder / "rollout.db"), heartbeat_interval_s=0.2)), 60, 10)
+            running(
+                rollout_spec(RolloutConfig(port=0, store=str(folder / "rollout.db"), heartbeat_interval_s=0.2)), 60, 10
+            )
         )
         control_plane = rollout.dial_address
         servers: list[Service] = []
@@ -79,7 +82,7 @@ def main() -> int:
                     _wait_for_hosts(proxy, 2)
                     compare[setup].append(asyncio.run(_load(f"127.0.0.1:{proxy.inference_port}", window_s))[0])
     report = {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(), "python": sys.version.split()[0]},
+        "machine": benchmark_common.machine("grpcio"),
         "window_s": window_s,
         "concurrency": CONCURRENCY,
         "scaling": scaling,
@@ -91,9 +94,7 @@ def main() -> int:
         },
     }
     _print_table(report)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    benchmark_common.write_json(report, args.out, "scale.json")
     return 0
 
 
@@ -101,7 +102,9 @@ def main() -> int:
 def _inference(folder: Path, index: int, control_plane: str) -> Iterator[Service]:
     script = folder / f"script-{index}.json"
     first = FIRST_TOKEN + 10 * index
-    script.write_text(json.dumps({"cycle": True, "outputs": [{"token_ids": list(range(first, first + TOKENS_PER_CALL))}]}))
+    script.write_text(
+        json.dumps({"cycle": True, "outputs": [{"token_ids": list(range(first, first + TOKENS_PER_CALL))}]})
+    )
     config = InferenceConfig(engine="scripted", script=str(script), port=0, rollout_address=control_plane)
     with running(inference_spec(config), 60, 10) as service:
         yield service
@@ -121,7 +124,11 @@ def _wait_for_hosts(proxy: envoy.RunningEnvoy, count: int, timeout_s: float = 30
     deadline = time.monotonic() + timeout_s
     while True:
         text = envoy.admin_get(proxy.admin, "/clusters") or ""
-        healthy = [line for line in text.splitlines() if line.startswith("inference::") and line.endswith("::health_flags::healthy")]
+        healthy = [
+            line
+            for line in text.splitlines()
+            if line.startswith("inference::") and line.endswith("::health_flags::healthy")
+        ]
         if len(healthy) == count:
             return
         if time.monotonic() > deadline:
@@ -185,22 +192,17 @@ def _request() -> inference_pb2.GenerateRequest:
 
 
 def _print_table(report: dict) -> None:
-    print(f"{'servers':>8}  {'calls/s':>9}  {'p50 ms':>8}  {'direct p50 ms':>13}")
-    for row in report["scaling"]:
-        print(f"{row['servers']:>8}  {row['calls_per_s']:>9.0f}  {row['p50_ms']:>8.2f}  {row['direct_p50_ms']:>13.2f}")
+    rows = [
+        (str(row["servers"]), f"{row['calls_per_s']:.0f}", f"{row['p50_ms']:.2f}", f"{row['direct_p50_ms']:.2f}")
+        for row in report["scaling"]
+    ]
+    benchmark_common.print_table(("servers", "calls/s", "p50 ms", "direct p50 ms"), rows, left=0)
     print(f"join -> first call: {report['join_to_first_call_s'] * 1000:.0f} ms")
     compare = report["xds_vs_static"]
     print(
         f"xDS vs static (2 servers, alternating rounds): {statistics.median(compare['xds_calls_per_s']):.0f} vs"
         f" {statistics.median(compare['static_calls_per_s']):.0f} calls/s, median ratio {compare['ratio']:.3f}"
     )
-
-
-def _parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="short windows, 1 and 2 servers (under a minute)")
-    parser.add_argument("--out", default=str(ROOT / "bench-results" / "scale.json"), help="JSON report (default: %(default)s)")
-    return parser.parse_args()
 
 
 if __name__ == "__main__":

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from trainer.batches import pack
-
-from trainer.sequences import TrainSequence
 from trainer.grpo import LossConfig
+from trainer.sequences import TrainSequence
 
-SESSIONS = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "sessions"
+import benchmark_common
+
 CLIS = ("claude-code", "qwen-code", "gemini-cli", "codex", "pi")
 GROUP_SIZE = 8
 TASK_TOKENS = 60  # the end of the recorded prompt that stands for the task, redrawn per group
@@ -39,23 +38,29 @@ def recorded_prompt(cli: str) -> np.ndarray:
     """The first call's prompt of the CLI's recorded session: its system prompt, tools and task."""
     from polar.trajectory import read_session
 
-    calls, _ = read_session(SESSIONS / f"{cli}.json.zst")
+    calls, _ = read_session(benchmark_common.RECORDED_SESSIONS / f"{cli}.json.zst")
     return np.asarray(calls[0].prompt_ids, dtype=np.int64)
 
 
-def _sequence(name: str, prompt: np.ndarray, turns: list[tuple[np.ndarray, np.ndarray]], weight: float,
-              rng: np.random.Generator) -> TrainSequence:
+def _sequence(
+    name: str, prompt: np.ndarray, turns: list[tuple[np.ndarray, np.ndarray]], weight: float, rng: np.random.Generator
+) -> TrainSequence:
     parts, mask = [prompt], [np.zeros(len(prompt), bool)]
     for sampled, tool in turns:
         parts += [sampled, tool]
         mask += [np.ones(len(sampled), bool), np.zeros(len(tool), bool)]
     ids, mask = np.concatenate(parts), np.concatenate(mask)
     return TrainSequence(
-        name=name, token_ids=ids, loss_mask=mask,
+        name=name,
+        token_ids=ids,
+        loss_mask=mask,
         behaviour_logprobs=np.where(mask, -rng.uniform(0.1, 3.0, len(ids)), 0).astype(np.float32),
-        advantage=float(rng.normal()), token_weight=weight, temperature=np.ones(len(ids), np.float32),
-        top_p=np.ones(len(ids), np.float32), top_k=np.zeros(len(ids), np.int32),
-    )  # fmt: skip
+        advantage=float(rng.normal()),
+        token_weight=weight,
+        temperature=np.ones(len(ids), np.float32),
+        top_p=np.ones(len(ids), np.float32),
+        top_k=np.zeros(len(ids), np.int32),
+    )
 
 
 def recorded_turns(cli: str) -> list[tuple[int, int]]:
@@ -63,13 +68,16 @@ def recorded_turns(cli: str) -> list[tuple[int, int]]:
     result is empty."""
     from polar.trajectory import read_session
 
-    calls, _ = read_session(SESSIONS / f"{cli}.json.zst")
-    return [(len(call.sampled_ids), max(0, len(after.prompt_ids) - len(call.prompt_ids) - len(call.sampled_ids)))
-            for call, after in zip(calls, calls[1:])] + [(len(calls[-1].sampled_ids), 0)]  # fmt: skip
+    calls, _ = read_session(benchmark_common.RECORDED_SESSIONS / f"{cli}.json.zst")
+    return [
+        (len(call.sampled_ids), max(0, len(after.prompt_ids) - len(call.prompt_ids) - len(call.sampled_ids)))
+        for call, after in zip(calls, calls[1:])
+    ] + [(len(calls[-1].sampled_ids), 0)]
 
 
-def cli_step(cli: str, groups: int, turns: tuple[int, int], vocab: int, seed: int = 0,
-             shape: str = "coding") -> list[TrainSequence]:
+def cli_step(
+    cli: str, groups: int, turns: tuple[int, int], vocab: int, seed: int = 0, shape: str = "coding"
+) -> list[TrainSequence]:
     """One step's traces: `groups` groups of GROUP_SIZE sessions shaped like the CLI's ("none": every
     session's prompt drawn at random, nothing in common), with `turns` (least, most) coding turns or,
     for `shape` "recorded", the recorded session's turns."""
@@ -82,8 +90,10 @@ def cli_step(cli: str, groups: int, turns: tuple[int, int], vocab: int, seed: in
         for member in range(GROUP_SIZE):
             prompt = rng.integers(100, vocab, len(system)) if cli == "none" else task
             if shape == "recorded":
-                lengths = [(_length(rng, reply, 1, 10 * reply), _length(rng, tool, 1, 10 * tool) if tool else 0)
-                           for reply, tool in recorded]  # fmt: skip
+                lengths = [
+                    (_length(rng, reply, 1, 10 * reply), _length(rng, tool, 1, 10 * tool) if tool else 0)
+                    for reply, tool in recorded
+                ]
             else:
                 count = int(rng.integers(turns[0], turns[1] + 1))
                 lengths = [(_length(rng, 150, 10, 1500), _length(rng, 300, 20, 3000)) for _ in range(count)]
@@ -114,7 +124,7 @@ def compare(backend, sequences: list[TrainSequence], budget: int, rounds: int, p
     profiler, its costliest operations printed and returned."""
     layouts = {"shared": pack(sequences, budget, share_prefixes=True), "plain": pack(sequences, budget)}
     seconds = {name: float("inf") for name in layouts}
-    for name, batches in layouts.items():
+    for batches in layouts.values():
         _timed_update(backend, batches)  # warm-up: allocator, kernels
     for _ in range(rounds):
         for name, batches in layouts.items():
@@ -148,12 +158,20 @@ def _profiled_update(backend, batches) -> list[dict]:
     averages = profiler.key_averages()
     print(averages.table(sort_by=key, row_limit=PROFILE_ROWS))
     top = sorted(averages, key=lambda event: getattr(event, key), reverse=True)
-    return [{"name": event.key, "calls": event.count, "self_ms": getattr(event, key) / 1e3}
-            for event in top[:PROFILE_ROWS]]  # fmt: skip
+    return [
+        {"name": event.key, "calls": event.count, "self_ms": getattr(event, key) / 1e3} for event in top[:PROFILE_ROWS]
+    ]
 
 
-def bench_shared_prefix(backend, clis: list[str], groups: int, turns: tuple[int, int], rounds: int,
-                        shapes: tuple[str, ...] = ("coding",), profile: bool = False) -> dict:
+def bench_shared_prefix(
+    backend,
+    clis: list[str],
+    groups: int,
+    turns: tuple[int, int],
+    rounds: int,
+    shapes: tuple[str, ...] = ("coding",),
+    profile: bool = False,
+) -> dict:
     """Per CLI and session shape ("coding", "recorded"; rows named `cli` and `cli/recorded`)."""
     vocab = backend.model_description["vocab_size"]
     results = {}
@@ -177,16 +195,41 @@ def _tree_budget(sequences: list[TrainSequence]) -> int:
     return max(sum(b.tokens for b in pack(group, total, share_prefixes=True)) for group in groups.values())
 
 
+# The tables' rows are printed as they are measured (a row takes seconds to minutes): fixed widths.
+SHARING_COLUMNS = ("traces like", "traces", "tokens", "computed shared", "s shared", "s plain", "speed-up", "target")
+SHARING_WIDTHS = (20, 6, 8, 15, 8, 7, 8, 7)
+HARNESS_COLUMNS = (
+    "builder",
+    "sharing",
+    "traces",
+    "tokens",
+    "computed",
+    "trained",
+    "share",
+    "seconds",
+    "tokens/s",
+    "trained/s",
+)
+HARNESS_WIDTHS = (15, 7, 6, 8, 9, 8, 6, 8, 9, 9)
+
+
 def print_header() -> None:
-    print(f"  {'traces like':<20} {'traces':>6} {'tokens':>8} {'computed shared':>16} {'s shared':>9} "
-          f"{'s plain':>8} {'speed-up':>8} {'target':>7}")
+    print("  " + benchmark_common.table_row(SHARING_COLUMNS, SHARING_WIDTHS))
 
 
 def _print_row(cli: str, row: dict) -> None:
     target = f">= {row['target']:.0f}x" if row.get("target") else ""
-    print(f"  {cli:<20} {row['traces']:>6} {row['tokens_represented']:>8} {row['tokens_computed']['shared']:>16} "
-          f"{row['seconds']['shared']:>9.2f} {row['seconds']['plain']:>8.2f} {row['speedup']:>7.2f}x {target:>7}",
-          flush=True)
+    cells = (
+        cli,
+        str(row["traces"]),
+        str(row["tokens_represented"]),
+        str(row["tokens_computed"]["shared"]),
+        f"{row['seconds']['shared']:.2f}",
+        f"{row['seconds']['plain']:.2f}",
+        f"{row['speedup']:.2f}x",
+        target,
+    )
+    print("  " + benchmark_common.table_row(cells, SHARING_WIDTHS), flush=True)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -199,7 +242,7 @@ def harness_traces(preset: str, builder: str, sessions: int = GROUP_SIZE, seed: 
     reply's length (the same calls, other samples: the shape a GRPO group of one task has)."""
     from polar.trajectory import build, read_session
 
-    calls, _ = read_session(SESSIONS / f"{preset}.json.zst")
+    calls, _ = read_session(benchmark_common.RECORDED_SESSIONS / f"{preset}.json.zst")
     rng = np.random.default_rng(seed)
     variants = [list(calls)]
     for _ in range(sessions - 1):
@@ -208,7 +251,7 @@ def harness_traces(preset: str, builder: str, sessions: int = GROUP_SIZE, seed: 
             prompt = tuple(call.prompt_ids.tolist())
             for old in sorted(carried, key=len, reverse=True):  # a later prompt holds earlier replies
                 if prompt[: len(old)] == old:
-                    prompt = carried[old] + prompt[len(old):]
+                    prompt = carried[old] + prompt[len(old) :]
                     break
             sampled = tuple(rng.integers(100, 49000, len(call.sampled_ids)).tolist())
             redrawn.append(replace(call, prompt_ids=np.asarray(prompt), sampled_ids=np.asarray(sampled)))
@@ -217,21 +260,26 @@ def harness_traces(preset: str, builder: str, sessions: int = GROUP_SIZE, seed: 
     traces = [trace for variant in variants for trace in build(builder, variant).traces if trace.trainable_tokens]
     trainable = sum(trace.trainable_tokens for trace in traces)
     return [
-        TrainSequence(name=f"{preset}/{index}", token_ids=np.asarray(t.token_ids, np.int64),
-                      loss_mask=np.asarray(t.loss_mask, bool), behaviour_logprobs=np.asarray(t.logprobs, np.float32),
-                      advantage=float(rng.normal()), token_weight=1.0 / trainable,
-                      temperature=np.ones(len(t.token_ids), np.float32), top_p=np.ones(len(t.token_ids), np.float32),
-                      top_k=np.zeros(len(t.token_ids), np.int32))
+        TrainSequence(
+            name=f"{preset}/{index}",
+            token_ids=np.asarray(t.token_ids, np.int64),
+            loss_mask=np.asarray(t.loss_mask, bool),
+            behaviour_logprobs=np.asarray(t.logprobs, np.float32),
+            advantage=float(rng.normal()),
+            token_weight=1.0 / trainable,
+            temperature=np.ones(len(t.token_ids), np.float32),
+            top_p=np.ones(len(t.token_ids), np.float32),
+            top_k=np.zeros(len(t.token_ids), np.int32),
+        )
         for index, t in enumerate(traces)
-    ]  # fmt: skip
+    ]
 
 
 def bench_harness(backend, preset: str, rounds: int) -> dict:
     """Per builder (prefix merging, per request) and with and without sharing: tokens packed, the
     share of them trained, and trainer tokens/s (tokens the traces hold, per second of update)."""
     results = {}
-    print(f"  {'builder':<15} {'sharing':<8} {'traces':>6} {'tokens':>8} {'computed':>9} {'trained':>8} "
-          f"{'share':>6} {'seconds':>8} {'tokens/s':>9} {'trained/s':>9}")
+    print("  " + benchmark_common.table_row(HARNESS_COLUMNS, HARNESS_WIDTHS, left=2))
     for builder in ("prefix_merging", "per_request"):
         sequences = harness_traces(preset, builder)
         budget = max(8192, _tree_budget(sequences))
@@ -240,11 +288,26 @@ def bench_harness(backend, preset: str, rounds: int) -> dict:
         for layout in ("shared", "plain"):
             seconds, computed = row["seconds"][layout], row["tokens_computed"][layout]
             results[f"{builder}/{layout}"] = point = {
-                "traces": len(sequences), "tokens": row["tokens_represented"], "computed": computed,
-                "trained": trained, "trained_share": trained / computed, "seconds": seconds,
-                "tokens_per_s": row["tokens_represented"] / seconds, "trained_per_s": trained / seconds,
-            }  # fmt: skip
-            print(f"  {builder:<15} {'on' if layout == 'shared' else 'off':<8} {point['traces']:>6} {point['tokens']:>8} "
-                  f"{computed:>9} {trained:>8} {100 * point['trained_share']:>5.1f}% {seconds:>8.2f} "
-                  f"{point['tokens_per_s']:>9.0f} {point['trained_per_s']:>9.1f}", flush=True)
+                "traces": len(sequences),
+                "tokens": row["tokens_represented"],
+                "computed": computed,
+                "trained": trained,
+                "trained_share": trained / computed,
+                "seconds": seconds,
+                "tokens_per_s": row["tokens_represented"] / seconds,
+                "trained_per_s": trained / seconds,
+            }
+            cells = (
+                builder,
+                "on" if layout == "shared" else "off",
+                str(point["traces"]),
+                str(point["tokens"]),
+                str(computed),
+                str(trained),
+                f"{100 * point['trained_share']:.1f}%",
+                f"{seconds:.2f}",
+                f"{point['tokens_per_s']:.0f}",
+                f"{point['trained_per_s']:.1f}",
+            )
+            print("  " + benchmark_common.table_row(cells, HARNESS_WIDTHS, left=2), flush=True)
     return results

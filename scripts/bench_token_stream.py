@@ -10,15 +10,16 @@ streamed, at 1 and 32 sessions: requests/s and CPU per call of the gateway and t
 
 The step is 2 ms, far quicker than a loaded GPU's 20-50 ms, so that a window holds enough calls: a
 message still holds one token at interval 0, and at 0.1 s the whole 34-token reply comes in one or
-two messages, where a real engine's would come in a few. The table is bench_gateway.py's.
+two messages, where a real engine's would come in a few. The load and the table are the gateway
+benchmarks' (gateway_load.py).
 
     python scripts/bench_token_stream.py --quick     # under a minute on 2 CPU cores
-    python scripts/bench_token_stream.py --out FILE  # JSON report (default bench-results/token_stream.json)
+
+Prints a table and writes JSON (default bench-results/token_stream.json).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -27,15 +28,24 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_gateway, which this one extends
-
-import bench_gateway as bg
-
 from gateway.core import DEFAULT_MESSAGE_INTERVAL_S
 from polar import credentials as creds
+from polar.app.stack import gateway_spec, inference_spec, running
 from polar.config import GatewayConfig, InferenceConfig
-from polar.service import listening_socket
-from polar.stack import gateway_spec, inference_spec, running
+from polar.service_base import listening_socket
+
+import benchmark_common
+from gateway_load import Bench, Point, Settings, Target, header
+from gateway_stack import (
+    REPLAY_MARKERS,
+    REPLY_TEXT,
+    STARTUP_TIMEOUT_S,
+    STOP_TIMEOUT_S,
+    open_sessions,
+    recorded_sessions,
+    replay_request,
+    replay_rules,
+)
 
 STEP_S = 0.002  # the scripted engine's pause before each token
 INTERVALS = (0.0, DEFAULT_MESSAGE_INTERVAL_S)
@@ -44,57 +54,53 @@ HARNESS = "pi"
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="whole replies only, short windows: under a minute")
-    parser.add_argument("--out", default=str(bg.ROOT / "bench-results" / "token_stream.json"), help="JSON report path")
-    args = parser.parse_args()
-    settings = bg.Settings(
+    quick = "whole replies only, short windows: under a minute"
+    args = benchmark_common.parser(__doc__, quick, "token_stream.json").parse_args()
+    settings = Settings(
         quick=args.quick,
         workers=len(os.sched_getaffinity(0)),
         warmup_s=0.5 if args.quick else 1.0,
         window_s=2.0 if args.quick else 4.0,
-        sessions=SESSIONS,
-        full_dialects=(),
         paired_rounds=1,
         paired_warmup_s=0.0,
     )
-    sessions = bg._recorded_sessions()
+    sessions = recorded_sessions()
     session = next(s for s in sessions if s.harness == HARNESS)
-    rules = [dict(rule, delay_seconds=STEP_S) for rule in bg._replay_rules(sessions)]
-    points: list[bg.Point] = []
+    rules = [dict(rule, delay_seconds=STEP_S) for rule in replay_rules(sessions)]
+    points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="polar-bench-token-stream-") as scratch, contextlib.ExitStack() as stack:
         script = Path(scratch) / "script.json"
-        script.write_text(json.dumps({"rules": rules, "outputs": [{"text": bg.REPLY_TEXT}], "cycle": True}))
+        script.write_text(json.dumps({"rules": rules, "outputs": [{"text": REPLY_TEXT}], "cycle": True}))
         inference_config = InferenceConfig(
             engine="scripted", port=0, script=str(script), max_batch_size=2 * max(SESSIONS)
         )
         stack.enter_context(creds.handed_to_children(None))
-        inference = stack.enter_context(
-            running(inference_spec(inference_config), bg.STARTUP_TIMEOUT_S, bg.STOP_TIMEOUT_S)
-        )
-        bench = bg.Bench(settings)
+        inference = stack.enter_context(running(inference_spec(inference_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S))
+        bench = Bench(settings)
         stack.callback(bench.close)
         bench.processes["inference"] = inference.process.pid
-        print(bg._header())
+        print(header())
         for interval in INTERVALS:
             http = stack.enter_context(listening_socket("127.0.0.1"))
             config = GatewayConfig(
-                port=http.getsockname()[1], grpc_port=0, inference_address=inference.dial_address,
+                port=http.getsockname()[1],
+                grpc_port=0,
+                inference_address=inference.dial_address,
                 message_interval_s=interval,
-            )  # fmt: skip
+            )
             gateway = stack.enter_context(
-                running(gateway_spec(config, inference_config), bg.STARTUP_TIMEOUT_S, bg.STOP_TIMEOUT_S, http)
+                running(gateway_spec(config, inference_config), STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, http)
             )
             name = f"gateway_interval_{interval:g}s"
             bench.processes[name] = gateway.process.pid
             address = f"127.0.0.1:{config.port}"
             for stream in (False,) if args.quick else (False, True):
                 for count in SESSIONS:
-                    keys = bg._open_sessions(gateway.dial_address, count, None)
-                    payloads = tuple(bg.replay_request(session.requests[0], stream, key, address) for key in keys)
-                    marker = bg.REPLAY_MARKERS[session.dialect][stream]
+                    keys = open_sessions(gateway.dial_address, count, None)
+                    payloads = tuple(replay_request(session.requests[0], stream, key, address) for key in keys)
+                    marker = REPLAY_MARKERS[session.dialect][stream]
                     label = f"{HARNESS}:first interval {interval:g}s"
-                    target = bg.Target(
+                    target = Target(
                         "polar", "direct", label, stream, "http", address, payloads, marker, (name, "inference")
                     )
                     points.append(bench.point(target))
@@ -107,15 +113,19 @@ def main() -> int:
             f"{row['inference_cpu_us'][1]:,.0f} µs; req/s {row['requests_per_s'][0]:,.0f} / "
             f"{row['requests_per_s'][1]:,.0f}"
         )
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {"step_s": STEP_S, "intervals_s": INTERVALS, "harness": HARNESS, "ratios": rows}
-    out.write_text(json.dumps(report | {"points": [asdict(p) for p in points]}, indent=1))
-    print(f"wrote {out}")
+    report = {
+        "machine": benchmark_common.machine("aiohttp", "grpcio"),
+        "step_s": STEP_S,
+        "intervals_s": INTERVALS,
+        "harness": HARNESS,
+        "ratios": rows,
+        "points": [asdict(p) for p in points],
+    }
+    benchmark_common.write_json(report, args.out, "token_stream.json")
     return 0
 
 
-def _ratios(points: list[bg.Point]) -> list[dict]:
+def _ratios(points: list[Point]) -> list[dict]:
     """Per mode and number of sessions: each interval's figures, and the gateway's CPU at interval 0
     over its CPU at the default interval."""
     rows = []

@@ -14,6 +14,11 @@ Measures, in one run:
   micro-batch: MFU = (6 * parameters * tokens + 6 * layers * hidden * sum over traces of len^2 / 2
   [causal attention, forward and backward]) / seconds / peak bf16 FLOP/s of the card (--peak-tflops).
 
+With --lora compare, instead: full training against a LoRA adapter of --lora-rank on every
+projection, each in a process of its own, side by side: a step's seconds on the example's traces,
+peak memory (the process's on a CPU, the GPU's allocations on a GPU), and one weight push (bytes; on a
+CPU also seconds, to a server on loopback). The JSON's `lora.full` and `lora.adapter` hold them.
+
 With --shared-prefix compare (scripts/bench_shared_prefix.py), instead: trainer time per step (one
 optimizer update, gradient checkpointing on) with and without shared-prefix packing, on steps of
 groups of 8 sessions shaped like each CLI's (its recorded first prompt from tests/fixtures/sessions,
@@ -35,29 +40,30 @@ Pi-shaped ones, no slower where nothing is shared.
     python scripts/bench_trainer.py --harness claude-code
     python scripts/bench_trainer.py --shared-prefix compare --backend megatron --shape qwen3-4b --device cuda
     python scripts/bench_trainer.py --shared-prefix compare --profile ...   # where each layout's time goes
+    python scripts/bench_trainer.py --lora compare [--quick]    # full against LoRA: step, memory, push
+    python scripts/bench_trainer.py --lora compare --shape qwen3-4b --device cuda
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
-import platform
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from bench_shared_prefix import CLIS, bench_harness, bench_shared_prefix, print_header
 
 from polar.rollout.tasks import parse_task_lines
-from bench_shared_prefix import CLIS, bench_harness, bench_shared_prefix, print_header
 from trainer.batches import pack, pad
-from trainer.sequences import TrainSequence
 from trainer.grpo import LossConfig
 from trainer.metrics import read_metrics
+from trainer.sequences import TrainSequence
 
-EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "train" / "tasks-train.jsonl"
+import benchmark_common
+
+EXAMPLE_TASKS = benchmark_common.ROOT / "examples" / "train" / "tasks-train.jsonl"
 H100_BF16_TFLOPS = 989.0
 
 
@@ -145,8 +151,9 @@ def bench_layouts(backend, sequences, budget: int, repeats: int) -> dict:
     return result
 
 
-def bench_weight_sync(backend, model: str, repeats: int) -> dict:
-    """Push the backend's weights to an inference server of the same model, in-process on loopback."""
+def bench_weight_sync(backend, model: str, repeats: int, **engine_options) -> dict:
+    """Push the backend's weights to an inference server of the same model (with `engine_options`:
+    an adapter's, for a LoRA backend), in-process on loopback."""
     from polar.inference.engines import EngineOptions, create_engine
     from polar.inference.server import start_server
     from trainer.weight_sync import InferencePool
@@ -156,7 +163,7 @@ def bench_weight_sync(backend, model: str, repeats: int) -> dict:
     holder: dict = {}
 
     async def serve() -> None:
-        engine = create_engine("torch", EngineOptions(model=model, device="cpu", max_batch_size=1))
+        engine = create_engine("torch", EngineOptions(model=model, device="cpu", max_batch_size=1, **engine_options))
         server, port = await start_server(engine)
         holder.update(server=server, port=port, engine=engine)
         started.set()
@@ -175,6 +182,77 @@ def bench_weight_sync(backend, model: str, repeats: int) -> dict:
         loop.call_soon_threadsafe(loop.stop)
     best = min(results, key=lambda r: r.seconds)
     return {"bytes": best.bytes_sent, "seconds": best.seconds, "gb_per_s": best.bytes_sent / best.seconds / 1e9}
+
+
+def lora_mode(mode: str, model: str, device: str, rank: int, quick: bool) -> dict:
+    """One side of --lora compare, in a process of its own (so that its peak memory is its own): a
+    step's best seconds on the example's traces, the process's (or the GPU's) peak memory over the
+    steps, and one weight push (its bytes; on a CPU its seconds too, to a server on loopback)."""
+    import resource
+
+    from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
+
+    torch.manual_seed(0)
+    lora_options = {"lora_rank": rank} if mode == "adapter" else {}
+    backend = TorchBackend(TorchBackendOptions(model=model, device=device, lr=1e-6, **lora_options))
+    if backend.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(backend.device)
+    sequences = example_traces(model, EXAMPLE_TASKS, tasks=2 if quick else 8, seed=0)
+    seconds = time_layout(backend, pack(sequences, 4096), repeats=1 if quick else 3)
+    if backend.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(backend.device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    result = {
+        "step_seconds": seconds,
+        "peak_memory_bytes": peak,
+        "trained_parameters": sum(p.numel() for p in backend.optimizer.param_groups[0]["params"]),
+        "push_bytes": sum(t.numel() * t.element_size() for _, t in backend.hf_weights()),
+    }
+    if backend.device.type == "cpu":
+        engine = {"lora_rank": rank} if mode == "adapter" else {}
+        sync = bench_weight_sync(backend, model, repeats=2 if quick else 3, **engine)
+        result.update(push_bytes=sync["bytes"], push_seconds=sync["seconds"])
+    return result
+
+
+def lora_main(args) -> None:
+    """--lora compare: full training against a LoRA adapter, each in a fresh process."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    model = sharing_model(args) if args.shape or args.layers else args.model
+    if args.random_init:
+        model = random_weights(model)
+    machine = benchmark_common.machine("torch", device=args.device)
+    results: dict = {
+        "model": args.shape or args.model,
+        "device": args.device,
+        "card": machine["gpu"] or machine["cpu"],
+        "machine": machine,
+        "lora": {"rank": args.lora_rank},
+    }
+    for mode in ("full", "adapter"):
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results["lora"][mode] = pool.submit(
+                lora_mode, mode, model, args.device, args.lora_rank, args.quick
+            ).result()
+    print(
+        f"trainer benchmark, LoRA rank {args.lora_rank} against full training: {results['model']} on {results['card']}"
+    )
+    rows = []
+    for mode in ("full", "adapter"):
+        row = results["lora"][mode]
+        push = f"{row['push_seconds']:.3f}" if "push_seconds" in row else "-"
+        figures = (
+            f"{row['trained_parameters']:,}",
+            f"{row['step_seconds']:.2f}",
+            f"{row['peak_memory_bytes'] / 2**20:.0f}",
+        )
+        rows.append((mode, *figures, f"{row['push_bytes'] / 1e6:.2f}", push))
+    header = ("training", "trained parameters", "step s", "peak MiB", "push MB", "push s")
+    benchmark_common.print_table(header, rows, indent="  ")
+    benchmark_common.write_json(results, args.out, "trainer.json")
 
 
 def stage_shares(run_dir: Path) -> dict:
@@ -201,12 +279,17 @@ def bench_mfu(backend, tokens: int, repeats: int, peak_tflops: float) -> dict:
         mask[length // 4 :] = True
         sequences.append(
             TrainSequence(
-                name=f"s{index}", token_ids=ids, loss_mask=mask,
-                behaviour_logprobs=np.where(mask, -2.0, 0.0).astype(np.float32), advantage=float(rng.normal()),
-                token_weight=1.0 / (mask.sum() * (tokens // length)), temperature=np.ones(length, np.float32),
-                top_p=np.ones(length, np.float32), top_k=np.zeros(length, np.int32),
+                name=f"s{index}",
+                token_ids=ids,
+                loss_mask=mask,
+                behaviour_logprobs=np.where(mask, -2.0, 0.0).astype(np.float32),
+                advantage=float(rng.normal()),
+                token_weight=1.0 / (mask.sum() * (tokens // length)),
+                temperature=np.ones(length, np.float32),
+                top_p=np.ones(length, np.float32),
+                top_k=np.zeros(length, np.int32),
             )
-        )  # fmt: skip
+        )
     batches = pack(sequences, tokens)
     seconds = time_layout(backend, batches, repeats)
     layers, hidden = config.num_hidden_layers, config.hidden_size
@@ -223,31 +306,42 @@ def bench_mfu(backend, tokens: int, repeats: int, peak_tflops: float) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smaller run, under a minute on 2 CPU cores")
+    parser = benchmark_common.parser(__doc__, "a smaller run, under a minute on 2 CPU cores", "trainer.json")
     parser.add_argument("--model", default="smollm2-135m", help="tiny, smollm2-135m or a Hugging Face folder")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--tasks", type=Path, default=EXAMPLE_TASKS, help="task file the traces are shaped after")
     parser.add_argument("--run-dir", type=Path, help="a finished `polar train` run to read stage shares from")
     parser.add_argument("--peak-tflops", type=float, default=H100_BF16_TFLOPS, help="the card's dense bf16 peak")
     parser.add_argument(
-        "--random-init", action="store_true",
+        "--random-init",
+        action="store_true",
         help="the model's architecture and tokenizer with random weights (speed does not depend on them)",
-    )  # fmt: skip
+    )
     parser.add_argument("--shared-prefix", choices=("compare",), help="time steps with and without shared prefixes")
     parser.add_argument("--harness", choices=CLIS, help="a preset's recorded session as the trainer packs it")
     parser.add_argument("--clis", default=",".join((*CLIS, "none")), help="--shared-prefix: the CLI shapes to run")
     parser.add_argument("--groups", type=int, default=2, help="--shared-prefix: groups (tasks) per step")
-    parser.add_argument("--session-shape",
-                        help="--shared-prefix: the sessions' turns, coding and/or recorded (comma-separated; "
-                             "default both, --quick: recorded)")
-    parser.add_argument("--layers", type=int, default=0, help="the model's shape cut to this many layers (random weights)")
+    parser.add_argument(
+        "--session-shape",
+        help="--shared-prefix: the sessions' turns, coding and/or recorded (comma-separated; "
+        "default both, --quick: recorded)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=0, help="the model's shape cut to this many layers (random weights)"
+    )
     parser.add_argument("--backend", choices=("torch", "megatron"), default="torch", help="--shared-prefix, --harness")
     parser.add_argument("--shape", choices=("qwen3-4b",), help="a random model of this shape instead of --model")
-    parser.add_argument("--profile", action="store_true",
-                        help="--shared-prefix: one more update per layout under torch's profiler, its costliest operations")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/trainer.json"))
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="--shared-prefix: one more update per layout under torch's profiler, its costliest operations",
+    )
+    parser.add_argument("--lora", choices=("compare",), help="full training against a LoRA adapter, side by side")
+    parser.add_argument("--lora-rank", type=int, default=8, help="--lora: the adapter's rank")
     args = parser.parse_args()
+    if args.lora:
+        lora_main(args)
+        return
     if args.shared_prefix or args.harness:
         sharing_main(args)
         return
@@ -258,8 +352,12 @@ def main() -> None:
     model = random_weights(args.model) if args.random_init else args.model
     backend = TorchBackend(TorchBackendOptions(model=model, device=args.device, lr=1e-6))
     repeats = 1 if args.quick else 3
-    results: dict = {"model": args.model, "device": str(backend.device), "machine": platform.machine(),
-                     "threads": torch.get_num_threads()}  # fmt: skip
+    results: dict = {
+        "model": args.model,
+        "device": str(backend.device),
+        "threads": torch.get_num_threads(),
+        "machine": benchmark_common.machine("torch", device=str(backend.device)),
+    }
     sequences = example_traces(model, args.tasks, tasks=2 if args.quick else 8, seed=0)
     results["layouts"] = bench_layouts(backend, sequences, budget=4096, repeats=repeats)
     if backend.device.type == "cpu":
@@ -271,11 +369,15 @@ def main() -> None:
 
     layouts = results["layouts"]
     print(f"trainer benchmark: {args.model} on {results['device']} ({results['threads']} threads)")
-    print(f"  {'layout':<8} {'micro-batches':>13} {'positions':>10} {'seconds':>8} {'tokens/s':>10}")
+    rows = []
     for name in ("packed", "padded"):
         row = layouts[name]
-        print(f"  {name:<8} {row['micro_batches']:>13} {row['positions']:>10} {row['seconds']:>8.2f} {row['tokens_per_s']:>10.0f}")
-    print(f"  packed / padded: {layouts['packed_over_padded']:.2f}x on {layouts['traces']} traces, {layouts['tokens']} tokens")
+        figures = (str(row["micro_batches"]), str(row["positions"]), f"{row['seconds']:.2f}")
+        rows.append((name, *figures, f"{row['tokens_per_s']:.0f}"))
+    benchmark_common.print_table(("layout", "micro-batches", "positions", "seconds", "tokens/s"), rows, indent="  ")
+    print(
+        f"  packed / padded: {layouts['packed_over_padded']:.2f}x on {layouts['traces']} traces, {layouts['tokens']} tokens"
+    )
     if "weight_sync" in results:
         sync = results["weight_sync"]
         print(f"  weight sync: {sync['bytes'] / 1e6:.0f} MB in {sync['seconds']:.2f} s = {sync['gb_per_s']:.2f} GB/s")
@@ -286,9 +388,7 @@ def main() -> None:
     if "mfu" in results:
         mfu = results["mfu"]
         print(f"  {mfu['card']}: {mfu['tokens_per_s']:.0f} tokens/s, MFU {100 * mfu['mfu']:.1f}% (8k packed tokens)")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"  figures in {args.out}")
+    benchmark_common.write_json(results, args.out, "trainer.json")
 
 
 def sharing_model(args) -> str:
@@ -325,20 +425,37 @@ def sharing_main(args) -> None:
     if args.backend == "megatron":
         from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
 
-        backend = MegatronBackend(MegatronBackendOptions(
-            model=model, lr=1e-6, recompute="full" if torch.cuda.is_available() else "none",
-            fused_swiglu=torch.cuda.is_available(), fused_rope=torch.cuda.is_available()))
+        backend = MegatronBackend(
+            MegatronBackendOptions(
+                model=model,
+                lr=1e-6,
+                recompute="full" if torch.cuda.is_available() else "none",
+                fused_swiglu=torch.cuda.is_available(),
+                fused_rope=torch.cuda.is_available(),
+            )
+        )
     else:
         from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
-        backend = TorchBackend(TorchBackendOptions(model=model, device=args.device, lr=1e-6, gradient_checkpointing="on"))
-    card = torch.cuda.get_device_name() if backend.device.type == "cuda" else platform.processor() or platform.machine()
-    results: dict = {"model": args.shape or args.model, "layers": backend.model_description["num_hidden_layers"],
-                     "backend": args.backend, "device": str(backend.device), "card": card,
-                     "threads": torch.get_num_threads()}  # fmt: skip
+        backend = TorchBackend(
+            TorchBackendOptions(model=model, device=args.device, lr=1e-6, gradient_checkpointing="on")
+        )
+    machine = benchmark_common.machine("torch", device=str(backend.device))
+    card = machine["gpu"] or machine["cpu"]
+    results: dict = {
+        "model": args.shape or args.model,
+        "layers": backend.model_description["num_hidden_layers"],
+        "backend": args.backend,
+        "device": str(backend.device),
+        "card": card,
+        "threads": torch.get_num_threads(),
+        "machine": machine,
+    }
     rounds = 1 if args.quick else 2
-    print(f"trainer benchmark, shared prefixes: {results['model']} ({results['layers']} layers) through the "
-          f"{args.backend} backend on {card} ({results['threads']} threads)")
+    print(
+        f"trainer benchmark, shared prefixes: {results['model']} ({results['layers']} layers) through the "
+        f"{args.backend} backend on {card} ({results['threads']} threads)"
+    )
     if args.shared_prefix:
         clis = ["pi", "none"] if args.quick else args.clis.split(",")
         groups, turns = (1, (1, 2)) if args.quick else (args.groups, (1, 4))
@@ -349,9 +466,7 @@ def sharing_main(args) -> None:
         results["shared_prefix"] = bench_shared_prefix(backend, clis, groups, turns, rounds, shapes, args.profile)
     if args.harness:
         results["harness"] = {args.harness: bench_harness(backend, args.harness, rounds)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"  figures in {args.out}")
+    benchmark_common.write_json(results, args.out, "trainer.json")
 
 
 if __name__ == "__main__":

@@ -18,23 +18,20 @@ Needs .venv-vllm (scripts/setup_vllm.sh):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import benchmark_common
 
 
-async def checkpoint_update(engine, state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], folder: Path) -> None:
+async def checkpoint_update(
+    engine, state: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor], folder: Path
+) -> None:
     """The update as a checkpoint: merged into `state`, written to `folder`, reloaded from there."""
     from safetensors.torch import save_file
 
@@ -64,14 +61,19 @@ async def run(rounds: int) -> dict:
 
     engine = VLLMEngine(EngineOptions(model="smollm2-135m", max_batch_size=4, extra={"max_model_len": "1024"}))
     await engine.start()
-    folder = Path(tempfile.mkdtemp(prefix="bench-vllm-weights-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None))
+    folder = Path(
+        tempfile.mkdtemp(prefix="bench-vllm-weights-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+    )
     try:
         state = {}
         for file in sorted(Path(models.resolve_model("smollm2-135m")).glob("*.safetensors")):
             state.update(load_file(file))
         generator = torch.Generator().manual_seed(0)
         updates = [
-            {name: torch.randn(spec.shape, generator=generator) * 0.02 for name, spec in engine.parameter_specs().items()}
+            {
+                name: torch.randn(spec.shape, generator=generator) * 0.02
+                for name, spec in engine.parameter_specs().items()
+            }
             for _ in range(2)
         ]
         model_bytes = sum(t.numel() * t.element_size() for t in updates[0].values())
@@ -93,28 +95,31 @@ async def run(rounds: int) -> dict:
             leftover.unlink()
         folder.rmdir()
     return {
-        "model": "smollm2-135m", "dtype": "float32", "bytes": model_bytes, "cpus": os.cpu_count(),
-        "cpu": platform.processor() or platform.machine(), "rounds": rounds,
-        "paths": {name: {"seconds": min(s), "gb_per_s": model_bytes / min(s) / 1e9, "all_seconds": s} for name, s in times.items()},
-    }  # fmt: skip
+        "model": "smollm2-135m",
+        "dtype": "float32",
+        "bytes": model_bytes,
+        "machine": benchmark_common.machine("torch"),
+        "rounds": rounds,
+        "paths": {
+            name: {"seconds": min(s), "gb_per_s": model_bytes / min(s) / 1e9, "all_seconds": s}
+            for name, s in times.items()
+        },
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds instead of 6 (about a minute on 2 CPU cores)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/vllm_weights.json"))
-    args = parser.parse_args()
+    quick = "3 rounds instead of 6 (about a minute on 2 CPU cores)"
+    args = benchmark_common.parser(__doc__, quick, "vllm_weights.json").parse_args()
     results = asyncio.run(run(3 if args.quick else 6))
-    print(f"vLLM weight update: smollm2-135m (fp32, {results['bytes'] / 1e6:.0f} MB), {results['rounds']} alternating rounds, best of each")
-    print(f"  {'path':<14} {'seconds':>8} {'GB/s':>7}")
-    for name, row in results["paths"].items():
-        print(f"  {name:<14} {row['seconds']:>8.3f} {row['gb_per_s']:>7.2f}")
+    print(
+        f"vLLM weight update: smollm2-135m (fp32, {results['bytes'] / 1e6:.0f} MB), {results['rounds']} alternating rounds, best of each"
+    )
+    rows = [(name, f"{row['seconds']:.3f}", f"{row['gb_per_s']:.2f}") for name, row in results["paths"].items()]
+    benchmark_common.print_table(("path", "seconds", "GB/s"), rows, indent="  ")
     ratio = results["paths"]["checkpoint"]["seconds"] / results["paths"]["shared memory"]["seconds"]
     results["speedup"] = ratio
     print(f"  shared memory / checkpoint: {ratio:.2f}x faster")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"  figures in {args.out}")
+    benchmark_common.write_json(results, args.out, "vllm_weights.json")
 
 
 if __name__ == "__main__":

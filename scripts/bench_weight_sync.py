@@ -29,31 +29,43 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import benchmark_common
 
 SHAPES = {
     "smollm2-135m": dict(
-        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+        model_type="llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
     ),
     "qwen3-4b": dict(
-        model_type="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=40960,
+        model_type="qwen3",
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
     ),
-}  # fmt: skip
+}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
@@ -79,8 +91,7 @@ def start_server(folder: Path, device: str, baseline: bool, gpu: str = "") -> su
     command = [sys.executable, __file__, "--serve-model", str(folder), "--device", device]
     if baseline:
         command.append("--serve-baseline")
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
+    env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -135,11 +146,16 @@ def _baseline_servicer(base):
                 buffer = buffers.get(chunk.name)
                 if buffer is None:
                     spec = specs[chunk.name]
-                    buffer = buffers[chunk.name] = (bytearray(spec.dtype.itemsize * int(torch.Size(spec.shape).numel())), spec)
+                    buffer = buffers[chunk.name] = (
+                        bytearray(spec.dtype.itemsize * int(torch.Size(spec.shape).numel())),
+                        spec,
+                    )
                 data = chunk.data
                 buffer[0][chunk.offset : chunk.offset + len(data)] = data
             tensors = {
-                name: torch.frombuffer(b, dtype=spec.dtype).reshape(spec.shape) if b else torch.empty(spec.shape, dtype=spec.dtype)
+                name: torch.frombuffer(b, dtype=spec.dtype).reshape(spec.shape)
+                if b
+                else torch.empty(spec.shape, dtype=spec.dtype)
                 for name, (b, spec) in buffers.items()
             }
             self._staged = (header.update_id, tensors, self._staging, sum(len(b) for b, _ in buffers.values()))
@@ -147,7 +163,9 @@ def _baseline_servicer(base):
 
         async def _apply(self, tensors, staging, bytes_received):
             version = await self._engine.update_weights(tensors)
-            return inference_pb2.UpdateWeightsResponse(policy_version=version, tensors_updated=len(tensors), bytes_received=bytes_received)
+            return inference_pb2.UpdateWeightsResponse(
+                policy_version=version, tensors_updated=len(tensors), bytes_received=bytes_received
+            )
 
     return Baseline
 
@@ -157,12 +175,14 @@ def push(pool, weights: dict[str, torch.Tensor]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer rounds, under a minute on 2 CPU cores")
+    parser = benchmark_common.parser(__doc__, "fewer rounds, under a minute on 2 CPU cores", "weight_sync.json")
     parser.add_argument("--device", default="cpu", help="cpu (SmolLM2-135M shape) or cuda (Qwen3-4B shape)")
-    parser.add_argument("--bucket-mb", type=int, default=256, help="CUDA IPC, shared memory, NCCL, gloo: MiB of each of the two buffers")
-    parser.add_argument("--tokenizer", type=Path, default=None, help="folder with the tokenizer files (default: tiny's)")
-    parser.add_argument("--out", type=Path, default=Path("bench-results/weight_sync.json"))
+    parser.add_argument(
+        "--bucket-mb", type=int, default=256, help="CUDA IPC, shared memory, NCCL, gloo: MiB of each of the two buffers"
+    )
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="folder with the tokenizer files (default: tiny's)"
+    )
     parser.add_argument("--serve-model", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -195,13 +215,18 @@ def main() -> None:
         else:
             cases = {
                 "shm": ("shm", False, "", False),
-                "stream": ("stream", False, "", False), "gloo": ("gloo", False, "", False),
-                "gloo (rebuilt)": ("gloo", False, "", True), "stream (before)": ("stream", True, "", False),
-            }  # fmt: skip
+                "stream": ("stream", False, "", False),
+                "gloo": ("gloo", False, "", False),
+                "gloo (rebuilt)": ("gloo", False, "", True),
+                "stream (before)": ("stream", True, "", False),
+            }
         # The servers start together, each in a process of its own.
         servers = [start_server(work / shape, args.device, baseline, gpu) for _, baseline, gpu, _ in cases.values()]
         addresses = {name: address_of(process) for name, process in zip(cases, servers)}
-        pools = {name: InferencePool([addresses[name]], transport=case[0], bucket_bytes=args.bucket_mb << 20) for name, case in cases.items()}
+        pools = {
+            name: InferencePool([addresses[name]], transport=case[0], bucket_bytes=args.bucket_mb << 20)
+            for name, case in cases.items()
+        }
         times: dict[str, list[float]] = {name: [] for name in cases}
         used: dict[str, str] = {}
         for name in cases:  # warm-up: allocations, handles, first connection, the kept group
@@ -210,7 +235,9 @@ def main() -> None:
             for name, (transport, _, _, rebuilt) in cases.items():
                 if rebuilt:
                     pools[name].close()
-                    pools[name] = InferencePool([addresses[name]], transport=transport, bucket_bytes=args.bucket_mb << 20)
+                    pools[name] = InferencePool(
+                        [addresses[name]], transport=transport, bucket_bytes=args.bucket_mb << 20
+                    )
                 result = push(pools[name], weights)
                 times[name].append(result.seconds)
     finally:
@@ -221,18 +248,32 @@ def main() -> None:
             process.kill()
         shutil.rmtree(work, ignore_errors=True)
 
+    machine = benchmark_common.machine("torch", device=args.device)
     results = {
-        "shape": shape, "dtype": str(dtype).removeprefix("torch."), "bytes": model_bytes, "device": args.device,
-        "card": torch.cuda.get_device_name() if cuda else platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(), "rounds": rounds, "bucket_mb": args.bucket_mb, "paths": {},
-    }  # fmt: skip
+        "shape": shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "bytes": model_bytes,
+        "device": args.device,
+        "card": machine["gpu"] or machine["cpu"],
+        "machine": machine,
+        "rounds": rounds,
+        "bucket_mb": args.bucket_mb,
+        "paths": {},
+    }
     for name, seconds in times.items():
         best = min(seconds)
-        results["paths"][name] = {"transport": used[name], "seconds": best, "gb_per_s": model_bytes / best / 1e9, "all_seconds": seconds}
-    print(f"weight sync: {shape} ({results['dtype']}, {model_bytes / 1e9:.2f} GB) on {results['card']}, {rounds} alternating rounds, best of each")
-    print(f"  {'path':<18} {'transport':<10} {'seconds':>8} {'GB/s':>7}")
-    for name, row in results["paths"].items():
-        print(f"  {name:<18} {row['transport']:<10} {row['seconds']:>8.3f} {row['gb_per_s']:>7.2f}")
+        results["paths"][name] = {
+            "transport": used[name],
+            "seconds": best,
+            "gb_per_s": model_bytes / best / 1e9,
+            "all_seconds": seconds,
+        }
+    print(
+        f"weight sync: {shape} ({results['dtype']}, {model_bytes / 1e9:.2f} GB) on {results['card']}, {rounds} alternating rounds, best of each"
+    )
+    paths = results["paths"]
+    rows = [(name, row["transport"], f"{row['seconds']:.3f}", f"{row['gb_per_s']:.2f}") for name, row in paths.items()]
+    benchmark_common.print_table(("path", "transport", "seconds", "GB/s"), rows, left=2, indent="  ")
     if "shm" in results["paths"]:
         ratio = results["paths"]["stream"]["seconds"] / results["paths"]["shm"]["seconds"]
         results["shm_over_stream"] = ratio
@@ -246,9 +287,7 @@ def main() -> None:
             ratio = results["paths"][f"{backend} (rebuilt)"]["seconds"] / results["paths"][backend]["seconds"]
             results[f"{backend}_kept_group_speedup"] = ratio
             print(f"  {backend} kept group / rebuilt: {ratio:.2f}x faster")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"  figures in {args.out}")
+    benchmark_common.write_json(results, args.out, "weight_sync.json")
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@
     python scripts/record_session.py codex claude-code qwen-code gemini-cli pi
 
 For each harness: an inference server with the scripted engine, Envoy and the gateway start on free
-loopback ports (gateway/testing.py); the harness CLI runs as its preset launches it
+loopback ports (polar/testing/gateway.py); the harness CLI runs as its preset launches it
 (polar/rollout/harness.py: headless flags, config files in a private HOME, every base URL pointed at
 Envoy's harness listener and every key variable holding the session key). The model first answers
 with a Hermes `<tool_call>` for the harness's own shell tool, then (once a
 `<tool_response>` is in the prompt) with a final message, so the session has at least two calls that
 extend one another. The session's records are built into prefix_merging traces, verified, and written
-to tests/fixtures/sessions/<harness>.json.zst. Request bodies stay (scripts/bench_gateway.py replays them
+to tests/fixtures/sessions/<harness>.json.zst. Request bodies stay (scripts/bench_gateway_replay.py replays them
 as load); response bodies are dropped from the file (the checks use token ids, logprobs and finish
 reasons only) to keep it small.
 
@@ -27,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gateway.testing import running_gateway
 from polar.rollout.harness import PRESETS, HarnessContext, Preset, prepare_launch
+from polar.testing.gateway import running_gateway
 from polar.trajectory import (
     build,
     session_trajectory,
@@ -60,7 +60,9 @@ def script_for(preset: Preset) -> dict:
     }
 
 
-async def record(name: str, timeout: float, out_dir: Path, keep_responses: bool, search_path: str) -> common_pb2.Trajectory:
+async def record(
+    name: str, timeout: float, out_dir: Path, keep_responses: bool, search_path: str
+) -> common_pb2.Trajectory:
     preset = PRESETS[name]
     async with running_gateway(script_for(preset)) as gw:
         key = gw.open_session(task_id=f"record-{name}")
@@ -69,13 +71,23 @@ async def record(name: str, timeout: float, out_dir: Path, keep_responses: bool,
             home.mkdir()
             work.mkdir()
             context = HarnessContext(
-                instruction=PROMPT, base_url=gw.base_url, key=key, model=MODEL,
-                home=home, workspace=work, session_id=key, task_id=f"record-{name}",
+                instruction=PROMPT,
+                base_url=gw.base_url,
+                key=key,
+                model=MODEL,
+                home=home,
+                workspace=work,
+                session_id=key,
+                task_id=f"record-{name}",
             )
             launch = prepare_launch(rollout_pb2.HarnessSpec(preset=name), context, search_path=search_path)
             proc = await asyncio.create_subprocess_exec(
-                *launch.argv, cwd=work, env=launch.env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                *launch.argv,
+                cwd=work,
+                env=launch.env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
             )
             try:
                 output, _ = await asyncio.wait_for(proc.communicate(), timeout)

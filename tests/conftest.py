@@ -10,6 +10,9 @@ services does in production. grpc.aio's completion queue is process-wide and han
 to the loop its call was made on: an operation still pending in C-core when a test's own loop closed
 would complete later, inside whichever test polls next, as "RuntimeError: Event loop is closed".
 
+Fixtures every tier shares: the `tiny` model's tokenizer and its hermes chat format, and `gateway`,
+the running gateway a module's tests share (what it runs: the module's `gateway_options`).
+
 Ctrl-C: tests send SIGINT to the commands they start, as a user's Ctrl-C. A run started in the
 background by a non-interactive shell (`cmd &` in a script) inherits SIGINT ignored, children keep
 an ignored signal across exec, and a Python child then never raises KeyboardInterrupt; so this
@@ -21,9 +24,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+
+from tests.helpers.gateway_options import GatewayOptions, close_client
 
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -57,3 +62,42 @@ def polar_state_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         os.environ.pop("POLAR_STATE_DIR", None)
     else:
         os.environ["POLAR_STATE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """SmolLM2's real tokenizer (the `tiny` model's), loaded once per session."""
+    from transformers import AutoTokenizer
+
+    from polar.inference.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model("tiny"))
+
+
+@pytest.fixture(scope="module")
+def hermes(smollm2_tokenizer):
+    """The hermes chat format over the `tiny` model's tokenizer."""
+    from gateway.chat_format import get_chat_format
+
+    return get_chat_format("hermes", smollm2_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def gateway_options() -> GatewayOptions:
+    """What the module's `gateway` runs: a module that uses `gateway` overrides this fixture."""
+    raise pytest.UsageError("a module that uses the `gateway` fixture defines `gateway_options` (tests/conftest.py)")
+
+
+@pytest.fixture(scope="module")
+async def gateway(gateway_options: GatewayOptions) -> AsyncIterator:
+    """A real gateway over a real inference server (polar.testing.gateway.running_gateway), started
+    once for the module's tests as its `gateway_options` say; the module's clients are closed after
+    its last test."""
+    # Imported here: the gateway's modules take seconds to import, which runs without it never pay.
+    from polar.testing.gateway import running_gateway
+
+    options = gateway_options
+    async with running_gateway(options.script, engine=options.engine, envoy=options.envoy) as running:
+        yield running
+        while options.clients:
+            await close_client(options.clients.pop())

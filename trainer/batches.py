@@ -1,32 +1,8 @@
 """Laying traces out as micro-batches: packed rows (the training layout) or padded rows (the baseline).
 
-A micro-batch is a set of [R, L] tensors aligned with the model's logits: position i of a row holds
-input token i and predicts the token at i + 1 of the same sequence, so ``targets``, ``loss_mask``
-and every per-token quantity of the loss (behaviour logprob, advantage, token weight, sampling
-parameters) are the trace's values shifted left by one. The last position of each sequence predicts
-nothing (loss mask False). A trace always starts with a prompt, so its first token is never trainable
-and every trainable token is some position's target.
-
-``pack`` concatenates several sequences into one row with no padding at all; ``position_ids`` restart
-at 0 for each sequence, from which Hugging Face models (and ``sequence_lengths``, for backends that
-take cu_seqlens) build a block-diagonal causal mask, so sequences in one row never attend to each
-other. Hugging Face does so only when called with ``attention_mask=None`` and ``use_cache=False``:
-its default (a KV cache, in train mode too) silently ignores the restarts and lets a row's sequences
-attend to the ones before them.
-
-``pad`` puts one sequence per row, padded to the longest of its micro-batch: the layout to compare
-against (the padded positions cost compute and teach nothing).
-
-Both layouts drop sequences with no trainable token: they add nothing to the gradient, only compute.
-The caller counts them if it reports them (``sequence.trainable_tokens == 0``).
-
-Shared prefixes (``pack(..., share_prefixes=True)``, trainer/prefix_tree.py chooses them): traces of a
-micro-batch that begin with the same prompt are laid out as a tree of *pieces*. A piece is a stretch
-of one row; it attends causally to itself and fully to its ancestor pieces (``MicroBatch.parents``),
-and its position ids continue from its parent's, so every token sees exactly the context it has in
-its own trace. A shared piece (the CLI's system prompt, a group's instruction) is computed once and
-its gradient is the sum over the branches below it. A plain sequence is a root piece with no
-children: the layout without sharing is the tree where every piece is a root.
+`pack` puts several sequences in one row with no padding (position ids restart per sequence), and
+with shared prefixes lays traces that begin with the same prompt out as a tree of pieces; `pad` puts
+one sequence per row. The layouts and the alignment with the logits: docs/design/packing.md.
 """
 
 from __future__ import annotations
@@ -40,7 +16,6 @@ import torch
 from polar.inference.sampling import to_device
 from trainer.prefix_tree import plain_units, shared_units
 from trainer.sequences import Piece, TrainSequence
-
 
 # A shared stretch is given a piece of its own only when it saves at least this many computed tokens:
 # each piece costs the backends one more attention call per layer.
@@ -106,8 +81,11 @@ class MicroBatch:
     def to(self, device: torch.device | str) -> MicroBatch:
         """The same micro-batch with every tensor on ``device`` (copies queued without a host sync)."""
         device = torch.device(device)
-        moved = {f.name: to_device(getattr(self, f.name), device) for f in fields(self)
-                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        moved = {
+            f.name: to_device(getattr(self, f.name), device)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
         return replace(self, **moved)
 
 
@@ -195,8 +173,9 @@ def _trainable_fitting(sequences: Sequence[TrainSequence], max_tokens: int) -> l
     return sorted(kept, key=len, reverse=True)  # a stable sort: deterministic
 
 
-def pack(sequences: Sequence[TrainSequence], max_tokens: int, *, share_prefixes: bool = False,
-         min_saving: int = MIN_SAVING) -> list[MicroBatch]:
+def pack(
+    sequences: Sequence[TrainSequence], max_tokens: int, *, share_prefixes: bool = False, min_saving: int = MIN_SAVING
+) -> list[MicroBatch]:
     """First-fit-decreasing into rows of at most ``max_tokens`` computed tokens; one row per micro-batch.
 
     Each micro-batch is one [1, L] row with no padding. Sequences are placed longest first, each into

@@ -116,8 +116,14 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 step = state["step"]
                 if (step, param.device) not in scalars_by_step:
                     scalars = [
-                        group["lr"], beta1, beta2, group["eps"], group["weight_decay"], 1 - beta1**step, 1 - beta2**step,
-                    ]  # fmt: skip
+                        group["lr"],
+                        beta1,
+                        beta2,
+                        group["eps"],
+                        group["weight_decay"],
+                        1 - beta1**step,
+                        1 - beta2**step,
+                    ]
                     # As 0-d tensors: a compiled step specialises on Python numbers, which change every step.
                     scalars_by_step[step, param.device] = torch.tensor(scalars, device=param.device).unbind()
                 values = scalars_by_step[step, param.device]

@@ -22,8 +22,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
 
+from polar import credentials
 from polar.config import TrainerConfig
-from trainer.rollout_link import Dataset, GroupStream, RolloutLink
+from polar.rollout.client import RolloutClient
+from trainer.dataset import Dataset
 
 POLL_S = 0.5
 
@@ -91,12 +93,12 @@ def evaluate(config: TrainerConfig, rollout_address: str, model: str, stop: thre
         task.sampling.temperature = 0.0
         tasks.append(task)
         tasks.append(sampled.task(n))
-    link = RolloutLink(rollout_address)
+    rollout = RolloutClient(rollout_address, credentials.TRAINER)
     results: dict[str, list[float]] = {}
     names: dict[str, str] = {}
-    stream = GroupStream(link, "")
+    stream = rollout.groups("")
     try:
-        link.submit(tasks)
+        rollout.submit(tasks)
         out.write(f"eval: {len(greedy)} held-out tasks, greedy and {k} samples each\n")
         out.flush()
         while len(results) < len(tasks):
@@ -112,7 +114,7 @@ def evaluate(config: TrainerConfig, rollout_address: str, model: str, stop: thre
             out.flush()
     finally:
         stream.close()
-        link.close()
+        rollout.close()
     scores = []
     for n in range(len(greedy)):
         g = results[greedy.task_id(n)]

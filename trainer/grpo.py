@@ -322,9 +322,17 @@ def merge_stats(stats: Sequence[LossStats]) -> dict[str, float]:
         keys = ("weight_sum", "tokens", "clip_fraction", "kl", "is_weight_mean", "ratio_max", "outside_support")
         return dict.fromkeys(keys, 0.0)
     rows = [
-        torch.stack([s.weight_sum, s.clipped_weight, s.kl_weighted, s.is_weight_mean * s.weight_sum,
-                     s.ratio_max.to(s.weight_sum.dtype), s.tokens.to(s.weight_sum.dtype),
-                     s.outside_support.to(s.weight_sum.dtype)])
+        torch.stack(
+            [
+                s.weight_sum,
+                s.clipped_weight,
+                s.kl_weighted,
+                s.is_weight_mean * s.weight_sum,
+                s.ratio_max.to(s.weight_sum.dtype),
+                s.tokens.to(s.weight_sum.dtype),
+                s.outside_support.to(s.weight_sum.dtype),
+            ]
+        )
         for s in stats
     ]
     values = torch.stack(rows).double().cpu()  # [micro-batches, 7]

@@ -32,19 +32,21 @@ from typing import TextIO
 import numpy as np
 import torch
 
+from polar import credentials
 from polar.config import TrainerConfig
 from polar.inference.constraints import ConstraintError, ConstraintViolation, OutputConstraint, TokenGrammar
 from polar.inference.models import model_name
+from polar.rollout.client import Group, GroupStream, RolloutClient
 from polar.trajectory import BuiltTrace, verify, views_from_protos
 from polar.v1 import common_pb2
 from trainer import grpo
 from trainer.backends.base import Backend, UpdateAborted
 from trainer.batches import pack
-from trainer.sequences import TrainSequence
 from trainer.checkpoints import TrainerState, check_compatible, checkpoints_folder, latest_checkpoint, save_checkpoint
+from trainer.dataset import Dataset
 from trainer.metrics import PLOT_FILE, MetricsLog, Progress, plot_rewards, sharing_metrics
-from trainer.rollout_link import Dataset, Group, GroupStream, RolloutLink
 from trainer.screening import Screener
+from trainer.sequences import TrainSequence
 from trainer.weight_sync import InferencePool
 
 log = logging.getLogger("polar.trainer")
@@ -81,9 +83,7 @@ class StepBatch:
 
 def stale_lag(group: Group, policy_version: int) -> int:
     """How many versions behind the trainer the oldest sampled token of the group is (0 when none)."""
-    lags = [
-        policy_version - t.min_policy_version for t in group.trajectories if any(tr.loss_mask for tr in t.traces)
-    ]
+    lags = [policy_version - t.min_policy_version for t in group.trajectories if any(tr.loss_mask for tr in t.traces)]
     return max(lags, default=0)
 
 
@@ -108,7 +108,9 @@ def check_faithful(group: Group) -> None:
 GrammarSource = Callable[[], TokenGrammar]
 
 
-def constraint_masks(name: str, trace: common_pb2.Trace, grammar: GrammarSource | None) -> tuple[tuple[int, np.ndarray], ...]:
+def constraint_masks(
+    name: str, trace: common_pb2.Trace, grammar: GrammarSource | None
+) -> tuple[tuple[int, np.ndarray], ...]:
     """(position, allowed tokens) of every token of the trace sampled under a constraint: its grammar
     replayed over the call's sampled ids, so the trainer masks the logits as the engine did."""
     masks: list[tuple[int, np.ndarray]] = []
@@ -213,7 +215,9 @@ class TrainingRun:
         self.model_lock = threading.Lock()  # held while the weights change or are written out
         self.status_lock = threading.Lock()
         self.last_metrics: dict[str, float] = {}
-        self.dataset = Dataset(config.dataset, seed=config.seed, prefix=config.task_prefix, group_size=config.group_size)
+        self.dataset = Dataset(
+            config.dataset, seed=config.seed, prefix=config.task_prefix, group_size=config.group_size
+        )
         run_dir.mkdir(parents=True, exist_ok=True)
         checkpoint = latest_checkpoint(run_dir)
         self.backend = backend_factory(config, str(checkpoint.model_folder) if checkpoint else config.model)
@@ -225,12 +229,13 @@ class TrainingRun:
             self.state = TrainerState(base_model=config.model, model=self.backend.model_description)
         self.model_name = model_name(config.model)
         self._grammar: TokenGrammar | None = None  # made when the first constrained call is trained on
-        self.rollout = RolloutLink(rollout_address)
+        self.rollout = RolloutClient(rollout_address, credentials.TRAINER)
         self.inference = InferencePool(
             inference_addresses,
             transport=config.weight_sync,
             bucket_bytes=config.weight_sync_bucket_mb << 20,
             timeout_s=config.weight_sync_timeout_s,
+            adapter=config.lora_adapter_name,
         )
         self.started = time.monotonic()
         self.step_timings = {"wait": 0.0, "train": 0.0, "sync": 0.0}
@@ -249,7 +254,7 @@ class TrainingRun:
             existing = self.rollout.existing_task_ids()
             if self.state.step:
                 progress.note(f"resuming after step {self.state.step} (policy version {self.state.policy_version})")
-            stream = GroupStream(self.rollout, self.state.cursor)
+            stream = self.rollout.groups(self.state.cursor)
             dirty = False
             while not self.config.steps or self.state.step < self.config.steps:
                 try:
@@ -275,6 +280,8 @@ class TrainingRun:
                 stream.close()
             metrics.close()
             self.rollout.close()
+            if self.config.lora_adapter_name:
+                self.inference.unload_adapter()  # a resumed run loads it again
             self.inference.close()
         return self.state
 
@@ -291,12 +298,30 @@ class TrainingRun:
                     f"inference server {address} serves {info.name!r} with a vocabulary of {info.vocab_size}, "
                     f"the trainer's model has {vocab}: they must be the same model"
                 )
+        if self.config.lora_adapter_name:
+            self._load_adapter(progress)
+            return
         if all(info.policy_version == self.state.policy_version for info in infos):
             return
         progress.note("the inference servers do not serve the trainer's weights yet: pushing them")
         with self.model_lock:
             result = self.inference.push(self.backend.hf_weights, note=f"step {self.state.step}")
         self.state.policy_version = result.policy_version
+
+    def _load_adapter(self, progress: Progress) -> None:
+        """Load the run's named adapter on every server, as the trainer's policy version: zero, which a
+        fresh run's adapter computes too (its B is zero); a resumed run then pushes its own. A fresh run
+        whose name a server holds already fails there (another run of that name); a resumed run takes
+        its name back."""
+        config, resumed = self.config, self.state.step > 0
+        self.inference.load_adapter(
+            config.lora_rank, config.lora_alpha, config.lora_targets, self.state.policy_version, replace=resumed
+        )
+        if resumed:
+            progress.note(f"pushing the checkpoint's adapter to the servers as {config.lora_adapter_name!r}")
+            with self.model_lock:
+                result = self.inference.push(self.backend.hf_weights, note=f"step {self.state.step}")
+            self.state.policy_version = result.policy_version
 
     def _top_up(self, existing: set[str], taken: int = 0) -> None:
         """Submit tasks until groups_per_step + groups_ahead groups are in flight (`taken`: groups
@@ -305,6 +330,7 @@ class TrainingRun:
         tasks = []
         while self.state.tasks_submitted < target:
             task = self.dataset.task(self.state.tasks_submitted)
+            task.adapter = self.config.lora_adapter_name  # its sessions sample from this run's adapter
             if task.task_id not in existing:
                 tasks.append(task)
                 existing.add(task.task_id)
@@ -374,7 +400,10 @@ class TrainingRun:
 
         train_started = time.perf_counter()
         loss_config = grpo.LossConfig(
-            clip_low=config.clip_low, clip_high=config.clip_high, importance_cap=config.importance_cap, kl_coef=config.kl_coef
+            clip_low=config.clip_low,
+            clip_high=config.clip_high,
+            importance_cap=config.importance_cap,
+            kl_coef=config.kl_coef,
         )
         micro_batches = [
             pack(sequences, self.backend.microbatch_tokens, share_prefixes=config.share_prefixes)
@@ -436,7 +465,9 @@ class TrainingRun:
             "weight_sync_gbps": sync.gb_per_s,
             "weight_sync_bytes": sync.bytes_sent,
             "weight_sync_transport": sync.transport,  # "stream", "cuda_ipc", "nccl", "gloo", or several joined by "+"
-            "weight_sync_servers": [server.metrics() for server in sync.servers],  # each server's transport, seconds, GB/s
+            "weight_sync_servers": [
+                server.metrics() for server in sync.servers
+            ],  # each server's transport, seconds, GB/s
             "elapsed_s": elapsed,
             # Which groups the step took (trained on, then dropped), so a resumed run can be checked
             # to neither repeat nor skip one.

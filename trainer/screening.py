@@ -1,34 +1,8 @@
 """What a step does with sessions that are more than one plain chain of calls, and what it counts.
 
-Every case below has a defined behaviour and counters in each step's line of metrics.jsonl; none stops
-the run, and nothing is left out without being counted:
-
-    case                                 what the step does                               metrics
-    a trace longer than                  too_long = "group" (default): its whole group    traces_too_long
-      max_tokens_per_microbatch            leaves the step; "session": only its session   groups_too_long_dropped
-                                           does, the group's advantages taken over the    sessions_too_long_dropped
-                                           rest; a warning names the trace and its length
-    a fork (compaction, sub-agent,       sibling traces of the session (the builder's),   forks_<reason>
-      edit, parallel branch)               each with the session's advantage and a share
-                                           of its weight
-    a call cut by a cap or the context   its trace is marked truncated, and trained       calls_truncated
-                                           unless train_truncated = false                 traces_truncated(_skipped)
-    an aborted stream, a failed call     its partial sample is trained once, in the       calls_aborted, calls_failed
-                                           context it was sampled in (an "aborted_call"   forks_aborted_call
-                                           trace)
-    a retried call                       the retry continues the chain                    calls_retried
-    a prompt over the context            recorded, nothing to train; what the harness     calls_prompt_too_long
-                                           sends after it (compacted) starts a new trace
-    a first call over the context        the session failed (the rollout node says why)   sessions_first_call_too_long
-                                           and a warning says so, once per run
-
-Why the whole group by default. GRPO centres the advantages within a group. Leaving one session out
-of the gradient while its reward stays in the group's mean pushes every kept session up (their
-advantages no longer sum to 0): a step that imitates whatever was short. Taking the advantages over
-the kept sessions only ("session") keeps them centred, but chooses sessions by their length, so a
-group trains as if its long sessions had never been sampled. Dropping the group keeps every trained
-group exactly as GRPO defines it and costs its rollouts; either way a trace that does not fit teaches
-nothing, and the remedy the warning names is a larger max_tokens_per_microbatch.
+Long traces, forks, cut, aborted, failed, retried and refused calls each have a defined behaviour and
+counters in every metrics.jsonl line; none stops the run. The cases, their counters and why a long
+trace drops its whole group by default: docs/design/screening.md.
 """
 
 from __future__ import annotations
@@ -37,10 +11,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from polar.rollout.client import Group
 from polar.trajectory import FORK_REASONS, views_from_protos
 from polar.trajectory.call_stats import CALL_COUNTS, call_counts
 from polar.v1 import common_pb2
-from trainer.rollout_link import Group
 
 TOO_LONG_POLICIES = ("group", "session")
 # Keys every step's line carries, zero when nothing of the kind happened.

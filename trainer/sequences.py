@@ -44,7 +44,6 @@ class TrainSequence:
         return int(np.count_nonzero(self.loss_mask))
 
 
-
 @dataclass(frozen=True)
 class Piece:
     """Tokens ``start:end`` of one sequence, laid out as one stretch of a row.

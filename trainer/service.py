@@ -20,13 +20,14 @@ from polar.config import TrainerConfig
 from polar.credentials import OPERATOR
 from polar.grpc_server import bind, callers, new_server, set_serving, until_stop_signal
 from polar.metrics import start_metrics, trainer_metrics
-from polar.service import Ready, ServiceError, join_host_port
+from polar.rollout.client import RolloutError
+from polar.service_base import Ready, ServiceError, join_host_port
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
 from trainer.backends.base import Backend, BackendError, shared_options
 from trainer.batches import TraceTooLongError
 from trainer.checkpoints import CheckpointError
+from trainer.dataset import DatasetError
 from trainer.loop import TrainingError, TrainingRun
-from trainer.rollout_link import DatasetError, RolloutError
 from trainer.weight_sync import WeightSyncError
 
 SERVICE_NAME = trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name
@@ -34,7 +35,8 @@ STOP_GRACE_SECONDS = 2.0
 
 
 def create_backend(config: TrainerConfig, model: str) -> Backend:
-    """The configured backend, holding `model` (the starting weights or a checkpoint's folder)."""
+    """The configured backend, holding `model` (the starting weights or a checkpoint's folder: with
+    LoRA, an adapter folder over the [trainer] model)."""
     if config.backend == "megatron":
         # Rank 0 of a torchrun job (trainer.backends.megatron.launch); the other ranks follow it.
         from trainer.backends.megatron import MegatronBackend, options_from_config
@@ -42,11 +44,17 @@ def create_backend(config: TrainerConfig, model: str) -> Backend:
         return MegatronBackend(options_from_config(config, model))
     if config.backend != "torch":
         raise BackendError(f"unknown trainer backend {config.backend!r} (known: torch, megatron)")
+    from polar.lora import is_adapter_folder
     from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 
+    adapter = model if config.lora_rank and is_adapter_folder(model) else ""
     return TorchBackend(
         TorchBackendOptions(
-            model=model,
+            model=config.model if adapter else model,
+            adapter=adapter,
+            lora_rank=config.lora_rank,
+            lora_alpha=config.lora_alpha,
+            lora_targets=config.lora_targets,
             device=config.device,
             gradient_checkpointing=config.gradient_checkpointing,
             **shared_options(config),
@@ -124,9 +132,12 @@ async def serve_trainer(config: TrainerConfig, ready: Ready, rollout_address: st
     await server.start()
     metrics = await start_metrics(config.metrics_address, trainer_metrics(run)) if config.metrics_address else None
     try:
-        ready(port, f"trainer: {run.backend.name} backend on {run.backend.model_description['model_type']} "
-                    f"({config.model}), run folder {config.run_dir}; TrainerService on {join_host_port(config.host, port)}"
-                    + (f"; metrics {metrics.url}" if metrics else ""))  # fmt: skip
+        ready(
+            port,
+            f"trainer: {run.backend.name} backend on {run.backend.model_description['model_type']} "
+            f"({config.model}), run folder {config.run_dir}; TrainerService on {join_host_port(config.host, port)}"
+            + (f"; metrics {metrics.url}" if metrics else ""),
+        )
         training = asyncio.ensure_future(asyncio.to_thread(run.run))
         stopping = asyncio.ensure_future(until_stop_signal())
         await asyncio.wait({training, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -1,30 +1,9 @@
 """Attention over a packed stream of pieces (trainer/batches.py): each piece attends causally to itself
 and fully to its ancestor pieces, never to anything else.
 
-A root piece is one causal attention call. The pieces below the same ancestors (the sessions of a
-group below their shared prompt) run as two parts merged by their log-sum-exps (`_SiblingAttention`):
-all their queries against the ancestors' keys in one call with no mask, and each piece's queries
-against its own keys, causal. So a trace's tokens see exactly the keys they see when the trace runs
-alone, and the cost is what the tree holds: a shared prefix's queries are computed once, each
-branch's queries attend over prefix + branch, and no call computes a pair the mask would drop. The
-alternative, one call over the whole row with an [L, L] mask, costs L^2 whatever the tree, which on
-a 20k-token prompt is most of the work sharing is meant to save.
-
-The split runs on cuDNN on a GPU (half precision, heads of at most 128) and on torch's flash
-attention for the CPU. Elsewhere (fp32 on a GPU; a one-token piece on cuDNN, which refuses one query
-over one key) a piece is one call over its ancestors' keys and its own under the lower-right causal
-mask (query i of an n-token piece below m ancestor tokens sees keys 0 .. m + i).
-
-`scripts/bench_trainer.py --shared-prefix compare` on Claude Code-shaped coding sessions (8 below
-one 20.3k-token prompt), the step's time without sharing over its time with: on one H100, Megatron
-with the 4B shape, 3.16x with each branch under a lower-right mask (torch sends it to flash
-attention, at under half of cuDNN's speed on Hopper), 3.65x with one cuDNN split per branch, 4.10x
-with the siblings' one call over their ancestors; on 2 CPU cores, SmolLM2-135M cut to 1 layer,
-3.73x with one masked call per piece, 3.94x with the siblings' split.
-
-Both backends use it: the torch backend through transformers' attention interface (registered as
-``TREE_ATTENTION``, the row's layout passed as the ``tree_layout`` keyword of the model's forward),
-the megatron backend from its core attention.
+Siblings below the same ancestors share one call over the ancestors' keys, merged by log-sum-exp with
+each piece's causal call over its own; both backends use it. The kernels and the measured speedups:
+docs/design/packing.md.
 """
 
 from __future__ import annotations
@@ -67,8 +46,9 @@ class TreeLayout:
         return any(self.ancestors)
 
 
-def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: TreeLayout,
-                   scale: float | None = None) -> torch.Tensor:
+def tree_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: TreeLayout, scale: float | None = None
+) -> torch.Tensor:
     """Attention of one stream: query [heads, T, d], key and value [kv_heads, T, d] (kv_heads divides
     heads) -> [heads, T, d], a view of a tensor laid out token by token ([T, heads, d] contiguous),
     the layout both callers want back."""
@@ -99,10 +79,15 @@ def tree_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         segments.append((start, out[0].transpose(0, 1)))
     for ancestors, spans in siblings.items():
         out = _SiblingAttention.apply(
-            _gather(query, spans), _gather(key, ancestors), _gather(value, ancestors), _gather(key, spans),
-            _gather(value, spans), kernel, tuple(end - start for start, end in spans),
+            _gather(query, spans),
+            _gather(key, ancestors),
+            _gather(value, ancestors),
+            _gather(key, spans),
+            _gather(value, spans),
+            kernel,
+            tuple(end - start for start, end in spans),
             scale if scale is not None else query.shape[-1] ** -0.5,
-        )[0].transpose(0, 1)  # fmt: skip
+        )[0].transpose(0, 1)
         if _follow_each_other(spans):
             segments.append((spans[0][0], out))
             continue
@@ -148,7 +133,8 @@ def _cudnn_attention(q, k, v, causal: bool, scale: float):
 def _cudnn_attention_backward(dout, q, k, v, out, lse, saved, causal: bool, scale: float):
     max_q, max_k, seed, offset = saved
     return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse, seed, offset, None, None, None, max_q, max_k, 0.0, causal, scale=scale)  # fmt: skip
+        dout, q, k, v, out, lse, seed, offset, None, None, None, max_q, max_k, 0.0, causal, scale=scale
+    )
 
 
 def _cpu_attention(q, k, v, causal: bool, scale: float):
@@ -159,7 +145,8 @@ def _cpu_attention(q, k, v, causal: bool, scale: float):
 
 def _cpu_attention_backward(dout, q, k, v, out, lse, saved, causal: bool, scale: float):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale)  # fmt: skip
+        dout, q, k, v, out, lse.squeeze(-1), 0.0, causal, scale=scale
+    )
 
 
 _KERNELS = {"cudnn": (_cudnn_attention, _cudnn_attention_backward), "cpu": (_cpu_attention, _cpu_attention_backward)}
@@ -237,8 +224,17 @@ def _lower_right(queries: int, keys: int, device: torch.device):
     return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(diagonal=keys - queries)
 
 
-def hf_tree_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      tree_layout: Sequence[TreeLayout] | None = None, **kwargs):
+def hf_tree_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    tree_layout: Sequence[TreeLayout] | None = None,
+    **kwargs,
+):
     """transformers' attention-function signature: query [R, heads, L, d], key / value [R, kv_heads,
     L, d] -> ([R, L, heads, d], None). ``tree_layout``: one layout per row; None: plain causal
     attention over every row (rows of one sequence, padded at the end, which causal attention never
@@ -246,10 +242,15 @@ def hf_tree_attention(module, query, key, value, attention_mask, dropout: float 
     if dropout:
         raise ValueError("tree attention has no dropout")
     if tree_layout is not None:
-        return torch.stack([tree_attention(q, k, v, layout, scaling).transpose(0, 1)
-                            for q, k, v, layout in zip(query, key, value, tree_layout, strict=True)]), None
-    out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                         enable_gqa=query.shape[1] != key.shape[1])
+        return torch.stack(
+            [
+                tree_attention(q, k, v, layout, scaling).transpose(0, 1)
+                for q, k, v, layout in zip(query, key, value, tree_layout, strict=True)
+            ]
+        ), None
+    out = F.scaled_dot_product_attention(
+        query, key, value, is_causal=True, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -59,7 +59,11 @@ def bucket_messages(
                 offset, pieces = 0, []
             length = min(size - offset, total - done)
             buffers[index][offset : offset + length].copy_(flat[done : done + length], non_blocking=True)
-            pieces.append(inference_pb2.SharedTensor(name=name, dtype=wire, shape=shape, offset=offset, tensor_offset=done, size_bytes=length))
+            pieces.append(
+                inference_pb2.SharedTensor(
+                    name=name, dtype=wire, shape=shape, offset=offset, tensor_offset=done, size_bytes=length
+                )
+            )
             offset = min(size, -(-(offset + length) // PIECE_ALIGN) * PIECE_ALIGN)
             done += length
             if done == total:

@@ -1,29 +1,9 @@
 """The trainer's side of the collective transports ("nccl", "gloo"): one update broadcast to every
 server of a group at once (polar/inference/collective.py).
 
-    UpdateWeightsCollective on each server (a header naming the group, its rank, the group's count
-    of updates so far)  ->  every server marks itself ready in the trainer's store
-      ->  a new group forms (a kept one is simply used again)
-      ->  per bucket: announced on every call, then broadcast from the trainer's buffer
-      ->  the calls end; each server answers with the update staged
-
-A group is kept for the next update while the same servers take part, because building one (the
-rendezvous, and NCCL's communicators) costs a good part of an update. A new one is built when a
-server joins or leaves, after an update that failed, and when a server says it no longer holds the
-kept group (NOT_FOUND: it restarted), in which case the same update goes out at once over a new
-group (nothing was broadcast yet: the servers refuse the header before any bucket).
-
-The tensors are packed into two buffers of `bucket_bytes` (trainer/weight_buckets.py): the trainer
-fills one while the other is being broadcast, so its extra memory is two buckets whatever the
-model's size.
-
-Nothing waits forever. A server that dies, or refuses a bucket, closes its connections to the group,
-so the trainer's broadcast fails at once; each call is also watched on a thread of its own, and a
-server's error interrupts the trainer's broadcast where the backend allows (NCCL). The trainer then
-closes the group (every other server's broadcast fails), cancels the other calls, and raises
-GroupFailed naming the server that failed. A server that neither answers nor closes anything is
-caught by the timeout of the joining, then of each broadcast. No server has applied anything: the
-caller commits only after every transfer succeeded.
+A group is kept between updates while the same servers take part, and nothing waits forever: a failed
+server closes the group and names itself. The protocol and the failure rules:
+docs/design/weight-sync.md.
 """
 
 from __future__ import annotations
@@ -58,7 +38,14 @@ class GroupFailed(RuntimeError):
 class _Call:
     """One server's UpdateWeightsCollective call: its outgoing messages and its outcome."""
 
-    def __init__(self, address: str, stub, header: inference_pb2.CollectiveWeightsHeader, on_failure: Callable[[_Call], None], timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        stub,
+        header: inference_pb2.CollectiveWeightsHeader,
+        on_failure: Callable[[_Call], None],
+        timeout_s: float,
+    ) -> None:
         self.address = address
         self.result: inference_pb2.UpdateWeightsResponse | None = None
         self.error: grpc.RpcError | None = None
@@ -163,10 +150,14 @@ class Sent:
 
 class CollectiveSender:
     """Sends updates over collective groups; keeps its rendezvous store, its buffers and, per
-    backend, its last group between them. `groups_built` counts the groups it built."""
+    backend, its last group between them. `groups_built` counts the groups it built. `adapter`: the
+    named LoRA adapter its updates replace ("" = the servers' own parameters)."""
 
-    def __init__(self, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S, rpc_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S, rpc_timeout_s: float = 600.0, adapter: str = ""
+    ) -> None:
         self.bucket_bytes = bucket_bytes
+        self.adapter = adapter
         self.timeout_s = timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.groups_built = 0
@@ -191,7 +182,12 @@ class CollectiveSender:
             kept.group.close()
 
     def send(
-        self, backend: str, servers: Sequence[tuple[str, object]], weights: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str
+        self,
+        backend: str,
+        servers: Sequence[tuple[str, object]],
+        weights: Iterable[tuple[str, torch.Tensor]],
+        note: str,
+        update_id: str,
     ) -> Sent:
         """Stage `weights` on every server of `servers` ((address, stub) pairs) over one `backend`
         group: the group kept from the last update when it was built for the same servers, else a
@@ -200,7 +196,9 @@ class CollectiveSender:
             self._store = collective.open_store(self.timeout_s)
         tensors = sized(weights)
         addresses = tuple(address for address, _ in servers)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == collective.NCCL else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == collective.NCCL else torch.device("cpu")
+        )
         kept = self._kept.get(backend)
         if kept is not None and (kept.members, kept.device) == (addresses, device):
             try:
@@ -234,10 +232,20 @@ class CollectiveSender:
         calls = []
         for rank, (address, stub) in enumerate(servers, start=1):
             header = inference_pb2.CollectiveWeightsHeader(
-                tensor_count=len(tensors), note=note, update_id=update_id, backend=backend, rendezvous=rendezvous,
-                group_id=kept.group_id, world_size=world_size, rank=rank, bucket_bytes=self.bucket_bytes,
-                buffer_count=_BUFFERS, timeout_seconds=self.timeout_s, group_sync=kept.syncs,
-            )  # fmt: skip
+                tensor_count=len(tensors),
+                note=note,
+                update_id=update_id,
+                adapter=self.adapter,
+                backend=backend,
+                rendezvous=rendezvous,
+                group_id=kept.group_id,
+                world_size=world_size,
+                rank=rank,
+                bucket_bytes=self.bucket_bytes,
+                buffer_count=_BUFFERS,
+                timeout_seconds=self.timeout_s,
+                group_sync=kept.syncs,
+            )
             calls.append(_Call(address, stub, header, on_failure, self.rpc_timeout_s))
 
         def announce(bucket: inference_pb2.SharedBucket) -> None:
@@ -275,7 +283,9 @@ class CollectiveSender:
         missing = [call.address for call, result in zip(calls, results) if result is None]
         if missing:
             self._drop(backend)
-            raise GroupFailed(f"inference servers {', '.join(missing)} did not answer the {backend} update within {self.rpc_timeout_s:g} s")
+            raise GroupFailed(
+                f"inference servers {', '.join(missing)} did not answer the {backend} update within {self.rpc_timeout_s:g} s"
+            )
         kept.syncs += 1
         return results
 
@@ -285,13 +295,17 @@ class CollectiveSender:
         deadline = time.monotonic() + self.timeout_s
         while not collective.ready(members, range(1, world_size), kept.syncs):
             if failures:
-                lost = kept.group is not None and any(c.error.code() == grpc.StatusCode.NOT_FOUND for c in list(failures))
+                lost = kept.group is not None and any(
+                    c.error.code() == grpc.StatusCode.NOT_FOUND for c in list(failures)
+                )
                 raise _GroupLost() if lost else CollectiveFailed("a server refused the update")
             if time.monotonic() > deadline:
                 raise GroupFailed(f"not every inference server joined the weight group within {self.timeout_s:g} s")
             time.sleep(_JOIN_POLL_S)
 
-    def _failed(self, backend: str, calls: list[_Call], failures: list[_Call], cause: BaseException | None) -> GroupFailed:
+    def _failed(
+        self, backend: str, calls: list[_Call], failures: list[_Call], cause: BaseException | None
+    ) -> GroupFailed:
         """Cancel every call still open; the error, naming the server that failed where one did. A
         server answers ABORTED when the group broke under it, so the one to name is one that failed
         otherwise (refused, or gone); it may report a moment after the broadcast broke."""
@@ -300,7 +314,11 @@ class CollectiveSender:
             return next((c for c in list(failures) if c.error.code() != grpc.StatusCode.ABORTED), None)
 
         deadline = time.monotonic() + _FAILURE_REPORT_S
-        while culprit() is None and time.monotonic() < deadline and any(c.error is None and c.result is None for c in calls):
+        while (
+            culprit() is None
+            and time.monotonic() < deadline
+            and any(c.error is None and c.result is None for c in calls)
+        ):
             time.sleep(0.01)
         named = culprit()
         for call in calls:

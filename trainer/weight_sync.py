@@ -2,33 +2,14 @@
 
     Pause (every server)  ->  transfer, staged (per server)  ->  CommitWeights (every server)  ->  Resume
 
-Pause lets the generations in flight finish and holds new ones, so no call mixes two versions within
-one step. Each server then receives the whole update staged, not applied, over the fastest transport
-it offers (GetModelInfo's weight_transports):
-
-* "cuda_ipc" (a server on this machine with its engine on a GPU): the tensors pass through two GPU
-  buffers of `bucket_bytes` that the server opens by CUDA IPC handle: the trainer fills one while
-  the server copies the other out (UpdateWeightsShared), so the trainer's extra GPU memory is two
-  buckets whatever the model's size;
-* "shm" (a server on this machine with its engine on a CPU): the same, through two blocks of POSIX
-  shared memory the trainer keeps between syncs and unlinks when it closes;
-* "nccl" (a server on a GPU, on any machine) and "gloo" (a server on a CPU): the tensors are
-  broadcast a bucket at a time, from the same two buffers, to every server of that transport at
-  once, over a group kept between syncs while those servers stay the same
-  (trainer/weight_collective.py);
-* "stream" (any server): UpdateWeights, each tensor streamed in chunks straight from the backend's
-  parameters (one tensor in flight at a time, never a second copy of the model).
-
-Only when every server holds the update does each commit it, so a server that fails mid-transfer
-leaves all of them on the old version, and the trainer with an error naming it. Resume runs whatever
-happened, so a failed update never leaves a server holding its calls. Every server must then report
-the same version, which becomes the trainer's policy version.
+Each server gets the update over the fastest transport it offers (cuda_ipc, shm, nccl, gloo,
+stream). The transports and why a failed transfer leaves every server on the old version:
+docs/design/weight-sync.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-
 import queue
 import time
 import uuid
@@ -97,7 +78,9 @@ class SyncResult:
         return self.bytes_sent / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str = "") -> Iterator[bytes]:
+def tensor_messages(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], note: str, update_id: str = "", adapter: str = ""
+) -> Iterator[bytes]:
     """An UpdateWeights stream, serialized: the header, then each tensor's bytes in chunks of
     CHUNK_BYTES, each an UpdateWeightsRequest exactly as protobuf would serialize it.
 
@@ -108,7 +91,7 @@ def tensor_messages(named_tensors: Iterable[tuple[str, torch.Tensor]], note: str
     it goes) is streamed as it comes, never held whole.
     """
     tensors = sized(named_tensors)
-    header = inference_pb2.WeightsHeader(tensor_count=len(tensors), note=note, update_id=update_id)
+    header = inference_pb2.WeightsHeader(tensor_count=len(tensors), note=note, update_id=update_id, adapter=adapter)
     yield inference_pb2.UpdateWeightsRequest(header=header).SerializeToString()
     for name, tensor in tensors:
         tensor, wire = wire_form(tensor)
@@ -150,10 +133,17 @@ class InferencePool:
     "stream", "nccl" or "gloo" that one for every server (a server that does not offer it fails the
     sync, naming it). `bucket_bytes`: the size of each of the two buffers the "cuda_ipc" and
     collective transports pack tensors into. `timeout_s`: how long a collective group's joining and
-    each of its broadcasts may take before the sync fails (a server that died)."""
+    each of its broadcasts may take before the sync fails (a server that died). `adapter`: the named
+    LoRA adapter (a run's, on servers several runs share) whose matrices the pushes replace; "" = the
+    servers' own parameters."""
 
     def __init__(
-        self, addresses: Sequence[str], transport: str = "auto", bucket_bytes: int = DEFAULT_BUCKET_BYTES, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        addresses: Sequence[str],
+        transport: str = "auto",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        adapter: str = "",
     ) -> None:
         if not addresses:
             raise ValueError("the trainer needs at least one inference server address")
@@ -166,6 +156,7 @@ class InferencePool:
         self.addresses = list(addresses)
         self.transport = transport
         self.bucket_bytes = bucket_bytes
+        self.adapter = adapter
         own = credentials.of_process()
         self._channels = [
             credentials.channel(a, credentials.TRAINER, own, options=[("grpc.max_send_message_length", -1)])
@@ -181,7 +172,7 @@ class InferencePool:
             channel.stream_unary(UPDATE_WEIGHTS, response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
             for channel in self._channels
         ]
-        self._collective = CollectiveSender(bucket_bytes, timeout_s, RPC_TIMEOUT_S)
+        self._collective = CollectiveSender(bucket_bytes, timeout_s, RPC_TIMEOUT_S, adapter)
 
     def close(self) -> None:
         self._collective.close()
@@ -197,11 +188,47 @@ class InferencePool:
         infos = []
         for address, stub in zip(self.addresses, self._stubs):
             try:
-                response = stub.GetModelInfo(inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready)
+                response = stub.GetModelInfo(
+                    inference_pb2.GetModelInfoRequest(), timeout=timeout_s, wait_for_ready=wait_for_ready
+                )
             except grpc.RpcError as exc:
-                raise WeightSyncError(f"inference server {address}: GetModelInfo failed: {exc.code().name}: {exc.details()}") from None
+                raise WeightSyncError(
+                    f"inference server {address}: GetModelInfo failed: {exc.code().name}: {exc.details()}"
+                ) from None
             infos.append(response.model_info)
         return infos
+
+    def load_adapter(
+        self, rank: int, alpha: float, targets: str, policy_version: int = 0, path: str = "", replace: bool = False
+    ) -> None:
+        """Load this pool's adapter on every server: zero of rank, alpha and targets, or the PEFT
+        folder at `path` (which the servers read), served as `policy_version`."""
+        request = inference_pb2.LoadAdapterRequest(
+            name=self.adapter,
+            path=path,
+            rank=rank,
+            alpha=alpha,
+            targets=targets,
+            policy_version=policy_version,
+            replace=replace,
+        )
+        for address, stub in zip(self.addresses, self._stubs):
+            try:
+                stub.LoadAdapter(request, timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError as exc:
+                raise WeightSyncError(
+                    f"inference server {address}: loading adapter {self.adapter!r} failed: "
+                    f"{exc.code().name}: {exc.details()}"
+                ) from None
+
+    def unload_adapter(self) -> None:
+        """Unload this pool's adapter from every server that holds it (one that does not, or is
+        gone, is passed over: a run that ends leaves nothing behind either way)."""
+        for stub in self._stubs:
+            try:
+                stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name=self.adapter), timeout=60)
+            except grpc.RpcError:
+                pass
 
     def transports(self) -> list[str]:
         """The transport each server will be sent the weights over. "auto": the first the server
@@ -216,7 +243,7 @@ class InferencePool:
                 if self.transport not in offered:
                     raise WeightSyncError(
                         f"inference server {address} does not offer the {self.transport} weight transport "
-                        f"(it offers {', '.join(offered)}); set [trainer] weight_sync = \"auto\" or one of those"
+                        f'(it offers {", ".join(offered)}); set [trainer] weight_sync = "auto" or one of those'
                     )
                 chosen.append(self.transport)
                 continue
@@ -260,7 +287,9 @@ class InferencePool:
                         elif transport == sharing.CUDA_IPC:
                             response = self._send_shared(index, weights(), note, update_id)
                         if response is None:
-                            response = self._updates[index](tensor_messages(weights(), note, update_id), timeout=RPC_TIMEOUT_S)
+                            response = self._updates[index](
+                                tensor_messages(weights(), note, update_id, self.adapter), timeout=RPC_TIMEOUT_S
+                            )
                     except grpc.RpcError as exc:
                         raise WeightSyncError(
                             f"inference server {address} failed while receiving the weights ({transport}): "
@@ -282,7 +311,9 @@ class InferencePool:
                     seconds = time.perf_counter() - began
                     for i, response in zip(members, group.results):
                         sent = response.bytes_received
-                        transfers.append(ServerSync(self.addresses[i], backend, seconds, sent, "new" if group.new_group else "kept"))
+                        transfers.append(
+                            ServerSync(self.addresses[i], backend, seconds, sent, "new" if group.new_group else "kept")
+                        )
                 responses = list(pool.map(self._commit, self.addresses, self._stubs, [update_id] * len(self._stubs)))
             finally:
                 list(pool.map(self._resume, self.addresses, self._stubs))
@@ -299,14 +330,18 @@ class InferencePool:
         in shared memory: the server's answer for each bucket frees its buffer for the next one."""
         tensors = sized(weights)
         free: queue.Queue = queue.Queue()
-        header = inference_pb2.SharedWeightsHeader(tensor_count=len(tensors), note=note, update_id=update_id)
+        header = inference_pb2.SharedWeightsHeader(
+            tensor_count=len(tensors), note=note, update_id=update_id, adapter=self.adapter
+        )
         if host:
             blocks = self._host_buffers.get(index)
             if blocks is None:
                 try:
                     blocks = self._host_buffers[index] = sharing.HostBuffers(2, self.bucket_bytes)
                 except OSError as exc:
-                    raise HostBuffersUnavailable(f"no room for two {self.bucket_bytes >> 20} MiB blocks in shared memory: {exc}") from None
+                    raise HostBuffersUnavailable(
+                        f"no room for two {self.bucket_bytes >> 20} MiB blocks in shared memory: {exc}"
+                    ) from None
             buffers, device = blocks.tensors, None
             header.host_buffers.extend(blocks.described)
         else:
@@ -354,12 +389,16 @@ class InferencePool:
         try:
             stub.Pause(inference_pb2.PauseRequest(), timeout=RPC_TIMEOUT_S)
         except grpc.RpcError as exc:
-            raise WeightSyncError(f"inference server {address}: Pause failed: {exc.code().name}: {exc.details()}") from None
+            raise WeightSyncError(
+                f"inference server {address}: Pause failed: {exc.code().name}: {exc.details()}"
+            ) from None
 
     @staticmethod
     def _commit(address: str, stub, update_id: str) -> inference_pb2.UpdateWeightsResponse:
         try:
-            return stub.CommitWeights(inference_pb2.CommitWeightsRequest(update_id=update_id), timeout=RPC_TIMEOUT_S).result
+            return stub.CommitWeights(
+                inference_pb2.CommitWeightsRequest(update_id=update_id), timeout=RPC_TIMEOUT_S
+            ).result
         except grpc.RpcError as exc:
             raise WeightSyncError(
                 f"inference server {address}: CommitWeights failed: {exc.code().name}: {exc.details()}"

@@ -13,6 +13,12 @@ date and message, so its hash is the instances' `base_commit` on every machine. 
 already at that commit is left alone. Then
 `polar tasks import swe examples/swe-mini/instances.jsonl --flavor swebench --local DIR` imports it.
 
+`--images` also builds each repository's Docker image, `polar-swe-mini/<name>` (the Dockerfile
+here: the checkout at /testbed, FROM the base image of scripts/setup_docker.sh); an image already
+built from the same commit and base image is kept. Then
+`polar tasks import swe examples/swe-mini/instances.jsonl --flavor swebench --image-template
+'polar-swe-mini/{repo_name}'` imports tasks that run, and are graded, in those containers.
+
 `--instances` (for whoever edits `sources/`) rewrites instances.jsonl: the gold and test patches
 as git diffs of the overlays, and FAIL_TO_PASS / PASS_TO_PASS from running pytest with the test
 patch before and after the gold patch.
@@ -33,6 +39,8 @@ HERE = Path(__file__).resolve().parent
 SOURCES = HERE / "sources"
 INSTANCES = HERE / "instances.jsonl"
 OWNER = "polar-mini"
+IMAGE_REPOSITORY = "polar-swe-mini"
+BASE_IMAGE = "polar-base:bookworm"
 DATE = "2025-01-01T00:00:00+00:00"
 # The repositories need no pytest plugin, and loading those of the node's environment (hypothesis,
 # anyio, ...) costs more than the tests themselves.
@@ -115,10 +123,41 @@ def build_all(root: Path, names: list[str] | None = None) -> dict[str, str]:
     return built
 
 
+def image_name(name: str) -> str:
+    return f"{IMAGE_REPOSITORY}/{name}"
+
+
+def build_images(root: Path, built: dict[str, str], base: str = BASE_IMAGE) -> list[str]:
+    """The image of every repository in `built` ({name: commit}, checked out under root), unless
+    one of the same commit and base image exists; the names of the images (re)built."""
+    ask = ["docker", "image", "inspect", "--format", "{{.Id}}", base]
+    inspect = subprocess.run(ask, capture_output=True, text=True)
+    if inspect.returncode != 0:
+        raise SystemExit(f"no image {base!r}: build it with scripts/setup_docker.sh ({inspect.stderr.strip()})")
+    base_id = inspect.stdout.strip()
+    rebuilt = []
+    for name, commit in sorted(built.items()):
+        stamp = f"{commit} {base_id}"
+        label = '{{index .Config.Labels "polar.swe-mini.stamp"}}'
+        ask = ["docker", "image", "inspect", "--format", label, image_name(name)]
+        current = subprocess.run(ask, capture_output=True, text=True)
+        if current.returncode == 0 and current.stdout.strip() == stamp:
+            continue
+        argv = ["docker", "build", "--quiet", "--file", str(HERE / "Dockerfile"), "--build-arg", f"BASE={base}"]
+        argv += ["--label", f"polar.swe-mini.stamp={stamp}", "--tag", image_name(name), str(root / OWNER / name)]
+        result = subprocess.run(argv, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"docker build of {image_name(name)} failed: {result.stderr.strip()[-2000:]}")
+        rebuilt.append(image_name(name))
+    return rebuilt
+
+
 def _head(folder: Path) -> str:
     if not (folder / ".git").exists():
         return ""
-    result = subprocess.run(["git", "-C", str(folder), "rev-parse", "HEAD"], env=git_environment(), capture_output=True, text=True)
+    result = subprocess.run(
+        ["git", "-C", str(folder), "rev-parse", "HEAD"], env=git_environment(), capture_output=True, text=True
+    )
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
@@ -136,17 +175,19 @@ def overlay_diff(checkout: Path, overlay: Path) -> str:
 
 
 def pytest_results(checkout: Path, files: list[str]) -> dict[str, str]:
-    from polar.swe.grading import parse_pytest_log
+    from polar.app.swe.grading import parse_pytest_log
 
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-rA", "-p", "no:cacheprovider", *files],
-        cwd=checkout, capture_output=True, text=True,
-    )  # fmt: skip
+        cwd=checkout,
+        capture_output=True,
+        text=True,
+    )
     return parse_pytest_log(result.stdout)
 
 
 def instance(name: str, checkout: Path, base_commit: str) -> dict:
-    from polar.swe.grading import files_in_patch
+    from polar.app.swe.grading import files_in_patch
 
     gold = overlay_diff(checkout, SOURCES / name / "fix")
     tests = overlay_diff(checkout, SOURCES / name / "tests")
@@ -160,7 +201,9 @@ def instance(name: str, checkout: Path, base_commit: str) -> dict:
     fail_to_pass = [test for test, status in after.items() if status == "PASSED" and before.get(test) != "PASSED"]
     pass_to_pass = [test for test, status in after.items() if status == "PASSED" and before.get(test) == "PASSED"]
     if not fail_to_pass or len(after) != len([s for s in after.values() if s == "PASSED"]):
-        raise SystemExit(f"{name}: the gold patch must make every test pass and some newly: before {before}, after {after}")
+        raise SystemExit(
+            f"{name}: the gold patch must make every test pass and some newly: before {before}, after {after}"
+        )
     return {
         "instance_id": f"{OWNER}__{name}-1",
         "repo": f"{OWNER}/{name}",
@@ -194,6 +237,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("dir", nargs="?", default=str(HERE / "repos"), help="where to build (default: %(default)s)")
     parser.add_argument("--instances", action="store_true", help="rewrite instances.jsonl from sources/ (authors only)")
+    parser.add_argument("--images", action="store_true", help="also build each repository's Docker image")
     args = parser.parse_args()
     if args.instances:
         write_instances()
@@ -204,6 +248,9 @@ def main() -> int:
         print(f"base commits differ from instances.jsonl for: {', '.join(wrong)}", file=sys.stderr)
         return 1
     print(f"{len(built)} repositories at their base commits under {Path(args.dir) / OWNER}")
+    if args.images:
+        rebuilt = build_images(Path(args.dir), built)
+        print(f"{len(built)} images {IMAGE_REPOSITORY}/<name> ({len(rebuilt)} built now)")
     return 0
 
 

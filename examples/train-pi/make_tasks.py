@@ -39,12 +39,70 @@ HELD_OUT = 16
 FOLDER = Path(__file__).resolve().parent
 TEMPLATE = "examples/train-pi/workspace"  # the node's path of the workspace, relative to the repository root
 
-WORDS = """
-apple river stone green house table music light water plant cloud bread horse chair dream smile
-ocean tiger paper glass money night sugar train field heart mouse piano queen storm candy eagle
-fruit grape lemon melon onion peach robot snake sword tooth truck wheel zebra beach brush clock
-dance flame garden window pencil rabbit forest island bottle camera circle doctor dragon flower
-""".split()
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "green",
+    "house",
+    "table",
+    "music",
+    "light",
+    "water",
+    "plant",
+    "cloud",
+    "bread",
+    "horse",
+    "chair",
+    "dream",
+    "smile",
+    "ocean",
+    "tiger",
+    "paper",
+    "glass",
+    "money",
+    "night",
+    "sugar",
+    "train",
+    "field",
+    "heart",
+    "mouse",
+    "piano",
+    "queen",
+    "storm",
+    "candy",
+    "eagle",
+    "fruit",
+    "grape",
+    "lemon",
+    "melon",
+    "onion",
+    "peach",
+    "robot",
+    "snake",
+    "sword",
+    "tooth",
+    "truck",
+    "wheel",
+    "zebra",
+    "beach",
+    "brush",
+    "clock",
+    "dance",
+    "flame",
+    "garden",
+    "window",
+    "pencil",
+    "rabbit",
+    "forest",
+    "island",
+    "bottle",
+    "camera",
+    "circle",
+    "doctor",
+    "dragon",
+    "flower",
+]
 
 HEADER = """\
 # The Pi example's {split} tasks, written by examples/train-pi/make_tasks.py (edit that, not this).

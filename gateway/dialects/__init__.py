@@ -61,7 +61,7 @@ def _load(name: str) -> Dialect | DialectUnavailable:
         if exc.name != module_name:
             log.exception("gateway: the %s dialect needs a missing module", name)
         return DialectUnavailable(f"the {name} dialect is not available in this gateway ({exc})")
-    except Exception as exc:  # noqa: BLE001 - one broken dialect must not take the others down
+    except Exception as exc:
         log.exception("gateway: the %s dialect failed to import", name)
         return DialectUnavailable(f"the {name} dialect failed to load: {type(exc).__name__}: {exc}")
     dialect = getattr(module, "DIALECT", None)

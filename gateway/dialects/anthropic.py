@@ -1,46 +1,9 @@
 """Anthropic Messages: `POST /v1/messages` (also `?beta=true`) and `POST /v1/messages/count_tokens`.
 
-Request → conversation:
-
-- `system` (a string or text blocks) and every `role: "system"` message inside `messages` (Claude Code
-  sends them there) are folded, in order, into one system turn at the start: chat templates take one
-  system prompt, first. A system message that appears later in a conversation therefore changes the
-  system turn, and the core renders that call fresh.
-- user turns: text blocks become one user message (joined with `\\n`); each `tool_result` block becomes a
-  tool message (its text content, `is_error` accepted and not rendered: the result text states the
-  error), in block order, so `[tool_result, text]` is a tool turn then a user turn. A user message with
-  no blocks (`content: []`) is a 400, as Anthropic's.
-- assistant turns: `text` blocks → content, `thinking` blocks → reasoning, `tool_use` → tool calls.
-  Text and thinking blocks are concatenated without a separator: they are the pieces this dialect cut
-  one output into when it streamed it (a reasoning span in the middle splits the text), so joining them
-  gives back exactly the parsed output, which is what history matching compares. `redacted_thinking`
-  is accepted and contributes nothing: its data is encrypted by Anthropic and no Polar model wrote it.
-- images, documents and every other non-text block: 400 (UNSUPPORTED_CONTENT); text is the documented
-  limit. Blocks that exist but sit in the wrong role (a `tool_use` from the user): 400.
-- tools: custom tools (`input_schema`; `type` absent or `"custom"`) reach the model. Anthropic-defined
-  tools (`web_search_…`, `bash_…`, `text_editor_…`, any other `type`) are skipped: their schemas live
-  inside Anthropic's models and servers, no Polar model can call them, and a harness that lists one
-  next to its own tools should still work. A `tool_choice` naming a skipped tool is a 400.
-- `tool_choice`: auto / any (→ required) / tool (→ that function) / none; `disable_parallel_tool_use` is
-  accepted and not enforced. Output tool calls are parsed only when custom tools exist and the choice
-  is not `none`.
-- sampling: `max_tokens` (required here, not for count_tokens), `temperature` and `top_p` in [0, 1],
-  `top_k`, `stop_sequences`, `stream`.
-- accepted and ignored: `thinking` (the model reasons or not by itself; its thinking blocks are always
-  returned, since the harness must echo them for the history to match), `context_management`,
-  `output_config`, `metadata`, `service_tier`, `cache_control` anywhere, `citations`, `betas`, `container`,
-  `mcp_servers` and any other unknown field.
-
-Result → response: a thinking block (signature `polar-<call id>`), a text block, tool_use blocks, in that
-order; empty ones are left out. Finish reasons: end_turn, tool_use, stop_sequence, max_tokens, and
-`model_context_window_exceeded` when the clamped max tokens filled the context. Usage is real; cache
-counts are 0. Streams follow the Messages event grammar: `message_start`, per block
-`content_block_start` / `content_block_delta` / `content_block_stop`, `message_delta`, `message_stop`; a
-failure after the start is an `error` event, which ends an Anthropic stream.
-
-Errors: `{"type": "error", "error": {"type", "message"}}` with Anthropic's statuses (overloaded: 529);
-the message names the field first (`messages.2.content.0.type: …`), as Anthropic's do, and a prompt over
-the context says `prompt is too long`, which Claude Code looks for to compact its history.
+System prompts, text, thinking, tool_use and tool_result blocks are read into the conversation; the
+result is written back as thinking, text and tool_use blocks, streamed as the Messages event grammar.
+What is accepted, ignored and refused, and the error shape Claude Code relies on:
+docs/design/dialects.md.
 """
 
 from __future__ import annotations
@@ -121,8 +84,7 @@ def _block_type(block: Any, param: str) -> tuple[dict[str, Any], str]:
 def _unsupported(kind: str, param: str) -> GatewayError:
     return GatewayError(
         ErrorKind.UNSUPPORTED_CONTENT,
-        f"content blocks of type {kind!r} are not supported: this gateway serves text, tool use and "
-        "thinking only",
+        f"content blocks of type {kind!r} are not supported: this gateway serves text, tool use and thinking only",
         param=param,
     )
 
@@ -382,8 +344,7 @@ def _content(output: ParsedOutput, call: CallInfo) -> list[dict[str, Any]]:
     if output.content:
         blocks.append({"type": "text", "text": output.content})
     blocks.extend(
-        {"type": "tool_use", "id": tool.id, "name": tool.name, "input": tool.arguments}
-        for tool in output.tool_calls
+        {"type": "tool_use", "id": tool.id, "name": tool.name, "input": tool.arguments} for tool in output.tool_calls
     )
     return blocks
 

@@ -125,7 +125,7 @@ class DialectRequest:
     # Tool calls in the output are parsed as tool calls (False when the client disabled tools).
     parse_tool_calls: bool = True
     # The JSON schema the reply must follow (OpenAI response_format / text.format json_schema, Gemini
-    # responseSchema); None: free text. Kept by constrained decoding (gateway/constraint.py).
+    # responseSchema); None: free text. Kept by constrained decoding (gateway/request_constraint.py).
     output_schema: Mapping[str, Any] | None = None
     # Dialect-specific fields its responses echo (e.g. Responses' instructions or metadata, Anthropic's
     # stop_sequences); the core never reads them.
@@ -216,7 +216,7 @@ class ByIdentity(Generic[Converted]):
     """A conversion of a request's values that remembers its last few results by the identity of the
     value converted.
 
-    `gateway.json_body.BodyDecoder` hands every body that repeats a known value (a harness's tools)
+    `gateway.body_decoder.BodyDecoder` hands every body that repeats a known value (a harness's tools)
     the same object, which nothing changes, so a dialect converts it once rather than on every call.
     An entry holds its value, whose id no other object can take while the entry lives. A conversion
     that raises is not remembered, and raises again for the next call.
@@ -255,7 +255,7 @@ class ConversationFold(Generic[State]):
     """A dialect's conversion of a conversation's items, one item at a time, that resumes after the
     longest run of leading items it converted before: the same objects, in the same order.
 
-    A harness sends its whole conversation with every call; `gateway.json_body.BodyDecoder` hands a
+    A harness sends its whole conversation with every call; `gateway.body_decoder.BodyDecoder` hands a
     session's later call the items its earlier call sent, as the same objects, so converting only the
     new items keeps a call's cost to what it adds. `start()` makes the state before any item,
     `step(state, index, item)` converts one item into it (raising GatewayError for a bad one), and

@@ -1,50 +1,8 @@
 """Google generateContent and streamGenerateContent (`/v1` and `/v1beta`): Gemini CLI, the google-genai SDKs.
 
-The model and whether to stream come from the URL (`/v1beta/models/M:streamGenerateContent?alt=sse`),
-never from the body. Field names are lowerCamel JSON; the proto's snake_case names are accepted too,
-as the API accepts both.
-
-Request → conversation:
-
-- `systemInstruction` (a Content of text parts, or a plain string) → one system message.
-- `contents`: `user` (and the legacy `function`) turns hold text and `functionResponse` parts; `model`
-  turns hold text, thought text (`thought: true`, → reasoning) and `functionCall` parts. Text parts are
-  joined with nothing between them: streamed answers come back as many parts of one text, and Gemini
-  CLI writes its multi-part prompts to be read concatenated. Consecutive `model` contents are one
-  assistant turn, joined the same way: the SDK's chat echoes a streamed answer as one content per
-  chunk, and the model wrote them as one turn. A part with no data, or with two kinds of data, is
-  invalid as it is for the API.
-- A `functionResponse` becomes a tool message whose content is its `response` object as JSON (so
-  `{"output": …}` and `{"error": …}` stay distinct for the model). Its `tool_call_id` is the call it
-  answers: by `id` when the client kept ids (ours are on every `functionCall` we return), else the
-  first unanswered call of the latest model turn with the same name, since Gemini ids are optional.
-  A model turn's call without an id gets a deterministic one from its position.
-- `tools[].functionDeclarations` with `parameters` (the API's OpenAPI-style Schema, whose upper-case
-  type names are lowered to JSON Schema's) or `parametersJsonSchema` (taken as is).
-- `toolConfig.functionCallingConfig.mode`: AUTO, VALIDATED and unset → auto; NONE → none, and tool
-  calls in the output stay text; ANY → a forced call, of one of the functions `allowedFunctionNames`
-  names (any declared one when it names none), kept by constrained decoding where the engine has it.
-- `generationConfig`: maxOutputTokens, temperature, topP, topK, stopSequences, seed are sampling;
-  candidateCount must be 1; `thinkingConfig.includeThoughts` decides whether reasoning is returned as
-  thought parts (the API hides thoughts unless asked); responseModalities must be text only;
-  `responseJsonSchema` (JSON Schema) or `responseSchema` (the API's Schema, lowered as for tools) is the
-  reply's JSON schema, kept by constrained decoding where the engine has it (Gemini CLI asks for JSON
-  in its utility calls).
-
-Accepted and ignored (they don't change what a text-only gateway can do): `safetySettings`, `labels`,
-thinking budgets and levels, `responseMimeType` without a schema, penalties, logprob requests,
-media resolution, `thoughtSignature` on parts, and fields this module does not know. Refused with a
-400: images, audio, files and code-execution parts (text-only gateway), built-in tools (`googleSearch`,
-`codeExecution`, `urlContext`, …: they run on Google's side, and a model answering in their place
-would teach the policy to invent search results), and `cachedContent` (this gateway has no caches, so
-the context it names would silently be missing).
-
-Result → response: one candidate whose parts are the thought text (when asked for), the text and each
-function call with its id; finishReason STOP (also for tool calls and stop sequences) or MAX_TOKENS;
-usageMetadata with real counts. Streaming with `alt=sse` sends one `data:` chunk per text delta and one
-per finished function call, then a closing chunk with finishReason and usageMetadata; without it, the
-same chunks as one JSON array, as the REST API does. Errors are `{"error": {code, message, status}}`;
-a stream that fails sends that object as its last chunk.
+The request's contents, tools and generationConfig are read into the conversation, and the result is
+written back as one candidate (streamed as SSE chunks with `alt=sse`, else one JSON array). What is
+accepted, ignored and refused, and why: docs/design/dialects.md.
 """
 
 from __future__ import annotations

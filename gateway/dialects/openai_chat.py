@@ -1,33 +1,8 @@
 """OpenAI Chat Completions: `POST /v1/chat/completions` (Qwen Code, pi and most OpenAI-compatible clients).
 
-Request → `DialectRequest`:
-
-- `messages`: `system` and `developer` (both a system turn), `user`, `assistant` (content, `tool_calls`
-  with JSON-string arguments, `reasoning_content` or vLLM's `reasoning`), `tool` (`tool_call_id`). Content
-  is a string or an array of parts; text parts are joined with `\\n`. Image, audio and file parts are
-  UNSUPPORTED_CONTENT (the gateway is text-only); a `refusal` part of an assistant turn is its text.
-- `tools` (function tools only), `tool_choice` (`none`, `auto`, `required`, a named function),
-  `max_completion_tokens` (wins over the deprecated `max_tokens`), `temperature`, `top_p`, `stop`,
-  `seed`, vLLM's `top_k`, `stream`, `stream_options.include_usage`, `n` (1 only).
-- Accepted and ignored, type-checked: `parallel_tool_calls`, `user`, `metadata`, `store`,
-  `reasoning_effort`, `frequency_penalty`, `presence_penalty` and `logit_bias` (the recorded logprobs
-  must be the policy's own, so no penalty is applied), `top_logprobs`, `service_tier`,
-  `prompt_cache_key`, `safety_identifier`, `verbosity`. Fields this module does not know are ignored.
-- Rejected with a 400 because honouring them is impossible and ignoring them would silently change the
-  answer: `n` > 1, `logprobs: true`, the deprecated `functions` (use `tools`).
-- `response_format`: `json_schema` (its `json_schema.schema`) and `json_object` (any JSON object) set the
-  reply's JSON schema, kept by constrained decoding where the engine has it; `text` changes nothing.
-
-A wrong type, a missing required field or a value out of range is INVALID_REQUEST naming the field in
-`messages[0].content[1].type` notation. The OpenAI error shape and the JSON type checks are shared with
-the Responses dialect (`openai_responses`).
-
-Response: a `chat.completion` with one choice whose message holds `content` (null when there are tool
-calls and no text), `reasoning_content` (when the model reasoned) and `tool_calls`. Streaming:
-`chat.completion.chunk` events — the role first, then `content` / `reasoning_content` / `tool_calls`
-deltas as the parser emits them, a chunk with the finish reason, the usage chunk when
-`stream_options.include_usage` asked for it, and `data: [DONE]`. A stream that fails after it started
-sends `{"error": …}` and `[DONE]`.
+Messages, tools and sampling are read into the conversation; the result is written back as a
+`chat.completion` (streamed as `chat.completion.chunk` events and `[DONE]`). What is accepted,
+ignored and refused, and why: docs/design/dialects.md.
 """
 
 from __future__ import annotations
@@ -140,9 +115,7 @@ def text_of(content: Any, param: str, text_types: tuple[str, ...]) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise invalid(
-            param, f"Invalid type for '{param}': expected string or array, got {json_type(content)}."
-        )
+        raise invalid(param, f"Invalid type for '{param}': expected string or array, got {json_type(content)}.")
     texts = []
     for index, raw in enumerate(content):
         part_param = f"{param}[{index}]"
@@ -156,9 +129,7 @@ def text_of(content: Any, param: str, text_types: tuple[str, ...]) -> str:
             )
         if kind not in text_types:
             expected = ", ".join(f"'{name}'" for name in text_types)
-            raise invalid(
-                f"{part_param}.type", f"Invalid value '{kind}' for '{part_param}.type': expected {expected}."
-            )
+            raise invalid(f"{part_param}.type", f"Invalid value '{kind}' for '{part_param}.type': expected {expected}.")
         key = "refusal" if kind == "refusal" else "text"
         texts.append(field(part, key, "string", f"{part_param}.{key}", required=True))
     return "\n".join(texts)
@@ -256,9 +227,7 @@ def _tool_calls(raw: list[Any], param: str) -> tuple[ToolCall, ...]:
         call = as_object(item, call_param)
         kind = field(call, "type", "string", f"{call_param}.type")
         if kind not in (None, "function"):
-            raise invalid(
-                f"{call_param}.type", f"Invalid value '{kind}' for '{call_param}.type': expected 'function'."
-            )
+            raise invalid(f"{call_param}.type", f"Invalid value '{kind}' for '{call_param}.type': expected 'function'.")
         call_id = field(call, "id", "string", f"{call_param}.id", required=True)
         function = field(call, "function", "object", f"{call_param}.function", required=True)
         name = field(function, "name", "string", f"{call_param}.function.name", required=True)
@@ -272,9 +241,7 @@ def _message(raw: Any, param: str, names: dict[str, str]) -> Message:
     role = field(message, "role", "string", f"{param}.role", required=True)
     if role not in _ROLES:
         expected = ", ".join(f"'{name}'" for name in _ROLES)
-        raise invalid(
-            f"{param}.role", f"Invalid value '{role}' for '{param}.role': expected one of {expected}."
-        )
+        raise invalid(f"{param}.role", f"Invalid value '{role}' for '{param}.role': expected one of {expected}.")
     content_param = f"{param}.content"
     if role in _SYSTEM_ROLES or role == "user":
         content = message.get("content")
@@ -332,8 +299,9 @@ def _tools(value: Any) -> tuple[ToolSpec, ...]:
         tool = as_object(item, param)
         kind = field(tool, "type", "string", f"{param}.type", required=True)
         if kind != "function":
-            raise invalid(f"{param}.type",
-                          f"Invalid value '{kind}' for '{param}.type': only 'function' tools are supported.")
+            raise invalid(
+                f"{param}.type", f"Invalid value '{kind}' for '{param}.type': only 'function' tools are supported."
+            )
         function = field(tool, "function", "object", f"{param}.function", required=True)
         name = field(function, "name", "string", f"{param}.function.name", required=True)
         if not name:
@@ -398,9 +366,7 @@ def _stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 def _sampling(body: Mapping[str, Any]) -> Sampling:
     max_tokens = CHECKS.integer(body.get("max_tokens"), "max_tokens", 1, optional=True)
-    max_completion_tokens = CHECKS.integer(
-        body.get("max_completion_tokens"), "max_completion_tokens", 1, optional=True
-    )
+    max_completion_tokens = CHECKS.integer(body.get("max_completion_tokens"), "max_completion_tokens", 1, optional=True)
     # OpenAI's seed is an int64; the engine's is a uint64, so a negative seed wraps around.
     seed = CHECKS.integer(body.get("seed"), "seed", INT64_MIN, INT64_MAX, optional=True)
     top_k = CHECKS.integer(body.get("top_k"), "top_k", -1, INT32_MAX, optional=True)  # -1 and 0: off
@@ -425,9 +391,13 @@ def output_schema(value: Mapping[str, Any] | None, path: str, *, flat: bool = Fa
     if kind == "json_object":
         return {"type": "object"}
     if kind != "json_schema":
-        raise invalid(f"{path}.type", f"Invalid value for '{path}.type': '{kind}' is not one of text, json_object, json_schema.")
-    holder, holder_path = (value, path) if flat else (
-        field(value, "json_schema", "object", f"{path}.json_schema", required=True), f"{path}.json_schema"
+        raise invalid(
+            f"{path}.type", f"Invalid value for '{path}.type': '{kind}' is not one of text, json_object, json_schema."
+        )
+    holder, holder_path = (
+        (value, path)
+        if flat
+        else (field(value, "json_schema", "object", f"{path}.json_schema", required=True), f"{path}.json_schema")
     )
     field(holder, "name", "string", f"{holder_path}.name", required=True)
     schema = field(holder, "schema", "object", f"{holder_path}.schema")
@@ -561,8 +531,12 @@ class _StreamRenderer(StreamRenderer):
         if isinstance(event, ReasoningDelta):
             return [self._chunk({"reasoning_content": event.text})]
         if isinstance(event, ToolCallStart):
-            call = {"index": event.index, "id": event.id, "type": "function",
-                    "function": {"name": event.name, "arguments": ""}}
+            call = {
+                "index": event.index,
+                "id": event.id,
+                "type": "function",
+                "function": {"name": event.name, "arguments": ""},
+            }
             return [self._chunk({"tool_calls": [call]})]
         if isinstance(event, ToolCallArgumentsDelta):
             piece = {"index": event.index, "function": {"arguments": event.arguments}}

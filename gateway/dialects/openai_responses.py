@@ -1,49 +1,9 @@
 """OpenAI Responses: `POST /v1/responses` (Codex CLI, which speaks only this, always streaming).
 
-Request → `DialectRequest`:
-
-- `instructions` is the system turn. `input` is a string (one user turn) or a list of items: `message`
-  items (`type` may be left out) with roles `user`, `system`, `developer` (`input_text` parts) and
-  `assistant` (`output_text` or `refusal` parts); `function_call` items (`call_id`, `name`, JSON-string
-  `arguments`, optional `namespace`); `function_call_output` items; `reasoning` items (their
-  `reasoning_text` content; a summary is not what the model saw, so it is dropped). Consecutive
-  assistant-side items (reasoning, assistant messages, function calls) form one assistant turn, texts
-  joined with `\\n` as the output parser joins segments, so a harness that echoes our output items gets
-  back exactly the recorded reply. Image, audio and file parts are UNSUPPORTED_CONTENT.
-- `tools`: `function` tools are translated. A `namespace` tool (a named group of function tools, as
-  Codex sends its subagent tools) gives the model each of its functions as `NAMESPACE.NAME` (a dot
-  cannot occur in an OpenAI function name, so no plain function can clash); a call of one goes back as
-  a `function_call` with `name` and `namespace`, and such an item in `input` is rendered under the same
-  qualified name, so the prompt still extends the sampled tokens. Tools OpenAI runs on its own servers
-  (web and file search, code interpreter, image generation, MCP, tool search) are dropped: the client
-  never executes them, so the model simply does not get them. Tools the client would execute in another
-  shape than a function call (`custom`, `local_shell`, `shell`, `apply_patch`, `computer`, …) are a 400:
-  the gateway cannot produce their calls, and dropping them silently would take a tool away from the
-  harness.
-- `tool_choice` (`none`, `auto`, `required`, `{"type": "function", "name"}`), `max_output_tokens`,
-  `temperature`, `top_p`, `stream`.
-- Accepted and ignored, type-checked: `include`, `reasoning`, `client_metadata`, `store` (nothing is
-  stored), `parallel_tool_calls`, `prompt_cache_key`, `prompt_cache_retention`, `text` (its
-  `verbosity`), `truncation`, `service_tier`, `user`, `safety_identifier`, `top_logprobs`,
-  `max_tool_calls`, `stream_options`; `metadata` is echoed. Unknown fields are ignored.
-- Rejected with a 400, because the gateway is stateless or cannot honour them: a set
-  `previous_response_id`, `conversation` or `prompt` (server-side state), and `background: true`.
-- `text.format` `json_schema` (its `schema`) or `json_object` sets the reply's JSON schema, kept by
-  constrained decoding where the engine has it.
-
-Response: a `response` whose output is a reasoning item (`content` with the reasoning text, empty
-`summary`), a message item with one `output_text` part, and one `function_call` item per call; status
-`completed`, or `incomplete` with `incomplete_details.reason = "max_output_tokens"` when the token budget
-or the context ran out.
-
-Streaming: `response.created`, `response.in_progress`, then for each output item as it appears
-`response.output_item.added`, its part (`response.content_part.added`), deltas
-(`response.output_text.delta`, `response.reasoning_text.delta`,
-`response.function_call_arguments.delta`), their `.done` events and `response.output_item.done`; last
-`response.completed` or `response.incomplete` with the whole response. Items are sequential: a change of
-kind closes the open item, and text that comes back after another item opens a new item (its leading
-segment separator dropped). Every event has the next `sequence_number`. A stream that fails after it
-started sends `error` and then `response.failed`.
+The request's instructions, input items and tools (namespace tools as `NAMESPACE.NAME`) are read into
+the conversation; the result is written back as reasoning, message and function_call items, streamed
+as the Responses event grammar. What is accepted, ignored and refused, and why:
+docs/design/dialects.md.
 """
 
 from __future__ import annotations
@@ -120,17 +80,19 @@ _IGNORED_FIELDS = {
 }
 
 # Tools OpenAI executes server-side: the client never runs them, so leaving them out is harmless.
-_HOSTED_TOOLS = frozenset({
-    "web_search",
-    "web_search_2025_08_26",
-    "web_search_preview",
-    "web_search_preview_2025_03_11",
-    "file_search",
-    "code_interpreter",
-    "image_generation",
-    "mcp",
-    "tool_search",
-})
+_HOSTED_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_2025_08_26",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "file_search",
+        "code_interpreter",
+        "image_generation",
+        "mcp",
+        "tool_search",
+    }
+)
 
 _STATEFUL_FIELDS = ("previous_response_id", "conversation", "prompt")
 # Joins a namespace tool's name and a member function's name into the name the model sees and calls.
@@ -139,9 +101,7 @@ _NAMESPACE_SEPARATOR = "."
 _INPUT_ROLES = {"user": "user", "system": "system", "developer": "system"}
 
 
-def _required_text(
-    item: Mapping[str, Any], key: str, param: str, text_types: tuple[str, ...]
-) -> str:
+def _required_text(item: Mapping[str, Any], key: str, param: str, text_types: tuple[str, ...]) -> str:
     value = item.get(key)
     if value is None:
         raise invalid(f"{param}.{key}", f"Missing required parameter: '{param}.{key}'.")
@@ -209,8 +169,7 @@ def _add_item(state: _Items, index: int, value: Any) -> None:
         else:
             raise invalid(
                 f"{param}.role",
-                f"Invalid value '{role}' for '{param}.role': expected 'user', 'system', 'developer' or "
-                "'assistant'.",
+                f"Invalid value '{role}' for '{param}.role': expected 'user', 'system', 'developer' or 'assistant'.",
             )
     elif kind == "reasoning":
         turn.reasoning.append(_reasoning(item, param))
@@ -342,9 +301,7 @@ def _sampling(body: Mapping[str, Any]) -> Sampling:
 def _refuse_unsupported(body: Mapping[str, Any]) -> None:
     for key in _STATEFUL_FIELDS:
         if body.get(key) is not None:
-            raise invalid(
-                key, f"'{key}' needs server-side state; this gateway is stateless: send the whole input."
-            )
+            raise invalid(key, f"'{key}' needs server-side state; this gateway is stateless: send the whole input.")
     if field(body, "background", "boolean", "background"):
         raise invalid("background", "Background responses are not supported: this gateway stores nothing.")
     text = field(body, "text", "object", "text") or {}
@@ -391,9 +348,9 @@ def _parse(body: Any) -> DialectRequest:
             "instructions": body.get("instructions"),
             "metadata": _metadata(body),
             "tools": echoed_tools,
-            "tool_choice": {"type": "function", "name": choice["name"]} if isinstance(choice, dict) else (
-                choice or "auto"
-            ),
+            "tool_choice": {"type": "function", "name": choice["name"]}
+            if isinstance(choice, dict)
+            else (choice or "auto"),
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_output_tokens": sampling.max_tokens,
@@ -500,19 +457,16 @@ def _render(request: DialectRequest, result: DialectResult) -> dict[str, Any]:
     for tool_call in parsed.tool_calls:
         arguments = json.dumps(tool_call.arguments, ensure_ascii=False)
         item_id = _item_id("fc", call, len(output))
-        output.append(
-            _function_call_item(item_id, tool_call.id, tool_call.name, arguments, "completed", namespaced)
-        )
+        output.append(_function_call_item(item_id, tool_call.id, tool_call.name, arguments, "completed", namespaced))
     if status == "incomplete" and output[-1]["type"] != "function_call":
         output[-1]["status"] = "incomplete"
-    return _response(
-        request, call, status, output, usage=result.usage, incomplete_details=incomplete_details
-    )
+    return _response(request, call, status, output, usage=result.usage, incomplete_details=incomplete_details)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Stream
 # ---------------------------------------------------------------------------------------------------
+
 
 def _context_words(error: ContextLengthError) -> tuple[str, str]:
     """(message, param) of the Responses API's context-length error, in its words, with the numbers."""

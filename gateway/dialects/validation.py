@@ -120,8 +120,9 @@ class Checks:
             raise self.invalid(path, self.wording.bad_value(path, "must not be empty"))
         return text
 
-    def integer(self, value: Any, path: str, low: int | None = None, high: int | None = None, *,
-                optional: bool = False) -> int | None:
+    def integer(
+        self, value: Any, path: str, low: int | None = None, high: int | None = None, *, optional: bool = False
+    ) -> int | None:
         """An integer, 5.0 included (see the module docstring)."""
         number = self._finite(value, path, "integer", optional)
         if isinstance(number, float):
@@ -130,14 +131,16 @@ class Checks:
             number = int(number)
         return self._within(number, path, low, high)
 
-    def number(self, value: Any, path: str, low: float | None = None, high: float | None = None, *,
-               optional: bool = False) -> float | None:
+    def number(
+        self, value: Any, path: str, low: float | None = None, high: float | None = None, *, optional: bool = False
+    ) -> float | None:
         """A finite number, as a float."""
         number = self._within(self._finite(value, path, "number", optional), path, low, high)
         return None if number is None else float(number)
 
-    def field(self, obj: Mapping[str, Any], key: str, kind: str, path: str | None = None, *,
-              required: bool = False) -> Any:
+    def field(
+        self, obj: Mapping[str, Any], key: str, kind: str, path: str | None = None, *, required: bool = False
+    ) -> Any:
         """`obj[key]` checked as a JSON Schema `kind` (any range is the caller's); None when absent or
         null, unless required. `path` defaults to the key."""
         if kind not in _KINDS:

@@ -72,7 +72,7 @@ def buffer_device(backend: str, device: str) -> torch.device:
 
 
 def split_host_port(address: str) -> tuple[str, int]:
-    """"host:port" or "[v6]:port" -> (host, port)."""
+    """ "host:port" or "[v6]:port" -> (host, port)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"{address!r} is not host:port")
@@ -149,7 +149,16 @@ class Group:
     broadcasts. Built over `store` (the group's prefix of the trainer's store): for gloo this waits
     until every member is there, for NCCL the communicators connect at the first broadcast."""
 
-    def __init__(self, backend: str, store: dist.Store, rank: int, world_size: int, device: torch.device, host: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        backend: str,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        host: str,
+        timeout_s: float,
+    ) -> None:
         self.backend = backend
         self.rank = rank
         self.device = device
@@ -168,7 +177,9 @@ class Group:
             else:
                 raise ValueError(f"collective backend {backend!r} is not one of {', '.join(BACKENDS)}")
         except RuntimeError as exc:
-            raise CollectiveFailed(f"could not join the {backend} group as rank {rank} of {world_size}: {exc}") from None
+            raise CollectiveFailed(
+                f"could not join the {backend} group as rank {rank} of {world_size}: {exc}"
+            ) from None
 
     def broadcast(self, buffer: torch.Tensor) -> dist.Work:
         """Start the broadcast of the trainer's `buffer` into every member's (its own included)."""
@@ -188,7 +199,9 @@ class Group:
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:
-            raise CollectiveFailed(f"the {self.backend} broadcast failed or took over {self.timeout.total_seconds():g} s: {exc}") from None
+            raise CollectiveFailed(
+                f"the {self.backend} broadcast failed or took over {self.timeout.total_seconds():g} s: {exc}"
+            ) from None
 
     def close(self) -> None:
         """End the group here, from the thread that runs its broadcasts, none of them running: the
@@ -233,7 +246,9 @@ def check_header(header: inference_pb2.CollectiveWeightsHeader, offered: list[st
     if header.world_size < 2 or not 1 <= header.rank < header.world_size:
         raise WeightUpdateError(f"header.rank = {header.rank} must be in [1, world_size = {header.world_size})")
     if header.bucket_bytes <= 0 or header.buffer_count < 1:
-        raise WeightUpdateError(f"header.bucket_bytes = {header.bucket_bytes} and buffer_count = {header.buffer_count} must be > 0")
+        raise WeightUpdateError(
+            f"header.bucket_bytes = {header.bucket_bytes} and buffer_count = {header.buffer_count} must be > 0"
+        )
     if not header.timeout_seconds > 0:
         raise WeightUpdateError(f"header.timeout_seconds = {header.timeout_seconds} must be > 0")
     if header.group_sync < 0:
@@ -278,7 +293,15 @@ class Membership:
             raise CollectiveFailed(f"could not reach the trainer's rendezvous {header.rendezvous}: {exc}") from None
         self._store = group_store(store, header.group_id)
         mark_ready(self._store, header.rank, 0)
-        self.group = Group(header.backend, self._store, header.rank, header.world_size, device, address_toward(host), header.timeout_seconds)
+        self.group = Group(
+            header.backend,
+            self._store,
+            header.rank,
+            header.world_size,
+            device,
+            address_toward(host),
+            header.timeout_seconds,
+        )
 
     def ready(self, header: inference_pb2.CollectiveWeightsHeader) -> None:
         """Tell the trainer this kept group is ready for the update `header` announces."""
@@ -295,7 +318,9 @@ class Membership:
         self.thread.shutdown(wait=False)
 
 
-def receive_bucket(group: Group, bucket: inference_pb2.SharedBucket, receiver: WeightsReceiver, buffers: list[torch.Tensor]) -> None:
+def receive_bucket(
+    group: Group, bucket: inference_pb2.SharedBucket, receiver: WeightsReceiver, buffers: list[torch.Tensor]
+) -> None:
     """One bucket: its broadcast into its buffer, then its pieces into the staged tensors (copies
     on the GPU are ordered before the next broadcast into that buffer by the group's stream)."""
     if not 0 <= bucket.buffer < len(buffers):
@@ -303,4 +328,3 @@ def receive_bucket(group: Group, bucket: inference_pb2.SharedBucket, receiver: W
     buffer = buffers[bucket.buffer]
     group.wait(group.broadcast(buffer))
     unpack_bucket(bucket, receiver, buffer)
-

@@ -85,8 +85,21 @@ ANNOTATIONS = frozenset(
     {"description", "title", "$comment", "examples", "default", "deprecated", "readOnly", "writeOnly", "$schema"}
 )
 # Keywords whose value is one subschema, a list of them, or a mapping of names to them.
-_SUBSCHEMA = frozenset({"additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames",
-                        "unevaluatedProperties", "unevaluatedItems", "additionalItems"})  # fmt: skip
+_SUBSCHEMA = frozenset(
+    {
+        "additionalProperties",
+        "items",
+        "not",
+        "if",
+        "then",
+        "else",
+        "contains",
+        "propertyNames",
+        "unevaluatedProperties",
+        "unevaluatedItems",
+        "additionalItems",
+    }
+)
 _SUBSCHEMA_LISTS = frozenset({"anyOf", "allOf", "oneOf", "prefixItems"})
 _SUBSCHEMA_MAPS = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 

@@ -31,9 +31,7 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
-def processed_logprobs(
-    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
-) -> torch.Tensor:
+def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Log-probabilities a token is drawn with; logits [..., V] fp32 -> [..., V], masked = -inf."""
     lead = logits.shape[:-1]
     return batched_processed_logprobs(

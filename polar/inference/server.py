@@ -33,16 +33,30 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from polar.inference.engines.base import Engine, FinishReason, GenerationEnd, TokenChunk, WeightsFixed, WeightUpdateError
-from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
-from polar.inference import collective, sharing
-from polar.inference.weights import Header, Staging, WeightsReceiver
+from polar.batched_stream import ReadAhead
 from polar.config import InferenceConfig
 from polar.credentials import NODE, OPERATOR, TRAINER
 from polar.grpc_server import bind, callers, new_server, serve_until_stopped, set_serving, status_codes
+from polar.inference import collective, sharing
+from polar.inference.engines.base import (
+    AdapterExists,
+    AdapterInfo,
+    AdapterLoad,
+    AdaptersFull,
+    AdaptersUnsupported,
+    Engine,
+    FinishReason,
+    GenerationEnd,
+    TokenChunk,
+    UnknownAdapter,
+    WeightsFixed,
+    WeightUpdateError,
+)
+from polar.inference.validation import InvalidRequest, UnknownModel, validate_generate
+from polar.inference.weights import Header, Staging, WeightsReceiver
+from polar.lora import LoraError
 from polar.metrics import inference_metrics, start_metrics
-from polar.read_ahead import ReadAhead
-from polar.service import Ready, ServiceError, advertised, join_host_port
+from polar.service_base import Ready, ServiceError, advertised, join_host_port
 from polar.v1 import inference_pb2, inference_pb2_grpc
 from polar.xds.member import UpstreamMember
 from polar.xds.snapshot import INFERENCE_CLUSTER
@@ -134,6 +148,8 @@ class NothingStaged(RuntimeError):
         "UpdateWeightsShared": (TRAINER, OPERATOR),
         "UpdateWeightsCollective": (TRAINER, OPERATOR),
         "CommitWeights": (TRAINER, OPERATOR),
+        "LoadAdapter": (TRAINER, OPERATOR),
+        "UnloadAdapter": (TRAINER, OPERATOR),
         "Pause": (TRAINER, OPERATOR),
         "Resume": (TRAINER, OPERATOR),
     }
@@ -146,6 +162,11 @@ class NothingStaged(RuntimeError):
         WeightsFixed: grpc.StatusCode.FAILED_PRECONDITION,
         EngineFailed: grpc.StatusCode.INTERNAL,
         NothingStaged: grpc.StatusCode.FAILED_PRECONDITION,
+        UnknownAdapter: grpc.StatusCode.NOT_FOUND,
+        AdaptersUnsupported: grpc.StatusCode.FAILED_PRECONDITION,
+        AdapterExists: grpc.StatusCode.ALREADY_EXISTS,
+        AdaptersFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        LoraError: grpc.StatusCode.INVALID_ARGUMENT,
         sharing.SharingUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
         collective.TransportUnavailable: grpc.StatusCode.FAILED_PRECONDITION,
         collective.CollectiveFailed: grpc.StatusCode.ABORTED,
@@ -162,22 +183,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         # Updates are received one at a time, into tensors kept between them: the stream's in host
         # memory, the shared GPU buffers' on the engine's device.
         self._receiving = asyncio.Lock()
-        self._staging = Staging("cpu")
+        # Staged per adapter ("" = the engine's own parameters) and device ("cpu" or the engine's GPU):
+        # two runs' updates of one server never write into each other's staged tensors.
+        self._stagings: dict[tuple[str, str], Staging] = {}
         self._host_maps = sharing.HostMaps()  # "shm": the trainer's blocks, mapped once
-        self._device_staging: Staging | None = None
-        self._staged: tuple[str, dict, Staging, int] | None = None  # update id, tensors, their staging, bytes
+        # adapter -> its update staged under an id: the id, the tensors, their staging, bytes received
+        self._staged: dict[str, tuple[str, dict, Staging, int]] = {}
         self._collective_buffers: list = []  # UpdateWeightsCollective's, kept between updates
         self._membership: collective.Membership | None = None  # the trainer's group, kept between updates
 
     # Server-streaming.
     async def Generate(self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         generation = validate_generate(request, self._engine.description)
+        version = self._engine.adapter_version(generation.adapter)  # UnknownAdapter before anything starts
         async with self._gate.admitted():
             stream = self._engine.generate(generation)
             produced = ReadAhead(stream)
             try:
                 last, error = await _relay(
-                    produced, context, self._engine.policy_version, request.message_interval_seconds
+                    produced,
+                    context,
+                    version,
+                    request.message_interval_seconds,
                 )
             finally:
                 # A client that went away cancels this task; closing the stream frees its slot now.
@@ -198,11 +225,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         return self._engine.policy_version
 
     # Client-streaming.
-    async def UpdateWeights(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> inference_pb2.UpdateWeightsResponse:
+    async def UpdateWeights(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> inference_pb2.UpdateWeightsResponse:
         async with self._receiving:
-            self._staged = None  # its tensors are the buffers this update is written into
-            receiver = WeightsReceiver(self._engine.parameter_specs(), self._staging)
-            problem: WeightUpdateError | WeightsFixed | None = None
+            receiver = WeightsReceiver(self._specs_of, lambda adapter: self._staging_for(adapter, "cpu"))
+            problem: WeightUpdateError | WeightsFixed | UnknownAdapter | None = None
             if self._engine.fixed_weights:
                 problem = WeightsFixed(self._engine.fixed_weights)
             async for raw in request_iterator:
@@ -213,7 +241,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     continue
                 try:
                     receiver.add(raw)
-                except WeightUpdateError as exc:
+                except (WeightUpdateError, UnknownAdapter) as exc:
                     problem = exc
             if problem is None:
                 try:
@@ -222,18 +250,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     problem = exc
             if problem is not None:
                 raise problem
-            return await self._staged_or_applied(receiver, tensors, self._staging)
+            return await self._staged_or_applied(receiver, tensors)
 
     # Bidirectional-streaming.
     async def UpdateWeightsShared(
-        self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsSharedRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[inference_pb2.UpdateWeightsSharedRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[inference_pb2.UpdateWeightsSharedResponse]:
         device = torch.device(self._engine.description.device or "cpu")
         async with self._receiving:
-            self._staged = None  # a staged update is replaced by this one, whatever its outcome
-            if self._device_staging is None:
-                self._device_staging = Staging(device)
-            receiver = WeightsReceiver(self._engine.parameter_specs(), self._device_staging)
+            receiver = WeightsReceiver(self._specs_of, lambda adapter: self._staging_for(adapter, str(device)))
             buffers = None
             try:
                 async for message in request_iterator:
@@ -247,16 +274,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 tensors = receiver.finish()
             finally:
                 del buffers  # the trainer's GPU memory is let go before the call ends
-            result = await self._staged_or_applied(receiver, tensors, self._device_staging)
+            result = await self._staged_or_applied(receiver, tensors)
         yield inference_pb2.UpdateWeightsSharedResponse(result=result)
 
     # Bidirectional-streaming.
     async def UpdateWeightsCollective(
-        self, request_iterator: AsyncIterator[inference_pb2.UpdateWeightsCollectiveRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[inference_pb2.UpdateWeightsCollectiveRequest],
+        context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[inference_pb2.UpdateWeightsCollectiveResponse]:
         device = self._engine.description.device or "cpu"
         async with self._receiving:
-            self._staged = None  # a staged update is replaced by this one, whatever its outcome
             messages = aiter(request_iterator)
             first = await anext(messages, None)
             if first is None or first.WhichOneof("payload") != "header":
@@ -265,9 +293,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             collective.check_header(header, weight_transports(device))
             if self._engine.fixed_weights:
                 raise WeightsFixed(self._engine.fixed_weights)
-            staging = self._staging_on(device)
-            receiver = WeightsReceiver(self._engine.parameter_specs(), staging)
-            receiver.header(Header(header.tensor_count, header.note, header.update_id))
+            staged_on = device if device.startswith("cuda") else "cpu"
+            receiver = WeightsReceiver(self._specs_of, lambda adapter: self._staging_for(adapter, staged_on))
+            receiver.header(Header(header.tensor_count, header.note, header.update_id, header.adapter))
             buffers = self._buffers_for(header, collective.buffer_device(header.backend, device))
             membership = self._membership_for(header)
             loop = asyncio.get_running_loop()
@@ -279,8 +307,17 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                     await loop.run_in_executor(membership.thread, membership.ready, header)
                 async for message in messages:
                     if message.WhichOneof("payload") != "bucket":
-                        raise WeightUpdateError("only the first message of the stream may be a header; every later one is a bucket")
-                    await loop.run_in_executor(membership.thread, collective.receive_bucket, membership.group, message.bucket, receiver, buffers)
+                        raise WeightUpdateError(
+                            "only the first message of the stream may be a header; every later one is a bucket"
+                        )
+                    await loop.run_in_executor(
+                        membership.thread,
+                        collective.receive_bucket,
+                        membership.group,
+                        message.bucket,
+                        receiver,
+                        buffers,
+                    )
                 tensors = await loop.run_in_executor(membership.thread, _finished, receiver)
                 membership.syncs += 1
                 kept = True
@@ -288,16 +325,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 if not kept:  # a failed update leaves the group: the trainer builds a new one
                     membership.close()
                     self._membership = None
-            result = await self._staged_or_applied(receiver, tensors, staging)
+            result = await self._staged_or_applied(receiver, tensors)
         yield inference_pb2.UpdateWeightsCollectiveResponse(result=result)
 
-    def _staging_on(self, device: str) -> Staging:
-        """Where an update for an engine on `device` is staged: host memory, or that GPU."""
-        if not device.startswith("cuda"):
-            return self._staging
-        if self._device_staging is None:
-            self._device_staging = Staging(device)
-        return self._device_staging
+    def _specs_of(self, adapter: str):
+        """What an update naming `adapter` may replace (UnknownAdapter for one not held)."""
+        return self._engine.adapter_specs(adapter) if adapter else self._engine.parameter_specs()
+
+    def _staging_for(self, adapter: str, device: str) -> Staging:
+        """Where an update of `adapter` is staged on `device` ("cpu" or a GPU). An update of it that
+        was staged and not committed is dropped: its tensors are the buffers this one is written into."""
+        self._staged.pop(adapter, None)
+        staging = self._stagings.get((adapter, device))
+        if staging is None:
+            staging = self._stagings[(adapter, device)] = Staging(device)
+        return staging
 
     def _membership_for(self, header: inference_pb2.CollectiveWeightsHeader) -> collective.Membership:
         """The group `header` names: the one held, kept; or for a new group a fresh membership, not
@@ -325,21 +367,25 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
             ]
         return self._collective_buffers
 
-    async def _staged_or_applied(
-        self, receiver: WeightsReceiver, tensors: dict, staging: Staging
-    ) -> inference_pb2.UpdateWeightsResponse:
+    async def _staged_or_applied(self, receiver: WeightsReceiver, tensors: dict) -> inference_pb2.UpdateWeightsResponse:
+        staging = receiver.staging
         if receiver.update_id:
-            self._staged = (receiver.update_id, tensors, staging, receiver.bytes_received)
+            self._staged[receiver.adapter] = (receiver.update_id, tensors, staging, receiver.bytes_received)
             return inference_pb2.UpdateWeightsResponse(
-                policy_version=self._engine.policy_version, bytes_received=receiver.bytes_received, staged=True
+                policy_version=self._engine.adapter_version(receiver.adapter),
+                bytes_received=receiver.bytes_received,
+                staged=True,
             )
-        return await self._apply(tensors, staging, receiver.bytes_received)
+        return await self._apply(receiver.adapter, tensors, staging, receiver.bytes_received)
 
-    async def _apply(self, tensors: dict, staging: Staging, bytes_received: int) -> inference_pb2.UpdateWeightsResponse:
+    async def _apply(
+        self, adapter: str, tensors: dict, staging: Staging, bytes_received: int
+    ) -> inference_pb2.UpdateWeightsResponse:
         started = time.perf_counter()
         count = len(tensors)
         # The update is complete, so it must land whole even if the client now leaves.
-        version = await asyncio.shield(self._engine.apply_staged(tensors))
+        applying = self._engine.apply_adapter(adapter, tensors) if adapter else self._engine.apply_staged(tensors)
+        version = await asyncio.shield(applying)
         staging.put_back(tensors)
         return inference_pb2.UpdateWeightsResponse(
             policy_version=version,
@@ -353,16 +399,49 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
         self, request: inference_pb2.CommitWeightsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.CommitWeightsResponse:
         async with self._receiving:
-            staged = self._staged
-            if staged is None or not request.update_id or staged[0] != request.update_id:
-                held = f"update {staged[0]!r} is" if staged else "no update is"
+            adapter = next((a for a, staged in self._staged.items() if staged[0] == request.update_id), None)
+            if adapter is None or not request.update_id:
+                ids = [repr(staged[0]) for staged in self._staged.values()]
+                held = f"update {', '.join(ids)} {'is' if len(ids) == 1 else 'are'}" if ids else "no update is"
                 raise NothingStaged(f"no complete update {request.update_id!r} is staged here ({held} staged)")
-            self._staged = None
-            _, tensors, staging, bytes_received = staged
-            return inference_pb2.CommitWeightsResponse(result=await self._apply(tensors, staging, bytes_received))
+            _, tensors, staging, bytes_received = self._staged.pop(adapter)
+            result = await self._apply(adapter, tensors, staging, bytes_received)
+            return inference_pb2.CommitWeightsResponse(result=result)
 
     # Unary.
-    async def Pause(self, request: inference_pb2.PauseRequest, context: grpc.aio.ServicerContext) -> inference_pb2.PauseResponse:
+    async def LoadAdapter(
+        self, request: inference_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.LoadAdapterResponse:
+        if not request.name:
+            raise InvalidRequest("name", "an adapter needs a name (the run's)")
+        if request.policy_version < 0:
+            raise InvalidRequest("policy_version", f"policy_version = {request.policy_version} must be >= 0")
+        load = AdapterLoad(
+            name=request.name,
+            path=request.path,
+            rank=request.rank,
+            alpha=request.alpha,
+            targets=request.targets,
+            policy_version=request.policy_version,
+            replace=request.replace,
+        )
+        return inference_pb2.LoadAdapterResponse(adapter=_adapter_message(await self._engine.load_adapter(load)))
+
+    # Unary.
+    async def UnloadAdapter(
+        self, request: inference_pb2.UnloadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.UnloadAdapterResponse:
+        ended = await self._engine.unload_adapter(request.name)
+        async with self._receiving:  # its staged update and staging buffers go with it
+            self._staged.pop(request.name, None)
+            for key in [key for key in self._stagings if key[0] == request.name]:
+                del self._stagings[key]
+        return inference_pb2.UnloadAdapterResponse(ended_generations=ended)
+
+    # Unary.
+    async def Pause(
+        self, request: inference_pb2.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.PauseResponse:
         return inference_pb2.PauseResponse(drained=await self._gate.pause())
 
     # Unary.
@@ -395,8 +474,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServiceServicer):
                 weight_transports=weight_transports(d.device),
                 host_id=sharing.host_id(),
                 constrained_decoding=d.constrained_decoding,
+                adapters=[_adapter_message(a) for a in self._engine.adapters()],
+                max_adapters=self._engine.max_adapters,
             )
         )
+
+
+def _adapter_message(adapter: AdapterInfo) -> inference_pb2.AdapterInfo:
+    return inference_pb2.AdapterInfo(
+        name=adapter.name,
+        rank=adapter.rank,
+        alpha=adapter.alpha,
+        targets=adapter.targets,
+        policy_version=adapter.policy_version,
+    )
 
 
 def weight_transports(device: str) -> list[str]:
@@ -439,7 +530,7 @@ async def _relay(
             batch = await anext(batches)
         except StopAsyncIteration:
             return inference_pb2.GenerateResponse(), "the engine's stream ended without a GenerationEnd"
-        except Exception as exc:  # noqa: BLE001 - any engine failure becomes the call's INTERNAL status
+        except Exception as exc:
             return inference_pb2.GenerateResponse(), f"engine failed: {type(exc).__name__}: {exc}"
         end = next((item for item in batch if isinstance(item, GenerationEnd)), None)
         messages = _token_messages(item for item in batch if isinstance(item, TokenChunk))
@@ -492,7 +583,9 @@ class _RawUpdateWeights:
         self._server.add_generic_rpc_handlers(tuple(_RawUpdateWeightsHandler(h) for h in handlers))
 
     def add_registered_method_handlers(self, service: str, handlers) -> None:
-        self._server.add_registered_method_handlers(service, {name: _raw_if_update(name, h) for name, h in handlers.items()})
+        self._server.add_registered_method_handlers(
+            service, {name: _raw_if_update(name, h) for name, h in handlers.items()}
+        )
 
 
 class _RawUpdateWeightsHandler(grpc.GenericRpcHandler):
@@ -524,9 +617,13 @@ async def start_server(
 
 
 async def serve(
-    engine: Engine, address: str, on_ready: Callable[[int], None] | None = None, join: Callable[[int], UpstreamMember] | None = None,
-    metrics_address: str = "", on_metrics: Callable[[str], None] | None = None,
-) -> None:  # fmt: skip
+    engine: Engine,
+    address: str,
+    on_ready: Callable[[int], None] | None = None,
+    join: Callable[[int], UpstreamMember] | None = None,
+    metrics_address: str = "",
+    on_metrics: Callable[[str], None] | None = None,
+) -> None:
     """Serve until cancelled or SIGINT/SIGTERM, then stop gracefully and stop the engine. With `join`
     (the bound port -> its membership), the server joins Envoy's control plane once it serves, and
     leaves it gracefully: draining until every Envoy acknowledged, its streams finishing, then gone.
@@ -576,14 +673,25 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         prefix_cache_mib=config.prefix_cache_mib,
         script=config.script,
         policy_version=config.policy_version,
+        adapter=config.adapter,
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_targets=config.lora_targets,
+        max_adapters=config.max_adapters,
         extra=(
             {"forced_replies": config.forced_replies}
             if config.forced_replies
-            else upstream_settings(config) if config.engine == "upstream" else {}
+            else upstream_settings(config)
+            if config.engine == "upstream"
+            else {}
         ),
     )
     if config.forced_replies and config.engine != "torch":
         raise ServiceError(f"forced_replies needs the torch engine, not {config.engine!r}")
+    if (config.adapter or config.lora_rank or config.max_adapters) and config.engine != "torch":
+        raise ServiceError(
+            f"LoRA adapters (adapter, lora_rank, max_adapters) are served by the torch engine only, not {config.engine!r}"
+        )
 
     metrics_url = []
 
@@ -591,26 +699,37 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         d = engine.description
         where = f", {d.device}" if d.device else ""
         metrics = f"; metrics {metrics_url[0]}" if metrics_url else ""
-        ready(port, f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}{metrics}")
+        ready(
+            port,
+            f"inference: serving {d.name} ({d.engine} engine{where}) on {join_host_port(config.host, port)}{metrics}",
+        )
 
     def join(port: int) -> UpstreamMember:
         return UpstreamMember(
-            config.rollout_address, INFERENCE_CLUSTER, advertised(config.host, port, config.advertise_address),
+            config.rollout_address,
+            INFERENCE_CLUSTER,
+            advertised(config.host, port, config.advertise_address),
             tls_ca=config.rollout_tls_ca,
-        )  # fmt: skip
+        )
 
     from polar.inference.engines.upstream import UpstreamError
 
     try:
         engine = create_engine(config.engine, options)
         await serve(
-            engine, join_host_port(config.host, config.port), on_ready, join if config.rollout_address else None,
-            metrics_address=config.metrics_address, on_metrics=metrics_url.append,
-        )  # fmt: skip
-    except UpstreamError as exc:
+            engine,
+            join_host_port(config.host, config.port),
+            on_ready,
+            join if config.rollout_address else None,
+            metrics_address=config.metrics_address,
+            on_metrics=metrics_url.append,
+        )
+    except (UpstreamError, LoraError) as exc:
         raise ServiceError(str(exc)) from None
     except ModuleNotFoundError as exc:
         # Engines import their framework lazily (vLLM only when started); vLLM lives in its own
         # environment because its pins would constrain the main one.
         hint = "; scripts/setup_vllm.sh builds .venv-vllm, whose bin/polar has it" if config.engine == "vllm" else ""
-        raise ServiceError(f"the {config.engine} engine needs the {exc.name!r} package, not installed here{hint}") from exc
+        raise ServiceError(
+            f"the {config.engine} engine needs the {exc.name!r} package, not installed here{hint}"
+        ) from exc

@@ -158,7 +158,9 @@ def open_host_buffer(described: inference_pb2.HostSharedBuffer) -> tuple[mmap.mm
     try:
         descriptor = os.open(_SHM_FOLDER / name, os.O_RDWR)
     except OSError as exc:
-        raise SharingUnavailable(f"cannot open the trainer's shared memory {name!r} (is it on this machine?): {exc.strerror}") from None
+        raise SharingUnavailable(
+            f"cannot open the trainer's shared memory {name!r} (is it on this machine?): {exc.strerror}"
+        ) from None
     try:
         size = os.fstat(descriptor).st_size
         if not 0 < described.size_bytes <= size:
@@ -201,7 +203,10 @@ class HostMaps:
 
 
 def open_header(
-    message: inference_pb2.UpdateWeightsSharedRequest, receiver: WeightsReceiver, device: torch.device, host_maps: HostMaps
+    message: inference_pb2.UpdateWeightsSharedRequest,
+    receiver: WeightsReceiver,
+    device: torch.device,
+    host_maps: HostMaps,
 ) -> list[torch.Tensor]:
     """The first message of an UpdateWeightsShared stream: its header to `receiver`, its buffers
     opened as flat uint8 tensors (CUDA ones for an engine on a GPU, host ones, through `host_maps`,
@@ -217,14 +222,16 @@ def open_header(
         raise SharingUnavailable(f"this server's engine runs on {device}: it takes GPU buffers, not shared host memory")
     if header.buffers:
         require_cuda(str(device))
-    receiver.header(Header(header.tensor_count, header.note, header.update_id))
+    receiver.header(Header(header.tensor_count, header.note, header.update_id, header.adapter))
     if header.host_buffers:
         return host_maps.open(list(header.host_buffers))
     with torch.cuda.device(device):
         return [open_buffer(b) for b in header.buffers]
 
 
-def copy_bucket(message: inference_pb2.UpdateWeightsSharedRequest, receiver: WeightsReceiver, buffers: list[torch.Tensor]) -> int:
+def copy_bucket(
+    message: inference_pb2.UpdateWeightsSharedRequest, receiver: WeightsReceiver, buffers: list[torch.Tensor]
+) -> int:
     """Copy one bucket's tensors out of its buffer into the staged tensors; return the buffer's
     index once the copies are done (the trainer may then write it again)."""
     if message.WhichOneof("payload") != "bucket":

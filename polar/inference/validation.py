@@ -36,9 +36,7 @@ class UnknownModel(InvalidRequest):
 MAX_MESSAGE_INTERVAL_S = 1.0
 
 
-def validate_generate(
-    request: inference_pb2.GenerateRequest, description: ModelDescription
-) -> GenerationRequest:
+def validate_generate(request: inference_pb2.GenerateRequest, description: ModelDescription) -> GenerationRequest:
     """Check a request against the served model; return what the engine samples from."""
     if request.model and request.model != description.name:
         raise UnknownModel(
@@ -63,7 +61,9 @@ def validate_generate(
             f"prompt length {len(prompt)} + sampling.max_tokens {sampling.max_tokens} = "
             f"{len(prompt) + sampling.max_tokens} exceeds the context length {description.context_length}",
         )
-    return GenerationRequest(request_id=request.request_id, prompt_token_ids=prompt, sampling=sampling)
+    return GenerationRequest(
+        request_id=request.request_id, prompt_token_ids=prompt, sampling=sampling, adapter=request.adapter
+    )
 
 
 def _check_prompt(ids: np.ndarray, vocab_size: int) -> None:

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
-from polar.inference.engines.base import ParameterSpec, WeightUpdateError
+from polar.inference.engines.base import ParameterSpec, WeightUpdateError, unknown_parameter
 from polar.v1 import inference_pb2
 
 # Wire dtype names (little-endian) -> torch dtypes. Tensors are converted to the parameter's dtype.
@@ -45,6 +45,7 @@ class Header:
     tensor_count: int
     note: str = ""
     update_id: str = ""
+    adapter: str = ""  # the named LoRA adapter whose matrices the update replaces; "" = the engine's own
 
 
 @dataclass(frozen=True)
@@ -70,15 +71,15 @@ def parse_update_request(raw: bytes) -> Header | Chunk:
     number, start, end = payload[0]
     if number == 1:
         header = _parse(inference_pb2.WeightsHeader, view[start:end])
-        return Header(header.tensor_count, header.note, header.update_id)
+        return Header(header.tensor_count, header.note, header.update_id, header.adapter)
     # A chunk: every field but data (5) goes to protobuf, which keeps its rules for the rest
     # (repeated shape packed or not, a field given twice); data is the last one given, sliced.
     rest, data = [], view[0:0]
-    for number, whole_start, start, end in _fields(view[start:end], base=start):
+    for number, whole_start, field_start, field_end in _fields(view[start:end], base=start):
         if number == 5:
-            data = view[start:end]
+            data = view[field_start:field_end]
         else:
-            rest.append(view[whole_start:end])
+            rest.append(view[whole_start:field_end])
     chunk = _parse(inference_pb2.TensorChunk, b"".join(rest))
     return Chunk(chunk.name, chunk.dtype, tuple(chunk.shape), chunk.offset, data)
 
@@ -86,7 +87,8 @@ def parse_update_request(raw: bytes) -> Header | Chunk:
 def _parsed_whole(raw: bytes) -> Header | Chunk:
     message = _parse(inference_pb2.UpdateWeightsRequest, raw)
     if message.WhichOneof("payload") == "header":
-        return Header(message.header.tensor_count, message.header.note, message.header.update_id)
+        h = message.header
+        return Header(h.tensor_count, h.note, h.update_id, h.adapter)
     c = message.chunk
     return Chunk(c.name, c.dtype, tuple(c.shape), c.offset, memoryview(c.data))
 
@@ -116,7 +118,9 @@ def _fields(view: memoryview, base: int = 0) -> list[tuple[int, int, int, int]]:
         elif wire == 5:
             end = at + 4
         else:
-            raise WeightUpdateError(f"a message of the stream has a field of wire type {wire}, which protobuf 3 never writes")
+            raise WeightUpdateError(
+                f"a message of the stream has a field of wire type {wire}, which protobuf 3 never writes"
+            )
         if number == 0 or end > size:
             raise WeightUpdateError("a message of the stream is not valid protobuf (truncated or a field number of 0)")
         fields.append((number, base + tag_start, base + at, base + end))
@@ -194,13 +198,20 @@ class WeightsReceiver:
     """Feed it one update: `header`, then `chunk` (stream bytes) or `piece` (a GPU slice) for
     every piece; then call `finish`."""
 
-    def __init__(self, specs: Mapping[str, ParameterSpec], staging: Staging) -> None:
+    def __init__(
+        self,
+        specs: Mapping[str, ParameterSpec] | Callable[[str], Mapping[str, ParameterSpec]],
+        staging: Staging | Callable[[str], Staging],
+    ) -> None:
+        """`specs`: what the update may replace, and `staging`: where it is written; or functions of
+        the header's adapter giving them (raising for an adapter the engine does not hold)."""
         self._specs = specs
-        self._staging = staging
+        self.staging = staging
         self._tensors: dict[str, _Incoming] = {}
         self.tensor_count = 0  # announced by the header; 0 until the header arrived
         self.note = ""
         self.update_id = ""
+        self.adapter = ""
         self.bytes_received = 0
 
     def add(self, raw: bytes) -> None:
@@ -216,9 +227,14 @@ class WeightsReceiver:
             raise WeightUpdateError("a second header arrived; only the first message may be a header")
         if header.tensor_count <= 0:
             raise WeightUpdateError(f"header.tensor_count = {header.tensor_count} must be > 0")
+        if callable(self._specs):
+            self._specs = self._specs(header.adapter)
+        if callable(self.staging):
+            self.staging = self.staging(header.adapter)
         self.tensor_count = header.tensor_count
         self.note = header.note
         self.update_id = header.update_id
+        self.adapter = header.adapter
 
     def chunk(self, chunk: Chunk) -> None:
         """A chunk of the stream: its bytes, from the received message, into the staged tensor."""
@@ -245,7 +261,9 @@ class WeightsReceiver:
         if not self.tensor_count:
             raise WeightUpdateError("the stream ended without a header")
         incomplete = [
-            f"{name!r} ({tensor.received} of {tensor.size} bytes)" for name, tensor in self._tensors.items() if not tensor.complete
+            f"{name!r} ({tensor.received} of {tensor.size} bytes)"
+            for name, tensor in self._tensors.items()
+            if not tensor.complete
         ]
         if incomplete or len(self._tensors) < self.tensor_count:
             raise WeightUpdateError(
@@ -266,7 +284,9 @@ class WeightsReceiver:
             raise WeightUpdateError(f"chunk of {name!r} arrived before the header")
         incoming = self._tensors.get(name) or self._open(name, dtype, shape)
         if dtype != incoming.dtype:
-            raise WeightUpdateError(f"tensor {name!r}: chunk dtype {dtype!r} differs from its first chunk's {incoming.dtype!r}")
+            raise WeightUpdateError(
+                f"tensor {name!r}: chunk dtype {dtype!r} differs from its first chunk's {incoming.dtype!r}"
+            )
         if shape != incoming.shape:
             raise WeightUpdateError(
                 f"tensor {name!r}: chunk shape {list(shape)} differs from its first chunk's {list(incoming.shape)}"
@@ -277,7 +297,7 @@ class WeightsReceiver:
         """First piece of a tensor: check name, dtype and shape against the parameter."""
         spec = self._specs.get(name)
         if spec is None:
-            raise WeightUpdateError(f"unknown parameter name {name!r}")
+            raise WeightUpdateError(unknown_parameter(name, self._specs))
         if dtype not in WIRE_DTYPES:
             raise WeightUpdateError(f"tensor {name!r}: dtype {dtype!r} is not one of {', '.join(WIRE_DTYPES)}")
         if shape != tuple(spec.shape):
@@ -286,7 +306,7 @@ class WeightsReceiver:
             )
         if len(self._tensors) == self.tensor_count:
             raise WeightUpdateError(f"tensor {name!r} is one more than the header's tensor_count = {self.tensor_count}")
-        target = self._staging.tensor(name, spec)
+        target = self.staging.tensor(name, spec)
         wire = WIRE_DTYPES[dtype]
         if wire == spec.dtype:
             landing = byte_view(target)
@@ -302,7 +322,9 @@ class WeightsReceiver:
         if not length and size:
             raise WeightUpdateError(f"tensor {name!r}: chunk at offset {offset} carries no data")
         if start < 0 or end > size:
-            raise WeightUpdateError(f"tensor {name!r}: chunk bytes [{start}, {end}) fall outside its buffer of {size} bytes")
+            raise WeightUpdateError(
+                f"tensor {name!r}: chunk bytes [{start}, {end}) fall outside its buffer of {size} bytes"
+            )
         # Ranges are disjoint and sorted, so only the neighbours of the insertion point can overlap.
         at = bisect.bisect_right(tensor.starts, start)
         if (at > 0 and tensor.ends[at - 1] > start) or (at < len(tensor.starts) and tensor.starts[at] < end):

@@ -1,8 +1,4 @@
-"""Rollouts: tasks in, sessions run by gateway nodes, complete GRPO groups of trajectories out.
-
-The rollout server (server.py, over the SQLite store in store.py) takes tasks (tasks.py), dispatches
-their sessions to nodes through long-polled heartbeats, and releases each task's group once every
-session is done. A node (node.py) runs each session through its pools (pools.py): a runtime
-(runtimes/), a harness (harness.py, run by process.py), an evaluator (evaluators.py), and the
-trajectory builder.
-"""
+"""The rollout server's side: tasks in (tasks.py, with the harness presets of harness.py and the
+workspace templates of templates.py), dispatch to nodes and complete GRPO groups out (server.py,
+over the SQLite store in store.py), and its client (client.py). The node that runs the sessions is
+polar.app.node."""

@@ -48,6 +48,7 @@ class HarnessContext:
     workspace: Path  # the harness's cwd
     session_id: str
     task_id: str
+    context_length: int = 0  # the served model's context window in tokens; 0: not known
 
 
 @dataclass(frozen=True)
@@ -150,9 +151,17 @@ def _toml_string(value: str) -> str:
 def _codex(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
     codex_home = ctx.home / ".codex"
     codex_home.mkdir(parents=True, exist_ok=True)  # Codex refuses to start without it
+    # Codex has metadata only for the models of its own catalog; for any other it assumes a 272k
+    # context and would compact its history past the served model's window, so it is told that window.
+    # It still warns that the model's metadata was not found: a catalog entry for the served model
+    # (config.toml's model_catalog_json, or the provider's GET /models, which Codex reads only when
+    # the provider authenticates by command or through ChatGPT) must carry the model's instructions,
+    # which would replace Codex's own system prompt.
+    context_window = f"model_context_window = {ctx.context_length}\n" if ctx.context_length > 0 else ""
     # Codex speaks only the Responses API (streaming); a custom provider points it at the gateway.
     (codex_home / "config.toml").write_text(
         f"model = {_toml_string(ctx.model)}\n"
+        f"{context_window}"
         'model_provider = "polar"\n'
         "[model_providers.polar]\n"
         'name = "polar"\n'
@@ -162,7 +171,14 @@ def _codex(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch:
         "[analytics]\nenabled = false\n"
         '[otel]\nexporter = "none"\n'
     )
-    argv = ["codex", "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "--", ctx.instruction]
+    argv = [
+        "codex",
+        "exec",
+        "--skip-git-repo-check",
+        "--dangerously-bypass-approvals-and-sandbox",
+        "--",
+        ctx.instruction,
+    ]
     return argv, {"CODEX_HOME": str(codex_home)}
 
 
@@ -247,24 +263,31 @@ def _command(spec: rollout_pb2.HarnessSpec, ctx: HarnessContext) -> PresetLaunch
 
 _D = common_pb2
 PRESETS: dict[str, Preset] = {
-    "codex": Preset(
-        "codex", "@openai/codex", ShellTool("exec_command", "cmd"), _codex, (_D.DIALECT_OPENAI_RESPONSES,)
-    ),
+    "codex": Preset("codex", "@openai/codex", ShellTool("exec_command", "cmd"), _codex, (_D.DIALECT_OPENAI_RESPONSES,)),
     "claude-code": Preset(
-        "claude-code", "@anthropic-ai/claude-code", ShellTool("Bash", "command"), _claude_code,
+        "claude-code",
+        "@anthropic-ai/claude-code",
+        ShellTool("Bash", "command"),
+        _claude_code,
         (_D.DIALECT_ANTHROPIC_MESSAGES,),
     ),
     "qwen-code": Preset(
-        "qwen-code", "@qwen-code/qwen-code", ShellTool("run_shell_command", "command"), _qwen_code,
+        "qwen-code",
+        "@qwen-code/qwen-code",
+        ShellTool("run_shell_command", "command"),
+        _qwen_code,
         (_D.DIALECT_OPENAI_CHAT,),
     ),
     "gemini-cli": Preset(
-        "gemini-cli", "@google/gemini-cli", ShellTool("run_shell_command", "command"), _gemini_cli,
+        "gemini-cli",
+        "@google/gemini-cli",
+        ShellTool("run_shell_command", "command"),
+        _gemini_cli,
         (_D.DIALECT_GOOGLE_GENERATE_CONTENT,),
     ),
     "pi": Preset("pi", "@mariozechner/pi-coding-agent", ShellTool("bash", "command"), _pi, tuple(PI_APIS)),
     "command": Preset("command", "", None, _command),
-}  # fmt: skip
+}
 
 
 # ---------------------------------------------------------------------------------------------------

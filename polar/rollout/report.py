@@ -57,9 +57,7 @@ def render_totals(totals: Totals) -> str:
     )
 
 
-def render_status(
-    tasks: Sequence[rollout_pb2.TaskStatus], *, bars: bool = False, max_rows: int | None = None
-) -> str:
+def render_status(tasks: Sequence[rollout_pb2.TaskStatus], *, bars: bool = False, max_rows: int | None = None) -> str:
     """The table of tasks (submission order) and a totals line; `bars` adds a progress bar of finished
     sessions to each row and to the totals. With more tasks than `max_rows`, released tasks are left
     out first and counted below the table."""
@@ -98,7 +96,13 @@ def render_nodes(nodes: Sequence[rollout_pb2.NodeInfo]) -> str:
         # 0 while a heartbeat is open: the node is waiting for work right now.
         heartbeat = f"{node.seconds_since_heartbeat:.1f} s ago" if node.seconds_since_heartbeat else "now"
         rows.append(
-            [node.node_id, str(node.session_count), *(pools.get(name, "-") for name in POOLS), heartbeat, _credential(node)]
+            [
+                node.node_id,
+                str(node.session_count),
+                *(pools.get(name, "-") for name in POOLS),
+                heartbeat,
+                _credential(node),
+            ]
         )
     return _columns(rows, left=(0, len(header) - 2, len(header) - 1))
 

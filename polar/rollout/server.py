@@ -1,41 +1,8 @@
 """The gRPC RolloutService (protos/polar/v1/rollout.proto) over the rollout store (store.py).
 
-The servicer is thin: tasks are checked by `tasks`, state lives in the store (one durable
-transaction per change), and typed errors become status codes here, and only here:
-
-    (the table is the `status_codes` decorator of RolloutServicer; rpcs only raise)
-    a task's problems (tasks.validate_task), a bad heartbeat, report or cursor -> INVALID_ARGUMENT
-    TaskExists -> ALREADY_EXISTS      UnknownTask, UnknownSession -> NOT_FOUND
-    NotAssigned -> FAILED_PRECONDITION     the server stopping (open result streams) -> UNAVAILABLE
-    WrongNodeSecret, WrongCredential -> PERMISSION_DENIED
-
-A node or an inference server on another machine calls with a credential issued to it by name
-(polar.credentials): it registers (or joins) only as that name, a newer registration replacing the
-older, and its heartbeats must carry the same credential. When the operator revokes one, its calls
-are refused at once (UNAUTHENTICATED), and within a second the server forgets its node (its
-sessions are dispatched again) and removes its upstreams from every Envoy. The stack's own node
-token is for this machine's services only: from another machine's address it is refused.
-
-Nodes on the stack's own credential share one token, so the role alone cannot tell them apart:
-RegisterNode issues each node its id and a secret proving it (only its hash is stored, so a
-restarted server still knows its nodes), and a heartbeat or report under a node id must carry that
-node's secret, or it is refused before it changes anything. A request over the server's receive
-limit (`max_request_bytes`, told to nodes at registration) is RESOURCE_EXHAUSTED from gRPC itself.
-
-Dispatch happens inside Heartbeat, a long poll: the server records the node's progress, takes back
-sessions the node no longer lists (lost), assigns pending sessions to its free slots, and answers at
-once when it has sessions to start or new cancels, else when something changes (a submit, a cancel,
-sessions taken back) or the heartbeat interval ends. A newer heartbeat of the same node ends an
-older one that still waits, which then assigns nothing. A node silent for the node timeout is dead
-(checked in the background): its sessions go back to PENDING or, after their last attempt, are
-DONE and FAILED. A stopping node says so (a heartbeat with `leaving`): the same happens at once, so
-a stack that is stopped and started again runs the interrupted sessions first, not after new ones.
-Cancels of held sessions are repeated in each response while the node still lists the session
-before POSTRUN, so a lost response cannot lose a cancel.
-
-`start_rollout_server` serves a `RolloutConfig` (`serve_rollout`: `polar serve rollout`), with gRPC
-health checking (overall and `polar.v1.RolloutService`) and server reflection, like the other Polar
-services.
+A thin servicer: tasks are checked by `tasks`, state lives in the store, and typed errors become
+status codes here only. Dispatch happens inside the nodes' long-polled heartbeats. The status codes,
+the credential rules and dispatch: docs/design/rollout-server.md.
 """
 
 from __future__ import annotations
@@ -85,7 +52,7 @@ from polar.rollout.store import (
     WrongNodeSecret,
 )
 from polar.rollout.tasks import normalize_task, validate_task
-from polar.service import Ready, ServiceError, join_host_port
+from polar.service_base import Ready, ServiceError, join_host_port
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 from polar.xds.membership import Membership, split_address
 from polar.xds.rpcs import UpstreamRpcs, WrongCredential, credential_fields
@@ -285,7 +252,9 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
                         for name, (capacity, depth) in node.pools.items()
                     ],
                     session_count=self._store.held_count(node.node_id),
-                    seconds_since_heartbeat=0.0 if node.node_id in self._polls else now - self._heard.get(node.node_id, now),
+                    seconds_since_heartbeat=0.0
+                    if node.node_id in self._polls
+                    else now - self._heard.get(node.node_id, now),
                     **credential_fields(self._node_callers.get(node.node_id)),
                 )
                 for node in self._store.nodes()
@@ -325,7 +294,9 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
         if name:
             for earlier, registered in list(self._node_callers.items()):
                 if registered.name == name:
-                    self._forget_node(earlier, f"node {earlier} registered again", f"credential {name} registered a new node")
+                    self._forget_node(
+                        earlier, f"node {earlier} registered again", f"credential {name} registered a new node"
+                    )
         node_id = f"node-{uuid.uuid4().hex[:12]}"
         secret = secrets.token_hex(NODE_SECRET_BYTES)
         self._store.add_node(node_id, request, time.time(), secret=secret)
@@ -421,7 +392,9 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
         if target is None:
             return rollout_pb2.ReportSessionResponse()  # DONE already: a repeated report
         if trajectory.attempt not in (0, target.attempt):
-            raise NotAssigned(f"session {request.session_id!r} is on attempt {target.attempt}, not {trajectory.attempt}")
+            raise NotAssigned(
+                f"session {request.session_id!r} is on attempt {target.attempt}, not {trajectory.attempt}"
+            )
         trajectory.trajectory_id = trajectory.session_id = request.session_id
         trajectory.task_id = trajectory.group_id = target.task.task_id
         trajectory.attempt = target.attempt
@@ -453,7 +426,9 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
         for node_id, registered in list(self._node_callers.items()):
             if (name := registered.name) and name not in issued:
                 log.warning("node %s: its credential %s was revoked; forgotten", node_id, name)
-                self._forget_node(node_id, f"the credential of node {node_id} was revoked", "its credential was revoked")
+                self._forget_node(
+                    node_id, f"the credential of node {node_id} was revoked", "its credential was revoked"
+                )
 
     def _wake_polls(self) -> None:
         for poll in self._polls.values():
@@ -622,7 +597,9 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
         await set_serving(health_servicer, SERVICE_NAME)
         await server.start()
         servicer.start()
-        metrics = await start_metrics(config.metrics_address, rollout_metrics(servicer)) if config.metrics_address else None
+        metrics = (
+            await start_metrics(config.metrics_address, rollout_metrics(servicer)) if config.metrics_address else None
+        )
     except BaseException:
         store.close()
         raise
@@ -648,7 +625,9 @@ def bind_tls(server: grpc.aio.Server, config: RolloutConfig | XdsConfig) -> int:
     except RuntimeError as exc:
         raise ServiceError(f"tls_cert and tls_key are not a PEM certificate and its key: {exc}") from None
     if port == 0:
-        raise OSError(f"cannot bind the TLS listener to {config.tls_address}: the port is taken or the address is not this machine's")
+        raise OSError(
+            f"cannot bind the TLS listener to {config.tls_address}: the port is taken or the address is not this machine's"
+        )
     return port
 
 

@@ -1,29 +1,8 @@
 """The rollout server's durable state: tasks, sessions, released groups and nodes in one SQLite file.
 
-The file is in WAL mode with synchronous=FULL, and every method that changes state is one
-transaction committed before it returns: whatever the server acknowledged survives a crash or a
-restart. One server owns a store at a time (exclusive locking); a second one is refused at open.
-
-A session's life in the store::
-
-    PENDING ──dispatch──▶ INIT / READY / RUNNING / POSTRUN ──report──▶ DONE
-     │  ▲                   (held by a node; a cancel is passed on to it)
-     │  └── lost by its node, or the node died, with attempts left; else DONE: FAILED, or
-     │      CANCELLED if a cancel was asked for
-     └── cancelled ──▶ DONE: CANCELLED
-
-A task's group is released (given the next cursor) in the transaction that makes its last session
-DONE. Methods take the current time (`now`, Unix seconds) from the caller.
-
-Exceptions::
-
-    StoreError              the base; itself: the file is no rollout store, or is in use
-    ├── TaskExists          a submitted task id is taken
-    ├── UnknownTask         no task has that id
-    ├── UnknownSession      no session has that id
-    ├── NotAssigned         a report from a node that does not hold the session (now)
-    ├── WrongNodeSecret     a node's call under an id whose secret it does not have
-    └── InvalidCursor       a results cursor this store never gave out
+Every change is one transaction committed before the method returns (WAL, synchronous=FULL), and one
+server owns a store at a time. A session's life, when a group is released, and the exceptions:
+docs/design/rollout-server.md.
 """
 
 from __future__ import annotations
@@ -203,6 +182,8 @@ class RolloutStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        # Each task's harness preset by its seq, read from its Task once (a task never changes).
+        self._presets: dict[int, str] = {}
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None, timeout=0)
         except sqlite3.Error as exc:
@@ -219,7 +200,9 @@ class RolloutStore:
             if version == 0:
                 self._db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
             elif version == 2:
-                self._db.executescript(f"BEGIN IMMEDIATE; {_MIGRATE_FROM_2}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;")
+                self._db.executescript(
+                    f"BEGIN IMMEDIATE; {_MIGRATE_FROM_2}; PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+                )
             elif version != SCHEMA_VERSION:
                 raise StoreError(
                     f"{self.path} is a rollout store of schema version {version}; this Polar reads {SCHEMA_VERSION}"
@@ -296,7 +279,19 @@ class RolloutStore:
             reward_sums[row["seq"]] = (total + row["reward_sum"], done + row["done"])
         for seq, (total, done) in reward_sums.items():
             statuses[seq].mean_reward = total / done if done else 0.0
+        for seq, preset in self._task_presets(list(statuses)).items():
+            statuses[seq].harness = preset
         return list(statuses.values())
+
+    def _task_presets(self, seqs: Sequence[int]) -> dict[int, str]:
+        """The harness preset of each task by its seq."""
+        unread = [seq for seq in seqs if seq not in self._presets]
+        for start in range(0, len(unread), 500):  # SQLite's limit on a statement's parameters
+            chunk = unread[start : start + 500]
+            rows = self._db.execute(f"SELECT seq, task FROM tasks WHERE seq IN ({','.join('?' * len(chunk))})", chunk)
+            for row in rows:
+                self._presets[row["seq"]] = rollout_pb2.Task.FromString(row["task"]).harness.preset
+        return {seq: self._presets[seq] for seq in seqs}
 
     def _task_seqs(self, task_ids: Iterable[str]) -> dict[str, int]:
         known = {}

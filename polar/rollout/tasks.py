@@ -16,15 +16,15 @@ import uuid
 
 from google.protobuf import json_format
 
-from gateway.sampling import policy_problems
 from polar.rollout.harness import PRESETS
 from polar.rollout.templates import template_problem
+from polar.sampling_policy import policy_problems
 from polar.trajectory import BUILDERS
 from polar.v1 import common_pb2, rollout_pb2
 
 HARNESS_PRESETS = ("codex", "claude-code", "qwen-code", "gemini-cli", "pi", "command")
 RUNTIME_KINDS = ("local", "docker")
-EVALUATOR_KINDS = ("", "command", "python", "swe")  # "": no evaluator, every reward is 0
+EVALUATOR_KINDS = ("", "command", "python", "swe", "harbor", "gym")  # "": no evaluator, every reward is 0
 # A GRPO group is a handful to a few hundred sessions; a typo's billion would be one endless transaction.
 MAX_GROUP_SIZE = 4096
 
@@ -79,6 +79,8 @@ def validate_task(task: rollout_pb2.Task) -> list[str]:
     problems += _harness_problems(task)
     problems += _runtime_problems(task.runtime)
     problems += _evaluator_problems(task.evaluator)
+    if task.evaluator.kind == "harbor" and task.runtime.kind != "docker":
+        problems.append("evaluator.harbor: a Harbor task runs in runtime 'docker'")
     if task.builder not in BUILDERS:
         problems.append(f"builder: unknown builder {task.builder!r} (known: {', '.join(sorted(BUILDERS))})")
     problems += _timeout_problems("timeout_seconds", task.timeout_seconds)
@@ -106,7 +108,9 @@ def _harness_problems(task: rollout_pb2.Task) -> list[str]:
     if harness.dialect and harness.preset in PRESETS:
         spoken = PRESETS[harness.preset].dialects
         if not spoken:
-            problems.append(f"harness.dialect: preset {harness.preset!r} takes none (its command speaks what it speaks)")
+            problems.append(
+                f"harness.dialect: preset {harness.preset!r} takes none (its command speaks what it speaks)"
+            )
         elif harness.dialect not in spoken:
             known = ", ".join(common_pb2.Dialect.Name(d) for d in spoken)
             problems.append(
@@ -136,7 +140,28 @@ def _runtime_problems(runtime: rollout_pb2.RuntimeSpec) -> list[str]:
         return [f"runtime.template: {problem}"]
     if runtime.revision and not runtime.template:
         return ["runtime.revision: needs a template (the git repository to check it out of)"]
+    docker_only = [name for name in ("workdir", "cpus", "memory_bytes", "max_processes") if getattr(runtime, name)]
+    if runtime.kind != "docker" and docker_only:
+        return [f"runtime.{docker_only[0]}: only for runtime 'docker'"]
+    if runtime.workdir and (not runtime.workdir.startswith("/") or ".." in runtime.workdir.split("/")):
+        return [f"runtime.workdir: {runtime.workdir!r} is not an absolute path without '..'"]
+    if runtime.cpus < 0 or runtime.memory_bytes < 0 or runtime.max_processes < 0:
+        return ["runtime: cpus, memory_bytes and max_processes must be >= 0"]
     return []
+
+
+def _gym_problems(gym: rollout_pb2.GymVerifier) -> list[str]:
+    problems = []
+    if not gym.url.startswith(("http://", "https://")):
+        problems.append(f"evaluator.gym.url: {gym.url!r} is not an http(s) URL of a NeMo Gym resources server")
+    if gym.row_json:
+        try:
+            row = json.loads(gym.row_json)
+        except ValueError as exc:
+            row = exc
+        if not isinstance(row, dict):
+            problems.append("evaluator.gym.row_json: must be a JSON object (the Gym row)")
+    return problems
 
 
 def _evaluator_problems(evaluator: rollout_pb2.EvaluatorSpec) -> list[str]:
@@ -153,6 +178,10 @@ def _evaluator_problems(evaluator: rollout_pb2.EvaluatorSpec) -> list[str]:
             problems.append("evaluator.swe.fail_to_pass: at least one test is required")
         if evaluator.swe.max_patch_bytes < 0:
             problems.append(f"evaluator.swe.max_patch_bytes: must be >= 0, got {evaluator.swe.max_patch_bytes}")
+    elif evaluator.kind == "harbor" and not evaluator.harbor.image:
+        problems.append("evaluator.harbor.image: required for evaluator 'harbor'")
+    elif evaluator.kind == "gym":
+        problems += _gym_problems(evaluator.gym)
     problems += _timeout_problems("evaluator.timeout_seconds", evaluator.timeout_seconds)
     return problems
 

@@ -112,4 +112,6 @@ def parse_roots(setting: str, cwd: Path | None = None) -> list[Path]:
 
 def parse_sources(roots: str, git: str, cwd: Path | None = None) -> TemplateSources:
     """`[node] template_roots` and `[node] template_git` (comma-separated URL prefixes)."""
-    return TemplateSources(tuple(parse_roots(roots, cwd)), tuple(part.strip() for part in git.split(",") if part.strip()))
+    return TemplateSources(
+        tuple(parse_roots(roots, cwd)), tuple(part.strip() for part in git.split(",") if part.strip())
+    )

@@ -10,19 +10,18 @@ import shutil
 import sys
 import time
 
-from polar.rollout import client
+from polar.rollout.client import RolloutClient, RolloutError
 from polar.rollout.report import render_envoys, render_nodes, render_status, render_totals, summarize
-from polar.v1 import rollout_pb2, rollout_pb2_grpc
+from polar.v1 import rollout_pb2
 
 
 def show_status(address: str, task_ids: list[str], watch: bool = False, interval_s: float = 1.0) -> None:
     """The nodes and the tasks' table once, or with `watch` until every task is released."""
     tty = sys.stdout.isatty()
-    with client.channel(address) as channel:
-        stub = rollout_pb2_grpc.RolloutServiceStub(channel)
-        nodes, tasks = client.fetch_status(stub, address, task_ids)
+    with RolloutClient(address) as client:
+        nodes, tasks = client.status(task_ids)
         if not watch:
-            envoys = render_envoys(client.fetch_upstreams(stub, address))
+            envoys = render_envoys(client.upstreams())
             print("\n\n".join(part for part in (render_nodes(nodes), envoys, render_status(tasks)) if part))
             return
         last_totals = None
@@ -46,26 +45,28 @@ def show_status(address: str, task_ids: list[str], watch: bool = False, interval
             if done:
                 return
             time.sleep(interval_s)
-            nodes, tasks = client.fetch_status(stub, address, task_ids)
+            nodes, tasks = client.status(task_ids)
 
 
 def submit_and_follow(address: str, tasks: list[rollout_pb2.Task]) -> None:
     """`polar up --submit`: the tasks submitted, a totals line per change, the table once all are
     released. Runs beside the supervisor; a failure is reported in one line and the stack serves on."""
     try:
-        task_ids = client.submit(address, tasks)
-        print(f"polar up: submitted {len(task_ids)} task{'s' if len(task_ids) != 1 else ''}", flush=True)
-        last = None
-        while True:
-            request = rollout_pb2.GetTaskStatusRequest(task_ids=task_ids)
-            statuses = list(client.call(address, "GetTaskStatus", request).tasks)
-            if all(status.released for status in statuses):
-                print(render_status(statuses), flush=True)
-                print(f"polar up: every group released; export them with `polar results --export FILE --rollout {address}`", flush=True)
-                return
-            if (totals := render_totals(summarize(statuses))) != last:
-                print(f"polar up: {totals}", flush=True)
-                last = totals
-            time.sleep(1.0)
-    except client.ClientError as exc:
+        with RolloutClient(address) as client:
+            task_ids = client.submit(tasks)
+            print(f"polar up: submitted {len(task_ids)} task{'s' if len(task_ids) != 1 else ''}", flush=True)
+            last = None
+            while True:
+                request = rollout_pb2.GetTaskStatusRequest(task_ids=task_ids)
+                statuses = list(client.call("GetTaskStatus", request).tasks)
+                if all(status.released for status in statuses):
+                    print(render_status(statuses), flush=True)
+                    export = f"polar results --export FILE --rollout {address}"
+                    print(f"polar up: every group released; export them with `{export}`", flush=True)
+                    return
+                if (totals := render_totals(summarize(statuses))) != last:
+                    print(f"polar up: {totals}", flush=True)
+                    last = totals
+                time.sleep(1.0)
+    except RolloutError as exc:
         print(f"polar up: {exc}", file=sys.stderr, flush=True)

@@ -12,7 +12,7 @@ weight to its traces; session_file.py reads and writes session files; synthetic.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from polar.trajectory.per_request import build_per_request
 from polar.trajectory.prefix_merging import FORK_REASONS, build_prefix_merging

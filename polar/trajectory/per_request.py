@@ -9,7 +9,7 @@ one has "per_request": each of them repeats the history the previous call alread
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -1,64 +1,15 @@
 """The ``prefix_merging`` builder: a session's calls grouped into chains, one trace per chain.
 
-Chains
-------
-Calls are taken in arrival order. Each chain has a *tip*: the tokens a call must start with to join
-it. A call joins the chain whose tip its prompt extends token for token (the prompt starts with the
-tip, equal length included); when several tips match, the longest wins (then the chain extended most
-recently). Joining sets the tip to ``prompt ‖ sample``, so the chain's trace is
-``p1 ‖ a1 ‖ u2 ‖ a2 ‖ …``: every sampled span ``a_i`` has loss mask 1 and its logprobs, every
-prompt or interstitial span (``p1``, ``u_i``: tool results, user turns, template tokens) has mask 0.
-Each call contributes a PROMPT segment for its new prompt tokens and a SAMPLED segment for its sample;
-a SAMPLED segment carries its call's sampling, and a trace is truncated when any call whose sample it
-holds was (cut by the task's token limits or the context window).
-
-End of turn: a response that stopped on the end-of-turn token holds it as its last sampled token, and
-the next prompt continues after it; a response cut at max tokens does not hold it, and the gateway's
-next prompt carries it as its first new token. Both are plain extensions of ``prompt ‖ sample``, so both
-merge, the end-of-turn token being trainable in the first case and interstitial (mask 0) in the second.
-
-Interrupted calls (aborted by the client, finish reason ABORTED or ERROR): the harness never received
-the whole response, so no later prompt holds the partial sample. Such a call joins a chain like any
-other, but moves the tip only to the end of its *prompt*: its prompt is real context (the retry that
-usually follows extends it), its sample is not. When the chain ends with it, its partial sample closes
-the chain's trace; when a later call joins the chain, the interrupted call is split off as a sibling
-trace ``prompt ‖ partial sample`` with fork reason "aborted_call". Either way each partial sample is
-trained exactly once, in exactly the context it was sampled in. Calls that sampled nothing have nothing
-to train and are left out (they still count in ``MergeStats.calls``).
-
-Forks
------
-A call that extends no tip starts a new chain, a sibling trace holding its whole prompt: nothing is
-truncated. Its fork reason is decided against the chain ``K`` it shares the longest common prefix ``l``
-with (ties: the chain extended most recently). Let ``n1`` be the length of ``K``'s first prompt,
-``m`` the call that last joined ``K``, and ``e`` the point ``m`` extended (the tip before ``m``
-joined; ``n1`` when ``m`` is ``K``'s first call). The first matching rule wins:
-
-1. "parallel_branch": ``l >= e``, unless the call diverges inside ``m``'s sample and goes on past the
-   divergence (``l >= len(m.prompt)`` and ``len(prompt) > l``, which is a rewritten sample). The call
-   extends the same point as ``m``: a concurrent request, a second sample of the same prompt, a retry
-   of ``m``, or (indistinguishable in tokens) a rewrite of only the newest messages.
-2. "sub_agent": ``l < n1`` and a chain that existed before the call takes another call after it. The
-   call shares no more than part of ``K``'s first prompt (the system prompt, the tools block) and runs
-   beside the existing chains instead of replacing them.
-3. "compaction": ``len(prompt) < len(K's tip)``. The call rewrote ``K``'s history into a shorter one
-   (summarised it, cleared old tool results).
-4. "edit": otherwise. The call diverges inside ``K``'s history and keeps at least as much of it.
-
-Rule 2 looks ahead: whether the old chains go on is known only once the session is over, and it is what
-tells a sub-agent (the main chain resumes after it) from a compaction that keeps the system prompt (the
-main chain is abandoned). A sub-agent that is the session's last activity is therefore counted as a
-compaction or edit. The first trace of a session has no fork reason; interrupted calls split off as
-above have "aborted_call".
-
-Speed: joining compares whole prompts as bytes (``bytes.startswith``) and forks use one numpy
-comparison per chain, so the cost is a few memory passes over the session's tokens, no per-token Python.
+A call joins the chain whose tip (``prompt ‖ sample`` of its last call) its prompt extends; a call that
+extends none starts a sibling trace with a fork reason (parallel_branch, sub_agent, compaction, edit),
+and an interrupted call's partial sample is trained once, in its own context (aborted_call). The rules
+and why they are so: docs/design/trajectories.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import numpy as np
 
@@ -121,9 +72,9 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 def _extended_chain(chains: list[_Chain], prompt: bytes) -> _Chain | None:
     best = None
     for chain in chains:
-        if len(chain.tip) <= len(prompt) and prompt.startswith(chain.tip):
-            if best is None or (len(chain.tip), chain.last_index) > (len(best.tip), best.last_index):
-                best = chain
+        extends = len(chain.tip) <= len(prompt) and prompt.startswith(chain.tip)
+        if extends and (best is None or (len(chain.tip), chain.last_index) > (len(best.tip), best.last_index)):
+            best = chain
     return best
 
 

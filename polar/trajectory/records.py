@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import enum
 import types
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -89,8 +89,12 @@ class SamplingParams:
             seed=params.seed if params.HasField("seed") else None,
             ignore_eos=params.ignore_eos,
             constraint=(
-                OutputConstraint(params.constraint.kind, params.constraint.json_schema, params.constraint.prefix,
-                                 params.constraint.suffix)
+                OutputConstraint(
+                    params.constraint.kind,
+                    params.constraint.json_schema,
+                    params.constraint.prefix,
+                    params.constraint.suffix,
+                )
                 if params.HasField("constraint")
                 else None
             ),
@@ -139,8 +143,7 @@ class CallView:
         object.__setattr__(self, "logprobs", _frozen_array(self.logprobs, np.float32))
         if len(self.logprobs) != len(self.sampled_ids):
             raise InvalidCallError(
-                f"call {self.call_id}: {len(self.sampled_ids)} sampled tokens but "
-                f"{len(self.logprobs)} logprobs"
+                f"call {self.call_id}: {len(self.sampled_ids)} sampled tokens but {len(self.logprobs)} logprobs"
             )
 
     @property

@@ -1,37 +1,14 @@
 """Reward bookkeeping: how one session's reward and weight attach to its traces.
 
-A session (one rollout of one task) earns one scalar reward from its evaluator; GRPO turns it into one
-advantage ``A`` by normalising within the session's group. The builders may split the session into
-several traces (sub-agents, parallel branches, compaction; ``per_request`` splits it into one trace
-per call). The split is an artefact of reconstruction and must not change what the session teaches.
-
-The rule used here:
-
-* Every trace of a session carries the session's own advantage ``A``, unchanged. No trace gets a
-  reward of its own: the outcome was produced by the whole session (the sub-agent that found the bug,
-  the main agent that applied the fix), and per-trace credit would need an evaluator that knows which
-  calls mattered, which an unmodified harness does not provide.
-* Trace ``i`` carries the weight ``w_i = W * n_i / N``: ``W`` is the session's weight (1 unless the
-  task says otherwise), ``n_i`` the trace's trainable (mask 1) tokens, ``N`` the session's trainable
-  tokens. The weights of a session's traces sum to ``W``; a trace with nothing to train on gets 0.
-* The trainer averages a trace's per-token losses over its trainable tokens and multiplies by ``w_i``.
-  Each trainable token then weighs ``W / N``, whatever the split, so a session contributes the same
-  loss as one trace or as twenty: ``sum_i w_i * mean_i(loss) = W * mean over the session's tokens``.
-
-Why not the alternatives. Giving every trace the full reward at weight 1 (the reference system's
-per-request training) makes a session's influence grow with its number of calls: a policy that makes
-more, shorter calls multiplies the weight of every rewarded session, which is the reward hacking that
-system reported. Splitting the weight equally per trace (``W / traces``) keeps the session total but
-lets a three-token side call weigh as much as a thousand-token main chain, so that side call claims a
-share of the reward it did not earn. Sharing by trainable tokens is the only split under which the
-per-token weight does not depend on how the session was cut into traces (checked by property tests).
-A session with no trainable token contributes nothing (every weight is 0).
+Every trace of a session carries the session's advantage unchanged, and trace i weighs
+``W * n_i / N`` (its share of the session's trainable tokens), so a session teaches the same however
+it was cut into traces. The rule and why not the alternatives: docs/design/trajectories.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -58,9 +35,7 @@ def token_share_weights(trainable_tokens: Sequence[int], session_weight: float =
     return session_weight * counts / total
 
 
-def with_token_share_weights(
-    traces: Sequence[BuiltTrace], session_weight: float = 1.0
-) -> tuple[BuiltTrace, ...]:
+def with_token_share_weights(traces: Sequence[BuiltTrace], session_weight: float = 1.0) -> tuple[BuiltTrace, ...]:
     """The traces with ``weight`` set to their share of the session's trainable tokens."""
     weights = token_share_weights([trace.trainable_tokens for trace in traces], session_weight)
     return tuple(trace.with_weight(float(w)) for trace, w in zip(traces, weights))
@@ -71,9 +46,7 @@ def credit_traces(
 ) -> tuple[TraceCredit, ...]:
     """Attach one session's advantage and weight to each of its traces."""
     weights = token_share_weights([trace.trainable_tokens for trace in traces], session_weight)
-    return tuple(
-        TraceCredit(trace.trace_id, float(advantage), float(w)) for trace, w in zip(traces, weights)
-    )
+    return tuple(TraceCredit(trace.trace_id, float(advantage), float(w)) for trace, w in zip(traces, weights))
 
 
 def token_weights(trace: BuiltTrace) -> np.ndarray:

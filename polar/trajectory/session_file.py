@@ -11,8 +11,8 @@ file name says the encoding:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import zstandard
 from google.protobuf import json_format

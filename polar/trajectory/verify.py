@@ -1,35 +1,16 @@
 """The verifier: are a session's traces faithful to what the engine sampled?
 
-``verify(calls, traces)`` checks, for every trace:
-
-* ``token_ids``, ``loss_mask`` and ``logprobs`` have one entry per token; the mask is 0 or 1 and the
-  logprob is 0 wherever the mask is 0;
-* the segments cover the trace exactly, in order, each one naming a call of the session; a PROMPT
-  segment has mask 0 and its tokens are that call's prompt at the same positions; a SAMPLED segment has
-  mask 1, starts right where the call's prompt ends, everything before it is exactly the call's prompt
-  (the context the engine was given), its tokens are exactly the call's sampled ids in order and its
-  logprobs exactly the recorded ones, and its sampling is the call's; ``policy_versions`` has one
-  entry per SAMPLED segment, equal to the call's policy version; the trace is marked truncated exactly
-  when a call whose sample it holds was truncated;
-
-and, across traces, that every call's sampled tokens appear in exactly one SAMPLED segment, and that
-the trace weights are non-negative and sum to 1 whenever there is something to train on.
-
-Constrained calls (sampling.constraint: a forced tool call, JSON-schema output) are re-checked against
-their grammar (``check_constraints``): replayed over the call's sampled ids, the constraint's mask must
-have admitted every one of them. That needs the model's tokenizer: ``polar verify --model M``; a file
-with constrained calls verified without one fails, saying so.
-
-Every problem names the trace, the position and the call. ``verify_or_raise`` raises
-``VerificationError`` with all of them; ``verify_command`` is what ``polar verify FILE`` runs on a session
-file (see ``session_file.py``).
+Every trainable token must be a token the engine sampled, with its recorded logprob, in exactly the
+context the engine was given; constrained calls are replayed against their grammar. Every problem
+names the trace, the position and the call. The checks: docs/design/trajectories.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import TextIO
 
 import numpy as np
 
@@ -104,7 +85,9 @@ class _Checker:
         tid, n = trace.trace_id, len(trace.token_ids)
         if len(trace.loss_mask) != n or len(trace.logprobs) != n:
             self.problem(
-                tid, -1, "",
+                tid,
+                -1,
+                "",
                 f"{n} tokens but {len(trace.loss_mask)} mask entries and {len(trace.logprobs)} logprobs",
             )
             return
@@ -117,14 +100,18 @@ class _Checker:
         sampled_segments = sum(1 for s in trace.segments if s.kind == SegmentKind.SAMPLED)
         if sampled_segments != len(trace.policy_versions):
             self.problem(
-                tid, -1, "",
+                tid,
+                -1,
+                "",
                 f"{sampled_segments} sampled segments but {len(trace.policy_versions)} policy versions",
             )
         expected_start, sampled_seen, truncated = 0, 0, False
         for segment in trace.segments:
             if segment.start != expected_start or not segment.start < segment.end <= n:
                 self.problem(
-                    tid, segment.start, segment.call_id,
+                    tid,
+                    segment.start,
+                    segment.call_id,
                     f"segment [{segment.start}, {segment.end}) does not continue the previous one "
                     f"(expected start {expected_start}) inside a trace of {n} tokens",
                 )
@@ -141,7 +128,9 @@ class _Checker:
                 self.check_sampled(trace, segment.start, segment.end, call, version)
                 if segment.sampling != call.sampling:
                     self.problem(
-                        tid, segment.start, segment.call_id,
+                        tid,
+                        segment.start,
+                        segment.call_id,
                         f"segment sampling {segment.sampling} is not the call's {call.sampling}",
                     )
             else:
@@ -150,7 +139,9 @@ class _Checker:
             self.problem(tid, expected_start, "", f"segments end at {expected_start}, the trace has {n} tokens")
         if trace.truncated != truncated:
             self.problem(
-                tid, -1, "",
+                tid,
+                -1,
+                "",
                 f"marked {'' if trace.truncated else 'not '}truncated, but "
                 f"{'a' if truncated else 'no'} call whose sample it holds was truncated",
             )
@@ -162,7 +153,9 @@ class _Checker:
             self.problem(tid, start + int(trained[0]), call.call_id, "loss mask 1 inside a prompt segment")
         if end > len(call.prompt_ids):
             self.problem(
-                tid, start, call.call_id,
+                tid,
+                start,
+                call.call_id,
                 f"prompt segment ends at {end}, past the call's {len(call.prompt_ids)}-token prompt",
             )
             return
@@ -180,14 +173,18 @@ class _Checker:
         context = _first_difference(trace.token_ids[:start], call.prompt_ids)
         if context is not None:
             self.problem(
-                tid, context, cid,
+                tid,
+                context,
+                cid,
                 f"context differs from the prompt the engine was given ({len(call.prompt_ids)} tokens; "
                 f"the sampled span starts at {start})",
             )
         diff = _first_difference(trace.token_ids[start:end], call.sampled_ids)
         if diff is not None:
             self.problem(
-                tid, start + diff, cid,
+                tid,
+                start + diff,
+                cid,
                 f"sampled span of {end - start} tokens differs from the call's {len(call.sampled_ids)} "
                 f"sampled tokens at offset {diff}",
             )
@@ -243,7 +240,11 @@ def check_constraints(calls: Sequence[CallView], grammar: TokenGrammar | None) -
         if constraint is None:
             continue
         if grammar is None:
-            problems.append(Problem("", -1, call.call_id, f"a {constraint.kind} constraint applied: give --model to re-check its mask"))
+            problems.append(
+                Problem(
+                    "", -1, call.call_id, f"a {constraint.kind} constraint applied: give --model to re-check its mask"
+                )
+            )
             continue
         try:
             grammar.replay(constraint, call.sampled_ids.tolist())

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from polar.v1 import common_pb2 as polar_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16polar/v1/gateway.proto\x12\x08polar.v1\x1a\x15polar/v1/common.proto\"\xfe\x01\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12(\n\x07history\x18\x03 \x01(\x0e\x32\x17.polar.v1.HistoryPolicy\x12<\n\x08metadata\x18\x04 \x03(\x0b\x32*.polar.v1.OpenSessionRequest.MetadataEntry\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.polar.v1.SamplingPolicy\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xda\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0e\n\x06\x63losed\x18\x04 \x01(\x08\x12\x12\n\ncall_count\x18\x05 \x01(\x05\x12\x16\n\x0eopened_unix_ns\x18\x06 \x01(\x03\x12\x16\n\x0e\x63losed_unix_ns\x18\x07 \x01(\x03\x12(\n\x07history\x18\x08 \x01(\x0e\x32\x17.polar.v1.HistoryPolicy\x12\x31\n\x08metadata\x18\t \x03(\x0b\x32\x1f.polar.v1.Session.MetadataEntry\x12*\n\x08sampling\x18\n \x01(\x0b\x32\x18.polar.v1.SamplingPolicy\x12\x0f\n\x07\x65xpired\x18\x0b \x01(\x08\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x13\x43loseSessionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"4\n\x11GetSessionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nomit_calls\x18\x02 \x01(\x08\"]\n\x12GetSessionResponse\x12\"\n\x07session\x18\x01 \x01(\x0b\x32\x11.polar.v1.Session\x12#\n\x05\x63\x61lls\x18\x02 \x03(\x0b\x32\x14.polar.v1.CallRecord\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"&\n\rDrainResponse\x12\x15\n\ropen_sessions\x18\x01 \x01(\x05\"9\n\x13OpenSessionResponse\x12\"\n\x07session\x18\x01 \x01(\x0b\x32\x11.polar.v1.Session\":\n\x14\x43loseSessionResponse\x12\"\n\x07session\x18\x01 \x01(\x0b\x32\x11.polar.v1.Session\";\n\x13WatchSessionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x17\n\x0funtil_caught_up\x18\x02 \x01(\x08\":\n\x14WatchSessionResponse\x12\"\n\x04\x63\x61ll\x18\x01 \x01(\x0b\x32\x14.polar.v1.CallRecord\"\x16\n\x14GetNodeStatusRequest\"=\n\x15GetNodeStatusResponse\x12$\n\x06status\x18\x01 \x01(\x0b\x32\x14.polar.v1.NodeStatus\"\x86\x01\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\ropen_sessions\x18\x02 \x01(\x05\x12\x17\n\x0f\x63\x61lls_in_flight\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61lls_total\x18\x04 \x01(\x03\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x10\n\x08\x62\x61se_url\x18\x06 \x01(\t*i\n\rHistoryPolicy\x12\x1e\n\x1aHISTORY_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17HISTORY_POLICY_FAITHFUL\x10\x01\x12\x1b\n\x17HISTORY_POLICY_TEMPLATE\x10\x02\x32\xd1\x03\n\x0eGatewayService\x12J\n\x0bOpenSession\x12\x1c.polar.v1.OpenSessionRequest\x1a\x1d.polar.v1.OpenSessionResponse\x12M\n\x0c\x43loseSession\x12\x1d.polar.v1.CloseSessionRequest\x1a\x1e.polar.v1.CloseSessionResponse\x12G\n\nGetSession\x12\x1b.polar.v1.GetSessionRequest\x1a\x1c.polar.v1.GetSessionResponse\x12O\n\x0cWatchSession\x12\x1d.polar.v1.WatchSessionRequest\x1a\x1e.polar.v1.WatchSessionResponse0\x01\x12\x38\n\x05\x44rain\x12\x16.polar.v1.DrainRequest\x1a\x17.polar.v1.DrainResponse\x12P\n\rGetNodeStatus\x12\x1e.polar.v1.GetNodeStatusRequest\x1a\x1f.polar.v1.GetNodeStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16polar/v1/gateway.proto\x12\x08polar.v1\x1a\x15polar/v1/common.proto\"\x8f\x02\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07task_id\x18\x02 \x01(\t\x12(\n\x07history\x18\x03 \x01(\x0e\x32\x17.polar.v1.HistoryPolicy\x12<\n\x08metadata\x18\x04 \x03(\x0b\x32*.polar.v1.OpenSessionRequest.MetadataEntry\x12*\n\x08sampling\x18\x05 \x01(\x0b\x32\x18.polar.v1.SamplingPolicy\x12\x0f\n\x07\x61\x64\x61pter\x18\x06 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xeb\x02\n\x07Session\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x0e\n\x06\x63losed\x18\x04 \x01(\x08\x12\x12\n\ncall_count\x18\x05 \x01(\x05\x12\x16\n\x0eopened_unix_ns\x18\x06 \x01(\x03\x12\x16\n\x0e\x63losed_unix_ns\x18\x07 \x01(\x03\x12(\n\x07history\x18\x08 \x01(\x0e\x32\x17.polar.v1.HistoryPolicy\x12\x31\n\x08metadata\x18\t \x03(\x0b\x32\x1f.polar.v1.Session.MetadataEntry\x12*\n\x08sampling\x18\n \x01(\x0b\x32\x18.polar.v1.SamplingPolicy\x12\x0f\n\x07\x65xpired\x18\x0b \x01(\x08\x12\x0f\n\x07\x61\x64\x61pter\x18\x0c \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x13\x43loseSessionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\"4\n\x11GetSessionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x12\n\nomit_calls\x18\x02 \x01(\x08\"]\n\x12GetSessionResponse\x12\"\n\x07session\x18\x01 \x01(\x0b\x32\x11.polar.v1.Session\x12#\n\x05\x63\x61lls\x18\x02 \x03(\x0b\x32\x14.polar.v1.CallRecord\"\'\n\x0c\x44rainRequest\x12\x17\n\x0ftimeout_seconds\x18\x01 \x01(\x01\"&\n\rDrainResponse\x12\x15\n\ropen_sessions\x18\x01 \x01(\x05\"9\n\x13OpenSessionResponse\x12\"\n\x07session\x18\x01 \x01(\x0b\x32\x11.polar.v1.Session\":\n\x14\x43loseSessionResponse\x12\"\n\x07session\x18\x01 \x01(\x0b\x32\x11.polar.v1.Session\";\n\x13WatchSessionRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x17\n\x0funtil_caught_up\x18\x02 \x01(\x08\":\n\x14WatchSessionResponse\x12\"\n\x04\x63\x61ll\x18\x01 \x01(\x0b\x32\x14.polar.v1.CallRecord\"\x16\n\x14GetNodeStatusRequest\"=\n\x15GetNodeStatusResponse\x12$\n\x06status\x18\x01 \x01(\x0b\x32\x14.polar.v1.NodeStatus\"\x86\x01\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\ropen_sessions\x18\x02 \x01(\x05\x12\x17\n\x0f\x63\x61lls_in_flight\x18\x03 \x01(\x05\x12\x13\n\x0b\x63\x61lls_total\x18\x04 \x01(\x03\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x10\n\x08\x62\x61se_url\x18\x06 \x01(\t*i\n\rHistoryPolicy\x12\x1e\n\x1aHISTORY_POLICY_UNSPECIFIED\x10\x00\x12\x1b\n\x17HISTORY_POLICY_FAITHFUL\x10\x01\x12\x1b\n\x17HISTORY_POLICY_TEMPLATE\x10\x02\x32\xd1\x03\n\x0eGatewayService\x12J\n\x0bOpenSession\x12\x1c.polar.v1.OpenSessionRequest\x1a\x1d.polar.v1.OpenSessionResponse\x12M\n\x0c\x43loseSession\x12\x1d.polar.v1.CloseSessionRequest\x1a\x1e.polar.v1.CloseSessionResponse\x12G\n\nGetSession\x12\x1b.polar.v1.GetSessionRequest\x1a\x1c.polar.v1.GetSessionResponse\x12O\n\x0cWatchSession\x12\x1d.polar.v1.WatchSessionRequest\x1a\x1e.polar.v1.WatchSessionResponse0\x01\x12\x38\n\x05\x44rain\x12\x16.polar.v1.DrainRequest\x1a\x17.polar.v1.DrainResponse\x12P\n\rGetNodeStatus\x12\x1e.polar.v1.GetNodeStatusRequest\x1a\x1f.polar.v1.GetNodeStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,40 +36,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_options = b'8\001'
   _globals['_SESSION_METADATAENTRY']._loaded_options = None
   _globals['_SESSION_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_HISTORYPOLICY']._serialized_start=1395
-  _globals['_HISTORYPOLICY']._serialized_end=1500
+  _globals['_HISTORYPOLICY']._serialized_start=1429
+  _globals['_HISTORYPOLICY']._serialized_end=1534
   _globals['_OPENSESSIONREQUEST']._serialized_start=60
-  _globals['_OPENSESSIONREQUEST']._serialized_end=314
-  _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_start=267
-  _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_end=314
-  _globals['_SESSION']._serialized_start=317
-  _globals['_SESSION']._serialized_end=663
-  _globals['_SESSION_METADATAENTRY']._serialized_start=267
-  _globals['_SESSION_METADATAENTRY']._serialized_end=314
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=665
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=699
-  _globals['_GETSESSIONREQUEST']._serialized_start=701
-  _globals['_GETSESSIONREQUEST']._serialized_end=753
-  _globals['_GETSESSIONRESPONSE']._serialized_start=755
-  _globals['_GETSESSIONRESPONSE']._serialized_end=848
-  _globals['_DRAINREQUEST']._serialized_start=850
-  _globals['_DRAINREQUEST']._serialized_end=889
-  _globals['_DRAINRESPONSE']._serialized_start=891
-  _globals['_DRAINRESPONSE']._serialized_end=929
-  _globals['_OPENSESSIONRESPONSE']._serialized_start=931
-  _globals['_OPENSESSIONRESPONSE']._serialized_end=988
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=990
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1048
-  _globals['_WATCHSESSIONREQUEST']._serialized_start=1050
-  _globals['_WATCHSESSIONREQUEST']._serialized_end=1109
-  _globals['_WATCHSESSIONRESPONSE']._serialized_start=1111
-  _globals['_WATCHSESSIONRESPONSE']._serialized_end=1169
-  _globals['_GETNODESTATUSREQUEST']._serialized_start=1171
-  _globals['_GETNODESTATUSREQUEST']._serialized_end=1193
-  _globals['_GETNODESTATUSRESPONSE']._serialized_start=1195
-  _globals['_GETNODESTATUSRESPONSE']._serialized_end=1256
-  _globals['_NODESTATUS']._serialized_start=1259
-  _globals['_NODESTATUS']._serialized_end=1393
-  _globals['_GATEWAYSERVICE']._serialized_start=1503
-  _globals['_GATEWAYSERVICE']._serialized_end=1968
+  _globals['_OPENSESSIONREQUEST']._serialized_end=331
+  _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_start=284
+  _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_end=331
+  _globals['_SESSION']._serialized_start=334
+  _globals['_SESSION']._serialized_end=697
+  _globals['_SESSION_METADATAENTRY']._serialized_start=284
+  _globals['_SESSION_METADATAENTRY']._serialized_end=331
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=699
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=733
+  _globals['_GETSESSIONREQUEST']._serialized_start=735
+  _globals['_GETSESSIONREQUEST']._serialized_end=787
+  _globals['_GETSESSIONRESPONSE']._serialized_start=789
+  _globals['_GETSESSIONRESPONSE']._serialized_end=882
+  _globals['_DRAINREQUEST']._serialized_start=884
+  _globals['_DRAINREQUEST']._serialized_end=923
+  _globals['_DRAINRESPONSE']._serialized_start=925
+  _globals['_DRAINRESPONSE']._serialized_end=963
+  _globals['_OPENSESSIONRESPONSE']._serialized_start=965
+  _globals['_OPENSESSIONRESPONSE']._serialized_end=1022
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1024
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1082
+  _globals['_WATCHSESSIONREQUEST']._serialized_start=1084
+  _globals['_WATCHSESSIONREQUEST']._serialized_end=1143
+  _globals['_WATCHSESSIONRESPONSE']._serialized_start=1145
+  _globals['_WATCHSESSIONRESPONSE']._serialized_end=1203
+  _globals['_GETNODESTATUSREQUEST']._serialized_start=1205
+  _globals['_GETNODESTATUSREQUEST']._serialized_end=1227
+  _globals['_GETNODESTATUSRESPONSE']._serialized_start=1229
+  _globals['_GETNODESTATUSRESPONSE']._serialized_end=1290
+  _globals['_NODESTATUS']._serialized_start=1293
+  _globals['_NODESTATUS']._serialized_end=1427
+  _globals['_GATEWAYSERVICE']._serialized_start=1537
+  _globals['_GATEWAYSERVICE']._serialized_end=2002
 # @@protoc_insertion_point(module_scope)

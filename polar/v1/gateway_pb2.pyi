@@ -18,7 +18,7 @@ HISTORY_POLICY_FAITHFUL: HistoryPolicy
 HISTORY_POLICY_TEMPLATE: HistoryPolicy
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "task_id", "history", "metadata", "sampling")
+    __slots__ = ("session_id", "task_id", "history", "metadata", "sampling", "adapter")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,15 +31,17 @@ class OpenSessionRequest(_message.Message):
     HISTORY_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     task_id: str
     history: HistoryPolicy
     metadata: _containers.ScalarMap[str, str]
     sampling: _common_pb2.SamplingPolicy
-    def __init__(self, session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., history: _Optional[_Union[HistoryPolicy, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., history: _Optional[_Union[HistoryPolicy, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("session_id", "key", "task_id", "closed", "call_count", "opened_unix_ns", "closed_unix_ns", "history", "metadata", "sampling", "expired")
+    __slots__ = ("session_id", "key", "task_id", "closed", "call_count", "opened_unix_ns", "closed_unix_ns", "history", "metadata", "sampling", "expired", "adapter")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class Session(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     key: str
     task_id: str
@@ -69,7 +72,8 @@ class Session(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     sampling: _common_pb2.SamplingPolicy
     expired: bool
-    def __init__(self, session_id: _Optional[str] = ..., key: _Optional[str] = ..., task_id: _Optional[str] = ..., closed: _Optional[bool] = ..., call_count: _Optional[int] = ..., opened_unix_ns: _Optional[int] = ..., closed_unix_ns: _Optional[int] = ..., history: _Optional[_Union[HistoryPolicy, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ..., expired: _Optional[bool] = ...) -> None: ...
+    adapter: str
+    def __init__(self, session_id: _Optional[str] = ..., key: _Optional[str] = ..., task_id: _Optional[str] = ..., closed: _Optional[bool] = ..., call_count: _Optional[int] = ..., opened_unix_ns: _Optional[int] = ..., closed_unix_ns: _Optional[int] = ..., history: _Optional[_Union[HistoryPolicy, str]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ..., expired: _Optional[bool] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("key",)

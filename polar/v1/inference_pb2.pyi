@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "session_id", "message_interval_seconds")
+    __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "session_id", "message_interval_seconds", "adapter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     session_id: str
     message_interval_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., message_interval_seconds: _Optional[float] = ...) -> None: ...
+    adapter: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., message_interval_seconds: _Optional[float] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "policy_version", "finish_reason", "usage", "queue_seconds")
@@ -48,14 +50,16 @@ class UpdateWeightsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[WeightsHeader, _Mapping]] = ..., chunk: _Optional[_Union[TensorChunk, _Mapping]] = ...) -> None: ...
 
 class WeightsHeader(_message.Message):
-    __slots__ = ("tensor_count", "note", "update_id")
+    __slots__ = ("tensor_count", "note", "update_id", "adapter")
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     tensor_count: int
     note: str
     update_id: str
-    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ...) -> None: ...
+    adapter: str
+    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
     __slots__ = ("name", "dtype", "shape", "offset", "data")
@@ -106,18 +110,20 @@ class UpdateWeightsSharedRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[SharedWeightsHeader, _Mapping]] = ..., bucket: _Optional[_Union[SharedBucket, _Mapping]] = ...) -> None: ...
 
 class SharedWeightsHeader(_message.Message):
-    __slots__ = ("tensor_count", "note", "update_id", "buffers", "host_buffers")
+    __slots__ = ("tensor_count", "note", "update_id", "buffers", "host_buffers", "adapter")
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     HOST_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     tensor_count: int
     note: str
     update_id: str
     buffers: _containers.RepeatedCompositeFieldContainer[CudaIpcBuffer]
     host_buffers: _containers.RepeatedCompositeFieldContainer[HostSharedBuffer]
-    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., host_buffers: _Optional[_Iterable[_Union[HostSharedBuffer, _Mapping]]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., buffers: _Optional[_Iterable[_Union[CudaIpcBuffer, _Mapping]]] = ..., host_buffers: _Optional[_Iterable[_Union[HostSharedBuffer, _Mapping]]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class HostSharedBuffer(_message.Message):
     __slots__ = ("name", "size_bytes")
@@ -188,7 +194,7 @@ class UpdateWeightsCollectiveRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[CollectiveWeightsHeader, _Mapping]] = ..., bucket: _Optional[_Union[SharedBucket, _Mapping]] = ...) -> None: ...
 
 class CollectiveWeightsHeader(_message.Message):
-    __slots__ = ("tensor_count", "note", "update_id", "backend", "rendezvous", "group_id", "world_size", "rank", "bucket_bytes", "buffer_count", "timeout_seconds", "group_sync")
+    __slots__ = ("tensor_count", "note", "update_id", "backend", "rendezvous", "group_id", "world_size", "rank", "bucket_bytes", "buffer_count", "timeout_seconds", "group_sync", "adapter")
     TENSOR_COUNT_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +207,7 @@ class CollectiveWeightsHeader(_message.Message):
     BUFFER_COUNT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GROUP_SYNC_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     tensor_count: int
     note: str
     update_id: str
@@ -213,13 +220,64 @@ class CollectiveWeightsHeader(_message.Message):
     buffer_count: int
     timeout_seconds: float
     group_sync: int
-    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., backend: _Optional[str] = ..., rendezvous: _Optional[str] = ..., group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., buffer_count: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_sync: _Optional[int] = ...) -> None: ...
+    adapter: str
+    def __init__(self, tensor_count: _Optional[int] = ..., note: _Optional[str] = ..., update_id: _Optional[str] = ..., backend: _Optional[str] = ..., rendezvous: _Optional[str] = ..., group_id: _Optional[str] = ..., world_size: _Optional[int] = ..., rank: _Optional[int] = ..., bucket_bytes: _Optional[int] = ..., buffer_count: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., group_sync: _Optional[int] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class UpdateWeightsCollectiveResponse(_message.Message):
     __slots__ = ("result",)
     RESULT_FIELD_NUMBER: _ClassVar[int]
     result: UpdateWeightsResponse
     def __init__(self, result: _Optional[_Union[UpdateWeightsResponse, _Mapping]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("name", "path", "rank", "alpha", "targets", "policy_version", "replace")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    alpha: float
+    targets: str
+    policy_version: int
+    replace: bool
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[str] = ..., policy_version: _Optional[int] = ..., replace: _Optional[bool] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("adapter",)
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    adapter: AdapterInfo
+    def __init__(self, adapter: _Optional[_Union[AdapterInfo, _Mapping]] = ...) -> None: ...
+
+class UnloadAdapterRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnloadAdapterResponse(_message.Message):
+    __slots__ = ("ended_generations",)
+    ENDED_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    ended_generations: int
+    def __init__(self, ended_generations: _Optional[int] = ...) -> None: ...
+
+class AdapterInfo(_message.Message):
+    __slots__ = ("name", "rank", "alpha", "targets", "policy_version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    TARGETS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    rank: int
+    alpha: float
+    targets: _containers.RepeatedScalarFieldContainer[str]
+    policy_version: int
+    def __init__(self, name: _Optional[str] = ..., rank: _Optional[int] = ..., alpha: _Optional[float] = ..., targets: _Optional[_Iterable[str]] = ..., policy_version: _Optional[int] = ...) -> None: ...
 
 class PauseRequest(_message.Message):
     __slots__ = ()
@@ -252,7 +310,7 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model_info: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "eos_token_ids", "end_of_turn_token_id", "bos_token_id", "chat_template", "context_length", "policy_version", "engine", "dtype", "device", "parameter_count", "paused", "tokenizer_path", "weight_transports", "host_id", "constrained_decoding")
+    __slots__ = ("name", "vocab_size", "eos_token_ids", "end_of_turn_token_id", "bos_token_id", "chat_template", "context_length", "policy_version", "engine", "dtype", "device", "parameter_count", "paused", "tokenizer_path", "weight_transports", "host_id", "constrained_decoding", "adapters", "max_adapters")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -270,6 +328,8 @@ class ModelInfo(_message.Message):
     WEIGHT_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINED_DECODING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -287,4 +347,6 @@ class ModelInfo(_message.Message):
     weight_transports: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
     constrained_decoding: bool
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., end_of_turn_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., context_length: _Optional[int] = ..., policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., paused: _Optional[bool] = ..., tokenizer_path: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., constrained_decoding: _Optional[bool] = ...) -> None: ...
+    adapters: _containers.RepeatedCompositeFieldContainer[AdapterInfo]
+    max_adapters: int
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., end_of_turn_token_id: _Optional[int] = ..., bos_token_id: _Optional[int] = ..., chat_template: _Optional[str] = ..., context_length: _Optional[int] = ..., policy_version: _Optional[int] = ..., engine: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., parameter_count: _Optional[int] = ..., paused: _Optional[bool] = ..., tokenizer_path: _Optional[str] = ..., weight_transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., constrained_decoding: _Optional[bool] = ..., adapters: _Optional[_Iterable[_Union[AdapterInfo, _Mapping]]] = ..., max_adapters: _Optional[int] = ...) -> None: ...

@@ -27,6 +27,12 @@ if _version_not_supported:
 
 class InferenceServiceStub:
     """Serves one model: generation, weight updates from the trainer, pause/resume, description.
+
+    With LoRA (the torch engine), a server holds the base model and adapters on top of it: its default
+    adapter (the one it started with; the base model itself when it started with none) and named ones
+    that LoadAdapter adds, so that several training runs share one server. Each adapter has its own
+    policy version; a Generate call samples from the adapter it names, a weight update replaces the
+    matrices of the adapter its header names, and neither touches another adapter.
     """
 
     def __init__(self, channel):
@@ -60,6 +66,16 @@ class InferenceServiceStub:
                 request_serializer=polar_dot_v1_dot_inference__pb2.CommitWeightsRequest.SerializeToString,
                 response_deserializer=polar_dot_v1_dot_inference__pb2.CommitWeightsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/polar.v1.InferenceService/LoadAdapter',
+                request_serializer=polar_dot_v1_dot_inference__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_inference__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/polar.v1.InferenceService/UnloadAdapter',
+                request_serializer=polar_dot_v1_dot_inference__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=polar_dot_v1_dot_inference__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
         self.Pause = channel.unary_unary(
                 '/polar.v1.InferenceService/Pause',
                 request_serializer=polar_dot_v1_dot_inference__pb2.PauseRequest.SerializeToString,
@@ -79,6 +95,12 @@ class InferenceServiceStub:
 
 class InferenceServiceServicer:
     """Serves one model: generation, weight updates from the trainer, pause/resume, description.
+
+    With LoRA (the torch engine), a server holds the base model and adapters on top of it: its default
+    adapter (the one it started with; the base model itself when it started with none) and named ones
+    that LoadAdapter adds, so that several training runs share one server. Each adapter has its own
+    policy version; a Generate call samples from the adapter it names, a weight update replaces the
+    matrices of the adapter its header names, and neither touches another adapter.
     """
 
     def Generate(self, request, context):
@@ -100,7 +122,8 @@ class InferenceServiceServicer:
         temperature < 0, top_p outside [0, 1], top_k < 0, prompt length + max_tokens over the context
         length, message_interval_seconds outside [0, 1], or a sampling.constraint this engine cannot apply
         (none supported, or a schema the grammar compiler refuses; the message names the problem); NOT_FOUND for a model this server does not
-        serve.
+        serve, or an adapter it does not hold. A generation whose adapter is unloaded while it runs ends
+        with an INTERNAL error that says so.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,7 +135,8 @@ class InferenceServiceServicer:
         ended normally and every announced tensor has arrived complete; then all tensors are applied at
         once, between two decode steps, and the policy version goes up by one. A stream cut off half-way,
         an unknown name, a wrong shape or dtype changes nothing (INVALID_ARGUMENT, or CANCELLED for a
-        client that went away).
+        client that went away). With header.adapter set, the tensors are that adapter's matrices, and
+        its policy version alone goes up (NOT_FOUND for an adapter this server does not hold).
 
         With header.update_id set, the tensors are staged instead: held, not applied, and the response
         says staged; CommitWeights with that id applies them. So a trainer can send an update to every
@@ -178,6 +202,28 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Unary. Adds a named LoRA adapter next to those the server holds (torch engine): read from a PEFT
+        folder on the server's machine, or zero (the base model as it is, until a push sets it) of the
+        rank, alpha and targets given. Its rank is at most the server's lora_rank and its targets are
+        among the server's lora_targets (the server keeps room for max_adapters adapters of that shape).
+        Errors: INVALID_ARGUMENT for an empty name, a bad shape or folder; ALREADY_EXISTS for a name held
+        (unless replace); RESOURCE_EXHAUSTED when max_adapters adapters are held; FAILED_PRECONDITION for
+        a server that holds no named adapters (max_adapters 0, or another engine).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Unary. Removes a named adapter, between two decode steps: its running generations end (INTERNAL,
+        saying the adapter was unloaded), later calls naming it are NOT_FOUND, and its room is free for
+        another. NOT_FOUND for a name the server does not hold (the default adapter cannot be unloaded).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Pause(self, request, context):
         """Unary. Stops admitting new Generate calls (they wait, they are not refused), waits until the
         calls in flight have finished, then returns. The server holds until Resume.
@@ -228,6 +274,16 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     request_deserializer=polar_dot_v1_dot_inference__pb2.CommitWeightsRequest.FromString,
                     response_serializer=polar_dot_v1_dot_inference__pb2.CommitWeightsResponse.SerializeToString,
             ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=polar_dot_v1_dot_inference__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_inference__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=polar_dot_v1_dot_inference__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=polar_dot_v1_dot_inference__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
             'Pause': grpc.unary_unary_rpc_method_handler(
                     servicer.Pause,
                     request_deserializer=polar_dot_v1_dot_inference__pb2.PauseRequest.FromString,
@@ -253,6 +309,12 @@ def add_InferenceServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class InferenceService:
     """Serves one model: generation, weight updates from the trainer, pause/resume, description.
+
+    With LoRA (the torch engine), a server holds the base model and adapters on top of it: its default
+    adapter (the one it started with; the base model itself when it started with none) and named ones
+    that LoadAdapter adds, so that several training runs share one server. Each adapter has its own
+    policy version; a Generate call samples from the adapter it names, a weight update replaces the
+    matrices of the adapter its header names, and neither touches another adapter.
     """
 
     @staticmethod
@@ -380,6 +442,60 @@ class InferenceService:
             '/polar.v1.InferenceService/CommitWeights',
             polar_dot_v1_dot_inference__pb2.CommitWeightsRequest.SerializeToString,
             polar_dot_v1_dot_inference__pb2.CommitWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polar.v1.InferenceService/LoadAdapter',
+            polar_dot_v1_dot_inference__pb2.LoadAdapterRequest.SerializeToString,
+            polar_dot_v1_dot_inference__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/polar.v1.InferenceService/UnloadAdapter',
+            polar_dot_v1_dot_inference__pb2.UnloadAdapterRequest.SerializeToString,
+            polar_dot_v1_dot_inference__pb2.UnloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

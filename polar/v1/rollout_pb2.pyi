@@ -45,32 +45,80 @@ class HarnessSpec(_message.Message):
     def __init__(self, preset: _Optional[str] = ..., command: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ..., dialect: _Optional[_Union[_common_pb2.Dialect, str]] = ...) -> None: ...
 
 class RuntimeSpec(_message.Message):
-    __slots__ = ("kind", "template", "prepare", "image", "revision")
+    __slots__ = ("kind", "template", "prepare", "image", "revision", "workdir", "cpus", "memory_bytes", "max_processes")
     KIND_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     PREPARE_FIELD_NUMBER: _ClassVar[int]
     IMAGE_FIELD_NUMBER: _ClassVar[int]
     REVISION_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     template: str
     prepare: _containers.RepeatedScalarFieldContainer[str]
     image: str
     revision: str
-    def __init__(self, kind: _Optional[str] = ..., template: _Optional[str] = ..., prepare: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ..., revision: _Optional[str] = ...) -> None: ...
+    workdir: str
+    cpus: float
+    memory_bytes: int
+    max_processes: int
+    def __init__(self, kind: _Optional[str] = ..., template: _Optional[str] = ..., prepare: _Optional[_Iterable[str]] = ..., image: _Optional[str] = ..., revision: _Optional[str] = ..., workdir: _Optional[str] = ..., cpus: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., max_processes: _Optional[int] = ...) -> None: ...
 
 class EvaluatorSpec(_message.Message):
-    __slots__ = ("kind", "command", "callable", "timeout_seconds", "swe")
+    __slots__ = ("kind", "command", "callable", "timeout_seconds", "swe", "harbor", "gym")
     KIND_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     CALLABLE_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SWE_FIELD_NUMBER: _ClassVar[int]
+    HARBOR_FIELD_NUMBER: _ClassVar[int]
+    GYM_FIELD_NUMBER: _ClassVar[int]
     kind: str
     command: str
     callable: str
     timeout_seconds: float
     swe: SweTests
-    def __init__(self, kind: _Optional[str] = ..., command: _Optional[str] = ..., callable: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., swe: _Optional[_Union[SweTests, _Mapping]] = ...) -> None: ...
+    harbor: HarborTests
+    gym: GymVerifier
+    def __init__(self, kind: _Optional[str] = ..., command: _Optional[str] = ..., callable: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., swe: _Optional[_Union[SweTests, _Mapping]] = ..., harbor: _Optional[_Union[HarborTests, _Mapping]] = ..., gym: _Optional[_Union[GymVerifier, _Mapping]] = ...) -> None: ...
+
+class GymVerifier(_message.Message):
+    __slots__ = ("url", "row_json")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    ROW_JSON_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    row_json: str
+    def __init__(self, url: _Optional[str] = ..., row_json: _Optional[str] = ...) -> None: ...
+
+class HarborTests(_message.Message):
+    __slots__ = ("name", "image", "solution_image", "env", "solution_env")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class SolutionEnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SOLUTION_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    SOLUTION_ENV_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    image: str
+    solution_image: str
+    env: _containers.ScalarMap[str, str]
+    solution_env: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., image: _Optional[str] = ..., solution_image: _Optional[str] = ..., env: _Optional[_Mapping[str, str]] = ..., solution_env: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class SweTests(_message.Message):
     __slots__ = ("instance_id", "test_patch", "fail_to_pass", "pass_to_pass", "test_command", "gold_patch", "max_patch_bytes")
@@ -91,7 +139,7 @@ class SweTests(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., test_patch: _Optional[str] = ..., fail_to_pass: _Optional[_Iterable[str]] = ..., pass_to_pass: _Optional[_Iterable[str]] = ..., test_command: _Optional[str] = ..., gold_patch: _Optional[str] = ..., max_patch_bytes: _Optional[int] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "instruction", "group_size", "harness", "runtime", "evaluator", "builder", "timeout_seconds", "priority", "metadata", "sampling")
+    __slots__ = ("task_id", "instruction", "group_size", "harness", "runtime", "evaluator", "builder", "timeout_seconds", "priority", "metadata", "sampling", "adapter")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +158,7 @@ class Task(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     instruction: str
     group_size: int
@@ -121,7 +170,8 @@ class Task(_message.Message):
     priority: int
     metadata: _containers.ScalarMap[str, str]
     sampling: _common_pb2.SamplingPolicy
-    def __init__(self, task_id: _Optional[str] = ..., instruction: _Optional[str] = ..., group_size: _Optional[int] = ..., harness: _Optional[_Union[HarnessSpec, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeSpec, _Mapping]] = ..., evaluator: _Optional[_Union[EvaluatorSpec, _Mapping]] = ..., builder: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ...) -> None: ...
+    adapter: str
+    def __init__(self, task_id: _Optional[str] = ..., instruction: _Optional[str] = ..., group_size: _Optional[int] = ..., harness: _Optional[_Union[HarnessSpec, _Mapping]] = ..., runtime: _Optional[_Union[RuntimeSpec, _Mapping]] = ..., evaluator: _Optional[_Union[EvaluatorSpec, _Mapping]] = ..., builder: _Optional[str] = ..., timeout_seconds: _Optional[float] = ..., priority: _Optional[int] = ..., metadata: _Optional[_Mapping[str, str]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingPolicy, _Mapping]] = ..., adapter: _Optional[str] = ...) -> None: ...
 
 class SubmitTasksRequest(_message.Message):
     __slots__ = ("tasks",)
@@ -184,7 +234,7 @@ class SessionStatus(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., task_id: _Optional[str] = ..., node_id: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., outcome: _Optional[_Union[_common_pb2.SessionOutcome, str]] = ..., reward: _Optional[float] = ..., call_count: _Optional[int] = ..., stage_timings: _Optional[_Union[_common_pb2.StageTimings, _Mapping]] = ..., error: _Optional[str] = ..., attempts: _Optional[int] = ...) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("task_id", "group_size", "sessions_by_state", "released", "mean_reward")
+    __slots__ = ("task_id", "group_size", "sessions_by_state", "released", "mean_reward", "harness")
     class SessionsByStateEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -197,12 +247,14 @@ class TaskStatus(_message.Message):
     SESSIONS_BY_STATE_FIELD_NUMBER: _ClassVar[int]
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    HARNESS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     group_size: int
     sessions_by_state: _containers.ScalarMap[str, int]
     released: bool
     mean_reward: float
-    def __init__(self, task_id: _Optional[str] = ..., group_size: _Optional[int] = ..., sessions_by_state: _Optional[_Mapping[str, int]] = ..., released: _Optional[bool] = ..., mean_reward: _Optional[float] = ...) -> None: ...
+    harness: str
+    def __init__(self, task_id: _Optional[str] = ..., group_size: _Optional[int] = ..., sessions_by_state: _Optional[_Mapping[str, int]] = ..., released: _Optional[bool] = ..., mean_reward: _Optional[float] = ..., harness: _Optional[str] = ...) -> None: ...
 
 class GetTaskStatusRequest(_message.Message):
     __slots__ = ("task_ids",)

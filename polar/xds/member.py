@@ -25,7 +25,7 @@ import logging
 import grpc
 
 from polar import credentials
-from polar.service import ServiceError
+from polar.service_base import ServiceError
 from polar.v1 import rollout_pb2, rollout_pb2_grpc
 from polar.xds.snapshot import INFERENCE_CLUSTER
 
@@ -91,7 +91,9 @@ class UpstreamMember:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._beats
         if self._id:
-            request = rollout_pb2.UpstreamHeartbeatRequest(upstream_id=self._id, upstream_secret=self._secret, gone=True)
+            request = rollout_pb2.UpstreamHeartbeatRequest(
+                upstream_id=self._id, upstream_secret=self._secret, gone=True
+            )
             with contextlib.suppress(grpc.RpcError):
                 await self._stub.UpstreamHeartbeat(request, timeout=CALL_TIMEOUT_S, metadata=self._credential)
         await self._channel.close()

@@ -60,9 +60,13 @@ class Membership:
     """The upstreams, and the ADS servicer whose Envoys are told about them."""
 
     def __init__(
-        self, heartbeat_interval_s: float, timeout_s: float, cache: SnapshotCache | None = None,
-        clock: Callable[[], float] = time.monotonic, warm_up_s: float | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        heartbeat_interval_s: float,
+        timeout_s: float,
+        cache: SnapshotCache | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        warm_up_s: float | None = None,
+    ) -> None:
         """`warm_up_s`: how long after `start` Envoys are first told anything (None: two heartbeat
         intervals; 0: at once, without `start`)."""
         self.heartbeat_interval_s = heartbeat_interval_s
@@ -103,10 +107,14 @@ class Membership:
         secret = secrets.token_hex(SECRET_BYTES)
         upstream = Upstream(cluster, host, port, envoy=envoy)
         if credential:
-            for earlier in [m for m in self._members.values() if (m.credential, m.upstream.cluster) == (credential, cluster)]:
+            for earlier in [
+                m for m in self._members.values() if (m.credential, m.upstream.cluster) == (credential, cluster)
+            ]:
                 self._members.pop(earlier.upstream_id)
                 log.info("%s (credential %s) replaced by a new join", earlier.upstream_id, credential)
-        self._members[upstream_id] = Member(upstream_id, upstream, _hash(secret), self._clock(), credential, credential_role)
+        self._members[upstream_id] = Member(
+            upstream_id, upstream, _hash(secret), self._clock(), credential, credential_role
+        )
         log.info("%s joined %s at %s%s", upstream_id, cluster, address, f" (for Envoy {envoy})" if envoy else "")
         self.discovery.publish()
         return upstream_id, secret
@@ -167,7 +175,9 @@ class Membership:
 
     def _remove(self, upstream_id: str, why: str) -> None:
         member = self._members.pop(upstream_id)
-        log.info("%s (%s %s:%d) %s", upstream_id, member.upstream.cluster, member.upstream.host, member.upstream.port, why)
+        log.info(
+            "%s (%s %s:%d) %s", upstream_id, member.upstream.cluster, member.upstream.host, member.upstream.port, why
+        )
         self.discovery.publish()
 
     # -- the dead-upstream check -----------------------------------------------------------------

@@ -15,10 +15,11 @@ import grpc
 from polar import credentials as creds
 from polar.credentials import INFERENCE, NODE
 from polar.grpc_server import caller, peer_is_this_machine, status_codes
-from polar.service import join_host_port
+from polar.service_base import join_host_port
 from polar.v1 import rollout_pb2
 from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret
 from polar.xds.snapshot import GATEWAY_CLUSTER, INFERENCE_CLUSTER
+
 
 class WrongCredential(PermissionError):
     """A call whose credential may not do what it asks: the stack's own node token from another
@@ -63,9 +64,11 @@ class UpstreamRpcs:
             request.cluster, request.address, request.envoy, credential=name, credential_role=who.role if who else ""
         )
         return rollout_pb2.JoinUpstreamResponse(
-            upstream_id=upstream_id, upstream_secret=secret, heartbeat_interval_seconds=self._interval,
+            upstream_id=upstream_id,
+            upstream_secret=secret,
+            heartbeat_interval_seconds=self._interval,
             accepted_credentials=self._accepted(request.cluster),
-        )  # fmt: skip
+        )
 
     # Unary.
     async def UpstreamHeartbeat(
@@ -74,9 +77,12 @@ class UpstreamRpcs:
         who = caller(self._credentials, context)
         try:
             member = self.membership.heartbeat(
-                request.upstream_id, request.upstream_secret, draining=request.draining, gone=request.gone,
+                request.upstream_id,
+                request.upstream_secret,
+                draining=request.draining,
+                gone=request.gone,
                 credential=who.name if who is not None else "",
-            )  # fmt: skip
+            )
         except UnknownUpstream:
             return rollout_pb2.UpstreamHeartbeatResponse(rejoin=not request.gone)
         drained = member is None or (member.upstream.draining and self.membership.drain_acknowledged(member))

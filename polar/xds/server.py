@@ -89,7 +89,11 @@ class AggregatedDiscovery(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         try:
             while (item := await queue.get()) is not _ENDED:
                 if item is _REVOKED:
-                    log.warning("Envoy %s: its credential %s was revoked; its ADS stream ends", envoy.node_id if envoy else "?", who.name)
+                    log.warning(
+                        "Envoy %s: its credential %s was revoked; its ADS stream ends",
+                        envoy.node_id if envoy else "?",
+                        who.name,
+                    )
                     raise CredentialRevoked(
                         f"the credential {who.name} this ADS stream was opened with was revoked"
                         " (`polar credentials revoke`): issue this machine a new one"
@@ -118,7 +122,9 @@ class AggregatedDiscovery(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     def _connect(self, first: discovery_pb2.DiscoveryRequest, who: creds.Caller | None) -> EnvoyState:
         node_id = first.node.id
         if not node_id:
-            raise InvalidArgument("the first DiscoveryRequest of a stream must carry node.id (the Envoy's bootstrap node)")
+            raise InvalidArgument(
+                "the first DiscoveryRequest of a stream must carry node.id (the Envoy's bootstrap node)"
+            )
         # A reconnecting Envoy starts a new stream: its old one, if still open, is no longer its.
         envoy = self.envoys[node_id] = EnvoyState(node_id, connected=True, caller=who)
         if self.cache.current(node_id) is None and (resources := self._resources_for(node_id)) is not None:
@@ -152,7 +158,9 @@ class AggregatedDiscovery(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
     def end_revoked(self, issued: set[str]) -> int:
         """End (UNAUTHENTICATED) every open stream opened with a credential issued by name that is
         not among `issued` any more; how many."""
-        revoked = [queue for queue, who in self._streams.items() if who is not None and who.name and who.name not in issued]
+        revoked = [
+            queue for queue, who in self._streams.items() if who is not None and who.name and who.name not in issued
+        ]
         for queue in revoked:
             queue.put_nowait(_REVOKED)
         return len(revoked)

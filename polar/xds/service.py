@@ -26,7 +26,7 @@ from polar.credentials import INFERENCE, NODE, OPERATOR, TRAINER
 from polar.grpc_server import bind, callers, new_server, serve_until_stopped, set_serving
 from polar.metrics import MetricsEndpoint, control_plane_metrics, start_metrics
 from polar.rollout.server import SERVICE_NAME, bind_tls
-from polar.service import Ready, join_host_port
+from polar.service_base import Ready, join_host_port
 from polar.v1 import rollout_pb2
 from polar.xds.membership import Membership
 from polar.xds.rpcs import UpstreamRpcs
@@ -71,11 +71,15 @@ class ControlPlane(UpstreamRpcs):
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "JoinUpstream": unary(self.JoinUpstream, rollout_pb2.JoinUpstreamRequest, rollout_pb2.JoinUpstreamResponse),
+                "JoinUpstream": unary(
+                    self.JoinUpstream, rollout_pb2.JoinUpstreamRequest, rollout_pb2.JoinUpstreamResponse
+                ),
                 "UpstreamHeartbeat": unary(
                     self.UpstreamHeartbeat, rollout_pb2.UpstreamHeartbeatRequest, rollout_pb2.UpstreamHeartbeatResponse
                 ),
-                "ListUpstreams": unary(self.ListUpstreams, rollout_pb2.ListUpstreamsRequest, rollout_pb2.ListUpstreamsResponse),
+                "ListUpstreams": unary(
+                    self.ListUpstreams, rollout_pb2.ListUpstreamsRequest, rollout_pb2.ListUpstreamsResponse
+                ),
             },
         )
 

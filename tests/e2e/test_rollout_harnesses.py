@@ -3,7 +3,7 @@
 For each agent CLI preset (codex, claude-code, qwen-code, gemini-cli, pi; the versions pinned in
 harness_install/) and each SDK harness program (sdk_harnesses/, preset "command"), a task file is
 submitted with the real `polar submit` to a real rollout server with one gateway node
-(polar/rollout/testing.py). The node runs the harness in a fresh workspace; the scripted model first
+(polar/testing/rollout.py). The node runs the harness in a fresh workspace; the scripted model first
 calls the harness's own shell (CLIs) or write_file (SDK programs) tool, then answers once the tool
 result is in its prompt. The task's command evaluator looks for the tool's effect in the workspace.
 The released group is read from the results stream and exported with the real `polar results`; both
@@ -21,12 +21,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_clis import installed_clis
 from google.protobuf import json_format
 
 from polar.config import NodeConfig
 from polar.rollout.harness import PRESETS
-from polar.rollout.testing import TEST_NODE, running_rollout
+from polar.testing.rollout import TEST_NODE, running_rollout
 from polar.trajectory import verify, views_from_protos
 from polar.trajectory.records import BuiltTrace
 from polar.v1 import common_pb2
@@ -56,11 +55,6 @@ SDK_DIALECTS = {
 # One CLI and one SDK program run a whole GRPO group of two sessions at once; the rest one session.
 GROUP_SIZES = {"codex": 2, "openai_chat": 2}
 OUTCOME = common_pb2.SessionOutcome
-
-
-@pytest.fixture(scope="module")
-def harness_bin() -> Path:
-    return installed_clis()
 
 
 def scripted_model(tool_call: dict) -> dict:
@@ -134,9 +128,15 @@ async def _submit_and_export(
 async def _polar(*args: str) -> str:
     """Run the `polar` command (in a subprocess, so the services in this loop keep serving); its stdout."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "polar", *args,
-        cwd=REPO, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+        sys.executable,
+        "-m",
+        "polar",
+        *args,
+        cwd=REPO,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
     assert process.returncode == 0, f"polar {' '.join(args)} exited {process.returncode}: {stderr.decode()}"
     return stdout.decode()

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.testing import GatewayHandle, running_gateway
 from polar.rollout.harness import HarnessContext, prepare_launch
+from polar.testing.gateway import GatewayHandle
 from polar.trajectory import build, verify, views_from_protos
 from polar.v1 import common_pb2, rollout_pb2
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -43,9 +44,8 @@ TIMEOUT_S = 120
 
 
 @pytest.fixture(scope="module")
-async def gateway():
-    async with running_gateway(SCRIPT) as gw:
-        yield gw
+def gateway_options() -> GatewayOptions:
+    return GatewayOptions(SCRIPT)
 
 
 @pytest.mark.parametrize("program", PROGRAMS)

@@ -25,13 +25,12 @@ from pathlib import Path
 
 import pytest
 import zstandard
-from agent_clis import installed_clis
 
 from polar.rollout.harness import PRESETS
 from polar.rollout.store import RolloutStore
 from polar.v1 import common_pb2
-from tests.integration.polar_cli import POLAR, Lines
-from tests.stack_config import write_stack_config
+from tests.helpers.polar_command import POLAR, Lines
+from tests.helpers.stack_config import write_stack_config
 from trainer.metrics import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.node]
@@ -39,7 +38,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.node]
 REPO = Path(__file__).resolve().parents[2]
 # Both runs take two steps: the second trains on sessions sampled after the first weight update. The
 # long-prompt run's second step cost 140 s more than its first on a loaded machine when every session had
-# a path of its own in its prompt; with one path for all (polar/rollout/sandbox.py) its sessions share
+# a path of its own in its prompt; with one path for all (polar/app/node/sandbox.py) its sessions share
 # their 9k-21k-token prompts, and both steps took 253 s together under a load of 8.
 STEPS = {"pi": 2, "long-prompts": 2}
 GROUP_SIZE = 2
@@ -66,11 +65,6 @@ EVALUATOR = (
     'if [ "$(cat note.txt 2>/dev/null)" = "$(pwd -P)" ]; then '
     'case "$POLAR_SESSION_ID" in *.0) echo 1 ;; *) echo 0.5 ;; esac; else echo 0; fi'
 )
-
-
-@pytest.fixture(scope="module")
-def harness_bin() -> Path:
-    return installed_clis()
 
 
 def test_every_cli_dialect_is_covered() -> None:
@@ -124,12 +118,25 @@ def write_run(tmp_path: Path, harnesses: list[str], harness_bin: Path, steps: in
         # cores a node missed them while its Gemini CLI session ran, and the session failed as abandoned.
         rollout={"node_timeout_s": 120},
         inference={"max_batch_size": 8, "forced_replies": tmp_path / "forced.json"},
-        node={"init_workers": 2, "ready_slots": 4, "running_slots": 4, "postrun_workers": 2, "harness_path": harness_bin},
-        trainer={
-            "model": "tiny", "device": "cpu", "dataset": tmp_path / "tasks.jsonl", "steps": steps,
-            "groups_per_step": len(harnesses), "groups_ahead": 0, "lr": 1e-3, "seed": 0, "checkpoint_every": steps,
+        node={
+            "init_workers": 2,
+            "ready_slots": 4,
+            "running_slots": 4,
+            "postrun_workers": 2,
+            "harness_path": harness_bin,
         },
-    )  # fmt: skip
+        trainer={
+            "model": "tiny",
+            "device": "cpu",
+            "dataset": tmp_path / "tasks.jsonl",
+            "steps": steps,
+            "groups_per_step": len(harnesses),
+            "groups_ahead": 0,
+            "lr": 1e-3,
+            "seed": 0,
+            "checkpoint_every": steps,
+        },
+    )
 
 
 def released_trajectories(run_dir: Path) -> list[common_pb2.Trajectory]:
@@ -147,7 +154,10 @@ def released_trajectories(run_dir: Path) -> list[common_pb2.Trajectory]:
 
 
 def describe(trajectory: common_pb2.Trajectory) -> str:
-    calls = [(c.call_id, c.extends_call_id, len(c.prompt_token_ids), len(c.sampled_token_ids), c.error) for c in trajectory.calls]
+    calls = [
+        (c.call_id, c.extends_call_id, len(c.prompt_token_ids), len(c.sampled_token_ids), c.error)
+        for c in trajectory.calls
+    ]
     return (
         f"\nsession {trajectory.session_id}: {D.SessionOutcome.Name(trajectory.outcome)}, reward {trajectory.reward}, "
         f"error {trajectory.error or '-'}, exit {trajectory.harness_exit_code}\ncalls {calls}\n"
@@ -167,8 +177,11 @@ def test_polar_train_takes_steps_on_real_cli_tool_sessions(run: str, harness_bin
     started = time.monotonic()
     process = subprocess.Popen(
         [*POLAR, "train", str(write_run(tmp_path, harnesses, harness_bin, steps)), "--run-dir", str(run_dir)],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = Lines(process.stdout)
     try:
         lines.wait_for(rf"train: done: {steps} steps", timeout=RUN_TIMEOUT_S[run])

@@ -26,7 +26,7 @@ pytestmark = [
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'polar[megatron]')")
 
-from megatron_fixtures import assert_matches, run_tensor_parallel, save_tiny_model, torch_backend_run  # noqa: E402
+from tests.helpers.trainer_backends import assert_matches, run_tensor_parallel, save_tiny_model, torch_backend_run  # noqa: E402
 
 FP32_ATOL = 1e-4  # cuBLAS and SDPA kernels order their sums differently from each other
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_fixtures import save_tiny_model
-from prefix_fixtures import alone, forest, keyed_logprobs, loss_and_gradients
 
+from tests.helpers.trace_forests import alone, forest, keyed_logprobs, loss_and_gradients
+from tests.helpers.trainer_backends import save_tiny_model
 from trainer.batches import pack
 
 pytestmark = [
@@ -130,8 +130,11 @@ def test_siblings_through_cudnn_are_attention_over_their_ancestors_and_themselve
         if layout == "heads first":
             return query, key, value
         fused = torch.stack([key.transpose(0, 1), value.transpose(0, 1)], dim=2)  # [T, kv_heads, 2, d]
-        return query.transpose(0, 1).contiguous().transpose(0, 1), key.transpose(0, 1).contiguous().transpose(0, 1), \
-            fused[:, :, 1].transpose(0, 1)
+        return (
+            query.transpose(0, 1).contiguous().transpose(0, 1),
+            key.transpose(0, 1).contiguous().transpose(0, 1),
+            fused[:, :, 1].transpose(0, 1),
+        )
 
     out = tree_attention(*laid_out(query, key, value), tree)
     out.backward(grad)

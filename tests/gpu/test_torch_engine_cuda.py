@@ -107,14 +107,20 @@ def test_constrained_replies_on_cuda_follow_the_grammar_with_the_masked_logprobs
     admitted by the grammar, and each logprob is that of the masked, renormalised distribution."""
     from polar.inference.constraints import OutputConstraint, TokenGrammar
 
-    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
-              "required": ["note", "n"]}  # fmt: skip
+    schema = {
+        "type": "object",
+        "properties": {"note": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+        "required": ["note", "n"],
+    }
     constraint = OutputConstraint("json_schema", json.dumps(schema))
     requests = [
-        GenerationRequest(f"c{i}", request.prompt_token_ids,
-                          SamplingConfig(max_tokens=24, seed=700 + i, temperature=1.0, constraint=constraint))
+        GenerationRequest(
+            f"c{i}",
+            request.prompt_token_ids,
+            SamplingConfig(max_tokens=24, seed=700 + i, temperature=1.0, constraint=constraint),
+        )
         for i, request in enumerate(_request(i % 4) for i in range(MAX_BATCH))
-    ]  # fmt: skip
+    ]
 
     async def together():
         return await asyncio.gather(*(_collect(fp32_engine, r) for r in requests))

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from served_weights import assert_serves_the_pushed_weights, serving_tiny_model
+
+from tests.helpers.served_weights import assert_serves_the_pushed_weights, serving_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,

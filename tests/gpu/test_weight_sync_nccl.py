@@ -13,7 +13,12 @@ import os
 
 import pytest
 import torch
-from served_weights import assert_serves_the_pushed_weights, environment_with_repository, serving_tiny_model
+
+from tests.helpers.served_weights import (
+    assert_serves_the_pushed_weights,
+    environment_with_repository,
+    serving_tiny_model,
+)
 
 pytestmark = [
     pytest.mark.gpu,

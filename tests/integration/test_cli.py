@@ -18,12 +18,14 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from polar_cli import STARTUP_SECONDS, alive, assert_one_line_error, run, spawned, wait_dead
 
 import polar
 from polar import credentials
-from polar.service import listening_socket
+from polar.service_base import listening_socket
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.helpers.harness_programs import harness_command
+from tests.helpers.polar_command import STARTUP_SECONDS, alive, assert_one_line_error, run, wait_dead
+from tests.helpers.stack_config import write_stack_config
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +38,7 @@ SCRIPT = {
 # The stack's model: "Done." and <|im_end|> in the tiny model's tokenizer, which the gateway renders with.
 DONE_IDS = [41462, 30, 2]
 STACK_SCRIPT = {"cycle": True, "outputs": [{"token_ids": DONE_IDS, "logprobs": [-0.5, -1.0, -1.5]}]}
-HARNESS = Path(__file__).with_name("rollout_harness.py")
-
-
-@pytest.fixture
-def spawn():
-    with spawned() as start:
-        yield start
+HARNESS = harness_command("faulty_harness")
 
 
 @pytest.fixture
@@ -56,15 +52,13 @@ def script_file(tmp_path: Path) -> Path:
 def stack_config(tmp_path: Path) -> Path:
     script = tmp_path / "stack-script.json"
     script.write_text(json.dumps(STACK_SCRIPT))
-    path = tmp_path / "stack.toml"
-    path.write_text(
-        f'[rollout]\nport = 0\nstore = "{tmp_path / "rollout.db"}"\nheartbeat_interval_s = 0.2\n'
-        f'[inference]\nengine = "scripted"\nscript = "{script}"\nport = 0\n'
-        '[gateway]\nport = 0\ngrpc_port = 0\n'
-        "[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\nworkers = 1\n"
-        "[node]\ninit_workers = 1\nready_slots = 1\nrunning_slots = 2\npostrun_workers = 1\n"
+    return write_stack_config(
+        tmp_path / "stack.toml",
+        rollout={"store": tmp_path / "rollout.db", "heartbeat_interval_s": 0.2},
+        inference={"engine": "scripted", "script": script},
+        envoy={"workers": 1},
+        node={"init_workers": 1, "ready_slots": 1, "running_slots": 2, "postrun_workers": 1},
     )
-    return path
 
 
 def _generate(endpoint: str) -> list[inference_pb2.GenerateResponse]:
@@ -166,8 +160,10 @@ def test_up_runs_a_submitted_task_and_stops_on_sigint_leaving_no_child(spawn, st
     assert [t for r in _generate(inference) for t in r.token_ids] == DONE_IDS
     # A task through the whole stack: the node runs the harness, whose calls reach the model via Envoy.
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"instruction": "Say done.", "groupSize": 2,
-                                 "harness": {"preset": "command", "command": [sys.executable, str(HARNESS)]}}) + "\n")  # fmt: skip
+    tasks.write_text(
+        json.dumps({"instruction": "Say done.", "groupSize": 2, "harness": {"preset": "command", "command": HARNESS}})
+        + "\n"
+    )
     submitted = run("submit", str(tasks), "--rollout", rollout)
     assert submitted.returncode == 0, submitted.stderr
     [task_id] = submitted.stdout.split()
@@ -197,8 +193,10 @@ def test_up_runs_a_submitted_task_and_stops_on_sigint_leaving_no_child(spawn, st
 
 def test_up_submit_runs_the_tasks_and_shows_their_progress(spawn, stack_config, tmp_path):
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text(json.dumps({"instruction": "Say done.", "groupSize": 2,
-                                 "harness": {"preset": "command", "command": [sys.executable, str(HARNESS)]}}) + "\n")  # fmt: skip
+    tasks.write_text(
+        json.dumps({"instruction": "Say done.", "groupSize": 2, "harness": {"preset": "command", "command": HARNESS}})
+        + "\n"
+    )
     up, lines = spawn("up", "--config", str(stack_config), "--submit", str(tasks))
     lines.wait_for(r"^polar up: 4 services running")
     lines.wait_for(r"^polar up: submitted 1 task$")
@@ -207,8 +205,9 @@ def test_up_submit_runs_the_tasks_and_shows_their_progress(spawn, stack_config, 
     assert [line for line in lines.seen if line.startswith("polar up: 1 task, 0 released")]  # progress was shown
     exported = run("results", "--export", "-", "--rollout", rollout)
     assert [json.loads(line)["outcome"] for line in exported.stdout.splitlines() if line.startswith("{")] == [
-        "SESSION_OUTCOME_COMPLETED", "SESSION_OUTCOME_COMPLETED"
-    ]  # fmt: skip
+        "SESSION_OUTCOME_COMPLETED",
+        "SESSION_OUTCOME_COMPLETED",
+    ]
     up.send_signal(signal.SIGINT)  # the stack served on after the tasks, until stopped
     assert up.wait(timeout=30) == 0
     # The node started each harness and evaluator without a fork() that runs gRPC's fork handlers
@@ -267,7 +266,9 @@ def test_up_with_its_gateway_port_taken_is_a_one_line_error_before_anything_star
         config = tmp_path / "stack.toml"
         config.write_text(f"[gateway]\nport = {port}\n")
         started = time.monotonic()
-        assert_one_line_error(run("up", "--config", str(config)), f"gateway's HTTP port 127.0.0.1:{port} cannot be bound")
+        assert_one_line_error(
+            run("up", "--config", str(config)), f"gateway's HTTP port 127.0.0.1:{port} cannot be bound"
+        )
         assert time.monotonic() - started < 30  # refused before any service started
 
 

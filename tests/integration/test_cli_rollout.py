@@ -2,7 +2,7 @@
 
 The rollout server is a real `polar serve rollout` subprocess on a fresh store; groups are released
 without a node by cancelling their tasks (each cancelled session still reports a trajectory). The
-example task set runs end to end on a real node (polar/rollout/testing.py, in a thread of this
+example task set runs end to end on a real node (polar/testing/rollout.py, in a thread of this
 process) with a scripted model that solves it.
 """
 
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from polar_cli import assert_one_line_error, run, spawned
 
-from polar.rollout.testing import running_rollout
+from polar.testing.rollout import running_rollout
 from polar.v1 import rollout_pb2, rollout_pb2_grpc
+from tests.helpers.polar_command import assert_one_line_error, run
 
 pytestmark = pytest.mark.slow
 
@@ -41,12 +41,6 @@ EXAMPLES = REPO / "examples" / "tasks.jsonl"
 def _task_line(**fields) -> str:
     task = {"instruction": "Say hi.", "groupSize": 1, "harness": {"preset": "command", "command": ["true"]}}
     return json.dumps({**task, **fields})
-
-
-@pytest.fixture
-def spawn():
-    with spawned() as start:
-        yield start
 
 
 @pytest.fixture
@@ -90,10 +84,24 @@ def _cursor(stdout: str) -> str:
 def test_serve_rollout_writes_its_port_to_the_ready_fd_and_stops_on_sigterm(tmp_path):
     read_fd, write_fd = os.pipe()
     server = subprocess.Popen(
-        [sys.executable, "-m", "polar", "serve", "rollout", "--port", "0",
-         "--store", str(tmp_path / "rollout.db"), "--ready-fd", str(write_fd)],
-        pass_fds=(write_fd,), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "polar",
+            "serve",
+            "rollout",
+            "--port",
+            "0",
+            "--store",
+            str(tmp_path / "rollout.db"),
+            "--ready-fd",
+            str(write_fd),
+        ],
+        pass_fds=(write_fd,),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     os.close(write_fd)
     try:
         with os.fdopen(read_fd) as ready:
@@ -128,7 +136,18 @@ def test_submit_prints_the_task_ids_and_status_shows_them(rollout, tmp_path):
     nodes, table = status.stdout.split("\n\n")
     assert nodes.startswith("no live nodes")
     header, *rows, total = table.splitlines()
-    assert header.split() == ["task", "group", "pending", "init", "ready", "running", "postrun", "done", "reward", "released"]
+    assert header.split() == [
+        "task",
+        "group",
+        "pending",
+        "init",
+        "ready",
+        "running",
+        "postrun",
+        "done",
+        "reward",
+        "released",
+    ]
     assert [row.split() for row in rows] == [
         ["first", "2", "2", "0", "0", "0", "0", "0", "-", "no"],
         [ids[1], "1", "1", "0", "0", "0", "0", "0", "-", "no"],
@@ -190,8 +209,10 @@ def test_status_watch_on_a_terminal_redraws_with_progress_bars(rollout, tmp_path
     controller, terminal = pty.openpty()
     watch = subprocess.Popen(
         [sys.executable, "-m", "polar", "status", "--watch", "--interval", "0.1", "--rollout", rollout],
-        stdin=subprocess.DEVNULL, stdout=terminal, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        stdin=subprocess.DEVNULL,
+        stdout=terminal,
+        stderr=subprocess.PIPE,
+    )
     os.close(terminal)
     screen = _PtyReader(controller)
     try:
@@ -274,8 +295,9 @@ def test_an_export_before_anything_is_released_has_no_cursor(rollout, tmp_path):
 def test_a_bad_cursor_is_the_servers_one_line_error(rollout, tmp_path):
     assert_one_line_error(
         run("results", "--export", str(tmp_path / "x.jsonl"), "--cursor", "not-a-cursor", "--rollout", rollout),
-        "WatchResults", "INVALID_ARGUMENT",
-    )  # fmt: skip
+        "WatchResults",
+        "INVALID_ARGUMENT",
+    )
 
 
 @pytest.mark.parametrize(("stop", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
@@ -305,18 +327,22 @@ EXAMPLE_SCRIPT = {
     "cycle": True,
     "rules": [
         {"prompt_regex": "<tool_response>", "text": "Done."},
-        {"prompt_regex": "6 times 7",
-         "text": '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "42"}}\n</tool_call>'},
-        {"prompt_regex": "word hello",
-         "text": '<tool_call>\n{"name": "write_file", "arguments": {"path": "hello.txt", "content": "hello"}}\n</tool_call>'},
+        {
+            "prompt_regex": "6 times 7",
+            "text": '<tool_call>\n{"name": "write_file", "arguments": {"path": "answer.txt", "content": "42"}}\n</tool_call>',
+        },
+        {
+            "prompt_regex": "word hello",
+            "text": '<tool_call>\n{"name": "write_file", "arguments": {"path": "hello.txt", "content": "hello"}}\n</tool_call>',
+        },
     ],
     "outputs": [{"text": "I cannot help with that."}],
-}  # fmt: skip
+}
 
 
 @contextlib.contextmanager
 def _rollout_in_a_thread(script: dict) -> Iterator[str]:
-    """polar.rollout.testing's stack (rollout server, scripted inference, Envoy, a node) on its own
+    """polar.testing.rollout's stack (rollout server, scripted inference, Envoy, a node) on its own
     event loop in a thread, so this test can drive it with blocking `polar` subprocesses; yields the
     rollout server's address."""
     started: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -356,7 +382,12 @@ def test_the_example_tasks_run_end_to_end(tmp_path, monkeypatch):
     assert exported.returncode == 0, exported.stderr
 
     trajectories = _exported(tmp_path / "examples.jsonl")
-    assert sorted(t["metadata"]["example"] for t in trajectories) == ["hello-file", "hello-file", "multiply", "multiply"]
+    assert sorted(t["metadata"]["example"] for t in trajectories) == [
+        "hello-file",
+        "hello-file",
+        "multiply",
+        "multiply",
+    ]
     for trajectory in trajectories:
         assert trajectory["outcome"] == "SESSION_OUTCOME_COMPLETED", trajectory
         assert trajectory["reward"] == 1.0, trajectory

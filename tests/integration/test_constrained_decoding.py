@@ -26,7 +26,6 @@ from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types
 
-from gateway.testing import running_gateway
 from polar.inference.constraints import TokenGrammar
 from polar.inference.engines import create_engine
 from polar.inference.engines.base import EngineOptions
@@ -34,6 +33,7 @@ from polar.trajectory.records import views_from_protos
 from polar.trajectory.session_file import read_trajectory
 from polar.trajectory.verify import check_constraints
 from polar.v1 import common_pb2
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -72,6 +72,7 @@ ANSWER = {
 SESSIONS = Path(__file__).parents[1] / "fixtures" / "sessions"
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}
 
+# HTTP clients made by this module's tests: the `gateway` fixture closes them after its last test.
 CLIENTS: list[httpx2.AsyncClient] = []
 
 
@@ -82,7 +83,7 @@ ENGINES = [
 
 
 @pytest.fixture(scope="module", params=ENGINES)
-async def gateway(request):
+def gateway_options(request) -> GatewayOptions:
     kind, model = request.param
     if kind == "vllm":
         pytest.importorskip("vllm", reason="vLLM is not installed here: run scripts/setup_vllm.sh and use .venv-vllm")
@@ -90,10 +91,7 @@ async def gateway(request):
     # Without Envoy: on two busy cores, 25 streams of the engine's worker can delay the inference
     # server's answers to Envoy's health checks past their 1 s timeout, and Envoy then takes it out of
     # rotation (503). What is under test here is the gateway and the engine, not Envoy's checks.
-    async with running_gateway(engine=engine, envoy=False) as running:
-        yield running
-        while CLIENTS:
-            await CLIENTS.pop().aclose()
+    return GatewayOptions(engine=engine, envoy=False, clients=CLIENTS)
 
 
 async def _all(gateway, calls) -> list:
@@ -137,8 +135,12 @@ async def chat_call(gateway, key, allowed: list[str]) -> tuple[str, dict]:
     tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in TOOLS.items()]
     choice = "required" if len(allowed) > 1 else {"type": "function", "function": {"name": allowed[0]}}
     completion = await _openai(gateway, key).chat.completions.create(
-        model=_model(gateway), messages=[{"role": "user", "content": PROMPT}], tools=tools, tool_choice=choice,
-        max_tokens=MAX_TOKENS, temperature=1.0,
+        model=_model(gateway),
+        messages=[{"role": "user", "content": PROMPT}],
+        tools=tools,
+        tool_choice=choice,
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
     )
     assert completion.choices[0].finish_reason == "tool_calls"
     (call,) = completion.choices[0].message.tool_calls
@@ -149,7 +151,12 @@ async def responses_call(gateway, key, allowed: list[str]) -> tuple[str, dict]:
     tools = [{"type": "function", "name": n, "parameters": s, "strict": False} for n, s in TOOLS.items()]
     choice = "required" if len(allowed) > 1 else {"type": "function", "name": allowed[0]}
     response = await _openai(gateway, key).responses.create(
-        model=_model(gateway), input=PROMPT, tools=tools, tool_choice=choice, max_output_tokens=MAX_TOKENS, temperature=1.0
+        model=_model(gateway),
+        input=PROMPT,
+        tools=tools,
+        tool_choice=choice,
+        max_output_tokens=MAX_TOKENS,
+        temperature=1.0,
     )
     (call,) = [item for item in response.output if item.type == "function_call"]
     return call.name, json.loads(call.arguments)
@@ -159,7 +166,10 @@ async def anthropic_call(gateway, key, allowed: list[str]) -> tuple[str, dict]:
     tools = [{"name": n, "input_schema": s} for n, s in TOOLS.items()]
     choice = {"type": "any"} if len(allowed) > 1 else {"type": "tool", "name": allowed[0]}
     message = await _anthropic(gateway, key).messages.create(
-        model=_model(gateway), max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": PROMPT}], tools=tools,
+        model=_model(gateway),
+        max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": PROMPT}],
+        tools=tools,
         tool_choice=choice,
     )
     assert message.stop_reason == "tool_use"
@@ -203,7 +213,7 @@ async def test_a_forced_call_is_always_a_valid_call_of_an_allowed_function(gatew
 
 
 # SmolLM2's 8k-token context cannot hold Claude Code's 20.3k-token request: the torch engine's tiny model only.
-@pytest.mark.parametrize("gateway", ENGINES[:1], indirect=True)
+@pytest.mark.parametrize("gateway_options", ENGINES[:1], indirect=True)
 async def test_claude_codes_own_request_with_a_forced_call_is_decoded_under_its_whole_tool_list(gateway):
     """Claude Code's first recorded request (its 24 tools; TaskCreate and TaskUpdate hold zod records,
     `propertyNames`, which the grammar compiler lacks) with `tool_choice` any, through the Anthropic SDK:
@@ -211,7 +221,11 @@ async def test_claude_codes_own_request_with_a_forced_call_is_decoded_under_its_
     body = json.loads(read_trajectory(SESSIONS / "claude-code.json.zst").calls[0].request_body)
     key = gateway.open_session(task_id="claude code forced")
     message = await _anthropic(gateway, key).messages.create(
-        model=_model(gateway), max_tokens=24, system=body["system"], messages=body["messages"], tools=body["tools"],
+        model=_model(gateway),
+        max_tokens=24,
+        system=body["system"],
+        messages=body["messages"],
+        tools=body["tools"],
         tool_choice={"type": "any"},
     )
     (record,) = gateway.records(key)
@@ -232,7 +246,10 @@ async def test_claude_codes_own_request_with_a_forced_call_is_decoded_under_its_
 
 async def chat_json(gateway, key, max_tokens=MAX_TOKENS) -> tuple[str, str]:
     completion = await _openai(gateway, key).chat.completions.create(
-        model=_model(gateway), messages=[{"role": "user", "content": PROMPT}], max_tokens=max_tokens, temperature=1.0,
+        model=_model(gateway),
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=max_tokens,
+        temperature=1.0,
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}},
     )
     return completion.choices[0].message.content, completion.choices[0].finish_reason
@@ -240,7 +257,10 @@ async def chat_json(gateway, key, max_tokens=MAX_TOKENS) -> tuple[str, str]:
 
 async def responses_json(gateway, key) -> tuple[str, str]:
     response = await _openai(gateway, key).responses.create(
-        model=_model(gateway), input=PROMPT, max_output_tokens=MAX_TOKENS, temperature=1.0,
+        model=_model(gateway),
+        input=PROMPT,
+        max_output_tokens=MAX_TOKENS,
+        temperature=1.0,
         text={"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}},
     )
     return response.output_text, response.status
@@ -248,7 +268,9 @@ async def responses_json(gateway, key) -> tuple[str, str]:
 
 async def gemini_json(gateway, key) -> tuple[str, str]:
     config = types.GenerateContentConfig(
-        response_mime_type="application/json", response_json_schema=ANSWER, max_output_tokens=MAX_TOKENS,
+        response_mime_type="application/json",
+        response_json_schema=ANSWER,
+        max_output_tokens=MAX_TOKENS,
         temperature=1.0,
     )
     response = await _gemini(gateway, key).generate_content(model=_model(gateway), contents=PROMPT, config=config)
@@ -272,7 +294,12 @@ async def gemini_schema_json(gateway, key) -> tuple[str, str]:
     return response.text, response.candidates[0].finish_reason.value
 
 
-SCHEMA_OUTPUT = {"chat": chat_json, "responses": responses_json, "gemini": gemini_json, "gemini_schema": gemini_schema_json}
+SCHEMA_OUTPUT = {
+    "chat": chat_json,
+    "responses": responses_json,
+    "gemini": gemini_json,
+    "gemini_schema": gemini_schema_json,
+}
 COMPLETE = {"chat": "stop", "responses": "completed", "gemini": "STOP", "gemini_schema": "STOP"}
 
 
@@ -292,7 +319,10 @@ async def test_a_constrained_reply_cut_by_max_tokens_is_a_truncated_length_finis
     # At least 64 characters: no model can finish it in 6 tokens.
     free_text = {"type": "object", "properties": {"story": {"type": "string", "minLength": 64}}, "required": ["story"]}
     completion = await _openai(gateway, key).chat.completions.create(
-        model=_model(gateway), messages=[{"role": "user", "content": PROMPT}], max_tokens=6, temperature=1.0,
+        model=_model(gateway),
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6,
+        temperature=1.0,
         response_format={"type": "json_schema", "json_schema": {"name": "story", "schema": free_text}},
     )
     assert completion.choices[0].finish_reason == "length"
@@ -312,16 +342,23 @@ STOP_CALLS = 5
 
 async def chat_stopped(gateway, key) -> tuple[Any, str]:
     completion = await _openai(gateway, key).chat.completions.create(
-        model=_model(gateway), messages=[{"role": "user", "content": PROMPT}], max_tokens=MAX_TOKENS, temperature=1.0,
-        stop=['"', "no"], response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}},
+        model=_model(gateway),
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=MAX_TOKENS,
+        temperature=1.0,
+        stop=['"', "no"],
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER}},
     )
     return json.loads(completion.choices[0].message.content), completion.choices[0].finish_reason
 
 
 async def anthropic_stopped(gateway, key) -> tuple[Any, str]:
     message = await _anthropic(gateway, key).messages.create(
-        model=_model(gateway), max_tokens=MAX_TOKENS, messages=[{"role": "user", "content": PROMPT}],
-        tools=[{"name": "get_weather", "input_schema": WEATHER}], tool_choice={"type": "any"},
+        model=_model(gateway),
+        max_tokens=MAX_TOKENS,
+        messages=[{"role": "user", "content": PROMPT}],
+        tools=[{"name": "get_weather", "input_schema": WEATHER}],
+        tool_choice={"type": "any"},
         stop_sequences=["{", '"'],
     )
     assert message.stop_sequence is None
@@ -331,15 +368,21 @@ async def anthropic_stopped(gateway, key) -> tuple[Any, str]:
 
 async def gemini_stopped(gateway, key) -> tuple[Any, str]:
     config = types.GenerateContentConfig(
-        response_mime_type="application/json", response_json_schema=ANSWER, max_output_tokens=MAX_TOKENS,
-        temperature=1.0, stop_sequences=['"'],
+        response_mime_type="application/json",
+        response_json_schema=ANSWER,
+        max_output_tokens=MAX_TOKENS,
+        temperature=1.0,
+        stop_sequences=['"'],
     )
     response = await _gemini(gateway, key).generate_content(model=_model(gateway), contents=PROMPT, config=config)
     return json.loads(response.text), response.candidates[0].finish_reason.value
 
 
-STOPPED = {"chat": (chat_stopped, ANSWER, "stop"), "anthropic": (anthropic_stopped, WEATHER, "tool_use"),
-           "gemini": (gemini_stopped, ANSWER, "STOP")}
+STOPPED = {
+    "chat": (chat_stopped, ANSWER, "stop"),
+    "anthropic": (anthropic_stopped, WEATHER, "tool_use"),
+    "gemini": (gemini_stopped, ANSWER, "STOP"),
+}
 
 
 @pytest.mark.parametrize("dialect", STOPPED)
@@ -361,25 +404,34 @@ async def test_a_schema_the_compiler_refuses_is_a_400_in_each_dialect(gateway):
     problem = "does not exist"  # the compiler's words for the dangling $ref
     with pytest.raises(openai.BadRequestError) as chat_error:
         await _openai(gateway, key).chat.completions.create(
-            model=_model(gateway), messages=[{"role": "user", "content": PROMPT}], max_tokens=8,
-            tools=[{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}], tool_choice="required",
+            model=_model(gateway),
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=8,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": BAD_SCHEMA}}],
+            tool_choice="required",
         )
     assert problem in str(chat_error.value) and "'f'" in str(chat_error.value)
     with pytest.raises(openai.BadRequestError) as responses_error:
         await _openai(gateway, key).responses.create(
-            model=_model(gateway), input=PROMPT, max_output_tokens=8,
+            model=_model(gateway),
+            input=PROMPT,
+            max_output_tokens=8,
             text={"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}},
         )
     assert problem in str(responses_error.value)
     with pytest.raises(anthropic.BadRequestError) as anthropic_error:
         await _anthropic(gateway, key).messages.create(
-            model=_model(gateway), max_tokens=8, messages=[{"role": "user", "content": PROMPT}],
-            tools=[{"name": "f", "input_schema": BAD_SCHEMA}], tool_choice={"type": "any"},
+            model=_model(gateway),
+            max_tokens=8,
+            messages=[{"role": "user", "content": PROMPT}],
+            tools=[{"name": "f", "input_schema": BAD_SCHEMA}],
+            tool_choice={"type": "any"},
         )
     assert problem in str(anthropic_error.value)
     with pytest.raises(genai_errors.ClientError) as gemini_error:
         await _gemini(gateway, key).generate_content(
-            model=_model(gateway), contents=PROMPT,
+            model=_model(gateway),
+            contents=PROMPT,
             config=types.GenerateContentConfig(response_mime_type="application/json", response_json_schema=BAD_SCHEMA),
         )
     assert gemini_error.value.code == 400 and problem in str(gemini_error.value)

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'polar[megatron]')")
 
-import constrained_fixtures  # noqa: E402
-from constrained_fixtures import ANSWER, ATOL, TOOL_CALL, constrained_trajectory, sample_constrained  # noqa: E402
-from megatron_fixtures import LOSS, LR, assert_matches, score_tensor_parallel  # noqa: E402
-
-from polar.inference.constraints import TokenGrammar  # noqa: E402
-from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions  # noqa: E402
-from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions  # noqa: E402
-from trainer.batches import pack  # noqa: E402
-from trainer.loop import trace_sequence  # noqa: E402
+from polar.inference.constraints import TokenGrammar
+from tests.helpers import constrained_samples
+from tests.helpers.constrained_samples import ANSWER, ATOL, TOOL_CALL, constrained_trajectory, sample_constrained
+from tests.helpers.trainer_backends import LOSS, LR, assert_matches, score_tensor_parallel
+from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions
+from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
+from trainer.batches import pack
+from trainer.loop import trace_sequence
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +27,9 @@ SAMPLINGS = [
     (TOOL_CALL, dict(temperature=1.0, top_p=1.0, top_k=0)),
     (ANSWER, dict(temperature=0.7, top_p=1.0, top_k=0)),
 ]
-# The fixtures' prompt, with the tiny model's pad token (2, its <|im_end|>) in it: both backends train
+# The constrained samples' prompt, with the tiny model's pad token (2, its <|im_end|>) in it: both backends train
 # its embedding like any other token's.
-PROMPT = constrained_fixtures.PROMPT
+PROMPT = constrained_samples.PROMPT
 assert 2 in PROMPT
 
 
@@ -42,8 +42,9 @@ def calls():
     for constraint, sampling, tokens, logprobs in sample_constrained(SAMPLINGS, PROMPT):
         weight = 1.0 / (len(SAMPLINGS) * len(tokens))
         for recorded_constraint, into in ((True, masked), (False, unmasked)):
-            trajectory, trace = constrained_trajectory(constraint, sampling, tokens, logprobs,
-                                                       recorded_constraint=recorded_constraint, prompt=PROMPT)
+            trajectory, trace = constrained_trajectory(
+                constraint, sampling, tokens, logprobs, recorded_constraint=recorded_constraint, prompt=PROMPT
+            )
             into.append(trace_sequence(trajectory, trace, advantage=1.0, weight=weight, grammar=lambda: grammar))
     masked_batches, unmasked_batches = pack(masked, max_tokens=1024), pack(unmasked, max_tokens=1024)
     assert len(masked_batches) == 1 and len(masked_batches[0].sequence_lengths[0]) == 2  # one row, two calls

@@ -23,17 +23,22 @@ from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types
 
-from gateway.testing import running_gateway
 from polar.inference import constraints
 from polar.inference.constraints import OutputConstraint
 from polar.inference.engines import EngineOptions, create_engine
 from polar.inference.engines.base import FinishReason, GenerationEnd, GenerationRequest, SamplingConfig, TokenChunk
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = pytest.mark.anyio
 
 PROMPT = (1, 504, 3570, 28, 9174, 30, 2, 198, 1, 520, 9531, 198)
-STORY = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
-FREE_STRING = OutputConstraint("json_schema", json.dumps(STORY))  # cannot end within a few tokens
+# At least 16 strings: no reply of 12 tokens or fewer completes it, whatever the model samples.
+STORY = {
+    "type": "object",
+    "properties": {"story": {"type": "array", "items": {"type": "string"}, "minItems": 16}},
+    "required": ["story"],
+}
+FREE_STRING = OutputConstraint("json_schema", json.dumps(STORY))  # cannot end within 12 tokens
 HEALTHY_MASKS = 3  # masks a matcher gets before the faked library fails it
 BOUND_S = 60.0  # a stream that is not over by then hangs (on two shared cores; it takes about a second)
 
@@ -77,13 +82,21 @@ def failing(masks):
     masks.fail = False
 
 
+# HTTP clients made by this module's tests: the `gateway` fixture closes them after its last test.
+CLIENTS: list[httpx2.AsyncClient] = []
+
+
 @pytest.fixture(scope="module")
-async def gateway(masks):
+def gateway_options(masks) -> GatewayOptions:
     """The tiny model's torch engine, served, and a gateway over it (the engine tests use the engine)."""
     engine = create_engine("torch", EngineOptions(model="tiny", device="cpu", max_batch_size=4))
-    async with running_gateway(engine=engine, envoy=False) as running, httpx2.AsyncClient(timeout=BOUND_S) as http:
-        running.http = http
-        yield running
+    return GatewayOptions(engine=engine, envoy=False, clients=CLIENTS)
+
+
+def _http() -> httpx2.AsyncClient:
+    client = httpx2.AsyncClient(timeout=BOUND_S)
+    CLIENTS.append(client)
+    return client
 
 
 # -- the engine ---------------------------------------------------------------------------------------
@@ -133,13 +146,16 @@ async def test_a_grammar_failing_mid_stream_ends_its_own_streams_with_an_error(g
 
 
 NOTE = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
-CAP = 6  # tokens: the constrained reply (a free string) cannot be complete by then
+CAP = 6  # tokens: the constrained reply cannot be complete by then
 
 
 async def chat_stream(gateway, key) -> str:
-    client = openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, http_client=gateway.http)
+    client = openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, http_client=_http())
     stream = await client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=CAP, stream=True,
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=CAP,
+        stream=True,
         response_format={"type": "json_schema", "json_schema": {"name": "story", "schema": STORY}},
     )
     finish = None
@@ -150,9 +166,12 @@ async def chat_stream(gateway, key) -> str:
 
 
 async def responses_stream(gateway, key) -> str:
-    client = openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, http_client=gateway.http)
+    client = openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, http_client=_http())
     stream = await client.responses.create(
-        model="tiny", input="Hi", max_output_tokens=CAP, stream=True,
+        model="tiny",
+        input="Hi",
+        max_output_tokens=CAP,
+        stream=True,
         text={"format": {"type": "json_schema", "name": "story", "schema": STORY}},
     )
     status = None
@@ -165,17 +184,20 @@ async def responses_stream(gateway, key) -> str:
 
 
 async def anthropic_stream(gateway, key) -> str:
-    client = anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=key, max_retries=0, http_client=gateway.http)
+    client = anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=key, max_retries=0, http_client=_http())
     async with client.messages.stream(
-        model="tiny", max_tokens=CAP, messages=[{"role": "user", "content": "Hi"}],
-        tools=[{"name": "note", "input_schema": NOTE}], tool_choice={"type": "any"},
+        model="tiny",
+        max_tokens=CAP,
+        messages=[{"role": "user", "content": "Hi"}],
+        tools=[{"name": "note", "input_schema": NOTE}],
+        tool_choice={"type": "any"},
     ) as stream:
         message = await stream.get_final_message()
     return message.stop_reason
 
 
 async def gemini_stream(gateway, key) -> str:
-    options = types.HttpOptions(base_url=gateway.base_url, httpx_async_client=gateway.http)
+    options = types.HttpOptions(base_url=gateway.base_url, httpx_async_client=_http())
     models = genai.Client(api_key=key, http_options=options).aio.models
     config = types.GenerateContentConfig(
         response_mime_type="application/json", response_json_schema=STORY, max_output_tokens=CAP

@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from constrained_fixtures import ANSWER, ATOL, PROMPT, TOOL_CALL, constrained_trajectory, sample_constrained
 
-from polar.cli import main
+from polar.app.cli import main
 from polar.inference.constraints import ConstraintViolation, TokenGrammar
 from polar.trajectory import build
 from polar.trajectory.records import CallView, SamplingParams
 from polar.trajectory.session_file import session_trajectory, write_session
 from polar.v1 import common_pb2
+from tests.helpers.constrained_samples import (
+    ANSWER,
+    ATOL,
+    PROMPT,
+    TOOL_CALL,
+    constrained_trajectory,
+    sample_constrained,
+)
 from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 from trainer.batches import pack
 from trainer.loop import TrainingError, trace_sequence
@@ -93,8 +100,13 @@ def test_polar_verify_rechecks_the_mask_of_constrained_calls(samples, tmp_path, 
     records.constraint.CopyFrom(constraint.to_proto(common_pb2.OutputConstraint))
 
     def session(sampled: list[int], name: str) -> str:
-        call = CallView("c1", np.array(PROMPT), np.array(sampled), np.array(logprobs, dtype=np.float32),
-                        sampling=SamplingParams.from_proto(records))  # fmt: skip
+        call = CallView(
+            "c1",
+            np.array(PROMPT),
+            np.array(sampled),
+            np.array(logprobs, dtype=np.float32),
+            sampling=SamplingParams.from_proto(records),
+        )
         path = tmp_path / name
         write_session(path, session_trajectory([call], build("prefix_merging", [call]), session_id="s1"))
         return str(path)

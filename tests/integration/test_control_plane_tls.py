@@ -19,7 +19,7 @@ import pytest
 from polar import credentials, envoy
 from polar.config import EnvoyConfig, RolloutConfig
 from polar.rollout.server import RunningRollout, start_rollout_server
-from polar.service import ServiceError
+from polar.service_base import ServiceError
 from polar.v1 import rollout_pb2, rollout_pb2_grpc
 from polar.xds.member import UpstreamMember
 from polar.xds.snapshot import INFERENCE_CLUSTER
@@ -40,14 +40,18 @@ def _name(text: str) -> x509.Name:
 
 def make_ca(folder: Path, name: str) -> tuple[Path, ec.EllipticCurvePrivateKey, x509.Certificate]:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name)).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(_name(name))
+        .issuer_name(_name(name))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
-    )  # fmt: skip
+    )
     path = folder / f"{name}.pem"
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return path, key, cert
@@ -55,14 +59,18 @@ def make_ca(folder: Path, name: str) -> tuple[Path, ec.EllipticCurvePrivateKey, 
 
 def make_server_cert(folder: Path, ca_key, ca_cert, ip: str) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(_name("rollout")).issuer_name(ca_cert.subject).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+        x509.CertificateBuilder()
+        .subject_name(_name("rollout"))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
         .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
         .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
+    )
     cert_path, key_path = folder / "server.pem", folder / "server.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
@@ -76,9 +84,15 @@ async def tls_rollout(tmp_path: Path) -> AsyncIterator[tuple[RunningRollout, Pat
     ca, ca_key, ca_cert = make_ca(tmp_path, "polar-test-ca")
     cert, key = make_server_cert(tmp_path, ca_key, ca_cert, "127.0.0.1")
     config = RolloutConfig(
-        host="127.0.0.1", port=0, store=str(tmp_path / "rollout.db"), heartbeat_interval_s=0.2, node_timeout_s=1.0,
-        tls_address="127.0.0.1:0", tls_cert=str(cert), tls_key=str(key),
-    )  # fmt: skip
+        host="127.0.0.1",
+        port=0,
+        store=str(tmp_path / "rollout.db"),
+        heartbeat_interval_s=0.2,
+        node_timeout_s=1.0,
+        tls_address="127.0.0.1:0",
+        tls_cert=str(cert),
+        tls_key=str(key),
+    )
     running = await start_rollout_server(config)
     try:
         yield running, ca
@@ -88,7 +102,9 @@ async def tls_rollout(tmp_path: Path) -> AsyncIterator[tuple[RunningRollout, Pat
 
 async def list_upstreams(address: str, tls_ca: str = "") -> rollout_pb2.ListUpstreamsResponse:
     async with credentials.aio_channel(address, tls_ca) as channel:
-        return await rollout_pb2_grpc.RolloutServiceStub(channel).ListUpstreams(rollout_pb2.ListUpstreamsRequest(), timeout=5)
+        return await rollout_pb2_grpc.RolloutServiceStub(channel).ListUpstreams(
+            rollout_pb2.ListUpstreamsRequest(), timeout=5
+        )
 
 
 async def test_machines_reach_the_control_plane_over_tls_and_plaintext_stays_for_this_machine(tmp_path):
@@ -112,9 +128,14 @@ async def test_machines_reach_the_control_plane_over_tls_and_plaintext_stays_for
 
             # A real Envoy on the control plane over TLS gets and acknowledges its endpoints.
             config = EnvoyConfig(
-                harness_port=0, inference_port=0, admin_port=0, workers=1, xds_address=tls_address, xds_tls_ca=str(ca),
+                harness_port=0,
+                inference_port=0,
+                admin_port=0,
+                workers=1,
+                xds_address=tls_address,
+                xds_tls_ca=str(ca),
                 node_id=ENVOY_ID,
-            )  # fmt: skip
+            )
             async with envoy.running_async(config) as proxy:
                 deadline = time.monotonic() + WAIT_S
                 while True:
@@ -133,9 +154,18 @@ async def test_machines_reach_the_control_plane_over_tls_and_plaintext_stays_for
 async def test_tls_settings_that_cannot_serve_are_one_clear_error(tmp_path):
     for settings, needle in (
         ({"tls_address": "127.0.0.1:0"}, "tls_cert, tls_key not set"),
-        ({"tls_address": "127.0.0.1:0", "tls_cert": str(tmp_path / "none.pem"), "tls_key": str(tmp_path / "none.key")}, "cannot read"),
+        (
+            {
+                "tls_address": "127.0.0.1:0",
+                "tls_cert": str(tmp_path / "none.pem"),
+                "tls_key": str(tmp_path / "none.key"),
+            },
+            "cannot read",
+        ),
     ):
         with pytest.raises(ServiceError, match=needle):
-            await start_rollout_server(RolloutConfig(host="127.0.0.1", port=0, store=str(tmp_path / "r.db"), **settings))
+            await start_rollout_server(
+                RolloutConfig(host="127.0.0.1", port=0, store=str(tmp_path / "r.db"), **settings)
+            )
     with pytest.raises(credentials.CredentialsError, match="cannot read the TLS CA certificate"):
         UpstreamMember("127.0.0.1:1", INFERENCE_CLUSTER, "127.0.0.1:2", tls_ca=str(tmp_path / "missing.pem"))

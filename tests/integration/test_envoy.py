@@ -28,15 +28,15 @@ from google import genai
 from google.genai import errors, types
 
 from gateway.server import start_gateway
-from gateway.testing import running_gateway
 from polar import envoy
+from polar.app.stack import running as running_service
 from polar.config import EnvoyConfig, GatewayConfig
 from polar.inference.engines.scripted import ScriptedEngine
 from polar.inference.server import start_server
-from polar.service import listening_socket
-from polar_cli import spawned
-from polar.stack import running as running_service
+from polar.service_base import listening_socket
+from polar.testing.gateway import running_gateway
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.helpers.polar_command import spawned
 
 pytestmark = pytest.mark.anyio
 
@@ -59,7 +59,9 @@ def script(tokens: list[int]) -> dict:
 
 
 @contextlib.asynccontextmanager
-async def inference_server(tokens: list[int] | None = None, text: str = "") -> AsyncIterator[tuple[str, grpc.aio.Server]]:
+async def inference_server(
+    tokens: list[int] | None = None, text: str = ""
+) -> AsyncIterator[tuple[str, grpc.aio.Server]]:
     """A scripted server that always answers tokens, or text (in the tiny model's tokens)."""
     engine = ScriptedEngine.from_script(script(tokens) if tokens else {"cycle": True, "outputs": [{"text": text}]})
     server, port = await start_server(engine)
@@ -329,7 +331,11 @@ ROUTES = [
     ("/v1/models", KEY, "openai"),
     ("/v1/messages?beta=true", {"x-api-key": "polar-test"}, "anthropic"),
     ("/v1/messages/count_tokens", {"x-api-key": "polar-test"}, "anthropic"),
-    ("/v1/models", {"x-api-key": "polar-test", "anthropic-version": "2023-06-01"}, "anthropic"),  # Claude Code's model list
+    (
+        "/v1/models",
+        {"x-api-key": "polar-test", "anthropic-version": "2023-06-01"},
+        "anthropic",
+    ),  # Claude Code's model list
     ("/v1beta/models/polar:generateContent", {"x-goog-api-key": "polar-test"}, "google"),
     ("/v1/models/polar:streamGenerateContent?alt=sse&key=polar-test", {}, "google"),
     ("/no/such/route", KEY, "openai"),
@@ -439,7 +445,11 @@ async def test_the_gateways_own_errors_pass_through_envoy_unchanged():
         assert gateway.envoy is not None
         key = {"Authorization": f"Bearer {gateway.key}"}
         refused = [  # (path, headers, body) that the gateway itself answers with a 4xx
-            ("/v1/chat/completions", {"Authorization": "Bearer polar-unknown"}, {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}),
+            (
+                "/v1/chat/completions",
+                {"Authorization": "Bearer polar-unknown"},
+                {"model": "m", "messages": [{"role": "user", "content": "Hi"}]},
+            ),
             ("/v1/chat/completions", key, {"model": "m"}),
             ("/v1/responses", key, {"model": "m", "input": 5}),
             ("/v1/messages?beta=true", key, {"model": "m", "max_tokens": 5, "messages": [{"role": "user"}]}),
@@ -563,7 +573,9 @@ async def test_the_gateway_behind_envoy_streams_to_the_sdk_and_keeps_sessions_on
                         stream = await client.chat.completions.create(
                             model="scripted", messages=[{"role": "user", "content": "Hi"}], stream=True
                         )
-                        texts.add("".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices]))
+                        texts.add(
+                            "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+                        )
                     await client.close()
                     assert len(texts) == 1, f"session {i} was answered by both servers: {texts}"
                     replies[key] = texts.pop()
@@ -596,8 +608,11 @@ def test_polar_up_serves_harnesses_through_envoy(tmp_path):
             node_grpc = lines.wait_for(r"^  node\s+(\S+)").group(1)
             key = subprocess.run(
                 [sys.executable, "-m", "polar", "session", "open", "--gateway", node_grpc],
-                capture_output=True, text=True, check=True, timeout=60,
-            ).stdout.split()[-1]  # fmt: skip
+                capture_output=True,
+                text=True,
+                check=True,
+                timeout=60,
+            ).stdout.split()[-1]
             reply = openai.OpenAI(base_url=f"{harness}/v1", api_key=key).chat.completions.create(
                 model="scripted", messages=[{"role": "user", "content": "Hi"}]
             )

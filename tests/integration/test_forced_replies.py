@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
-from gateway.chat_format import get_chat_format
 from gateway.conversation import Conversation, Message, ToolCall, ToolSpec
 from polar.config import InferenceConfig
 from polar.inference.engines.base import (
@@ -29,7 +28,7 @@ from polar.inference.engines.torch_engine import TorchEngine
 from polar.inference.models import resolve_model
 from polar.inference.sampling import processed_logprobs
 from polar.inference.server import serve_inference
-from polar.service import ServiceError
+from polar.service_base import ServiceError
 from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 from trainer.batches import TrainSequence, pack
 from trainer.grpo import LossConfig
@@ -51,16 +50,6 @@ SCRIPT = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model("tiny"))
-
-
-@pytest.fixture(scope="module")
-def hermes(tokenizer):
-    return get_chat_format("hermes", tokenizer)
-
-
 def call(id_: str, command: str) -> ToolCall:
     return ToolCall(id_, "bash", {"command": command})
 
@@ -79,7 +68,9 @@ def session_conversation(steps: int) -> tuple[Message, ...]:
 def session_prompts(hermes) -> list[list[int]]:
     """The prompts of a three-call session: the instruction, then each tool result."""
     return [
-        hermes.render_prompt(Conversation((Message("system", "You are an agent."), *session_conversation(steps)), tools=(BASH,)))
+        hermes.render_prompt(
+            Conversation((Message("system", "You are an agent."), *session_conversation(steps)), tools=(BASH,))
+        )
         for steps in (0, 2, 4)
     ]
 
@@ -90,29 +81,30 @@ def reply_text(replies: ForcedReplies, tokenizer, prompt: list[int]) -> str:
     return tokenizer.decode(ids[:-1])
 
 
-def test_each_call_of_a_session_gets_its_reply_and_side_calls_the_fallback(tokenizer, hermes) -> None:
-    replies = ForcedReplies(SCRIPT, tokenizer)
-    assert [reply_text(replies, tokenizer, p) for p in session_prompts(hermes)] == [WRITE, READ, ANSWER]
+def test_each_call_of_a_session_gets_its_reply_and_side_calls_the_fallback(smollm2_tokenizer, hermes) -> None:
+    replies = ForcedReplies(SCRIPT, smollm2_tokenizer)
+    assert [reply_text(replies, smollm2_tokenizer, p) for p in session_prompts(hermes)] == [WRITE, READ, ANSWER]
     # A side call (a title, a summary) offers no tools: it gets the fallback, as does a call past the script.
     title = Conversation((Message("system", "Write a title."), Message("user", "Write hi into note.txt.")))
-    assert reply_text(replies, tokenizer, hermes.render_prompt(title)) == FALLBACK
+    assert reply_text(replies, smollm2_tokenizer, hermes.render_prompt(title)) == FALLBACK
     later = Conversation(
         (*session_conversation(4), Message("assistant", tool_calls=(call("c", "ls"),)), Message("tool", "note.txt")),
         tools=(BASH,),
     )
-    assert reply_text(replies, tokenizer, hermes.render_prompt(later)) == FALLBACK
+    assert reply_text(replies, smollm2_tokenizer, hermes.render_prompt(later)) == FALLBACK
     # A conversation the harness opened with an exchange of its own (Qwen Code's context turn)
     # counts its turns from the instruction.
     opened = Conversation(
         (Message("user", "Here is the context."), Message("assistant", "Got it."), *session_conversation(2)),
         tools=(BASH,),
     )
-    assert reply_text(replies, tokenizer, hermes.render_prompt(opened)) == READ
+    assert reply_text(replies, smollm2_tokenizer, hermes.render_prompt(opened)) == READ
     # The default fallback.
-    assert reply_text(ForcedReplies({"replies": []}, tokenizer), tokenizer, hermes.render_prompt(title)) == "Done."
+    defaults = ForcedReplies({"replies": []}, smollm2_tokenizer)
+    assert reply_text(defaults, smollm2_tokenizer, hermes.render_prompt(title)) == "Done."
 
 
-def test_a_bad_script_is_refused_naming_the_entry(tokenizer, tmp_path: Path) -> None:
+def test_a_bad_script_is_refused_naming_the_entry(smollm2_tokenizer, tmp_path: Path) -> None:
     cases = {
         '{"replies": [{"turn": 0}]}': "replies[0]: a reply is an object with a string 'text'",
         '{"replies": [{"text": "x", "when": 1}]}': "replies[0]: unknown key 'when'",
@@ -126,11 +118,13 @@ def test_a_bad_script_is_refused_naming_the_entry(tokenizer, tmp_path: Path) -> 
         path = tmp_path / "script.json"
         path.write_text(text)
         with pytest.raises(ForcedRepliesError, match=message.replace("(", r"\(").replace("[", r"\[")):
-            ForcedReplies.load(path, tokenizer)
+            ForcedReplies.load(path, smollm2_tokenizer)
 
 
 def test_forced_replies_need_the_torch_engine(tmp_path: Path) -> None:
-    config = InferenceConfig(engine="scripted", script=str(tmp_path / "s.json"), forced_replies=str(tmp_path / "f.json"))
+    config = InferenceConfig(
+        engine="scripted", script=str(tmp_path / "s.json"), forced_replies=str(tmp_path / "f.json")
+    )
     with pytest.raises(ServiceError, match="forced_replies needs the torch engine, not 'scripted'"):
         asyncio.run(serve_inference(config, ready=lambda port, detail: None))
 
@@ -139,7 +133,9 @@ def test_forced_replies_need_the_torch_engine(tmp_path: Path) -> None:
 def engine(tmp_path_factory):
     script = tmp_path_factory.mktemp("forced") / "script.json"
     script.write_text(json.dumps(SCRIPT))
-    engine = TorchEngine(EngineOptions(model="tiny", device="cpu", max_batch_size=4, extra={"forced_replies": str(script)}))
+    engine = TorchEngine(
+        EngineOptions(model="tiny", device="cpu", max_batch_size=4, extra={"forced_replies": str(script)})
+    )
     yield engine
     asyncio.run(engine.stop())
 
@@ -178,11 +174,12 @@ def sequence(prompt: list[int], tokens: list[int], logprobs: list[float], sampli
     )
 
 
-def test_forced_tokens_carry_the_models_own_logprobs_and_train_at_ratio_one(engine, tokenizer, hermes) -> None:
+def test_forced_tokens_carry_the_models_own_logprobs_and_train_at_ratio_one(engine, smollm2_tokenizer, hermes) -> None:
     prompts = session_prompts(hermes)
     sampling = SamplingConfig(max_tokens=64, temperature=0.7)
     tokens, logprobs, end = generate(engine, prompts[1], sampling)
-    assert tokens == list(tokenizer.encode(READ, add_special_tokens=False)) + [engine.description.end_of_turn_token_id]
+    read = list(smollm2_tokenizer.encode(READ, add_special_tokens=False))
+    assert tokens == read + [engine.description.end_of_turn_token_id]
     assert end.finish_reason is FinishReason.STOP and end.completion_tokens == len(tokens)
     expected = reference_logprobs(prompts[1], tokens, sampling)
     np.testing.assert_allclose(logprobs, expected.numpy(), atol=2e-4)
@@ -202,10 +199,10 @@ def test_forced_tokens_carry_the_models_own_logprobs_and_train_at_ratio_one(engi
         assert (after.sum() - before.sum()) * advantage > 0.1
 
 
-def test_a_cap_cuts_the_forced_reply_and_truncation_gives_minus_infinity(engine, tokenizer, hermes) -> None:
+def test_a_cap_cuts_the_forced_reply_and_truncation_gives_minus_infinity(engine, smollm2_tokenizer, hermes) -> None:
     prompt = session_prompts(hermes)[0]
     tokens, _, end = generate(engine, prompt, SamplingConfig(max_tokens=3, temperature=1.0))
-    assert tokens == list(tokenizer.encode(WRITE, add_special_tokens=False))[:3]
+    assert tokens == list(smollm2_tokenizer.encode(WRITE, add_special_tokens=False))[:3]
     assert end.finish_reason is FinishReason.LENGTH
     # Under top-k the random model's top 5 hardly ever holds a forced token: its logprob is -inf, as
     # the trainer computes it, never a made-up number.

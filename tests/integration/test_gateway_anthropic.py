@@ -15,7 +15,8 @@ import httpx2
 import pytest
 from anthropic.types.shared import ErrorResponse
 
-from gateway.testing import GatewayHandle, running_gateway
+from polar.testing.gateway import GatewayHandle, running_gateway
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = pytest.mark.anyio
 
@@ -49,17 +50,13 @@ CLAUDE_CODE_FIELDS = {
 }
 
 
-# HTTP clients made by this module's tests, closed while the module's event loop still runs: left to
-# the garbage collector, their connections would close on a loop that is gone and fail a later test.
+# HTTP clients made by this module's tests: the `gateway` fixture closes them after its last test.
 CLIENTS: list[httpx2.AsyncClient] = []
 
 
 @pytest.fixture(scope="module")
-async def gateway():
-    async with running_gateway(SCRIPT) as running:
-        yield running
-        while CLIENTS:
-            await CLIENTS.pop().aclose()
+def gateway_options() -> GatewayOptions:
+    return GatewayOptions(SCRIPT, clients=CLIENTS)
 
 
 class Session:
@@ -215,8 +212,10 @@ VALID = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content"
         (b"{not json", ""),
         (json.dumps({"model": "m", "messages": VALID["messages"]}).encode(), "max_tokens: "),
         (json.dumps(VALID | {"temperature": "hot"}).encode(), "temperature: "),
-        (json.dumps(VALID | {"messages": [{"role": "user", "content": [{"type": "image"}]}]}).encode(),
-         "messages.0.content.0.type: "),
+        (
+            json.dumps(VALID | {"messages": [{"role": "user", "content": [{"type": "image"}]}]}).encode(),
+            "messages.0.content.0.type: ",
+        ),
         (json.dumps(VALID | {"tool_choice": {"type": "any"}}).encode(), "tool_choice: "),
     ],
 )

@@ -13,16 +13,14 @@ import json
 import re
 import time
 
-import aiohttp
 import grpc
 import pytest
 
 from gateway.dialects import get_dialect
 from gateway.dialects.base import ErrorKind, GatewayError
-from gateway.testing import running_gateway
+from polar.testing.gateway import running_gateway
 from polar.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-
-from gateway_fakes import HangingEngine, read_sse
+from tests.helpers.gateway_fakes import HangingEngine, read_sse
 
 pytestmark = pytest.mark.anyio
 
@@ -60,12 +58,6 @@ async def hung():
     engine = HangingEngine.from_script(SCRIPT)
     async with running_gateway(engine=engine, settings={"token_timeout_s": TOKEN_TIMEOUT_S}) as handle:
         yield handle
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
 
 
 def _request(dialect: str, stream: bool, content: str = "hi") -> tuple[str, dict]:

@@ -1,5 +1,5 @@
 """The gateway core over real servers: a scripted inference server, Envoy, the gateway's HTTP app and its
-GatewayService on free loopback ports (gateway.testing.running_gateway).
+GatewayService on free loopback ports (polar.testing.gateway.running_gateway).
 
 Core behaviour is driven through `FakeDialect` (tests/integration/gateway_fakes.py) on the chat
 route, so these tests fail only for the core; what every dialect shares (401, 400, context errors,
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
-import logging
 import contextlib
+import dataclasses
 import json
+import logging
 import sys
 
-import aiohttp
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,15 +24,15 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from gateway.conversation import Conversation, Message, ToolChoice
 from gateway.dialects import get_dialect
 from gateway.dialects.base import ErrorKind, GatewayError
-from gateway.sampling import SamplingPolicy
-from gateway.testing import running_gateway
+from polar.app.stack import gateway_spec
+from polar.app.stack import running as running_service
 from polar.config import GatewayConfig, InferenceConfig
 from polar.envoy import admin_get as envoy_admin_get
-from polar.stack import gateway_spec
-from polar.stack import running as running_service
+from polar.sampling_policy import SamplingPolicy
+from polar.testing.gateway import running_gateway
 from polar.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-
-from gateway_fakes import FakeDialect, read_sse
+from tests.helpers.gateway_fakes import FakeDialect, read_sse
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = pytest.mark.anyio
 
@@ -48,6 +47,7 @@ FAKE_SCRIPT = {
     "cycle": True,
     "rules": [
         {"prompt_regex": "SLOWSTREAM", "token_ids": [905] * SLOW_TOKENS, "delay_seconds": 0.05},
+        {"prompt_regex": "SLOWSTART", "token_ids": [905, 905], "delay_seconds": 2.0},
         {"prompt_regex": "EMIT_STOP", "text": "alpha beta STOP gamma delta"},
         {"prompt_regex": "FORCED", "text": 'lookup", "arguments": {"q": "x"}}\n</tool_call>'},
         {"prompt_regex": "LOGPROBS", "token_ids": [19556, 905, 2], "logprobs": [-0.5, -1.25, -0.75]},
@@ -84,15 +84,9 @@ async def gw():
 
 
 @pytest.fixture(scope="module")
-async def real():
-    async with running_gateway(REAL_SCRIPT) as handle:
-        yield handle
-
-
-@pytest.fixture
-async def http():
-    async with aiohttp.ClientSession() as session:
-        yield session
+def gateway_options() -> GatewayOptions:
+    """`gateway`: the real dialect modules over REAL_SCRIPT."""
+    return GatewayOptions(REAL_SCRIPT)
 
 
 def _user(text: str) -> dict:
@@ -115,23 +109,23 @@ def _without_messages(body):
 # ------------------------------------------------------------------------------------------ auth
 
 
-async def test_head_and_get_root_answer_without_a_key(real, http):
-    async with http.head(real.base_url + "/") as response:
+async def test_head_and_get_root_answer_without_a_key(gateway, http):
+    async with http.head(gateway.base_url + "/") as response:
         assert response.status == 200
-    async with http.get(real.base_url + "/") as response:
+    async with http.get(gateway.base_url + "/") as response:
         assert response.status == 200 and (await response.json())["status"] == "ok"
 
 
 @pytest.mark.parametrize("dialect, path, body", ROUTES)
-async def test_unknown_and_closed_keys_get_401_in_the_dialects_shape(real, http, dialect, path, body):
-    closed = real.open_session()
-    real.close_session(closed)
+async def test_unknown_and_closed_keys_get_401_in_the_dialects_shape(gateway, http, dialect, path, body):
+    closed = gateway.open_session()
+    gateway.close_session(closed)
     status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.AUTHENTICATION, ""))
     for headers in ({"Authorization": "Bearer polar-unknown"}, {"x-goog-api-key": closed}, {}):
-        async with http.post(real.base_url + path, json=body, headers=headers) as response:
+        async with http.post(gateway.base_url + path, json=body, headers=headers) as response:
             assert response.status == status == 401
             assert _without_messages(await response.json()) == _without_messages(expected)
-    assert real.records(closed) == []
+    assert gateway.records(closed) == []
 
 
 async def _status_without_sending_the_body(base_url: str, path: str, key_header: str) -> bytes:
@@ -152,9 +146,9 @@ async def _status_without_sending_the_body(base_url: str, path: str, key_header:
 
 
 @pytest.mark.parametrize("dialect, path, body", ROUTES)
-async def test_a_keyless_request_is_refused_by_envoy_before_its_body_is_read(real, dialect, path, body):
+async def test_a_keyless_request_is_refused_by_envoy_before_its_body_is_read(gateway, dialect, path, body):
     """No key in any form: the 401 comes from Envoy at once, in the dialect's shape, without the body."""
-    answer = await _status_without_sending_the_body(real.base_url, path, "")
+    answer = await _status_without_sending_the_body(gateway.base_url, path, "")
     status, payload = answer.split(b" ", 1)
     _, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.AUTHENTICATION, ""))
     assert status == b"401"
@@ -165,47 +159,55 @@ async def test_a_keyless_request_is_refused_by_envoy_before_its_body_is_read(rea
 
 async def test_a_request_with_a_wrong_key_is_refused_by_the_gateway_before_its_body_is_read():
     async with running_gateway(REAL_SCRIPT, envoy=False) as gateway:
-        answer = await _status_without_sending_the_body(gateway.base_url, "/v1/messages", "x-api-key: polar-unknown\r\n")
+        answer = await _status_without_sending_the_body(
+            gateway.base_url, "/v1/messages", "x-api-key: polar-unknown\r\n"
+        )
     assert answer.startswith(b"401 ")
 
 
 @pytest.mark.parametrize("dialect, path, body", ROUTES)
-async def test_malformed_and_non_object_bodies_are_400_in_the_dialects_shape(real, http, dialect, path, body):
+async def test_malformed_and_non_object_bodies_are_400_in_the_dialects_shape(gateway, http, dialect, path, body):
     status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.INVALID_REQUEST, ""))
-    key = real.open_session()
-    for data in (b'{"model": ', b"[1, 2]", b"\xff\xfe", b'{"model": "\\ud800", "messages": [{"role": "user", "content": "\\udc00"}]}'):
-        async with http.post(real.base_url + path, data=data, headers={"x-api-key": key}) as response:
+    key = gateway.open_session()
+    for data in (
+        b'{"model": ',
+        b"[1, 2]",
+        b"\xff\xfe",
+        b'{"model": "\\ud800", "messages": [{"role": "user", "content": "\\udc00"}]}',
+    ):
+        async with http.post(gateway.base_url + path, data=data, headers={"x-api-key": key}) as response:
             assert response.status == status == 400
             assert _without_messages(await response.json()) == _without_messages(expected)
 
 
-async def test_every_key_header_is_accepted(real, http):
+async def test_every_key_header_is_accepted(gateway, http):
     _, path, body = ROUTES[0]
-    key = real.open_session()
+    key = gateway.open_session()
     for headers, query in (({"Authorization": f"Bearer {key}"}, ""), ({"x-api-key": key}, ""), ({}, f"?key={key}")):
-        async with http.post(real.base_url + path + query, json=body, headers=headers) as response:
+        async with http.post(gateway.base_url + path + query, json=body, headers=headers) as response:
             assert response.status == 200
-    assert len(real.records(key)) == 3
+    assert len(gateway.records(key)) == 3
 
 
-async def test_models_lists_the_served_model_in_openai_or_anthropic_shape(real, http):
-    key = real.open_session()
-    async with http.get(real.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as response:
+async def test_models_lists_the_served_model_in_openai_or_anthropic_shape(gateway, http):
+    key = gateway.open_session()
+    async with http.get(gateway.base_url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as response:
         listed = (await response.json())["data"][0]
-        assert listed == {"id": "scripted", "object": "model", "created": 0, "owned_by": "polar"}
+        context = {"max_model_len": CLAMP_CONTEXT}  # the served context length, under vLLM's name for it
+        assert listed == {"id": "scripted", "object": "model", "created": 0, "owned_by": "polar", **context}
     headers = {"x-api-key": key, "anthropic-version": "2023-06-01"}
-    async with http.get(real.base_url + "/v1/models", headers=headers) as response:
+    async with http.get(gateway.base_url + "/v1/models", headers=headers) as response:
         body = await response.json()
         assert body["data"][0]["type"] == "model" and body["has_more"] is False
-    async with http.get(real.base_url + "/v1/models") as response:
+    async with http.get(gateway.base_url + "/v1/models") as response:
         assert response.status == 401
 
 
-async def test_unknown_routes_answer_json_404(real, http):
+async def test_unknown_routes_answer_json_404(gateway, http):
     key = {"x-api-key": "polar-unknown"}  # a keyless request is Envoy's 401
-    async with http.post(real.base_url + "/v1beta/models/m:embedContent", json={}, headers=key) as response:
+    async with http.post(gateway.base_url + "/v1beta/models/m:embedContent", json={}, headers=key) as response:
         assert response.status == 404 and (await response.json())["error"]["type"] == "not_found_error"
-    async with http.get(real.base_url + "/nowhere", headers=key) as response:
+    async with http.get(gateway.base_url + "/nowhere", headers=key) as response:
         assert response.status == 404 and "error" in await response.json()
 
 
@@ -247,7 +249,7 @@ async def test_prompts_extend_the_previous_prompt_and_sample_token_for_token(gw,
     key = gw.open_session()
     messages = [{"role": "system", "content": "You help."}, _user("TURN1 go")]
     tools = [{"name": "lookup"}]
-    for step, result in enumerate(("TURN2 result", "TURN3 result", None)):
+    for _step, result in enumerate(("TURN2 result", "TURN3 result", None)):
         status, reply = await _chat(http, gw, key, messages=messages, tools=tools)
         assert status == 200
         if result is None:
@@ -290,7 +292,9 @@ async def test_a_client_that_leaves_before_an_unstreamed_reply_cancels_the_gener
     key = gw.open_session()
     body = {"messages": [_user("SLOWSTREAM")]}
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(http.post(gw.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}), 0.5)
+        await asyncio.wait_for(
+            http.post(gw.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}), 0.5
+        )
     for _ in range(100):
         if gw.records(key):
             break
@@ -302,10 +306,20 @@ async def test_a_client_that_leaves_before_an_unstreamed_reply_cancels_the_gener
 @pytest.mark.parametrize("stream", [False, True])
 async def test_a_client_that_leaves_before_the_first_token_is_recorded_without_an_error(gw, http, caplog, stream):
     key = gw.open_session()
-    body = {"messages": [_user("SLOWSTREAM")], "stream": stream}
-    with pytest.raises(TimeoutError):
-        # Gone before the engine's first message (0.05 s away), so before a stream could open.
-        await asyncio.wait_for(http.post(gw.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}), 0.01)
+    body = {"messages": [_user("SLOWSTART")], "stream": stream}
+    request = asyncio.ensure_future(
+        http.post(gw.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key})
+    )
+    # Gone once the gateway has the call in flight, before the engine's first token (2 s away), so
+    # before a stream could open; the gateway finds the client gone when that token comes.
+    for _ in range(200):
+        if gw.running.store.calls_in_flight():
+            break
+        await asyncio.sleep(0.05)
+    assert gw.running.store.calls_in_flight() == 1 and not request.done()
+    request.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await request
     for _ in range(100):
         if gw.records(key):
             break
@@ -353,49 +367,51 @@ async def test_a_forced_tool_choice_is_recorded_as_prompt_and_parsed_with_the_sa
     chat_format = gw.running.gateway.chat_format
     forced = chat_format.encode_text(chat_format.forced_opening_text(ToolChoice.required()))
     assert record.forced_token_count == len(forced) > 0
-    assert list(record.prompt_token_ids[-len(forced):]) == forced
+    assert list(record.prompt_token_ids[-len(forced) :]) == forced
     assert not gw.running.gateway.tokenizer.decode(list(record.sampled_token_ids)).startswith("<tool_call>")
     assert reply["usage"]["prompt_tokens"] == len(record.prompt_token_ids)
 
 
-async def test_a_prompt_over_the_context_is_a_context_error_in_the_dialects_shape(real, http):
-    key = real.open_session()
+async def test_a_prompt_over_the_context_is_a_context_error_in_the_dialects_shape(gateway, http):
+    key = gateway.open_session()
     long = "word " * CLAMP_CONTEXT
     body = {"model": "m", "messages": [_user(long)]}
-    async with http.post(real.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}) as response:
+    async with http.post(gateway.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}) as response:
         assert response.status == 400
         assert (await response.json())["error"]["code"] == "context_length_exceeded"
     body = {"model": "m", "max_tokens": 10, "messages": [_user(long)]}
-    async with http.post(real.base_url + "/v1/messages", json=body, headers={"x-api-key": key}) as response:
+    async with http.post(gateway.base_url + "/v1/messages", json=body, headers={"x-api-key": key}) as response:
         assert response.status == 400 and (await response.json())["error"]["type"] == "invalid_request_error"
     # Both refusals are recorded, with the prompt and nothing sampled: what the harness sends next
     # (its compacted history) reads as a new branch of the session.
-    records = real.records(key)
+    records = gateway.records(key)
     assert [r.call_id for r in records] == ["c0001", "c0002"]
     for record in records:
         assert record.prompt_too_long and record.finish_reason == common_pb2.FINISH_REASON_ERROR
-        assert not record.sampled_token_ids and len(record.prompt_token_ids) == record.usage.prompt_tokens > CLAMP_CONTEXT
+        assert (
+            not record.sampled_token_ids and len(record.prompt_token_ids) == record.usage.prompt_tokens > CLAMP_CONTEXT
+        )
         assert record.error.startswith(f"the prompt is {record.usage.prompt_tokens} tokens")
     assert b"context_length_exceeded" in records[0].response_body and b"prompt is too long" in records[1].response_body
 
 
-async def test_max_tokens_past_the_context_is_clamped_and_the_finish_says_so(real, http):
-    key = real.open_session()
+async def test_max_tokens_past_the_context_is_clamped_and_the_finish_says_so(gateway, http):
+    key = gateway.open_session()
     body = {"model": "m", "max_tokens": 32000, "messages": [_user("CLAMP " + "word " * 100)]}
-    async with http.post(real.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}) as response:
+    async with http.post(gateway.base_url + "/v1/chat/completions", json=body, headers={"x-api-key": key}) as response:
         assert response.status == 200
         assert (await response.json())["choices"][0]["finish_reason"] == "length"
-    [record] = real.records(key)
+    [record] = gateway.records(key)
     assert record.finish_reason == common_pb2.FINISH_REASON_CONTEXT_LENGTH
     assert len(record.prompt_token_ids) + len(record.sampled_token_ids) == CLAMP_CONTEXT
 
 
-async def test_count_tokens_renders_without_generating(real, http):
-    key = real.open_session()
+async def test_count_tokens_renders_without_generating(gateway, http):
+    key = gateway.open_session()
     _, path, body = ROUTES[4]
-    async with http.post(real.base_url + path, json=body, headers={"x-api-key": key}) as response:
+    async with http.post(gateway.base_url + path, json=body, headers={"x-api-key": key}) as response:
         assert response.status == 200 and (await response.json())["input_tokens"] > 0
-    assert real.records(key) == []
+    assert gateway.records(key) == []
 
 
 # ------------------------------------------------------------------------ the task's sampling
@@ -433,30 +449,32 @@ async def test_the_session_budget_cuts_the_last_call_and_refuses_the_next_withou
     key = gw.open_session(sampling=SamplingPolicy(max_tokens_per_call=8, max_tokens_per_session=12))
     replies = [await _chat(http, gw, key, messages=[_user(f"RAMBLE {i}")]) for i in range(3)]
     assert [(status, reply.get("usage", {}).get("completion_tokens")) for status, reply in replies[:2]] == [
-        (200, 8), (200, 4),
-    ]  # fmt: skip
+        (200, 8),
+        (200, 4),
+    ]
     status, refusal = replies[2]
     assert status == 400 and refusal["error"]["kind"] == "invalid_request"
     assert "token budget is used up" in refusal["error"]["message"]
     records = gw.records(key)
     assert [(len(r.sampled_token_ids), r.sampling.max_tokens, r.truncated) for r in records] == [
-        (8, 8, True), (4, 4, True),
-    ]  # fmt: skip
+        (8, 8, True),
+        (4, 4, True),
+    ]
 
 
 @pytest.mark.parametrize("dialect, path, body", [route for route in ROUTES if "count_tokens" not in route[1]])
-async def test_a_used_up_budget_is_refused_in_the_dialects_shape(real, http, dialect, path, body):
-    key = real.open_session(sampling=SamplingPolicy(max_tokens_per_session=1))
-    async with http.post(real.base_url + path, json=body, headers={"x-api-key": key}) as response:
+async def test_a_used_up_budget_is_refused_in_the_dialects_shape(gateway, http, dialect, path, body):
+    key = gateway.open_session(sampling=SamplingPolicy(max_tokens_per_session=1))
+    async with http.post(gateway.base_url + path, json=body, headers={"x-api-key": key}) as response:
         assert response.status == 200
         await response.read()
     status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.INVALID_REQUEST, ""))
-    async with http.post(real.base_url + path, json=body, headers={"x-api-key": key}) as response:
+    async with http.post(gateway.base_url + path, json=body, headers={"x-api-key": key}) as response:
         assert response.status == status == 400
         refusal = await response.json()
     assert _without_messages(refusal) == _without_messages(expected)
     assert "token budget is used up" in json.dumps(refusal)
-    [record] = real.records(key)
+    [record] = gateway.records(key)
     assert len(record.sampled_token_ids) == 1 and record.truncated
 
 
@@ -512,26 +530,29 @@ async def test_gateway_service_opens_watches_reads_and_closes_sessions(gw, http)
         assert "polar.v1.GatewayService" in names
 
 
-async def test_the_handle_serves_through_envoy_and_reports_envoys_url(real, http):
-    assert real.envoy is not None and real.base_url != real.running.http_url
-    stats_before = await asyncio.to_thread(_envoy_stats, real.envoy.admin)
-    key = real.open_session()
-    async with http.post(real.base_url + "/v1/chat/completions", json=ROUTES[0][2], headers={"x-api-key": key}) as response:
+async def test_the_handle_serves_through_envoy_and_reports_envoys_url(gateway, http):
+    assert gateway.envoy is not None and gateway.base_url != gateway.running.http_url
+    stats_before = await asyncio.to_thread(_envoy_stats, gateway.envoy.admin)
+    key = gateway.open_session()
+    url = gateway.base_url + "/v1/chat/completions"
+    async with http.post(url, json=ROUTES[0][2], headers={"x-api-key": key}) as response:
         assert response.status == 200
-    stats = await asyncio.to_thread(_envoy_stats, real.envoy.admin)
+    stats = await asyncio.to_thread(_envoy_stats, gateway.envoy.admin)
     # The harness request entered through Envoy's harness listener, and the gateway's Generate call
     # left through its inference cluster.
     for counter in ("http.harness.downstream_rq_total", "cluster.inference.upstream_rq_total"):
         assert stats[counter] > stats_before[counter], counter
-    async with grpc.aio.insecure_channel(real.grpc_address) as channel:
+    async with grpc.aio.insecure_channel(gateway.grpc_address) as channel:
         status = await gateway_pb2_grpc.GatewayServiceStub(channel).GetNodeStatus(gateway_pb2.GetNodeStatusRequest())
-        assert status.status.base_url == real.base_url
+        assert status.status.base_url == gateway.base_url
 
 
 async def test_without_envoy_the_handle_is_the_gateway_itself(http):
     async with running_gateway({"outputs": [{"text": "direct"}]}, envoy=False) as direct:
         assert direct.envoy is None and direct.base_url == direct.running.http_url
-        async with http.post(direct.base_url + "/v1/chat/completions", json=ROUTES[0][2], headers={"x-api-key": direct.key}) as response:
+        async with http.post(
+            direct.base_url + "/v1/chat/completions", json=ROUTES[0][2], headers={"x-api-key": direct.key}
+        ) as response:
             assert (await response.json())["choices"][0]["message"]["content"] == "direct"
 
 
@@ -558,7 +579,6 @@ async def test_inference_down_is_overloaded_and_drain_stops_new_sessions(http):
         assert "error" in events[-2] and events[-1] == "[DONE]"
         [dropped] = down.records()
         assert dropped.error and not dropped.aborted and len(dropped.sampled_token_ids) >= 1
-
 
         for dialect, path, body in ROUTES[:3]:
             status, expected = get_dialect(dialect).error_response(GatewayError(ErrorKind.OVERLOADED, ""))
@@ -588,9 +608,9 @@ async def _polar(*args: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.slow
-async def test_polar_serve_gateway_reports_its_base_url(real):
+async def test_polar_serve_gateway_reports_its_base_url(gateway):
     harness_url = "http://harness.example:8080"
-    config = GatewayConfig(port=0, grpc_port=0, inference_address=real.inference_address)
+    config = GatewayConfig(port=0, grpc_port=0, inference_address=gateway.inference_address)
     spec = gateway_spec(config, InferenceConfig(), harness_url)
     with contextlib.ExitStack() as stack:
         service = await asyncio.to_thread(stack.enter_context, running_service(spec, 60, 10))
@@ -651,7 +671,7 @@ async def test_polar_session_show_reads_a_session_larger_than_a_grpc_message(gw,
 
 async def test_a_gateway_that_cannot_start_closes_the_socket_it_was_handed():
     from gateway.server import GatewayStartError, start_gateway
-    from polar.service import listening_socket
+    from polar.service_base import listening_socket
 
     nowhere = GatewayConfig(port=0, grpc_port=0, inference_address="127.0.0.1:1")
     unserved = listening_socket("127.0.0.1")

@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 
 from gateway.dialects import get_dialect
 from gateway.dialects.base import ErrorKind, GatewayError
-from gateway.testing import GatewayHandle, running_gateway
+from polar.testing.gateway import GatewayHandle
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -51,12 +52,22 @@ CHAT = {
     "messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-        ]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
     ],
-    "tools": [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": PARAMETERS}}],
+    "tools": [
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": PARAMETERS}}
+    ],
     "tool_choice": "auto",
     "max_tokens": 16,
     "temperature": 0.5,
@@ -65,7 +76,7 @@ CHAT = {
     "seed": 3,
     "stream": True,
     "stream_options": {"include_usage": True},
-}  # fmt: skip
+}
 RESPONSES = {
     "model": "polar",
     "instructions": "Be brief.",
@@ -89,11 +100,19 @@ MESSAGES = {
     "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
     "messages": [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "I should check.", "signature": "sig"},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
-        ]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C"}]}]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "I should check.", "signature": "sig"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "18C"}]}
+            ],
+        },
     ],
     "tools": [{"name": "get_weather", "description": "Weather", "input_schema": PARAMETERS}],
     "tool_choice": {"type": "auto"},
@@ -101,7 +120,7 @@ MESSAGES = {
     "temperature": 0.5,
     "thinking": {"type": "enabled", "budget_tokens": 1024},
     "stream": True,
-}  # fmt: skip
+}
 COUNT_TOKENS = {key: value for key, value in MESSAGES.items() if key not in ("max_tokens", "stream")}
 GEMINI = {
     "systemInstruction": {"parts": [{"text": "Be brief."}]},
@@ -112,8 +131,13 @@ GEMINI = {
     ],
     "tools": [{"functionDeclarations": [{"name": "get_weather", "description": "Weather", "parameters": PARAMETERS}]}],
     "toolConfig": {"functionCallingConfig": {"mode": "AUTO"}},
-    "generationConfig": {"maxOutputTokens": 16, "temperature": 0.5, "stopSequences": ["END"], "thinkingConfig": {"includeThoughts": True}},
-}  # fmt: skip
+    "generationConfig": {
+        "maxOutputTokens": 16,
+        "temperature": 0.5,
+        "stopSequences": ["END"],
+        "thinkingConfig": {"includeThoughts": True},
+    },
+}
 
 
 def _unstreamed(body: dict) -> dict:
@@ -136,13 +160,51 @@ ROUTES = [
 ]
 
 # Field names the dialects read, so that random objects reach past the first type check.
-KEYS = sorted({
-    "model", "messages", "role", "content", "type", "text", "tools", "tool_calls", "function", "name",
-    "arguments", "input", "parts", "contents", "system", "stream", "max_tokens", "tool_choice", "id",
-    "call_id", "output", "tool_use_id", "functionCall", "functionResponse", "args", "response",
-    "parameters", "input_schema", "generationConfig", "systemInstruction", "instructions", "thinking",
-    "source", "image_url", "inlineData", "mode", "stop", "temperature", "top_p", "top_k", "seed",
-})  # fmt: skip
+KEYS = sorted(
+    {
+        "model",
+        "messages",
+        "role",
+        "content",
+        "type",
+        "text",
+        "tools",
+        "tool_calls",
+        "function",
+        "name",
+        "arguments",
+        "input",
+        "parts",
+        "contents",
+        "system",
+        "stream",
+        "max_tokens",
+        "tool_choice",
+        "id",
+        "call_id",
+        "output",
+        "tool_use_id",
+        "functionCall",
+        "functionResponse",
+        "args",
+        "response",
+        "parameters",
+        "input_schema",
+        "generationConfig",
+        "systemInstruction",
+        "instructions",
+        "thinking",
+        "source",
+        "image_url",
+        "inlineData",
+        "mode",
+        "stop",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+    }
+)
 SCALARS = (
     st.none()
     | st.booleans()
@@ -154,28 +216,65 @@ SCALARS = (
 )
 JSON_VALUES = st.recursive(
     SCALARS,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), children, max_size=5),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.dictionaries(st.sampled_from(KEYS) | st.text(max_size=8), children, max_size=5)
+    ),
     max_leaves=12,
 )
 NOT_JSON = st.one_of(
     st.binary(max_size=200),
-    st.sampled_from([
-        b"", b"{", b'{"model": ', b"null", b"[]", b'"text"', b"1e999999", b'{"a": NaN}', b'{"a": Infinity}',
-        b"[" * 100_000, b'{"a":' * 50_000, b"\xef\xbb\xbf{}", b'{"messages": "\xff\xfe"}',
-    ]),
+    st.sampled_from(
+        [
+            b"",
+            b"{",
+            b'{"model": ',
+            b"null",
+            b"[]",
+            b'"text"',
+            b"1e999999",
+            b'{"a": NaN}',
+            b'{"a": Infinity}',
+            b"[" * 100_000,
+            b'{"a":' * 50_000,
+            b"\xef\xbb\xbf{}",
+            b'{"messages": "\xff\xfe"}',
+        ]
+    ),
     st.text(max_size=100).map(str.encode),
-)  # fmt: skip
+)
 CONTENT_TYPES = [
-    None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=polar",
-    "application/json; charset=latin-1", "application/octet-stream", "application/xml", "garbage",
-]  # fmt: skip
+    None,
+    "text/plain",
+    "application/x-www-form-urlencoded",
+    "multipart/form-data; boundary=polar",
+    "application/json; charset=latin-1",
+    "application/octet-stream",
+    "application/xml",
+    "garbage",
+]
 # Values of other types for a field: each near-valid body retypes, replaces or removes a few.
 DEEP = [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[["deep"]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]
 
 
 def _retyped(value: Any) -> st.SearchStrategy:
-    options: list[Any] = [None, True, 0, -1, 2**70, -(2**70), 1.5, 1e308, "", "x" * 300, [], {}, [value], {"v": value}, DEEP]
+    options: list[Any] = [
+        None,
+        True,
+        0,
+        -1,
+        2**70,
+        -(2**70),
+        1.5,
+        1e308,
+        "",
+        "x" * 300,
+        [],
+        {},
+        [value],
+        {"v": value},
+        DEEP,
+    ]
     # JSON that Python's decoder accepts but that is not what it seems: NaN and Infinity literals,
     # and a \ud800 escape, which decodes to a lone surrogate (no Unicode character).
     options += [float("nan"), float("inf"), -float("inf"), "\ud800", "a\udfffb"]
@@ -234,8 +333,13 @@ def _skeleton(body: Any) -> Any:
 
 def _error_shapes(dialect: str) -> list[tuple[int, Any]]:
     """Every (status, skeleton) the dialect answers a client error with."""
-    kinds = (ErrorKind.INVALID_REQUEST, ErrorKind.UNSUPPORTED_CONTENT, ErrorKind.CONTEXT_LENGTH,
-             ErrorKind.AUTHENTICATION, ErrorKind.NOT_FOUND)  # fmt: skip
+    kinds = (
+        ErrorKind.INVALID_REQUEST,
+        ErrorKind.UNSUPPORTED_CONTENT,
+        ErrorKind.CONTEXT_LENGTH,
+        ErrorKind.AUTHENTICATION,
+        ErrorKind.NOT_FOUND,
+    )
     shapes = []
     for kind in kinds:
         for param in (None, "model", "messages"):
@@ -263,9 +367,8 @@ class _ErrorLog(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-async def gateway():
-    async with running_gateway(SCRIPT) as running:
-        yield running
+def gateway_options() -> GatewayOptions:
+    return GatewayOptions(SCRIPT)
 
 
 @pytest.fixture
@@ -277,7 +380,9 @@ def logged_errors():
     logger.removeHandler(handler)
 
 
-def _send(base_url: str, method: str, path: str, body: bytes, content_type: str | None, key: str) -> tuple[int, str, bytes]:
+def _send(
+    base_url: str, method: str, path: str, body: bytes, content_type: str | None, key: str
+) -> tuple[int, str, bytes]:
     """status, content type and the whole body, or a failure once REQUEST_TIMEOUT_S passes."""
     host_port = base_url.removeprefix("http://")
     connection = http.client.HTTPConnection(host_port, timeout=REQUEST_TIMEOUT_S)

@@ -17,8 +17,9 @@ import pytest
 from google import genai
 from google.genai import errors, types
 
-from gateway.testing import GatewayHandle, running_gateway
+from polar.testing.gateway import GatewayHandle, running_gateway
 from polar.v1 import common_pb2
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = pytest.mark.anyio
 
@@ -46,17 +47,13 @@ STEP = types.FunctionDeclaration(name="step", description="Do one step", paramet
 HI = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
 
 
-# HTTP clients made by this module's tests, closed while the module's event loop still runs: left to
-# the garbage collector, their connections would close on a loop that is gone and fail a later test.
+# HTTP clients made by this module's tests: the `gateway` fixture closes them after its last test.
 CLIENTS: list[httpx2.AsyncClient] = []
 
 
 @pytest.fixture(scope="module")
-async def gateway():
-    async with running_gateway(SCRIPT) as running:
-        yield running
-        while CLIENTS:
-            await CLIENTS.pop().aclose()
+def gateway_options() -> GatewayOptions:
+    return GatewayOptions(SCRIPT, clients=CLIENTS)
 
 
 class Session:
@@ -218,9 +215,7 @@ async def test_ten_turn_tool_conversation_is_token_faithful(gateway):
     assert_extends(records)
 
 
-async def post(
-    gateway: GatewayHandle, body: Any, key: str | None, method: str = "generateContent"
-) -> httpx2.Response:
+async def post(gateway: GatewayHandle, body: Any, key: str | None, method: str = "generateContent") -> httpx2.Response:
     headers = {} if key is None else {"x-goog-api-key": key}
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     async with httpx2.AsyncClient() as client:
@@ -241,8 +236,10 @@ def google_error(response: httpx2.Response, code: int, status: str) -> dict[str,
     [
         (b"{not json", None),
         ({"contents": []}, "contents"),
-        ({"contents": [{"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": "AA=="}}]}]},
-         "contents[0].parts[0].inlineData"),
+        (
+            {"contents": [{"role": "user", "parts": [{"inlineData": {"mimeType": "image/png", "data": "AA=="}}]}]},
+            "contents[0].parts[0].inlineData",
+        ),
         (HI | {"tools": [{"googleSearch": {}}]}, "tools[0].googleSearch"),
         (HI | {"generationConfig": {"temperature": "hot"}}, "generationConfig.temperature"),
         (HI | {"toolConfig": {"functionCallingConfig": {"mode": "ANY"}}}, "toolConfig.functionCallingConfig.mode"),
@@ -287,7 +284,8 @@ async def test_a_prompt_over_the_context_reads_like_the_api():
                 await session.generate("word " * 200, stream=stream)
             assert (caught.value.code, caught.value.status) == (400, "INVALID_ARGUMENT")
             assert re.fullmatch(
-                r"The input token count \(\d+\) exceeds the maximum number of tokens allowed \(63\)\.", caught.value.message
+                r"The input token count \(\d+\) exceeds the maximum number of tokens allowed \(63\)\.",
+                caught.value.message,
             )
 
 

@@ -13,8 +13,9 @@ import httpx2
 import openai
 import pytest
 
-from gateway.testing import GatewayHandle, running_gateway
+from polar.testing.gateway import GatewayHandle
 from polar.v1 import common_pb2
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = pytest.mark.anyio
 
@@ -32,8 +33,11 @@ SCRIPT = {
     ],
     "outputs": [{"text": "<think>Greeting.</think>Hello from Polar."}],
 }
-WEATHER = {"name": "get_weather", "description": "Current weather of a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "Current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 STEP = {"name": "step", "description": "Do one step", "parameters": {"type": "object"}}
 CHAT_TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "function": STEP}]
 RESPONSES_TOOLS = [{"type": "function", **WEATHER}, {"type": "function", **STEP}]
@@ -48,8 +52,7 @@ CODEX_FIELDS = {
 }
 
 
-# SDK clients made by this module's tests, closed while the module's event loop still runs: left to the
-# garbage collector, their connections would close on a loop that is gone and fail a later test.
+# SDK clients made by this module's tests: the `gateway` fixture closes them after its last test.
 CLIENTS: list[openai.AsyncOpenAI] = []
 
 
@@ -60,11 +63,8 @@ def sdk_client(gateway: GatewayHandle, key: str) -> openai.AsyncOpenAI:
 
 
 @pytest.fixture(scope="module")
-async def gateway():
-    async with running_gateway(SCRIPT) as running:
-        yield running
-        while CLIENTS:
-            await CLIENTS.pop().close()
+def gateway_options() -> GatewayOptions:
+    return GatewayOptions(SCRIPT, clients=CLIENTS)
 
 
 class Session:
@@ -109,8 +109,11 @@ def assert_extends(records: list[common_pb2.CallRecord]) -> None:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_chat_completion(gateway, stream):
     session = Session(gateway)
-    completion = await session.chat([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"}],
-                                    stream, stream_options={"include_usage": True} if stream else openai.omit)
+    completion = await session.chat(
+        [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"}],
+        stream,
+        stream_options={"include_usage": True} if stream else openai.omit,
+    )
     message = completion.choices[0].message
     assert (message.content, completion.choices[0].finish_reason) == ("Hello from Polar.", "stop")
     if not stream:
@@ -124,7 +127,8 @@ async def test_chat_completion(gateway, stream):
 async def test_chat_stream_carries_reasoning_deltas(gateway):
     session = Session(gateway)
     stream = await session.client.chat.completions.create(
-        model="polar", messages=[{"role": "user", "content": "Hi"}], stream=True)
+        model="polar", messages=[{"role": "user", "content": "Hi"}], stream=True
+    )
     chunks = [chunk async for chunk in stream]
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     assert "".join(getattr(delta, "reasoning_content", None) or "" for delta in deltas) == "Greeting."
@@ -139,8 +143,10 @@ async def test_chat_tool_use_loop(gateway, stream):
     assert first.choices[0].finish_reason == "tool_calls"
     [call] = first.choices[0].message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
-    messages += [first.choices[0].message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": call.id, "content": "18C"}]
+    messages += [
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "18C"},
+    ]
     second = await session.chat(messages, stream, tools=CHAT_TOOLS)
     assert second.choices[0].message.content == "It is 18C in Paris."
     assert_extends(session.records())
@@ -193,7 +199,8 @@ async def test_response_stream_events_arrive_in_order(gateway):
     kinds = [event.type for event in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
     assert "".join(event.delta for event in events if event.type == "response.output_text.delta") == (
-        "Hello from Polar.")
+        "Hello from Polar."
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -219,8 +226,9 @@ async def test_response_ten_turn_tool_conversation_is_token_faithful(gateway):
         items += [item.model_dump(exclude_none=True, exclude={"parsed_arguments"}) for item in response.output]
         for item in response.output:
             if item.type == "function_call":
-                items.append({"type": "function_call_output", "call_id": item.call_id,
-                              "output": f"step {turn + 1} done"})
+                items.append(
+                    {"type": "function_call_output", "call_id": item.call_id, "output": f"step {turn + 1} done"}
+                )
     assert response.output_text == "All ten steps are done."
     records = session.records()
     assert len(records) == 10
@@ -234,9 +242,11 @@ async def test_response_ten_turn_tool_conversation_is_token_faithful(gateway):
 
 async def post(gateway: GatewayHandle, path: str, content: bytes, key: str | None = None) -> httpx2.Response:
     async with httpx2.AsyncClient() as client:
-        return await client.post(gateway.base_url + path, content=content,
-                                 headers={"authorization": f"Bearer {key or gateway.key}",
-                                          "content-type": "application/json"})
+        return await client.post(
+            gateway.base_url + path,
+            content=content,
+            headers={"authorization": f"Bearer {key or gateway.key}", "content-type": "application/json"},
+        )
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
@@ -244,16 +254,26 @@ async def test_malformed_json_is_a_400_in_the_openai_shape(gateway, path):
     response = await post(gateway, path, b'{"model": "polar", "messages": [')
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["type"] == "invalid_request_error" and error["message"] and set(error) == {
-        "message", "type", "param", "code"}
+    assert (
+        error["type"] == "invalid_request_error"
+        and error["message"]
+        and set(error) == {"message", "type", "param", "code"}
+    )
 
 
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", {"model": "polar", "messages": [{"role": "user", "content": 3}]},
-         "messages[0].content"),
-        ("/v1/chat/completions", {"model": "polar", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+        (
+            "/v1/chat/completions",
+            {"model": "polar", "messages": [{"role": "user", "content": 3}]},
+            "messages[0].content",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "polar", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"},
+            "temperature",
+        ),
         ("/v1/responses", {"model": "polar", "input": "hi", "max_output_tokens": "many"}, "max_output_tokens"),
         ("/v1/responses", {"model": "polar", "input": [{"type": "function_call"}]}, "input[0].call_id"),
     ],

@@ -16,10 +16,11 @@ import pytest
 from google import genai
 from google.genai import types
 
-from gateway.testing import GatewayHandle, running_gateway
 from polar.inference.engines import create_engine
 from polar.inference.engines.base import EngineOptions
+from polar.testing.gateway import GatewayHandle
 from polar.v1 import common_pb2
+from tests.helpers.gateway_options import GatewayOptions
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -34,16 +35,13 @@ FINISHES = {
 }
 
 
-# HTTP clients of this module's SDKs, closed while the module's event loop still runs.
+# HTTP clients of this module's SDKs: the `gateway` fixture closes them after its last test.
 CLIENTS: list[httpx2.AsyncClient] = []
 
 
 @pytest.fixture(scope="module")
-async def gateway():
-    async with running_gateway(engine=create_engine("torch", EngineOptions(model="tiny"))) as running:
-        yield running
-        while CLIENTS:
-            await CLIENTS.pop().aclose()
+def gateway_options() -> GatewayOptions:
+    return GatewayOptions(engine=create_engine("torch", EngineOptions(model="tiny")), clients=CLIENTS)
 
 
 def _http() -> httpx2.AsyncClient:
@@ -66,7 +64,9 @@ async def chat(gateway: GatewayHandle, key: str, stream: bool) -> list[str]:
             # Raw chunks: the SDK's stream helper raises on finish_reason "length", which 16 tokens reach.
             chunks = [chunk async for chunk in await client.chat.completions.create(**fields, stream=True)]
             content = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-            finish = next(chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason)
+            finish = next(
+                chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason
+            )
         else:
             completion = await client.chat.completions.create(**fields)
             content, finish = completion.choices[0].message.content, completion.choices[0].finish_reason
@@ -121,7 +121,10 @@ async def gemini(gateway: GatewayHandle, key: str, stream: bool) -> list[str]:
     finishes = []
     for next_turn in (SECOND, None):
         if stream:
-            chunks = [chunk async for chunk in await models.generate_content_stream(model="tiny", contents=contents, config=config)]
+            chunks = [
+                chunk
+                async for chunk in await models.generate_content_stream(model="tiny", contents=contents, config=config)
+            ]
             parts = [part for chunk in chunks for part in chunk.candidates[0].content.parts or []]
             finish = chunks[-1].candidates[0].finish_reason
         else:
@@ -129,7 +132,10 @@ async def gemini(gateway: GatewayHandle, key: str, stream: bool) -> list[str]:
             parts, finish = response.candidates[0].content.parts, response.candidates[0].finish_reason
         finishes.append(finish.value)
         # Gemini CLI sends the model's parts back as they came (a stream's chunks joined).
-        contents += [types.Content(role="model", parts=parts), types.Content(role="user", parts=[types.Part(text=next_turn)])]
+        contents += [
+            types.Content(role="model", parts=parts),
+            types.Content(role="user", parts=[types.Part(text=next_turn)]),
+        ]
     return finishes
 
 

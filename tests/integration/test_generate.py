@@ -1,4 +1,4 @@
-"""`polar generate` and `polar export` on a real rollout stack (polar/rollout/testing.py: rollout server,
+"""`polar generate` and `polar export` on a real rollout stack (polar/testing/rollout.py: rollout server,
 node, Envoy, gateway) with a scripted model, and the example agent (examples/agent/agent.py) as the
 harness: it calls the gateway over Chat Completions with two tools and carries out the tool calls.
 
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from polar.app.generate import export
+from polar.app.generate.run import GenerateOptions, export_released, generate
 from polar.config import StackConfig
-from polar.generate import export
-from polar.generate.run import GenerateOptions, export_released, generate
-from polar.rollout.testing import TEST_NODE, running_rollout
+from polar.testing.rollout import TEST_NODE, running_rollout
 from polar.v1 import common_pb2
-from tests.stack_config import write_stack_config
+from tests.helpers.stack_config import write_stack_config
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -93,12 +93,19 @@ async def test_generation_counts_caps_resumes_and_exports(tmp_path: Path):
         assert code == 0, printed
         attempts = _lines(out / "attempts.jsonl")
         assert attempts[:8] == first
-        assert sorted((a["task_id"], a["attempt"]) for a in attempts) == sorted((t["taskId"], n) for t in TASKS for n in range(4))
+        assert sorted((a["task_id"], a["attempt"]) for a in attempts) == sorted(
+            (t["taskId"], n) for t in TASKS for n in range(4)
+        )
         by_task = {t["taskId"]: [a for a in attempts if a["task_id"] == t["taskId"]] for t in TASKS}
         assert {a["outcome"] for a in by_task["slow"]} == {"timed_out"}
         assert {a["outcome"] for a in by_task["broken-runtime"]} == {"failed"}
         assert all(a["reward"] == 1.0 and "failed to parse" in a["why_not"] for a in by_task["unparsed"])
-        assert [a["accepted"] for a in sorted(by_task["writes"], key=lambda a: a["attempt"])] == [True, False, True, False]
+        assert [a["accepted"] for a in sorted(by_task["writes"], key=lambda a: a["attempt"])] == [
+            True,
+            False,
+            True,
+            False,
+        ]
         assert sum(a["accepted"] for a in attempts) == 2
 
         manifest = json.loads((out / "manifest.json").read_text())
@@ -118,14 +125,23 @@ async def test_generation_counts_caps_resumes_and_exports(tmp_path: Path):
         # A cap of one accepted attempt per task: the passing task stops after its first attempt.
         capped = tmp_path / "capped"
         code, printed = await _generate(
-            GenerateOptions(_write_tasks(tmp_path / "one.jsonl", TASKS[:1]), capped, attempts=4, accept=1.0, max_per_task=1, rollout=rollout.address)
+            GenerateOptions(
+                _write_tasks(tmp_path / "one.jsonl", TASKS[:1]),
+                capped,
+                attempts=4,
+                accept=1.0,
+                max_per_task=1,
+                rollout=rollout.address,
+            )
         )
         assert code == 0, printed
         assert [(a["attempt"], a["accepted"]) for a in _lines(capped / "attempts.jsonl")] == [(0, True)]
 
         # `polar export` of everything released: the rows of the completed, passing, well-parsed sessions.
         exported = tmp_path / "released.jsonl"
-        read, written, cursor = await asyncio.to_thread(export_released, rollout.address, exported, min_reward=1.0, fmt="jsonl")
+        read, written, cursor = await asyncio.to_thread(
+            export_released, rollout.address, exported, min_reward=1.0, fmt="jsonl"
+        )
         assert read == 17 and cursor
         assert sorted(r["session_id"] for r in _lines(exported)) == sorted(
             [r["session_id"] for r in rows] + [a["session_id"] for a in _lines(capped / "attempts.jsonl")]
@@ -140,7 +156,9 @@ def _check_loadable(jsonl: Path, rows: list[dict], tmp_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
 
     def same(loaded) -> None:
-        assert loaded["input_ids"] == [r["input_ids"] for r in rows] and loaded["loss_mask"] == [r["loss_mask"] for r in rows]
+        assert loaded["input_ids"] == [r["input_ids"] for r in rows] and loaded["loss_mask"] == [
+            r["loss_mask"] for r in rows
+        ]
         messages = [[{k: v for k, v in m.items() if v is not None} for m in row] for row in loaded["messages"]]
         assert messages == [r["messages"] for r in rows]
 
@@ -185,7 +203,7 @@ def test_the_command_starts_the_stack_and_a_rerun_repeats_nothing(tmp_path: Path
     """`polar generate --config` on the stack `polar up` would start (scripted model), with the
     progress lines a pipe gets, Parquet output, and a rerun that finds every attempt done (and so
     starts no stack)."""
-    from polar_cli import run
+    from tests.helpers.polar_command import run
 
     script = tmp_path / "script.json"
     script.write_text(json.dumps(SCRIPT))
@@ -195,13 +213,30 @@ def test_the_command_starts_the_stack_and_a_rerun_repeats_nothing(tmp_path: Path
         inference={"engine": "scripted", "script": script},
         envoy={"workers": 1},
         node={
-            "init_workers": 1, "ready_slots": 1, "running_slots": 2, "postrun_workers": 1, "harness_isolation": "none",
+            "init_workers": 1,
+            "ready_slots": 1,
+            "running_slots": 2,
+            "postrun_workers": 1,
+            "harness_isolation": "none",
             "template_roots": REPO,
         },
-    )  # fmt: skip
+    )
     tasks = _write_tasks(tmp_path / "tasks.jsonl", TASKS[:1])
     out = tmp_path / "run"
-    argv = ("generate", tasks, "--config", str(config), "--attempts", "3", "--accept", "1", "--out", str(out), "--format", "parquet")
+    argv = (
+        "generate",
+        tasks,
+        "--config",
+        str(config),
+        "--attempts",
+        "3",
+        "--accept",
+        "1",
+        "--out",
+        str(out),
+        "--format",
+        "parquet",
+    )
     first = run(*argv, timeout=300)
     assert first.returncode == 0, first.stderr
     progress = [line for line in first.stdout.splitlines() if line.startswith("generate [")]
@@ -214,7 +249,11 @@ def test_the_command_starts_the_stack_and_a_rerun_repeats_nothing(tmp_path: Path
     assert again.returncode == 0, again.stderr
     assert "3 attempts, 2 accepted (66.7%)" in again.stdout.splitlines()[-1]
     assert "polar up:" not in again.stdout
-    assert sorted((a["attempt"], a["accepted"]) for a in _lines(out / "attempts.jsonl")) == [(0, True), (1, False), (2, True)]
+    assert sorted((a["attempt"], a["accepted"]) for a in _lines(out / "attempts.jsonl")) == [
+        (0, True),
+        (1, False),
+        (2, True),
+    ]
 
     other = run("generate", tasks, "--config", str(config), "--attempts", "3", "--accept", "0.5", "--out", str(out))
     assert other.returncode == 1 and other.stderr.startswith("polar: error: ") and "accept 1.0 -> 0.5" in other.stderr

@@ -200,7 +200,9 @@ class EndlessEngine(ScriptedEngine):
         (EndlessEngine, "without a GenerationEnd"),
     ],
 )
-async def test_an_engine_that_fails_or_stops_short_ends_the_stream_with_internal_after_its_tokens(engine_class, details):
+async def test_an_engine_that_fails_or_stops_short_ends_the_stream_with_internal_after_its_tokens(
+    engine_class, details
+):
     engine = engine_class.from_script(SCRIPT)
     server, channel = await open_server(engine)
     stub = inference_pb2_grpc.InferenceServiceStub(channel)
@@ -225,7 +227,11 @@ async def test_an_engine_that_fails_or_stops_short_ends_the_stream_with_internal
         ({"top_p": 2.0}, grpc.StatusCode.INVALID_ARGUMENT, ["sampling.top_p = 2.0"]),
         ({"top_k": -2}, grpc.StatusCode.INVALID_ARGUMENT, ["sampling.top_k = -2"]),
         ({"max_tokens": 254}, grpc.StatusCode.INVALID_ARGUMENT, ["3", "254", "257", "256"]),
-        ({"message_interval_seconds": 1.5}, grpc.StatusCode.INVALID_ARGUMENT, ["message_interval_seconds = 1.5", "[0, 1]"]),
+        (
+            {"message_interval_seconds": 1.5},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            ["message_interval_seconds = 1.5", "[0, 1]"],
+        ),
         ({"message_interval_seconds": -0.1}, grpc.StatusCode.INVALID_ARGUMENT, ["message_interval_seconds = -0.1"]),
         ({"message_interval_seconds": math.nan}, grpc.StatusCode.INVALID_ARGUMENT, ["message_interval_seconds = nan"]),
     ],
@@ -437,7 +443,8 @@ async def test_health_is_serving_and_reflection_lists_the_service():
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
     reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
     replies = [
-        r async for r in reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        r
+        async for r in reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
     ]
     names = {s.name for s in replies[0].list_services_response.service}
     assert "polar.v1.InferenceService" in names

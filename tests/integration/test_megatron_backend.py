@@ -7,14 +7,15 @@ backend's; the saved folder loads in transformers. Skipped when megatron-core is
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="needs megatron-core (pip install 'polar[megatron]')")
 
-from megatron_fixtures import (  # noqa: E402
+from hypothesis import given, settings
+
+from tests.helpers.trace_forests import assert_same_computation, forests, run_tree_job
+from tests.helpers.trainer_backends import (
     LOSS,
     LR,
     assert_matches,
@@ -23,15 +24,12 @@ from megatron_fixtures import (  # noqa: E402
     save_tiny_model,
     torch_backend_run,
 )
-
-from hypothesis import given, settings  # noqa: E402
-from prefix_fixtures import assert_same_computation, forests, run_tree_job  # noqa: E402
-
-from trainer.backends.base import BackendError  # noqa: E402
-from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions, TruncatedSamplingError  # noqa: E402
-from trainer.grpo import LossConfig  # noqa: E402
+from trainer.backends.base import BackendError
+from trainer.backends.megatron import MegatronBackend, MegatronBackendOptions, TruncatedSamplingError
+from trainer.grpo import LossConfig
 
 pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize("model_type,tied", [("qwen3", False), ("qwen2", True), ("llama", False)])
 def test_tp1_matches_the_torch_backend(tmp_path, model_type, tied):
@@ -90,7 +88,7 @@ def test_data_parallel_on_gloo_matches_one_replica(tmp_path, max_tokens, count):
     """TP=1 x DP=2 with Megatron's DistributedDataParallel and DistributedOptimizer: the summed
     gradients, the norm, the step and the gathered logprobs are one replica's (the torch backend's).
     3 micro-batches: one replica sits out the first round; 1: one replica learns from none."""
-    from megatron_fixtures import micro_batches as packed
+    from tests.helpers.trainer_backends import micro_batches as packed
 
     assert len(packed(max_tokens)) == count
     folder = save_tiny_model(tmp_path / "model", "qwen3", False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-import time
 import urllib.request
 
 import grpc
@@ -18,12 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from polar import envoy
+from polar.app.node.node import start_node
 from polar.config import GatewayConfig, NodeConfig, RolloutConfig
 from polar.metrics import EnvoyStats, start_metrics
-from polar.rollout.node import start_node
 from polar.rollout.server import start_rollout_server
 from polar.v1 import rollout_pb2, rollout_pb2_grpc
-from polar_cli import spawned
+from tests.helpers.polar_command import spawned
+from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -61,36 +61,60 @@ def scrape(url: str) -> dict[tuple[str, tuple], float]:
     }
 
 
-async def until(what: str, check, timeout_s: float = WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    while not (result := await check()):
-        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
-        await asyncio.sleep(0.1)
-    return result
-
-
 async def test_every_service_serves_its_metrics_while_a_task_runs(tmp_path):
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"cycle": True, "outputs": [{"text": "hello there"}]}))
     rollout = await start_rollout_server(
         RolloutConfig(
-            host="127.0.0.1", port=0, store=str(tmp_path / "r.db"), heartbeat_interval_s=0.2, node_timeout_s=2.0,
+            host="127.0.0.1",
+            port=0,
+            store=str(tmp_path / "r.db"),
+            heartbeat_interval_s=0.2,
+            node_timeout_s=2.0,
             metrics_address="127.0.0.1:0",
         )
-    )  # fmt: skip
+    )
     try:
         with spawned() as start:
             _, lines = start(
-                "serve", "inference", "--engine", "scripted", "--script", str(script), "--host", "127.0.0.1", "--port", "0",
-                "--rollout", rollout.address, "--metrics-address", "127.0.0.1:0",
-            )  # fmt: skip
+                "serve",
+                "inference",
+                "--engine",
+                "scripted",
+                "--script",
+                str(script),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--rollout",
+                rollout.address,
+                "--metrics-address",
+                "127.0.0.1:0",
+            )
             _, envoy_lines = start(
-                "serve", "envoy", "--xds", rollout.address, "--node-id", ENVOY_ID, "--host", "127.0.0.1", "--harness-port", "0",
-                "--inference-port", "0", "--workers", "1", "--metrics-address", "127.0.0.1:0",
-            )  # fmt: skip
+                "serve",
+                "envoy",
+                "--xds",
+                rollout.address,
+                "--node-id",
+                ENVOY_ID,
+                "--host",
+                "127.0.0.1",
+                "--harness-port",
+                "0",
+                "--inference-port",
+                "0",
+                "--workers",
+                "1",
+                "--metrics-address",
+                "127.0.0.1:0",
+            )
             inference_url = (await asyncio.to_thread(lines.wait_for, r"metrics (http://\S+/metrics)", 60)).group(1)
             ready = await asyncio.to_thread(
-                envoy_lines.wait_for, r"harness (http://\S+) .* inference \S+:(\d+) .*; metrics (http://\S+/metrics)", 60
+                envoy_lines.wait_for,
+                r"harness (http://\S+) .* inference \S+:(\d+) .*; metrics (http://\S+/metrics)",
+                60,
             )
             base_url, inference_port, envoy_url = ready.group(1), ready.group(2), ready.group(3)
 
@@ -99,18 +123,28 @@ async def test_every_service_serves_its_metrics_while_a_task_runs(tmp_path):
                 return scraped.get(("envoy_cluster_membership_healthy", INFERENCE_CLUSTER)) == 1
 
             # Envoy and the inference server start side by side: the node starts once Envoy has it.
-            await until("Envoy's inference cluster has the server", envoy_sends_to_inference)
+            await until("Envoy's inference cluster has the server", envoy_sends_to_inference, WAIT_S)
             node = await start_node(
                 NodeConfig(
-                    rollout_address=rollout.address, envoy_node_id=ENVOY_ID, init_workers=1, ready_slots=1,
-                    running_slots=2, postrun_workers=1, prewarm=False, harness_isolation="none",
+                    rollout_address=rollout.address,
+                    envoy_node_id=ENVOY_ID,
+                    init_workers=1,
+                    ready_slots=1,
+                    running_slots=2,
+                    postrun_workers=1,
+                    prewarm=False,
+                    harness_isolation="none",
                     work_root=str(tmp_path / "work"),
                 ),
                 GatewayConfig(
-                    host="127.0.0.1", port=0, grpc_port=0, inference_address=f"127.0.0.1:{inference_port}",
-                    base_url=base_url, metrics_address="127.0.0.1:0",
+                    host="127.0.0.1",
+                    port=0,
+                    grpc_port=0,
+                    inference_address=f"127.0.0.1:{inference_port}",
+                    base_url=base_url,
+                    metrics_address="127.0.0.1:0",
                 ),
-            )  # fmt: skip
+            )
             try:
                 assert node.gateway.metrics is not None
                 async with grpc.aio.insecure_channel(rollout.address) as channel:
@@ -118,10 +152,12 @@ async def test_every_service_serves_its_metrics_while_a_task_runs(tmp_path):
                     await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[TASK]), timeout=10)
 
                     async def released() -> bool:
-                        [status] = (await stub.GetTaskStatus(rollout_pb2.GetTaskStatusRequest(task_ids=["scraped"]))).tasks
+                        [status] = (
+                            await stub.GetTaskStatus(rollout_pb2.GetTaskStatusRequest(task_ids=["scraped"]))
+                        ).tasks
                         return status.released
 
-                    await until("the task's group is released", released)
+                    await until("the task's group is released", released, WAIT_S)
                 await check_metrics(rollout.metrics.url, inference_url, node.gateway.metrics.url, envoy_url)
             finally:
                 await node.stop()
@@ -140,7 +176,11 @@ async def check_metrics(rollout_url: str, inference_url: str, node_url: str, env
     envoy_label = (("envoy", ENVOY_ID),)
     assert rollout[("polar_xds_envoy_connected", envoy_label)] == 1
     assert rollout[("polar_xds_envoy_up_to_date", envoy_label)] == 1
-    assert rollout[("polar_xds_envoy_acknowledged_version", envoy_label)] == rollout[("polar_xds_envoy_version", envoy_label)] > 0
+    assert (
+        rollout[("polar_xds_envoy_acknowledged_version", envoy_label)]
+        == rollout[("polar_xds_envoy_version", envoy_label)]
+        > 0
+    )
     assert rollout[("process_cpu_seconds_total", ())] > 0
 
     inference = await asyncio.to_thread(scrape, inference_url)
@@ -153,7 +193,10 @@ async def check_metrics(rollout_url: str, inference_url: str, node_url: str, env
 
     node = await asyncio.to_thread(scrape, node_url)
     assert node[("polar_gateway_calls_total", (("outcome", "completed"),))] == 2
-    assert node[("polar_gateway_completion_tokens_total", ())] == inference[("polar_inference_completion_tokens_total", ())]
+    assert (
+        node[("polar_gateway_completion_tokens_total", ())]
+        == inference[("polar_inference_completion_tokens_total", ())]
+    )
     assert node[("polar_gateway_prompt_tokens_total", ())] == inference[("polar_inference_prompt_tokens_total", ())]
     assert node[("polar_gateway_cpu_seconds_per_call", ())] > 0
     assert node[("polar_gateway_sessions_open", ())] == 0

@@ -49,8 +49,12 @@ def as_float32(value: float) -> float:
 
 async def run_node(script: Path, port: int, request: dict) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
-        "node", str(script), f"127.0.0.1:{port}", json.dumps(request),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        "node",
+        str(script),
+        f"127.0.0.1:{port}",
+        json.dumps(request),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
     return process.returncode, stdout.decode(), stderr.decode()
@@ -72,9 +76,7 @@ async def test_node_client_receives_the_engines_tokens_and_logprobs(node_client)
         assert result["finish_reason"] == "FINISH_REASON_STOP"
         assert result["usage"] == {"prompt_tokens": 3, "completion_tokens": 10, "cached_prompt_tokens": 0}
 
-        code, out, err = await run_node(
-            node_client, port, {"prompt_token_ids": [1], "sampling": {"max_tokens": 4}}
-        )
+        code, out, err = await run_node(node_client, port, {"prompt_token_ids": [1], "sampling": {"max_tokens": 4}})
         assert code == 0, err
         result = json.loads(out)
         assert result["token_ids"] == TOKENS[:4] and result["finish_reason"] == "FINISH_REASON_LENGTH"

@@ -36,6 +36,8 @@ COMPLETED, CANCELLED, FAILED = (
     common_pb2.SESSION_OUTCOME_CANCELLED,
     common_pb2.SESSION_OUTCOME_FAILED,
 )
+
+
 # Quick heartbeats; a node timeout long enough that no test's node dies of a slow (loaded) machine.
 # Tests of dead nodes set a short one.
 def _config(store, **options) -> RolloutConfig:
@@ -197,7 +199,9 @@ async def test_options_that_cannot_work_are_refused(tmp_path):
 
 async def test_serve_rollout_runs_until_sigterm(tmp_path):
     ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    serving = asyncio.create_task(serve_rollout(_config(tmp_path / "r.db"), ready=lambda port, line: ready.set_result(port)))
+    serving = asyncio.create_task(
+        serve_rollout(_config(tmp_path / "r.db"), ready=lambda port, line: ready.set_result(port))
+    )
     port = await asyncio.wait_for(ready, 10)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         answer = await Stub(channel).GetTaskStatus(rollout_pb2.GetTaskStatusRequest())
@@ -414,12 +418,16 @@ async def test_a_heartbeat_or_report_under_another_node_s_id_is_refused_and_chan
         for call in (beat, forged):
             error = await rpc_error(call)
             assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-            assert f"node '{victim.node_id}': the node_secret sent is not the one RegisterNode issued" in error.details()
+            assert (
+                f"node '{victim.node_id}': the node_secret sent is not the one RegisterNode issued" in error.details()
+            )
             assert victim.secret not in error.details() and impostor.secret not in error.details()
     for session_id, state, calls in (("t.0", RUNNING, 1), ("t.1", INIT, 0)):
         status = await session(stub, session_id)
         assert (status.state, status.node_id, status.call_count, status.attempts) == (state, victim.node_id, calls, 1)
-    [info] = [node for node in (await stub.ListNodes(rollout_pb2.ListNodesRequest())).nodes if node.node_id == victim.node_id]
+    [info] = [
+        node for node in (await stub.ListNodes(rollout_pb2.ListNodesRequest())).nodes if node.node_id == victim.node_id
+    ]
     assert info.session_count == 2
     # The victim itself carries on.
     assert not (await victim.beat()).reregister
@@ -546,7 +554,9 @@ async def test_a_session_failed_with_its_dead_node_keeps_the_calls_it_delivered(
     await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t")]))
     node = await DriverNode(stub).register()
     await node.beat()
-    node.held["t.0"] = rollout_pb2.SessionProgress(session_id="t.0", state=RUNNING, call_count=1, new_calls=[call("c0001", 7)])
+    node.held["t.0"] = rollout_pb2.SessionProgress(
+        session_id="t.0", state=RUNNING, call_count=1, new_calls=[call("c0001", 7)]
+    )
     await node.beat()
 
     async def failed() -> bool:
@@ -674,9 +684,21 @@ async def test_reports_are_idempotent_and_only_the_holder_may_report(start):
         ),
         (node.report("t.1", session_id="t.0"), grpc.StatusCode.INVALID_ARGUMENT, "trajectory.session_id"),
         (node.report("t.1", attempt=3), grpc.StatusCode.FAILED_PRECONDITION, "is on attempt 1, not 3"),
-        (node.report("t.1", reward=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "trajectory.reward: must be a finite number, got nan"),
-        (node.report("t.1", reward=float("inf")), grpc.StatusCode.INVALID_ARGUMENT, "trajectory.reward: must be a finite number, got inf"),
-        (node.report("t.1", weight=float("-inf")), grpc.StatusCode.INVALID_ARGUMENT, "trajectory.weight: must be a finite number"),
+        (
+            node.report("t.1", reward=float("nan")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "trajectory.reward: must be a finite number, got nan",
+        ),
+        (
+            node.report("t.1", reward=float("inf")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "trajectory.reward: must be a finite number, got inf",
+        ),
+        (
+            node.report("t.1", weight=float("-inf")),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "trajectory.weight: must be a finite number",
+        ),
     ]
     for call, code, detail in refused:
         error = await rpc_error(call)
@@ -799,7 +821,9 @@ async def test_list_nodes_shows_pools_and_held_sessions(start) -> None:
     assert info.gateway_address == "127.0.0.1:1" and info.base_url == "http://127.0.0.1:2"
     assert list(info.runtimes) == ["local"]
     assert {pool.name: (pool.capacity, pool.depth) for pool in info.pools} == {
-        "init": (4, 0), "ready": (1, 0), "running": (2, 2)
-    }  # fmt: skip
+        "init": (4, 0),
+        "ready": (1, 0),
+        "running": (2, 2),
+    }
     assert info.session_count == 2
     assert 0 <= info.seconds_since_heartbeat < 5

@@ -2,7 +2,7 @@
 stack (rollout server, scripted inference, Envoy, a node) are refused, and the stack's legitimate
 callers still work with nothing lost.
 
-attack_harness.py runs as each session's harness: it reads the stack's credential files, opens TCP
+tests/helpers/attacking_harness.py runs as each session's harness: it reads the stack's credential files, opens TCP
 connections to the control plane's ports, calls every control-plane rpc a model-written command could
 reach from the machine (reward reporting, heartbeats under the node's id, also with the node's own
 credential where it can read it, another session's key and records, closing it, draining, pausing
@@ -19,31 +19,30 @@ import os
 import re
 import signal
 import stat
-import sys
 from pathlib import Path
 
 import grpc
 import pytest
-from polar_cli import STARTUP_SECONDS, run, spawned
 
 from polar import credentials
+from polar.app.node.isolation import probe
 from polar.envoy import admin_get
-from polar.rollout.isolation import probe
 from polar.v1 import gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
+from tests.helpers.harness_programs import harness_command
+from tests.helpers.polar_command import STARTUP_SECONDS, run
+from tests.helpers.stack_config import write_stack_config
 
 pytestmark = pytest.mark.slow
 
 DONE_IDS = [41462, 30, 2]  # "Done." and <|im_end|> in the tiny model's tokenizer
-ATTACKER = Path(__file__).with_name("attack_harness.py")
+ATTACKER = harness_command("attacking_harness")
 
 
-@pytest.fixture
-def spawn():
-    with spawned() as start:
-        yield start
-
-
-GRPC_REFUSAL = {"none": "refused UNAUTHENTICATED", "namespace": "refused UNAUTHENTICATED", "network": "refused UNAVAILABLE"}
+GRPC_REFUSAL = {
+    "none": "refused UNAUTHENTICATED",
+    "namespace": "refused UNAUTHENTICATED",
+    "network": "refused UNAVAILABLE",
+}
 CREDENTIAL_READS = {"read the node credential file", "read the operator credential file"}
 TCP_CONNECTIONS = {f"TCP connection to the {name} port" for name in ("rollout", "inference", "gateway")}
 # What each isolation leaves a harness: the files, and the ports (whose rpcs still refuse it).
@@ -61,22 +60,28 @@ def isolation(request, tmp_path: Path) -> str:
 def stack_config(tmp_path: Path, isolation: str) -> Path:
     script = tmp_path / "script.json"
     script.write_text(json.dumps({"cycle": True, "outputs": [{"token_ids": DONE_IDS, "logprobs": [-0.5, -1.0, -1.5]}]}))
-    path = tmp_path / "stack.toml"
-    path.write_text(
-        f'[rollout]\nport = 0\nstore = "{tmp_path / "rollout.db"}"\nheartbeat_interval_s = 0.2\n'
-        f'[inference]\nengine = "scripted"\nscript = "{script}"\nport = 0\n'
-        "[gateway]\nport = 0\ngrpc_port = 0\n"
-        "[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\nworkers = 1\n"
-        "[node]\ninit_workers = 1\nready_slots = 1\nrunning_slots = 2\npostrun_workers = 1\n"
-        f'harness_isolation = "{isolation}"\n'
+    return write_stack_config(
+        tmp_path / "stack.toml",
+        rollout={"store": tmp_path / "rollout.db", "heartbeat_interval_s": 0.2},
+        inference={"engine": "scripted", "script": script},
+        envoy={"workers": 1},
+        node={
+            "init_workers": 1,
+            "ready_slots": 1,
+            "running_slots": 2,
+            "postrun_workers": 1,
+            "harness_isolation": isolation,
+        },
     )
-    return path
 
 
 def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, stack_config, isolation, tmp_path):
     up, lines = spawn("up", "--config", str(stack_config))
     lines.wait_for(r"^polar up: 4 services running")
-    rows = {name: lines.wait_for(rf"^\s+{name}\s+(\S+)\s+(\d+)\s.*").group(0) for name in ("rollout", "inference", "envoy", "node")}
+    rows = {
+        name: lines.wait_for(rf"^\s+{name}\s+(\S+)\s+(\d+)\s.*").group(0)
+        for name in ("rollout", "inference", "envoy", "node")
+    }
     admin = re.search(r"admin (unix:/\S+)$", rows["envoy"]).group(1)
     assert rows["node"].endswith(f"local harnesses isolated: {isolation}")
     rows = {name: row.split()[1] for name, row in rows.items()}
@@ -97,7 +102,7 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
         "taskId": "attack",
         "instruction": "Say done.",
         "groupSize": 2,
-        "harness": {"preset": "command", "command": [sys.executable, str(ATTACKER)], "env": env},
+        "harness": {"preset": "command", "command": ATTACKER, "env": env},
         "evaluator": {"kind": "command", "command": "echo 0.5"},
     }
     tasks = tmp_path / "tasks.jsonl"
@@ -122,7 +127,11 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
         output = trajectory["harnessOutput"]
         streamed = [line.split(" ", 1)[1] for line in output.splitlines() if line.startswith("STREAMED ")]
         assert streamed[-1] == "[DONE]" and len(streamed) >= 3, output
-        assert "Done." in "".join(json.loads(event)["choices"][0]["delta"].get("content") or "" for event in streamed[:-1] if json.loads(event)["choices"])
+        assert "Done." in "".join(
+            json.loads(event)["choices"][0]["delta"].get("content") or ""
+            for event in streamed[:-1]
+            if json.loads(event)["choices"]
+        )
         assert output.splitlines()[-1] == "Done."
 
         [report] = [line for line in output.splitlines() if line.startswith("ATTACKS ")]
@@ -155,12 +164,16 @@ def test_attacks_from_a_harness_are_refused_and_the_stack_still_works(spawn, sta
         inference.Pause(inference_pb2.PauseRequest(), timeout=10)
         inference.Resume(inference_pb2.ResumeRequest(), timeout=10)
     with credentials.channel(rows["node"], credentials.OPERATOR, operator) as channel:
-        status = gateway_pb2_grpc.GatewayServiceStub(channel).GetNodeStatus(gateway_pb2.GetNodeStatusRequest(), timeout=10)
+        status = gateway_pb2_grpc.GatewayServiceStub(channel).GetNodeStatus(
+            gateway_pb2.GetNodeStatusRequest(), timeout=10
+        )
         assert not status.status.draining
     # The node's credential is not the operator's: it cannot read sessions.
     with credentials.channel(rows["node"], credentials.NODE, operator) as channel:
         with pytest.raises(grpc.RpcError) as refused:
-            gateway_pb2_grpc.GatewayServiceStub(channel).GetSession(gateway_pb2.GetSessionRequest(key="attack.0"), timeout=10)
+            gateway_pb2_grpc.GatewayServiceStub(channel).GetSession(
+                gateway_pb2.GetSessionRequest(key="attack.0"), timeout=10
+            )
         assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
     # Envoy's admin interface answers on its Unix socket (mode 0600) only.

@@ -16,12 +16,11 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from megatron_fixtures import LR, WEIGHT_MAX_STEPS, WEIGHT_MEAN_STEPS, save_tiny_model
-from prefix_fixtures import LOSS, assert_same_computation, forests
 
+from tests.helpers.trace_forests import LOSS, assert_same_computation, forests
+from tests.helpers.trainer_backends import LR, WEIGHT_MAX_STEPS, WEIGHT_MEAN_STEPS, save_tiny_model
 from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 from trainer.batches import pack
-
 from trainer.sequences import TrainSequence
 
 SESSIONS = Path(__file__).resolve().parents[1] / "fixtures" / "sessions"
@@ -57,20 +56,29 @@ def recorded_group(name: str, sessions: int = 8, seed: int = 0) -> list[TrainSeq
     rng = np.random.default_rng(seed)
     first = traces[0]
     prompt = np.asarray(first.token_ids[: int(np.flatnonzero(first.loss_mask)[0])], dtype=np.int64)
-    parts = [(np.asarray(t.token_ids, np.int64), np.asarray(t.loss_mask, bool), np.asarray(t.logprobs, np.float32))
-             for t in traces]
+    parts = [
+        (np.asarray(t.token_ids, np.int64), np.asarray(t.loss_mask, bool), np.asarray(t.logprobs, np.float32))
+        for t in traces
+    ]
     for _ in range(sessions - 1):
         reply = rng.integers(100, 49000, int(rng.integers(20, 200)))
         mask = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(reply), bool)])
         parts.append((np.concatenate([prompt, reply]), mask, np.where(mask, -1.5, 0).astype(np.float32)))
     trainable = sum(int(mask.sum()) for _, mask, _ in parts)
     return [
-        TrainSequence(name=f"{name}/{index}", token_ids=ids, loss_mask=mask, behaviour_logprobs=logprobs,
-                      advantage=float(rng.normal()), token_weight=1.0 / trainable,
-                      temperature=np.ones(len(ids), np.float32), top_p=np.ones(len(ids), np.float32),
-                      top_k=np.zeros(len(ids), np.int32))
+        TrainSequence(
+            name=f"{name}/{index}",
+            token_ids=ids,
+            loss_mask=mask,
+            behaviour_logprobs=logprobs,
+            advantage=float(rng.normal()),
+            token_weight=1.0 / trainable,
+            temperature=np.ones(len(ids), np.float32),
+            top_p=np.ones(len(ids), np.float32),
+            top_k=np.zeros(len(ids), np.int32),
+        )
         for index, (ids, mask, logprobs) in enumerate(parts)
-    ]  # fmt: skip
+    ]
 
 
 def test_a_step_on_recorded_cli_traces_gives_the_same_weights_with_and_without_sharing():

@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import swe_mini  # noqa: E402
-from polar_cli import assert_one_line_error, run  # noqa: E402
+from tests.helpers import swe_mini
+from tests.helpers.polar_command import assert_one_line_error, run
 
 pytestmark = pytest.mark.slow
 
 
 def imported(instance_file: Path, repos: Path, out: Path) -> list[dict]:
-    result = run("tasks", "import", "swe", str(instance_file), "--flavor", "swebench", "--local", str(repos), "--out", str(out))
+    result = run(
+        "tasks", "import", "swe", str(instance_file), "--flavor", "swebench", "--local", str(repos), "--out", str(out)
+    )
     assert result.returncode == 0, result.stderr
     return [json.loads(line) for line in out.read_text().splitlines()]
 
@@ -52,12 +51,16 @@ def test_the_oracle_names_broken_tasks(tmp_path: Path) -> None:
 
 def test_import_without_the_checkouts_is_a_one_line_error(tmp_path: Path) -> None:
     (tmp_path / "repos").mkdir()
-    result = run("tasks", "import", "swe", str(swe_mini.INSTANCES), "--flavor", "swebench", "--local", str(tmp_path / "repos"))
+    result = run(
+        "tasks", "import", "swe", str(swe_mini.INSTANCES), "--flavor", "swebench", "--local", str(tmp_path / "repos")
+    )
     assert_one_line_error(result, "repositories are not ready", "polar-mini__binsearch-1: no git checkout at")
 
 
 def test_import_of_a_bad_file_is_a_one_line_error(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instance_id": "a__b-1", "repo": "a/b"}\n')
-    assert_one_line_error(run("tasks", "import", "swe", str(bad), "--flavor", "swegym"), "bad.jsonl:1: base_commit: required")
+    assert_one_line_error(
+        run("tasks", "import", "swe", str(bad), "--flavor", "swegym"), "bad.jsonl:1: base_commit: required"
+    )
     assert_one_line_error(run("tasks", "oracle", str(bad)), "bad.jsonl:1")

@@ -1,25 +1,22 @@
 """The "swe" evaluator end to end on temporary git repositories (examples/swe-mini's, built for the
 test) with the local runtime: a session's workspace as an agent leaves it, graded as a node grades
-it (polar.rollout.evaluators.evaluate with the node's runtime provider)."""
+it (polar.app.node.evaluators.evaluate with the node's runtime provider)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import swe_mini  # noqa: E402
-
-from polar.rollout.evaluators import evaluate  # noqa: E402
-from polar.rollout.runtimes import LocalProvider  # noqa: E402
-from polar.rollout.runtimes.base import Runtime  # noqa: E402
-from polar.swe.evaluator import apply_patch  # noqa: E402
-from polar.swe.instances import ImportOptions, import_tasks  # noqa: E402
-from polar.v1 import rollout_pb2  # noqa: E402
+from polar.app.node.evaluators import evaluate
+from polar.app.node.runtimes import LocalProvider
+from polar.app.node.runtimes.base import Runtime
+from polar.app.swe.evaluator import apply_patch
+from polar.app.swe.instances import ImportOptions, import_tasks
+from polar.v1 import rollout_pb2
+from tests.helpers import swe_mini
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -43,7 +40,9 @@ async def graded(task: rollout_pb2.Task, provider: LocalProvider, change) -> tup
     runtime = await provider.create(task.runtime, name=task.task_id)
     try:
         await change(runtime)
-        result = await evaluate(task.evaluator, runtime=runtime, task=task, session_id=f"{task.task_id}.0", provider=provider)
+        result = await evaluate(
+            task.evaluator, runtime=runtime, task=task, session_id=f"{task.task_id}.0", provider=provider
+        )
     finally:
         await runtime.close()
     assert result.error == "", result.error
@@ -101,7 +100,9 @@ async def test_a_change_breaking_a_pass_to_pass_test_scores_0(tasks, provider) -
 
 async def test_edits_to_the_test_patch_files_are_dropped(tasks, provider) -> None:
     # The agent rewrites the test file to pass without fixing anything: its edit never reaches the grader.
-    rigged = edit("tests/test_stack.py", "def test_push_pop():", "def test_pop_empty():\n    pass\n\n\ndef test_push_pop():")
+    rigged = edit(
+        "tests/test_stack.py", "def test_push_pop():", "def test_pop_empty():\n    pass\n\n\ndef test_push_pop():"
+    )
     reward, _, metadata = await graded(tasks["stack"], provider, rigged)
     assert reward == 0.0
     assert "tests/test_stack.py (a test patch file" in metadata["swe_dropped"]

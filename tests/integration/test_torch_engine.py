@@ -134,7 +134,9 @@ def concurrent_requests(count: int) -> list[GenerationRequest]:
     # sorting that costs the same batched or not, hiding what batching saves.
     kinds = [SAMPLINGS[name] for name in ("greedy", "temperature", "top_k", "top_k_top_p")]
     return [
-        request(prompt_of(100 + i, 5 + 3 * i), 8 + 2 * i, f"r{i}", seed=1000 + i, ignore_eos=True, **kinds[i % len(kinds)])
+        request(
+            prompt_of(100 + i, 5 + 3 * i), 8 + 2 * i, f"r{i}", seed=1000 + i, ignore_eos=True, **kinds[i % len(kinds)]
+        )
         for i in range(count)
     ]
 
@@ -184,8 +186,12 @@ def test_batched_prefill_equals_one_by_one(engine):
     for slot, prompt in enumerate(prompts):
         written = slice(0, len(prompt))
         for kind in ("keys", "values"):
-            for layer_alone, layer_together in zip(getattr(alone.cache, kind), getattr(together.cache, kind), strict=True):
-                assert torch.allclose(layer_alone[slot, :, written], layer_together[slot, :, written], atol=1e-5, rtol=0)
+            for layer_alone, layer_together in zip(
+                getattr(alone.cache, kind), getattr(together.cache, kind), strict=True
+            ):
+                assert torch.allclose(
+                    layer_alone[slot, :, written], layer_together[slot, :, written], atol=1e-5, rtol=0
+                )
 
 
 def test_padded_prefill_groups_stay_within_the_budget():
@@ -287,7 +293,10 @@ def test_parameter_specs_name_tied_weights_once(engine):
     ("tensors", "message"),
     [
         ({"model.norm.weight": torch.ones(64), "model.nope.weight": torch.ones(3)}, "model.nope.weight"),
-        ({"model.norm.weight": torch.ones(64), "model.layers.0.self_attn.q_proj.weight": torch.ones(64, 63)}, r"\(64, 63\)"),
+        (
+            {"model.norm.weight": torch.ones(64), "model.layers.0.self_attn.q_proj.weight": torch.ones(64, 63)},
+            r"\(64, 63\)",
+        ),
         ({"lm_head.weight": torch.ones(49152, 64)}, "lm_head.weight"),
         ({"model.norm.weight": torch.ones(64, dtype=torch.long)}, "floating point"),
     ],

@@ -22,8 +22,8 @@ from polar import codec
 from polar.inference.models import resolve_model
 from polar.rollout.store import RolloutStore
 from polar.v1 import common_pb2
-from tests.integration.polar_cli import POLAR
-from tests.stack_config import write_stack_config
+from tests.helpers.polar_command import POLAR
+from tests.helpers.stack_config import write_stack_config
 from trainer.metrics import read_metrics
 from trainer.screening import SCREEN_KEYS
 
@@ -64,10 +64,15 @@ def write_config(tmp_path: Path, model: Path) -> Path:
         tmp_path / "train.toml",
         node={"running_slots": 4},
         trainer={
-            "model": model, "device": "cpu", "dataset": tasks, "steps": 1, "groups_per_step": 3, "groups_ahead": 0,
+            "model": model,
+            "device": "cpu",
+            "dataset": tasks,
+            "steps": 1,
+            "groups_per_step": 3,
+            "groups_ahead": 0,
             "lr": 1e-3,
         },
-    )  # fmt: skip
+    )
 
 
 def released(run_dir: Path) -> list[common_pb2.Trajectory]:
@@ -88,8 +93,11 @@ def test_compacted_and_refused_sessions_train_and_fork_into_separate_traces(tmp_
     run_dir = tmp_path / "run"
     result = subprocess.run(
         [*POLAR, "train", str(write_config(tmp_path, model)), "--run-dir", str(run_dir)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stdout + result.stderr
     # Warned once, before the step, though both sessions of the task failed so.

@@ -1,4 +1,4 @@
-"""The upstream engine against a fake upstream (polar/inference/upstream_testing.py): an aiohttp server
+"""The upstream engine against a fake upstream (polar/testing/upstream.py): an aiohttp server
 of this process speaking vLLM's and SGLang's protocols with the real smollm2 tokenizer.
 
 What only a real server can show (vLLM's own ids and logprobs through the four dialects, a cancelled
@@ -15,11 +15,18 @@ import grpc
 import openai
 import pytest
 
-from gateway.testing import running_gateway
-from polar.inference.engines.base import EngineOptions, FinishReason, GenerationEnd, GenerationRequest, SamplingConfig, TokenChunk
+from polar.inference.engines.base import (
+    EngineOptions,
+    FinishReason,
+    GenerationEnd,
+    GenerationRequest,
+    SamplingConfig,
+    TokenChunk,
+)
 from polar.inference.engines.upstream import UpstreamEngine, UpstreamError
 from polar.inference.server import start_server
-from polar.inference.upstream_testing import fake_upstream
+from polar.testing.gateway import running_gateway
+from polar.testing.upstream import fake_upstream
 from polar.v1 import inference_pb2, inference_pb2_grpc
 
 pytestmark = pytest.mark.anyio
@@ -62,14 +69,24 @@ async def test_tokens_and_logprobs_are_the_upstreams(api):
         sent = upstream.requests[-2]
         if api == "vllm":
             assert sent["prompt"] == list(PROMPT) and sent["stream"] is True
-            assert (sent["temperature"], sent["top_k"], sent["seed"], sent["max_tokens"]) == (pytest.approx(0.7), 20, 7, 64)
+            assert (sent["temperature"], sent["top_k"], sent["seed"], sent["max_tokens"]) == (
+                pytest.approx(0.7),
+                20,
+                7,
+                64,
+            )
             assert sent["top_p"] == pytest.approx(0.9)
             assert sent["logprobs"] == 0 and sent["return_tokens_as_token_ids"] is True
             stops = sent["stop_token_ids"]
         else:
             assert sent["input_ids"] == list(PROMPT) and sent["return_logprob"] is True
             params = sent["sampling_params"]
-            assert (params["temperature"], params["top_k"], params["sampling_seed"], params["max_new_tokens"]) == (pytest.approx(0.7), 20, 7, 64)
+            assert (params["temperature"], params["top_k"], params["sampling_seed"], params["max_new_tokens"]) == (
+                pytest.approx(0.7),
+                20,
+                7,
+                64,
+            )
             stops = params["stop_token_ids"]
         # The model's own end-of-sequence ids travel with every request: <|im_end|> (2) and <|endoftext|> (0).
         assert set(stops) == {0, 2}
@@ -147,7 +164,10 @@ async def test_another_encoding_refuses_to_start_naming_both(api):
 async def test_another_vocabulary_size_refuses_to_start(vocab, relation):
     async with fake_upstream(MODEL, name="other-model") as upstream:
         upstream.vocab_size = vocab
-        with pytest.raises(UpstreamError, match=rf"vocabulary is not the gateway's: smollm2-135m .* has 49152 token ids, other-model .* has {relation}"):
+        with pytest.raises(
+            UpstreamError,
+            match=rf"vocabulary is not the gateway's: smollm2-135m .* has 49152 token ids, other-model .* has {relation}",
+        ):
             await engine_for(upstream).start()
 
 
@@ -178,13 +198,17 @@ async def test_the_gateway_records_the_upstreams_tokens():
         async with running_gateway(engine=engine_for(upstream), envoy=False) as gw:
             client = openai.AsyncOpenAI(base_url=gw.base_url + "/v1", api_key=gw.key, max_retries=0)
             reply = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
-            stream = await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], stream=True)
+            stream = await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "Hi"}], stream=True
+            )
             text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
             records = gw.records()
     assert reply.choices[0].message.content == "Bonjour!" and text == "Bonjour!"
     for record in records:
         assert list(record.sampled_token_ids) == upstream.reply_ids()
-        assert list(record.sampled_logprobs) == pytest.approx([-(i + 1) / 100 for i in range(len(upstream.reply_ids()))])
+        assert list(record.sampled_logprobs) == pytest.approx(
+            [-(i + 1) / 100 for i in range(len(upstream.reply_ids()))]
+        )
         sent = next(r for r in upstream.requests if r.get("prompt") == list(record.prompt_token_ids))
         assert sent["stream"] is True
 
@@ -194,10 +218,22 @@ async def test_serve_inference_refuses_a_mismatch_in_one_line():
     async with fake_upstream(MODEL, name="other-model") as upstream:
         upstream.encode_offset = 1
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "polar", "serve", "inference", "--engine", "upstream", "--model", MODEL,
-            "--upstream-url", upstream.url, "--port", "0",
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        )  # fmt: skip
+            sys.executable,
+            "-m",
+            "polar",
+            "serve",
+            "inference",
+            "--engine",
+            "upstream",
+            "--model",
+            MODEL,
+            "--upstream-url",
+            upstream.url,
+            "--port",
+            "0",
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         _, stderr = await asyncio.wait_for(process.communicate(), 120)
     lines = stderr.decode().strip().splitlines()
     assert process.returncode == 1

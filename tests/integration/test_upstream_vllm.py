@@ -8,13 +8,20 @@ asked of vLLM again, directly, with the record's prompt ids, seed and sampling: 
 logprobs come back (greedy calls, and a seeded sampled one). The session's traces pass `polar
 verify`. A generation closed early stops vLLM's request (its metrics show it gone long before it
 could have finished).
+
+NeMo RL's vLLM HTTP server (the policy under NeMo Gym) is played by a stand-in that keeps its
+contract in front of this vLLM (polar/testing/nemo_rl_policy.py): a session through the gateway of a
+stack on it (`upstream_api = "nemo_rl"`) records exactly the prompt ids, sampled ids and logprobs
+that server answered, and plain vLLM is not taken for it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
+import struct
 import subprocess
 import sys
 import time
@@ -25,16 +32,18 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run scripts/setup_vllm.sh and use .venv-vllm")
 
-import aiohttp  # noqa: E402
-import anthropic  # noqa: E402
-import openai  # noqa: E402
-from polar_cli import run, spawned  # noqa: E402
+import aiohttp
+import anthropic
+import openai
 
-from polar.inference import models  # noqa: E402
-from polar.inference.engines.base import EngineOptions, GenerationRequest, SamplingConfig, TokenChunk  # noqa: E402
-from polar.inference.engines.upstream import UpstreamEngine  # noqa: E402
-from polar.trajectory import build, session_trajectory, views_from_protos, write_session  # noqa: E402
-from polar.v1 import common_pb2  # noqa: E402
+from polar.inference import models
+from polar.inference.engines.base import EngineOptions, GenerationRequest, SamplingConfig, TokenChunk
+from polar.inference.engines.upstream import UpstreamEngine
+from polar.inference.engines.upstream_http import UpstreamError
+from polar.testing.nemo_rl_policy import nemo_rl_policy
+from polar.trajectory import build, session_trajectory, views_from_protos, write_session
+from polar.v1 import common_pb2
+from tests.helpers.polar_command import run, spawned
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio, pytest.mark.timeout(900)]
 
@@ -52,13 +61,31 @@ def vllm_socket(tmp_path_factory):
     log = (folder / "vllm.log").open("w")
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(models.resolve_model(MODEL)),
-            "--served-model-name", MODEL, "--uds", str(socket), "--dtype", "float32", "--max-model-len", "4096",
-            "--max-num-seqs", "8", "--kv-cache-memory-bytes", str(1 << 30), "--enforce-eager",
-            "--logprobs-mode", "processed_logprobs",
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(models.resolve_model(MODEL)),
+            "--served-model-name",
+            MODEL,
+            "--uds",
+            str(socket),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "4096",
+            "--max-num-seqs",
+            "8",
+            "--kv-cache-memory-bytes",
+            str(1 << 30),
+            "--enforce-eager",
+            "--logprobs-mode",
+            "processed_logprobs",
         ],
-        stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + VLLM_START_S
         while _get(socket, "/v1/models") is None:
@@ -101,16 +128,16 @@ async def _complete(socket: Path, body: dict) -> dict:
             return await response.json()
 
 
-@pytest.fixture(scope="module")
-def stack(vllm_socket, tmp_path_factory):
-    """`polar up` with the upstream engine on vLLM; (Envoy's harness base URL, the gateway's gRPC address)."""
-    folder = tmp_path_factory.mktemp("stack")
+@contextlib.contextmanager
+def _polar_up(folder: Path, upstream: str):
+    """`polar up` with the upstream engine (`upstream`: its [inference] upstream_* lines); (Envoy's
+    harness base URL, the gateway's gRPC address)."""
     config = folder / "stack.toml"
     config.write_text(
         f'[rollout]\nport = 0\nstore = "{folder / "rollout.db"}"\n'
-        f'[inference]\nengine = "upstream"\nmodel = "{MODEL}"\nupstream_url = "unix:{vllm_socket}"\nport = 0\n'
+        f'[inference]\nengine = "upstream"\nmodel = "{MODEL}"\n{upstream}port = 0\n'
         "[gateway]\nport = 0\ngrpc_port = 0\n"
-        "[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\nworkers = 1\naccess_log = \"/dev/null\"\n"
+        '[envoy]\nharness_port = 0\ninference_port = 0\nadmin_port = 0\nworkers = 1\naccess_log = "/dev/null"\n'
         "[node]\ninit_workers = 1\nready_slots = 1\nrunning_slots = 1\npostrun_workers = 1\n"
     )
     with spawned() as spawn:
@@ -119,6 +146,31 @@ def stack(vllm_socket, tmp_path_factory):
         base_url = lines.wait_for(r"^\s+envoy\s+.*(http://127\.0\.0\.1:\d+)").group(1)
         gateway = lines.wait_for(r"^\s+node\s+(\S+)\s").group(1)
         yield base_url, gateway
+
+
+@pytest.fixture(scope="module")
+def stack(vllm_socket, tmp_path_factory):
+    """`polar up` with the upstream engine on vLLM."""
+    with _polar_up(tmp_path_factory.mktemp("stack"), f'upstream_url = "unix:{vllm_socket}"\n') as addresses:
+        yield addresses
+
+
+def _calls(key: str, gateway: str) -> list:
+    from google.protobuf import json_format
+
+    from polar.v1 import gateway_pb2
+
+    shown = run("session", "show", key, "--json", "--gateway", gateway)
+    assert shown.returncode == 0, shown.stderr
+    return list(json_format.Parse(shown.stdout, gateway_pb2.GetSessionResponse()).calls)
+
+
+def _verify(calls: list, folder: Path) -> None:
+    result = build("prefix_merging", views_from_protos(calls))
+    session = folder / "session.json"
+    write_session(session, session_trajectory(calls, result, calls[0].session_id))
+    verified = run("verify", str(session))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
 async def test_the_four_dialects_record_vllms_own_tokens(stack, vllm_socket, tmp_path):
@@ -130,7 +182,9 @@ async def test_the_four_dialects_record_vllms_own_tokens(stack, vllm_socket, tmp
     chat = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
     messages = [{"role": "user", "content": question}]
     await chat.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
-    stream = await chat.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0.8, seed=11, stream=True)
+    stream = await chat.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=16, temperature=0.8, seed=11, stream=True
+    )
     _ = [chunk async for chunk in stream]
     await chat.responses.create(model=MODEL, input=question, max_output_tokens=16, temperature=0)
     stream = await chat.responses.create(model=MODEL, input=question, max_output_tokens=16, temperature=0, stream=True)
@@ -141,48 +195,112 @@ async def test_the_four_dialects_record_vllms_own_tokens(stack, vllm_socket, tmp
     await claude.messages.create(model=MODEL, max_tokens=16, messages=messages, extra_body=greedy)
     async with claude.messages.stream(model=MODEL, max_tokens=16, messages=messages, extra_body=greedy) as events:
         await events.get_final_message()
-    gemini = {"contents": [{"role": "user", "parts": [{"text": question}]}], "generationConfig": {"maxOutputTokens": 16, "temperature": 0}}
+    gemini = {
+        "contents": [{"role": "user", "parts": [{"text": question}]}],
+        "generationConfig": {"maxOutputTokens": 16, "temperature": 0},
+    }
     for method in ("generateContent", "streamGenerateContent?alt=sse"):
         request = urllib.request.Request(
-            f"{base_url}/v1beta/models/{MODEL}:{method}", data=json.dumps(gemini).encode(),
+            f"{base_url}/v1beta/models/{MODEL}:{method}",
+            data=json.dumps(gemini).encode(),
             headers={"x-goog-api-key": key, "Content-Type": "application/json"},
-        )  # fmt: skip
+        )
         with urllib.request.urlopen(request, timeout=120) as response:
             assert response.status == 200
             response.read()
 
-    shown = run("session", "show", key, "--json", "--gateway", gateway)
-    assert shown.returncode == 0, shown.stderr
-    from google.protobuf import json_format
-
-    from polar.v1 import gateway_pb2
-
-    calls = list(json_format.Parse(shown.stdout, gateway_pb2.GetSessionResponse()).calls)
+    calls = _calls(key, gateway)
     dialects = (
-        common_pb2.DIALECT_OPENAI_CHAT, common_pb2.DIALECT_OPENAI_RESPONSES,
-        common_pb2.DIALECT_ANTHROPIC_MESSAGES, common_pb2.DIALECT_GOOGLE_GENERATE_CONTENT,
-    )  # fmt: skip
+        common_pb2.DIALECT_OPENAI_CHAT,
+        common_pb2.DIALECT_OPENAI_RESPONSES,
+        common_pb2.DIALECT_ANTHROPIC_MESSAGES,
+        common_pb2.DIALECT_GOOGLE_GENERATE_CONTENT,
+    )
     assert [c.dialect for c in calls] == [d for d in dialects for _ in range(2)]
     assert [c.stream for c in calls] == [False, True] * 4
     for call in calls:
         assert not call.error and call.sampled_token_ids, call.error
         s = call.sampling
-        replay = await _complete(vllm_socket, {
-            "model": MODEL, "prompt": list(call.prompt_token_ids), "max_tokens": len(call.sampled_token_ids),
-            "temperature": s.temperature, "top_p": s.top_p or 1.0, "top_k": s.top_k or -1,
-            "seed": s.seed if s.HasField("seed") else None, "stop_token_ids": list(s.stop_token_ids),
-            "logprobs": 0, "return_tokens_as_token_ids": True, "skip_special_tokens": False,
-        })  # fmt: skip
+        replay = await _complete(
+            vllm_socket,
+            {
+                "model": MODEL,
+                "prompt": list(call.prompt_token_ids),
+                "max_tokens": len(call.sampled_token_ids),
+                "temperature": s.temperature,
+                "top_p": s.top_p or 1.0,
+                "top_k": s.top_k or -1,
+                "seed": s.seed if s.HasField("seed") else None,
+                "stop_token_ids": list(s.stop_token_ids),
+                "logprobs": 0,
+                "return_tokens_as_token_ids": True,
+                "skip_special_tokens": False,
+            },
+        )
         logprobs = replay["choices"][0]["logprobs"]
         assert [int(t.split(":")[1]) for t in logprobs["tokens"]] == list(call.sampled_token_ids), call.call_id
         assert list(call.sampled_logprobs) == pytest.approx(logprobs["token_logprobs"], abs=LOGPROB_ATOL)
     assert calls[1].sampling.temperature == pytest.approx(0.8) and calls[1].sampling.seed == 11
+    _verify(calls, tmp_path)
 
-    result = build("prefix_merging", views_from_protos(calls))
-    session = tmp_path / "session.json"
-    write_session(session, session_trajectory(calls, result, calls[0].session_id))
-    verified = run("verify", str(session))
-    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+# NeMo RL's server refuses any temperature but its policy's; 0.7 is not a 32-bit float, so the
+# engine must send the decimal the harness asked for.
+POLICY_TEMPERATURE = 0.7
+
+
+@pytest.fixture(scope="module")
+def nemo_rl_stack(vllm_socket, tmp_path_factory):
+    """The NeMo RL stand-in on vLLM, and `polar up` with the upstream engine on it."""
+    with nemo_rl_policy(f"unix:{vllm_socket}", MODEL, temperature=POLICY_TEMPERATURE, top_p=1.0) as policy:
+        upstream = f'upstream_api = "nemo_rl"\nupstream_url = "{policy.url}"\n'
+        with _polar_up(tmp_path_factory.mktemp("nemo_rl_stack"), upstream) as (base_url, gateway):
+            yield policy, base_url, gateway
+
+
+async def test_a_session_on_nemo_rls_policy_server_records_what_it_sampled(nemo_rl_stack, tmp_path):
+    policy, base_url, gateway = nemo_rl_stack
+    opened = run("session", "open", "--gateway", gateway)
+    assert opened.returncode == 0, opened.stderr
+    key = opened.stdout.strip()
+    chat = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=key, max_retries=0)
+    sampling = {"model": MODEL, "max_tokens": 16, "temperature": POLICY_TEMPERATURE}
+    messages = [{"role": "user", "content": "Name three colours."}]
+    first = await chat.chat.completions.create(messages=messages, seed=5, **sampling)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Three more, please."},
+    ]
+    stream = await chat.chat.completions.create(messages=messages, seed=6, stream=True, **sampling)
+    _ = [chunk async for chunk in stream]
+    claude = anthropic.AsyncAnthropic(base_url=base_url, api_key=key, max_retries=0)
+    await claude.messages.create(
+        model=MODEL, max_tokens=16, messages=messages[:1], extra_body={"temperature": POLICY_TEMPERATURE}
+    )
+    # Not the policy's sampling: NeMo RL's server refuses it, and so the call fails.
+    with pytest.raises(openai.APIError):
+        await chat.chat.completions.create(messages=messages[:1], **{**sampling, "temperature": 0})
+
+    calls = _calls(key, gateway)
+    assert len(calls) == 4 and len(policy.served) == 3
+    sampled, refused = calls[:3], calls[3]
+    for call, served in zip(sampled, policy.served, strict=True):
+        assert not call.error, call.error
+        assert list(call.prompt_token_ids) == served.prompt_token_ids, call.call_id
+        assert list(call.sampled_token_ids) == served.generation_token_ids, call.call_id
+        # Records keep logprobs as 32-bit floats: exactly the served ones at that precision.
+        count = len(served.generation_log_probs)
+        assert list(call.sampled_logprobs) == list(
+            struct.unpack(f"{count}f", struct.pack(f"{count}f", *served.generation_log_probs))
+        )
+    assert refused.error and not refused.sampled_token_ids
+    _verify(sampled, tmp_path)
+
+
+async def test_plain_vllm_is_not_taken_for_nemo_rls_server(vllm_socket):
+    engine = UpstreamEngine(EngineOptions(model=MODEL, extra={"url": f"unix:{vllm_socket}", "api": "nemo_rl"}))
+    with pytest.raises(UpstreamError, match="does not pin prompts to required_prefix_token_ids"):
+        await engine.start()
 
 
 async def test_a_closed_generation_stops_vllms_request(vllm_socket):
@@ -190,7 +308,9 @@ async def test_a_closed_generation_stops_vllms_request(vllm_socket):
     await engine.start()
     before = _generated_tokens(vllm_socket)
     try:
-        request = GenerationRequest("cancel", (1, 9690, 1229, 28, 314), SamplingConfig(max_tokens=2000, ignore_eos=True))
+        request = GenerationRequest(
+            "cancel", (1, 9690, 1229, 28, 314), SamplingConfig(max_tokens=2000, ignore_eos=True)
+        )
         stream = engine.generate(request)
         assert isinstance(await anext(stream), TokenChunk)
         assert _running(vllm_socket) == 1
@@ -218,4 +338,3 @@ def _running(socket: Path) -> int:
 
 def _generated_tokens(socket: Path) -> float:
     return _metric(socket, "vllm:generation_tokens_total")
-

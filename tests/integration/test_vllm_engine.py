@@ -24,11 +24,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed here: run scripts/setup_vllm.sh and use .venv-vllm")
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import torch
+from transformers import AutoModelForCausalLM
 
-from polar.inference import models  # noqa: E402
-from polar.inference.engines.base import (  # noqa: E402
+from polar.inference import models
+from polar.inference.engines.base import (
     EngineOptions,
     FinishReason,
     GenerationEnd,
@@ -37,7 +37,7 @@ from polar.inference.engines.base import (  # noqa: E402
     TokenChunk,
     WeightUpdateError,
 )
-from polar.inference.engines.vllm_engine import VLLMEngine  # noqa: E402
+from polar.inference.engines.vllm_engine import VLLMEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -175,7 +175,7 @@ def test_same_seed_gives_the_same_tokens_even_when_batched_with_others(engine, l
     # Same tokens; the logprobs may move in the last bits, since a batch of five runs through
     # GEMMs blocked differently from a batch of one.
     assert results[0][0] == results[1][0] == alone[0]
-    for tokens, logprobs, _, _ in results[:2]:
+    for _tokens, logprobs, _, _ in results[:2]:
         torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(alone[1]), atol=LOGPROB_ATOL, rtol=0)
     assert any(r[0] != alone[0] for r in results[2:])
 
@@ -219,7 +219,9 @@ def test_closing_the_stream_aborts_the_request(engine, loop):
         return False
 
     assert loop.run_until_complete(run()), "vLLM still holds the closed request"
-    tokens, _, _, end = loop.run_until_complete(collect(engine, request(max_tokens=3, temperature=0.0, ignore_eos=True)))
+    tokens, _, _, end = loop.run_until_complete(
+        collect(engine, request(max_tokens=3, temperature=0.0, ignore_eos=True))
+    )
     assert len(tokens) == 3 and end.finish_reason is FinishReason.LENGTH
 
 
@@ -316,12 +318,21 @@ def test_a_constrained_reply_follows_its_schema_with_the_logprobs_of_the_masked_
 
     schema = {
         "type": "object",
-        "properties": {"name": {"const": "get_weather"}, "arguments": {"type": "object", "properties": {
-            "city": {"enum": ["Paris", "Oslo"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-            "required": ["city", "days"], "additionalProperties": False}},
+        "properties": {
+            "name": {"const": "get_weather"},
+            "arguments": {
+                "type": "object",
+                "properties": {
+                    "city": {"enum": ["Paris", "Oslo"]},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+                "additionalProperties": False,
+            },
+        },
         "required": ["name", "arguments"],
         "additionalProperties": False,
-    }  # fmt: skip
+    }
     constraint = OutputConstraint("tool_call", json.dumps(schema), "<tool_call>\n", "\n</tool_call>")
     grammar = TokenGrammar.for_model(MODEL, engine.description.vocab_size)
     for seed in range(4):
@@ -355,6 +366,7 @@ def test_a_grammar_dead_end_ends_only_its_own_streams_with_an_error(loop, monkey
     engine = VLLMEngine(EngineOptions(model=MODEL, max_batch_size=4, extra={"max_model_len": "1024"}))
     loop.run_until_complete(engine.start())
     try:
+
         async def batch():
             return await asyncio.gather(
                 collect(engine, request(seed=1, constraint=constraint)),

@@ -11,25 +11,17 @@ import time
 
 import grpc
 import pytest
-from tiny_servers import TinyServer, new_weights
 
 from polar.v1 import inference_pb2
+from tests.helpers.tiny_inference_server import new_weights
 from trainer.weight_sync import InferencePool, WeightSyncError, tensor_messages
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
 
-@pytest.fixture
-async def servers():
-    started = [await TinyServer().start(), await TinyServer().start()]
-    yield started
-    for server in started:
-        await server.stop()
-
-
 @pytest.mark.parametrize("transport", ["stream", "shm"])
-async def test_a_server_that_dies_mid_sync_leaves_the_others_on_the_old_version(servers, transport):
-    first, second = servers
+async def test_a_server_that_dies_mid_sync_leaves_the_others_on_the_old_version(tiny_servers, transport):
+    first, second = tiny_servers
     before = await first.greedy()
     weights = new_weights(first, seed=1)
     loop = asyncio.get_running_loop()
@@ -65,8 +57,8 @@ async def test_a_server_that_dies_mid_sync_leaves_the_others_on_the_old_version(
     assert (await first.greedy())[0] != before[0]
 
 
-async def test_a_sync_during_a_generation_waits_for_it_and_the_next_one_sees_the_new_version(servers):
-    server = servers[0]
+async def test_a_sync_during_a_generation_waits_for_it_and_the_next_one_sees_the_new_version(tiny_servers):
+    server = tiny_servers[0]
     weights = new_weights(server, seed=2)
     generation = asyncio.ensure_future(server.greedy(max_tokens=120))
     await asyncio.sleep(0.3)  # the generation is under way
@@ -86,8 +78,8 @@ async def test_a_sync_during_a_generation_waits_for_it_and_the_next_one_sees_the
     assert (await server.greedy())[1] == {1}
 
 
-async def test_a_staged_update_is_applied_only_by_its_commit_and_dropped_by_the_next_update(servers):
-    server = servers[0]
+async def test_a_staged_update_is_applied_only_by_its_commit_and_dropped_by_the_next_update(tiny_servers):
+    server = tiny_servers[0]
     before = await server.greedy()
     send = server.channel.stream_unary(
         "/polar.v1.InferenceService/UpdateWeights", response_deserializer=inference_pb2.UpdateWeightsResponse.FromString

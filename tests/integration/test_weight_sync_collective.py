@@ -19,10 +19,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from tiny_servers import TinyServer, new_weights
 
 from polar.inference import collective
 from polar.v1 import inference_pb2_grpc
+from tests.helpers.tiny_inference_server import TinyServer, new_weights
 from trainer.weight_collective import CollectiveSender
 from trainer.weight_sync import InferencePool, WeightSyncError
 
@@ -46,15 +46,9 @@ asyncio.run(main())
 """
 
 
-@pytest.fixture
-async def servers():
-    started = [await TinyServer().start(), await TinyServer().start()]
-    yield started
-    for server in started:
-        await server.stop()
-
-
-async def push(addresses: list[str], weights, transport: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = 30.0):
+async def push(
+    addresses: list[str], weights, transport: str = "gloo", bucket_bytes: int = 1 << 20, timeout_s: float = 30.0
+):
     pool = InferencePool(addresses, transport=transport, bucket_bytes=bucket_bytes, timeout_s=timeout_s)
     try:
         return await asyncio.to_thread(pool.push, weights, "step 1")
@@ -62,8 +56,8 @@ async def push(addresses: list[str], weights, transport: str = "gloo", bucket_by
         pool.close()
 
 
-async def test_after_a_gloo_sync_every_server_holds_the_trainer_s_tensors_and_a_late_joiner_is_brought_in(servers):
-    first, second = servers
+async def test_after_a_gloo_sync_every_server_holds_the_trainer_s_tensors_and_a_late_joiner_is_brought_in(tiny_servers):
+    first, second = tiny_servers
     assert "gloo" in (await first.info()).weight_transports
     weights = new_weights(first, seed=1)
     # 1 MiB buckets: the 12.6 MB embedding goes in pieces over several.
@@ -72,7 +66,7 @@ async def test_after_a_gloo_sync_every_server_holds_the_trainer_s_tensors_and_a_
     assert result.bytes_sent == sum(t.numel() * 4 for t in weights.values())
     assert {s.address for s in result.servers} == {first.address, second.address}
     assert all(s.transport == "gloo" and s.gb_per_s > 0 for s in result.servers)
-    for server in servers:
+    for server in tiny_servers:
         held = server.parameters()
         assert all(torch.equal(held[name], tensor) for name, tensor in weights.items())
         assert (await server.greedy())[1] == {1}
@@ -82,20 +76,26 @@ async def test_after_a_gloo_sync_every_server_holds_the_trainer_s_tensors_and_a_
         weights = new_weights(first, seed=2)
         result = await push([first.address, second.address, late.address], weights.items)
         assert result.policy_version == 2 and len(result.servers) == 3
-        outputs = [await server.greedy() for server in (*servers, late)]
+        outputs = [await server.greedy() for server in (*tiny_servers, late)]
         assert all(output == outputs[0] for output in outputs) and outputs[0][1] == {2}
         assert all(torch.equal(late.parameters()[name], tensor) for name, tensor in weights.items())
     finally:
         await late.stop()
 
 
-async def test_a_server_killed_mid_sync_fails_the_trainer_in_bounded_time_and_the_other_stays_on_the_old_version(servers):
-    staying = servers[0]
+async def test_a_server_killed_mid_sync_fails_the_trainer_in_bounded_time_and_the_other_stays_on_the_old_version(
+    tiny_servers,
+):
+    staying = tiny_servers[0]
     before = await staying.greedy()
     process = subprocess.Popen(
-        [sys.executable, "-c", _SERVE], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", _SERVE],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    )
     try:
         line = await asyncio.to_thread(process.stdout.readline)
         assert line.startswith("port "), line
@@ -137,18 +137,18 @@ async def test_a_server_killed_mid_sync_fails_the_trainer_in_bounded_time_and_th
     assert result.policy_version == 1 and all(torch.equal(staying.parameters()[n], t) for n, t in weights.items())
 
 
-async def test_a_transport_a_server_does_not_offer_is_refused_naming_it(servers):
+async def test_a_transport_a_server_does_not_offer_is_refused_naming_it(tiny_servers):
     with pytest.raises(WeightSyncError) as caught:
-        await push([servers[0].address], new_weights(servers[0], seed=4).items, transport="nccl")
-    assert servers[0].address in str(caught.value) and "does not offer the nccl" in str(caught.value)
-    assert (await servers[0].info()).policy_version == 0
+        await push([tiny_servers[0].address], new_weights(tiny_servers[0], seed=4).items, transport="nccl")
+    assert tiny_servers[0].address in str(caught.value) and "does not offer the nccl" in str(caught.value)
+    assert (await tiny_servers[0].info()).policy_version == 0
 
 
-async def test_a_group_is_kept_between_syncs_and_built_anew_when_a_server_joins_restarts_or_a_sync_failed(servers):
+async def test_a_group_is_kept_between_syncs_and_built_anew_when_a_server_joins_restarts_or_a_sync_failed(tiny_servers):
     """The trainer's CollectiveSender against real servers: consecutive syncs to the same servers go
     over one group; a server joining, a failed sync, and a server restarted at the same address
     (which no longer holds the group) each lead to a new one, and every sync lands whole."""
-    first, second = servers
+    first, second = tiny_servers
     sender = CollectiveSender(bucket_bytes=1 << 20, timeout_s=30.0)
     channels: list[grpc.Channel] = []
 
@@ -169,8 +169,8 @@ async def test_a_group_is_kept_between_syncs_and_built_anew_when_a_server_joins_
         assert sender.groups_built == 1
         weights = new_weights(first, seed=7)
         assert not await sync(pair, weights) and sender.groups_built == 1
-        assert all(torch.equal(s.parameters()[n], t) for s in servers for n, t in weights.items())
-        versions = [s.engine.policy_version for s in servers]
+        assert all(torch.equal(s.parameters()[n], t) for s in tiny_servers for n, t in weights.items())
+        versions = [s.engine.policy_version for s in tiny_servers]
 
         # A server joins: a new group of three.
         late = await TinyServer().start()
@@ -196,8 +196,8 @@ async def test_a_group_is_kept_between_syncs_and_built_anew_when_a_server_joins_
             await asyncio.to_thread(sender.send, "gloo", trio, Broken(), "", "")
         weights = new_weights(first, seed=11)
         assert await sync(trio, weights) and sender.groups_built == 3
-        assert all(torch.equal(s.parameters()[n], t) for s in (*servers, late) for n, t in weights.items())
-        assert [s.engine.policy_version for s in servers] == [v + 3 for v in versions]
+        assert all(torch.equal(s.parameters()[n], t) for s in (*tiny_servers, late) for n, t in weights.items())
+        assert [s.engine.policy_version for s in tiny_servers] == [v + 3 for v in versions]
 
         # A server restarted at the same address holds no group: the sync goes over a new one.
         port = int(late.address.rsplit(":", 1)[1])
@@ -205,7 +205,7 @@ async def test_a_group_is_kept_between_syncs_and_built_anew_when_a_server_joins_
         late = await TinyServer().start(port=port)
         weights = new_weights(first, seed=12)
         assert await sync(trio, weights) and sender.groups_built == 4
-        assert all(torch.equal(s.parameters()[n], t) for s in (*servers, late) for n, t in weights.items())
+        assert all(torch.equal(s.parameters()[n], t) for s in (*tiny_servers, late) for n, t in weights.items())
     finally:
         sender.close()
         for channel in channels:

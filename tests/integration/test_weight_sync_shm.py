@@ -12,10 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
-from tiny_servers import TinyServer, new_weights
 
 from polar.inference import sharing
 from polar.v1 import inference_pb2
+from tests.helpers.tiny_inference_server import TinyServer, new_weights
 from trainer.weight_sync import InferencePool
 
 pytestmark = [
@@ -83,7 +83,9 @@ async def test_buffers_the_server_cannot_open_fail_cleanly_and_change_nothing(se
         tensor_count=1, host_buffers=[inference_pb2.HostSharedBuffer(name="../etc/passwd", size_bytes=1)]
     )
     assert (await shared_update(server, escaping)).code() == grpc.StatusCode.INVALID_ARGUMENT
-    gpu = inference_pb2.SharedWeightsHeader(tensor_count=1, buffers=[inference_pb2.CudaIpcBuffer(device=0, size_bytes=1)])
+    gpu = inference_pb2.SharedWeightsHeader(
+        tensor_count=1, buffers=[inference_pb2.CudaIpcBuffer(device=0, size_bytes=1)]
+    )
     error = await shared_update(server, gpu)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot open CUDA buffers" in error.details()
     assert (await server.info()).policy_version == version

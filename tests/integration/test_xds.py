@@ -27,8 +27,9 @@ from polar.rollout.server import RunningRollout, start_rollout_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from polar.xds.member import RECONNECT_OPTIONS
 from polar.xds.snapshot import ENDPOINT_TYPE, INFERENCE_CLUSTER, Upstream, assignments
-from polar_cli import POLAR, Lines, assert_one_line_error, run, spawned
-from xds_machines import ENVOY_HOST, WAIT_S, envoy_on, health_flags, inference_machine, joined, until
+from tests.helpers.polar_command import POLAR, Lines, assert_one_line_error, run, spawned
+from tests.helpers.waiting import WAIT_S, until
+from tests.helpers.xds_machines import ENVOY_HOST, envoy_on, health_flags, inference_machine, joined
 
 pytestmark = pytest.mark.anyio
 
@@ -57,9 +58,12 @@ def machine(start, tmp_path, name: str, tokens: list[int], rollout: RunningRollo
 @contextlib.asynccontextmanager
 async def rollout_server(tmp_path, port: int = 0) -> AsyncIterator[RunningRollout]:
     config = RolloutConfig(
-        host="127.0.0.1", port=port, store=str(tmp_path / f"rollout-{time.monotonic_ns()}.db"),
-        heartbeat_interval_s=HEARTBEAT_S, node_timeout_s=1.0,
-    )  # fmt: skip
+        host="127.0.0.1",
+        port=port,
+        store=str(tmp_path / f"rollout-{time.monotonic_ns()}.db"),
+        heartbeat_interval_s=HEARTBEAT_S,
+        node_timeout_s=1.0,
+    )
     running = await start_rollout_server(config)
     try:
         yield running
@@ -93,13 +97,23 @@ async def caught_up(rollout: RunningRollout) -> rollout_pb2.EnvoyInfo | None:
     except grpc.aio.AioRpcError:  # a restarted server not reached yet (gRPC's reconnect back-off)
         return None
     mine = envoys.get(ENVOY_ID)
-    return mine if mine is not None and mine.connected and mine.version and mine.acknowledged_version == mine.version else None
+    return (
+        mine
+        if mine is not None and mine.connected and mine.version and mine.acknowledged_version == mine.version
+        else None
+    )
 
 
-async def acknowledged_with(rollout: RunningRollout, proxy: envoy.RunningEnvoy, addresses: list[str]) -> rollout_pb2.EnvoyInfo | None:
+async def acknowledged_with(
+    rollout: RunningRollout, proxy: envoy.RunningEnvoy, addresses: list[str]
+) -> rollout_pb2.EnvoyInfo | None:
     """Envoy caught up with the control plane, and its /config_dump shows `addresses` as the inference endpoints."""
     info = await caught_up(rollout)
-    return info if info is not None and sorted(eds_endpoints(proxy).get(INFERENCE_CLUSTER, {})) == sorted(addresses) else None
+    return (
+        info
+        if info is not None and sorted(eds_endpoints(proxy).get(INFERENCE_CLUSTER, {})) == sorted(addresses)
+        else None
+    )
 
 
 def eds_endpoints(proxy: envoy.RunningEnvoy) -> dict[str, dict[str, str]]:
@@ -220,7 +234,9 @@ async def test_a_rejected_version_is_logged_not_resent_and_traffic_stays_on_the_
                 # An endpoint Envoy cannot take (EDS wants an IP address), set on the cache directly:
                 # the membership itself resolves names and never makes one.
                 cache = rollout.servicer.membership.discovery.cache
-                bad = cache.set(ENVOY_ID, {ENDPOINT_TYPE: assignments([Upstream(INFERENCE_CLUSTER, "not-an-ip", 1)], ENVOY_ID)})
+                bad = cache.set(
+                    ENVOY_ID, {ENDPOINT_TYPE: assignments([Upstream(INFERENCE_CLUSTER, "not-an-ip", 1)], ENVOY_ID)}
+                )
 
                 async def rejected() -> rollout_pb2.EnvoyInfo | None:
                     mine = {e.node_id: e for e in (await upstreams(rollout)).envoys}[ENVOY_ID]
@@ -310,30 +326,6 @@ def two_machines() -> Iterator[tuple[Machine, Machine]]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
 
 
-@contextlib.contextmanager
-def started_on() -> Iterator:
-    """A function that starts a `polar` command on a machine with piped output; whatever still runs
-    at the end of the block is killed."""
-    started: list[subprocess.Popen] = []
-
-    def start(machine: Machine, *args: str, **popen) -> tuple[subprocess.Popen, Lines]:
-        # `ip netns exec` execs the command itself: the process is polar's, and takes its signals.
-        process = subprocess.Popen(
-            [*machine.prefix, *POLAR, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, **popen,
-        )  # fmt: skip
-        started.append(process)
-        return process, Lines(process.stdout, errors=lambda: process.stderr.read() if process.poll() is not None else "")
-
-    try:
-        yield start
-    finally:
-        for process in started:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
 def _stack_toml(folder, host: str, reply: str) -> str:
     folder.mkdir(exist_ok=True)
     script_file = folder / "script.json"
@@ -376,7 +368,9 @@ def test_a_machines_share_needs_the_rollout_server_it_joins(tmp_path):
     assert_one_line_error(run("up", "--rollout", "127.0.0.1:1"), "--role inference or node")
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text("")
-    assert_one_line_error(run("up", "--role", "inference", "--rollout", "127.0.0.1:1", "--submit", str(tasks)), "--submit")
+    assert_one_line_error(
+        run("up", "--role", "inference", "--rollout", "127.0.0.1:1", "--submit", str(tasks)), "--submit"
+    )
 
 
 @pytest.mark.slow
@@ -384,19 +378,26 @@ def test_an_inference_server_on_another_machine_joins_a_running_stack_and_leaves
     """Machine A runs the stack; machine B starts only an inference server against A's rollout server
     (`polar up --role inference`, with the credential A's operator issued it); A's Envoy sends
     sessions to both, and none to B once B has stopped, with no failed call."""
-    with two_machines() as (a, b), started_on() as start:
+    with two_machines() as (a, b), spawned() as start:
 
         def on(machine: Machine, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
             return subprocess.run(
-                [*machine.prefix, *POLAR, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, **kwargs
+                [*machine.prefix, *POLAR, *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                stdin=subprocess.DEVNULL,
+                **kwargs,
             )
 
         def on_a(*args: str) -> list[str]:
-            done = subprocess.run([*a.prefix, sys.executable, "-c", ON_A, *args], capture_output=True, text=True, timeout=120)
+            done = subprocess.run(
+                [*a.prefix, sys.executable, "-c", ON_A, *args], capture_output=True, text=True, timeout=120
+            )
             assert done.returncode == 0, done.stderr
             return done.stdout.split("\n")[:-1]
 
-        up_a, a_lines = start(a, "up", "--config", _stack_toml(tmp_path / "a", a.host, "from A"))
+        up_a, a_lines = start("up", "--config", _stack_toml(tmp_path / "a", a.host, "from A"), prefix=a.prefix)
         # Bounded generously: four services start on a machine other tests load too.
         rollout = a_lines.wait_for(r"^  rollout\s+(\S+)", timeout=STACK_START_S).group(1)
         base_url = a_lines.wait_for(r"^  envoy .* harness base URL (http://\S+) ").group(1)
@@ -404,16 +405,25 @@ def test_an_inference_server_on_another_machine_joins_a_running_stack_and_leaves
         issued = on(a, "credentials", "issue", "machine-b", "inference", "--out", str(tmp_path / "b-credentials"))
         assert issued.returncode == 0, issued.stderr
         up_b, b_lines = start(
-            b, "up", "--role", "inference", "--rollout", rollout, "--config", _stack_toml(tmp_path / "b", b.host, "from B"),
+            "up",
+            "--role",
+            "inference",
+            "--rollout",
+            rollout,
+            "--config",
+            _stack_toml(tmp_path / "b", b.host, "from B"),
+            prefix=b.prefix,
             env={**os.environ, "POLAR_CREDENTIALS": str(tmp_path / "b-credentials")},
-        )  # fmt: skip
+        )
         b_lines.wait_for(rf"^  inference\s+{re.escape(b.host)}:", timeout=STACK_START_S)
         try:
             status = on(a, "status", "--rollout", rollout)
             assert status.returncode == 0, status.stderr
             joined = [line for line in status.stdout.splitlines() if line.startswith("inference-")]
             # B's server joined with the credential A's operator issued it; A's own with the stack's.
-            assert len(joined) == 2 and any(f"{b.host}:" in line and line.endswith("machine-b (inference)") for line in joined)
+            assert len(joined) == 2 and any(
+                f"{b.host}:" in line and line.endswith("machine-b (inference)") for line in joined
+            )
             assert any(f"{a.host}:" in line and line.endswith("stack's own (node)") for line in joined)
             [envoy_row] = [line for line in status.stdout.splitlines() if line.startswith("polar-envoy ")]
             _, connected, version, acknowledged = envoy_row.split()[:4]

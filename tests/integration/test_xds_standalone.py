@@ -5,7 +5,6 @@ other rpcs are not served, and a server that leaves is removed. Every wait is bo
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -17,7 +16,8 @@ from polar.inference.server import start_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc, rollout_pb2, rollout_pb2_grpc
 from polar.xds.member import UpstreamMember
 from polar.xds.snapshot import INFERENCE_CLUSTER
-from polar_cli import spawned
+from tests.helpers.polar_command import spawned
+from tests.helpers.waiting import until
 
 pytestmark = pytest.mark.anyio
 
@@ -25,34 +25,42 @@ WAIT_S = 15.0
 ENVOY_ID = "envoy-standalone"
 
 
-async def until(what: str, check, timeout_s: float = WAIT_S):
-    deadline = time.monotonic() + timeout_s
-    while not (result := await check()):
-        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
-        await asyncio.sleep(0.05)
-    return result
-
-
 async def test_the_control_plane_alone_tells_envoy_its_upstreams(tmp_path):
-    engine = ScriptedEngine.from_script({"vocab_size": 100, "cycle": True, "outputs": [{"token_ids": [7, 8], "logprobs": [-0.5, -0.5]}]})
+    engine = ScriptedEngine.from_script(
+        {"vocab_size": 100, "cycle": True, "outputs": [{"token_ids": [7, 8], "logprobs": [-0.5, -0.5]}]}
+    )
     server, port = await start_server(engine)
     try:
         with spawned() as start:
-            process, lines = start("serve", "xds", "--port", "0", "--heartbeat-interval-s", "0.2", "--upstream-timeout-s", "1")
+            process, lines = start(
+                "serve", "xds", "--port", "0", "--heartbeat-interval-s", "0.2", "--upstream-timeout-s", "1"
+            )
             address = (await asyncio.to_thread(lines.wait_for, r"control plane .* on (127\.0\.0\.1:\d+)", 60)).group(1)
             member = UpstreamMember(address, INFERENCE_CLUSTER, f"127.0.0.1:{port}")
             await member.start(timeout_s=WAIT_S)
             config = EnvoyConfig(
-                harness_port=0, inference_port=0, admin_port=0, workers=1, health_check_interval_s=0.2,
-                xds_address=address, node_id=ENVOY_ID,
-            )  # fmt: skip
+                harness_port=0,
+                inference_port=0,
+                admin_port=0,
+                workers=1,
+                health_check_interval_s=0.2,
+                xds_address=address,
+                node_id=ENVOY_ID,
+            )
             async with envoy.running_async(config) as proxy, grpc.aio.insecure_channel(address) as channel:
                 stub = rollout_pb2_grpc.RolloutServiceStub(channel)
 
                 async def acknowledged() -> rollout_pb2.EnvoyInfo | None:
-                    envoys = {e.node_id: e for e in (await stub.ListUpstreams(rollout_pb2.ListUpstreamsRequest(), timeout=5)).envoys}
+                    envoys = {
+                        e.node_id: e
+                        for e in (await stub.ListUpstreams(rollout_pb2.ListUpstreamsRequest(), timeout=5)).envoys
+                    }
                     mine = envoys.get(ENVOY_ID)
-                    return mine if mine is not None and mine.version and mine.acknowledged_version == mine.version else None
+                    return (
+                        mine
+                        if mine is not None and mine.version and mine.acknowledged_version == mine.version
+                        else None
+                    )
 
                 await until("Envoy acknowledges the control plane's endpoints", acknowledged)
 

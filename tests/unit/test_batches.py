@@ -11,8 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainer.batches import MicroBatch, TraceTooLongError, pack, pad
-
-
 from trainer.sequences import TrainSequence
 
 VOCAB = 64
@@ -47,9 +45,19 @@ def expected_targets(sequences: list[TrainSequence]) -> Counter:
     records = Counter()
     for s in sequences:
         for i in np.flatnonzero(s.loss_mask):
-            records[(int(s.token_ids[i]), int(s.token_ids[i - 1]), i - 1, float(s.behaviour_logprobs[i]),
-                     np.float32(s.advantage).item(), np.float32(s.token_weight).item(), float(s.temperature[i]),
-                     float(s.top_p[i]), int(s.top_k[i]))] += 1
+            records[
+                (
+                    int(s.token_ids[i]),
+                    int(s.token_ids[i - 1]),
+                    i - 1,
+                    float(s.behaviour_logprobs[i]),
+                    np.float32(s.advantage).item(),
+                    np.float32(s.token_weight).item(),
+                    float(s.temperature[i]),
+                    float(s.top_p[i]),
+                    int(s.top_k[i]),
+                )
+            ] += 1
     return records
 
 
@@ -58,9 +66,19 @@ def laid_out_targets(batches: list[MicroBatch]) -> Counter:
     records = Counter()
     for b in batches:
         for r, i in b.loss_mask.nonzero().tolist():
-            records[(int(b.targets[r, i]), int(b.input_ids[r, i]), int(b.position_ids[r, i]),
-                     float(b.behaviour_logprobs[r, i]), float(b.advantages[r, i]), float(b.token_weights[r, i]),
-                     float(b.temperature[r, i]), float(b.top_p[r, i]), int(b.top_k[r, i]))] += 1
+            records[
+                (
+                    int(b.targets[r, i]),
+                    int(b.input_ids[r, i]),
+                    int(b.position_ids[r, i]),
+                    float(b.behaviour_logprobs[r, i]),
+                    float(b.advantages[r, i]),
+                    float(b.token_weights[r, i]),
+                    float(b.temperature[r, i]),
+                    float(b.top_p[r, i]),
+                    int(b.top_k[r, i]),
+                )
+            ] += 1
     return records
 
 
@@ -70,7 +88,7 @@ def row_sequences(batch: MicroBatch) -> list[tuple[int, ...]]:
     for row, lengths in zip(batch.input_ids.tolist(), batch.sequence_lengths):
         start = 0
         for length in lengths:
-            cut.append(tuple(row[start:start + length]))
+            cut.append(tuple(row[start : start + length]))
             start += length
     return cut
 
@@ -111,8 +129,11 @@ def test_pad_and_pack_carry_the_same_targets(sequences, max_tokens):
     packed, padded = pack(sequences, max_tokens), pad(sequences, max_tokens)
 
     def triples(batches):
-        return Counter((int(b.targets[r, i]), float(b.behaviour_logprobs[r, i]), float(b.token_weights[r, i]))
-                       for b in batches for r, i in b.loss_mask.nonzero().tolist())
+        return Counter(
+            (int(b.targets[r, i]), float(b.behaviour_logprobs[r, i]), float(b.token_weights[r, i]))
+            for b in batches
+            for r, i in b.loss_mask.nonzero().tolist()
+        )
 
     assert triples(padded) == triples(packed)
     assert laid_out_targets(padded) == laid_out_targets(packed)
@@ -172,8 +193,14 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -198,8 +225,9 @@ def test_packed_sequences_get_the_logprobs_they_get_alone(tiny_llama, attention)
     start = 0
     for length in packed.sequence_lengths[0]:
         piece = slice(start, start + length)
-        alone = target_logprobs(tiny_llama, packed.input_ids[:, piece], packed.position_ids[:, piece],
-                                packed.targets[:, piece])
+        alone = target_logprobs(
+            tiny_llama, packed.input_ids[:, piece], packed.position_ids[:, piece], packed.targets[:, piece]
+        )
         torch.testing.assert_close(together[piece][:-1], alone[:-1], rtol=0, atol=1e-5)
         start += length
 
@@ -210,8 +238,12 @@ def test_padded_rows_get_the_logprobs_sequences_get_alone(tiny_llama, attention)
     sequences = [make_sequence(f"t/{i}", length, seed=i) for i, length in enumerate([13, 7, 21, 5])]
     (padded,) = pad(sequences, max_tokens=4 * 21)
     with torch.no_grad():
-        logits = tiny_llama(input_ids=padded.input_ids, position_ids=padded.position_ids,
-                            attention_mask=padded.attention_mask, use_cache=False).logits  # [R, L, V]
+        logits = tiny_llama(
+            input_ids=padded.input_ids,
+            position_ids=padded.position_ids,
+            attention_mask=padded.attention_mask,
+            use_cache=False,
+        ).logits  # [R, L, V]
     rows = logits.float().log_softmax(-1).gather(-1, padded.targets[..., None]).squeeze(-1)  # [R, L]
     for row, (length,) in enumerate(padded.sequence_lengths):
         piece = (slice(row, row + 1), slice(0, length))

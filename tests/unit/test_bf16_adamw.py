@@ -15,7 +15,11 @@ def neighbours(x: float) -> tuple[float, float]:
     """The bf16 values just below and above x (equal when x is one), from the bit pattern alone."""
     bits = torch.tensor([x], dtype=torch.float32).view(torch.int32).item()
     down = torch.tensor([bits & ~0xFFFF], dtype=torch.int32).view(torch.float32).item()
-    up = torch.tensor([(bits & ~0xFFFF) + (0x10000 if bits & 0xFFFF else 0)], dtype=torch.int32).view(torch.float32).item()
+    up = (
+        torch.tensor([(bits & ~0xFFFF) + (0x10000 if bits & 0xFFFF else 0)], dtype=torch.int32)
+        .view(torch.float32)
+        .item()
+    )
     return (min(down, up), max(down, up))
 
 
@@ -49,7 +53,9 @@ def _train(optimizer_class, dtype, steps: int, **options) -> torch.Tensor:
     optimizer = optimizer_class([param], lr=1e-5, betas=(0.9, 0.99), weight_decay=0.0, **options)
     for step in range(steps):
         # The same direction every step, with noise: a gradient whose steps add up.
-        param.grad = (torch.ones(4096) + 0.5 * torch.randn(4096, generator=torch.Generator().manual_seed(step))).to(dtype)
+        param.grad = (torch.ones(4096) + 0.5 * torch.randn(4096, generator=torch.Generator().manual_seed(step))).to(
+            dtype
+        )
         optimizer.step()
     return param.detach().float() - start.to(dtype).float()
 
@@ -92,8 +98,10 @@ def test_the_compiled_cuda_step_follows_fp32_adamw_on_average():
     start = (torch.randn(1 << 20) * 0.05).cuda()
     reference = torch.nn.Parameter(start.clone())
     stochastic = torch.nn.Parameter(start.clone().bfloat16())
-    optimizers = [torch.optim.AdamW([reference], lr=1e-5, betas=(0.9, 0.99)),
-                  StochasticRoundingAdamW([stochastic], lr=1e-5, betas=(0.9, 0.99))]  # fmt: skip
+    optimizers = [
+        torch.optim.AdamW([reference], lr=1e-5, betas=(0.9, 0.99)),
+        StochasticRoundingAdamW([stochastic], lr=1e-5, betas=(0.9, 0.99)),
+    ]
     for _ in range(50):
         gradient = torch.ones_like(start) + 0.5 * torch.randn_like(start)
         reference.grad, stochastic.grad = gradient, gradient.bfloat16()

@@ -23,28 +23,58 @@ from gateway.chat_format import (
     tool_spec_json,
     tools_key,
 )
-from gateway.render import render_request
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
+from gateway.render import render_request
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 # Fragments that stress token boundaries: tags, whitespace runs, JSON punctuation, non-ASCII, and the
 # halves of special-token strings.
-FRAGMENTS = ["<think>", "</think>", "<tool_call>", "\n", "\n\n", " ", "  ", "{\"", "}", "<|im", "_end|>", "<|", "é", "你好", "🙂", "\t"]
+FRAGMENTS = [
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "\n",
+    "\n\n",
+    " ",
+    "  ",
+    '{"',
+    "}",
+    "<|im",
+    "_end|>",
+    "<|",
+    "é",
+    "你好",
+    "🙂",
+    "\t",
+]
 texts = st.lists(st.one_of(st.text(max_size=8), st.sampled_from(FRAGMENTS)), max_size=6).map("".join)
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.text(max_size=6),
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=6),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=6,
 )
 names = st.from_regex(r"[a-zA-Z_][a-zA-Z0-9_]{0,12}", fullmatch=True)
-tool_calls = st.builds(ToolCall, id=st.text(max_size=4), name=names, arguments=st.dictionaries(st.text(max_size=5), json_values, max_size=3))
-tool_specs = st.builds(ToolSpec, name=names, description=texts, parameters=st.dictionaries(st.text(max_size=5), json_values, max_size=3))
+tool_calls = st.builds(
+    ToolCall,
+    id=st.text(max_size=4),
+    name=names,
+    arguments=st.dictionaries(st.text(max_size=5), json_values, max_size=3),
+)
+tool_specs = st.builds(
+    ToolSpec, name=names, description=texts, parameters=st.dictionaries(st.text(max_size=5), json_values, max_size=3)
+)
 messages = st.one_of(
     st.builds(Message, role=st.just("system"), content=texts),
     st.builds(Message, role=st.just("user"), content=texts),
     st.builds(Message, role=st.just("tool"), content=texts, tool_call_id=st.text(max_size=4)),
-    st.builds(Message, role=st.just("assistant"), content=texts, reasoning=texts, tool_calls=st.lists(tool_calls, max_size=3).map(tuple)),
+    st.builds(
+        Message,
+        role=st.just("assistant"),
+        content=texts,
+        reasoning=texts,
+        tool_calls=st.lists(tool_calls, max_size=3).map(tuple),
+    ),
 )
 conversations = st.builds(
     Conversation,
@@ -56,11 +86,6 @@ conversations = st.builds(
 @pytest.fixture(scope="module", params=["hermes", "smollm2"])
 def chat_format(request, smollm2_tokenizer):
     return get_chat_format(request.param, smollm2_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def hermes(smollm2_tokenizer):
-    return get_chat_format("hermes", smollm2_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +105,9 @@ def without_special_strings(conversation, tokenizer) -> bool:
 
 @PROPERTY
 @given(conversation=conversations, add_generation_prompt=st.booleans())
-def test_rendered_ids_equal_the_whole_text_encoded_in_one_go(chat_format, smollm2_tokenizer, conversation, add_generation_prompt):
+def test_rendered_ids_equal_the_whole_text_encoded_in_one_go(
+    chat_format, smollm2_tokenizer, conversation, add_generation_prompt
+):
     assume(without_special_strings(conversation, smollm2_tokenizer))
     text = chat_format.render_text(conversation, add_generation_prompt)
     expected = smollm2_tokenizer.encode(text, add_special_tokens=False)
@@ -91,7 +118,9 @@ def test_rendered_ids_equal_the_whole_text_encoded_in_one_go(chat_format, smollm
 @given(conversation=conversations)
 def test_rendering_k_messages_is_a_token_prefix_of_rendering_k_plus_one(chat_format, conversation):
     renders = [
-        chat_format.render_prompt(Conversation(conversation.messages[:k], conversation.tools), add_generation_prompt=False)
+        chat_format.render_prompt(
+            Conversation(conversation.messages[:k], conversation.tools), add_generation_prompt=False
+        )
         for k in range(len(conversation.messages) + 1)
     ]
     for shorter, longer in zip(renders, renders[1:]):
@@ -123,12 +152,16 @@ def test_smollm2_format_equals_the_models_own_template_for_plain_chats(smollm2_t
     conversation = Conversation(tuple(plain))
     assume(without_special_strings(conversation, smollm2_tokenizer))
     chat_format = get_chat_format("smollm2", smollm2_tokenizer)
-    expected = smollm2_tokenizer.apply_chat_template(as_dicts(plain), add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = smollm2_tokenizer.apply_chat_template(
+        as_dicts(plain), add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert chat_format.render_prompt(conversation) == list(expected)
 
 
 def test_tools_go_into_the_system_turn_and_tool_results_get_their_own_user_turns(hermes):
-    weather = ToolSpec("get_weather", "Weather of a city.", {"type": "object", "properties": {"city": {"type": "string"}}})
+    weather = ToolSpec(
+        "get_weather", "Weather of a city.", {"type": "object", "properties": {"city": {"type": "string"}}}
+    )
     call = ToolCall("x", "get_weather", {"city": "Paris"})
     conversation = Conversation(
         (
@@ -140,7 +173,12 @@ def test_tools_go_into_the_system_turn_and_tool_results_get_their_own_user_turns
         ),
         (weather,),
     )
-    schema = json.dumps({"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": weather.parameters}})
+    schema = json.dumps(
+        {
+            "type": "function",
+            "function": {"name": "get_weather", "description": "Weather of a city.", "parameters": weather.parameters},
+        }
+    )
     assert hermes.render_text(conversation) == (
         "<|im_start|>system\nBe brief.\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
         f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{schema}\n</tools>\n\n"
@@ -159,7 +197,10 @@ def test_tools_go_into_the_system_turn_and_tool_results_get_their_own_user_turns
 def test_a_system_turn_is_opened_for_the_tools_when_the_conversation_has_none(hermes):
     conversation = Conversation((Message("user", "hi"),), (ToolSpec("f"),))
     assert hermes.render_text(conversation).startswith("<|im_start|>system\n# Tools\n\n")
-    assert hermes.render_text(Conversation((Message("user", "hi"),))) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        hermes.render_text(Conversation((Message("user", "hi"),)))
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_special_token_strings_inside_content_stay_text(hermes, smollm2_tokenizer):
@@ -220,7 +261,9 @@ def test_unknown_chat_format_names_the_known_ones(smollm2_tokenizer):
 
 
 @PROPERTY
-@given(text=st.lists(st.one_of(texts, st.sampled_from(["\n", "\nx", "\n{", "\n\n# T", "\n "])), max_size=8).map("".join))
+@given(
+    text=st.lists(st.one_of(texts, st.sampled_from(["\n", "\nx", "\n{", "\n\n# T", "\n "])), max_size=8).map("".join)
+)
 def test_encoding_by_lines_through_the_cache_equals_encoding_the_whole_text(encoder, smollm2_tokenizer, text):
     expected = smollm2_tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
     assert encoder.cuts_lines
@@ -315,7 +358,10 @@ def _alike_to_python(value, draw):
     return value
 
 
-@given(parameters=st.lists(st.dictionaries(st.sampled_from("xyz"), tricky_values, max_size=3), min_size=1, max_size=3), data=st.data())
+@given(
+    parameters=st.lists(st.dictionaries(st.sampled_from("xyz"), tricky_values, max_size=3), min_size=1, max_size=3),
+    data=st.data(),
+)
 def test_tools_with_equal_keys_and_descriptions_write_the_same_schemas(parameters, data):
     a = [ToolSpec(f"t{i}", "d", p) for i, p in enumerate(parameters)]
     b = [ToolSpec(f"t{i}", "d", _alike_to_python(p, data.draw)) for i, p in enumerate(parameters)]

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from polar.cli import main
+from polar.app.cli import main
+from polar.testing.trajectories import tool_session
 from polar.trajectory import build
 from polar.trajectory.session_file import read_trajectory, session_trajectory, write_session
-from polar.trajectory.synthetic import tool_session
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Constrained decoding's pure parts: masks from bitmasks, masked logits, and each dialect's forcing
-and schema options as the one constraint (gateway/constraint.py)."""
+and schema options as the one constraint (gateway/request_constraint.py)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.chat_format import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
-from gateway.constraint import call_schema, output_constraint
 from gateway.conversation import Conversation, Message, ToolChoice, ToolSpec
 from gateway.dialects import anthropic, gemini, openai_chat, openai_responses
 from gateway.dialects.base import ErrorKind, GatewayError, Route
+from gateway.request_constraint import call_schema, output_constraint
 from polar.inference.constraints import (
     ConstraintError,
     ConstraintViolation,
@@ -99,16 +99,19 @@ def test_each_vocabulary_slice_masked_is_the_whole_vocabulary_masked(targets, vo
     allowed = torch.tensor([[rng.random() < 0.4 for _ in range(vocab)] for _ in index])  # [M, V]
     allowed[:, rng.randrange(vocab)] = True
     whole = constrained_logits(logits[:, :vocab], flat, index, allowed)
-    slices = [constrained_logits(logits[:, r * width : (r + 1) * width], flat, index, allowed, vocab_start=r * width)
-              for r in range(tp)]
+    slices = [
+        constrained_logits(logits[:, r * width : (r + 1) * width], flat, index, allowed, vocab_start=r * width)
+        for r in range(tp)
+    ]
     assert torch.equal(torch.cat(slices, 1)[:, :vocab], whole)
     # Each target is a token its mask allows, sampled at a temperature.
     allowed_ids = [row.isfinite().nonzero().squeeze(-1).tolist() for row in whole]
     targets_ids = torch.tensor([rng.choice(ids) for ids in allowed_ids])
     temperature = torch.tensor([rng.choice([0.0, 0.5, 1.0, 1.7]) for _ in range(targets)])
     engine_logits, parallel_logits = (whole.detach().clone().requires_grad_() for _ in range(2))
-    engine = token_logprobs(engine_logits, targets_ids, temperature, torch.zeros(targets, dtype=torch.long),
-                            torch.ones(targets))
+    engine = token_logprobs(
+        engine_logits, targets_ids, temperature, torch.zeros(targets, dtype=torch.long), torch.ones(targets)
+    )
     parallel = vocab_parallel_logprobs(parallel_logits, targets_ids, temperature, vocab_start=0, vocab_size=vocab)
     torch.testing.assert_close(parallel, engine, atol=1e-5, rtol=0)
     weights = torch.randn(targets)
@@ -170,23 +173,41 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 @pytest.mark.parametrize(
     ("module", "body", "route", "expected"),
     [
-        (openai_chat, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
-         Route("/v1/chat/completions"), SCHEMA),
+        (
+            openai_chat,
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+            Route("/v1/chat/completions"),
+            SCHEMA,
+        ),
         (openai_chat, {"response_format": {"type": "json_object"}}, Route("/v1/chat/completions"), {"type": "object"}),
         (openai_chat, {"response_format": {"type": "text"}}, Route("/v1/chat/completions"), None),
-        (openai_responses, {"text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}},
-         Route("/v1/responses"), SCHEMA),
-        (gemini, {"generationConfig": {"responseJsonSchema": SCHEMA}}, Route("/v1beta/models/m:generateContent", "m"),
-         SCHEMA),
-        (gemini, {"generationConfig": {"responseSchema": {"type": "OBJECT", "properties": {"a": {"type": "INTEGER"}}}}},
-         Route("/v1beta/models/m:generateContent", "m"), {**SCHEMA, "additionalProperties": False}),
+        (
+            openai_responses,
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}},
+            Route("/v1/responses"),
+            SCHEMA,
+        ),
+        (
+            gemini,
+            {"generationConfig": {"responseJsonSchema": SCHEMA}},
+            Route("/v1beta/models/m:generateContent", "m"),
+            SCHEMA,
+        ),
+        (
+            gemini,
+            {"generationConfig": {"responseSchema": {"type": "OBJECT", "properties": {"a": {"type": "INTEGER"}}}}},
+            Route("/v1beta/models/m:generateContent", "m"),
+            {**SCHEMA, "additionalProperties": False},
+        ),
         (anthropic, {"max_tokens": 8}, Route("/v1/messages"), None),
     ],
-)  # fmt: skip
+)
 def test_each_dialects_schema_option_is_the_output_schema(module, body, route, expected):
-    base = {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]} if module is gemini else {
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "input": "hi"
-    }  # fmt: skip
+    base = (
+        {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]}
+        if module is gemini
+        else {"model": "m", "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    )
     if module is openai_chat or module is anthropic:
         base.pop("input")
     if module is openai_responses:
@@ -199,9 +220,16 @@ def test_each_dialects_schema_option_is_the_output_schema(module, body, route, e
 
 NAMES = ("a", "b", "xa", "xb")
 NAME_RULES = st.sampled_from(
-    [{}, {"type": "string"}, {"type": "string", "description": "a key"}, {"pattern": "^x"}, {"enum": ["a", "xb"]},
-     {"const": "b"}, {"maxLength": 1}]
-)  # fmt: skip
+    [
+        {},
+        {"type": "string"},
+        {"type": "string", "description": "a key"},
+        {"pattern": "^x"},
+        {"enum": ["a", "xb"]},
+        {"const": "b"},
+        {"maxLength": 1},
+    ]
+)
 VALUE_SCHEMAS = st.sampled_from([{}, {"type": "integer"}, {"type": "string"}])
 
 
@@ -249,7 +277,10 @@ def test_a_rewritten_property_names_rule_admits_exactly_what_the_schema_does(tin
     rewritten = expressible_schema(schema)
     valid = jsonschema.Draft202012Validator(schema).is_valid(instance)
     assert jsonschema.Draft202012Validator(rewritten).is_valid(instance) == valid
-    if schema["propertyNames"].get("type", "string") == "string" and set(schema["propertyNames"]) <= {"type", "description"}:
+    if schema["propertyNames"].get("type", "string") == "string" and set(schema["propertyNames"]) <= {
+        "type",
+        "description",
+    }:
         assert "propertyNames" not in rewritten  # a rule that admits every name says nothing
     if "propertyNames" in rewritten:  # not expressible: left for the compiler to refuse, as before
         with pytest.raises(ConstraintError, match="propertyNames"):

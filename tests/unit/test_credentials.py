@@ -61,7 +61,9 @@ def test_every_rpc_must_name_its_callers() -> None:
             type("S", (rollout_pb2_grpc.RolloutServiceServicer,), {})
         )
     with pytest.raises(TypeError, match="unknown roles harness"):
-        callers({name: ("harness",) for name in RolloutServicer.roles})(type("S", (rollout_pb2_grpc.RolloutServiceServicer,), {}))
+        callers({name: ("harness",) for name in RolloutServicer.roles})(
+            type("S", (rollout_pb2_grpc.RolloutServiceServicer,), {})
+        )
 
 
 @pytest.fixture
@@ -76,7 +78,9 @@ async def secured(tmp_path: Path, monkeypatch):
         await running.stop(0)
 
 
-TASK = rollout_pb2.Task(task_id="t", instruction="hi", group_size=1, harness=rollout_pb2.HarnessSpec(preset="command", command=["true"]))
+TASK = rollout_pb2.Task(
+    task_id="t", instruction="hi", group_size=1, harness=rollout_pb2.HarnessSpec(preset="command", command=["true"])
+)
 
 
 async def test_a_call_without_a_credential_is_unauthenticated_and_says_what_to_send(secured) -> None:
@@ -94,7 +98,9 @@ async def test_a_call_without_a_credential_is_unauthenticated_and_says_what_to_s
             pass
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # Nothing was submitted.
-    status = await stub.GetTaskStatus(rollout_pb2.GetTaskStatusRequest(), timeout=10, metadata=issued.metadata("operator"))
+    status = await stub.GetTaskStatus(
+        rollout_pb2.GetTaskStatusRequest(), timeout=10, metadata=issued.metadata("operator")
+    )
     assert list(status.tasks) == []
 
 
@@ -102,13 +108,19 @@ async def test_a_role_may_call_only_its_rpcs(secured) -> None:
     issued, channel = secured
     stub = rollout_pb2_grpc.RolloutServiceStub(channel)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[TASK]), timeout=10, metadata=issued.metadata("node"))
+        await stub.SubmitTasks(
+            rollout_pb2.SubmitTasksRequest(tasks=[TASK]), timeout=10, metadata=issued.metadata("node")
+        )
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "SubmitTasks is for operator, trainer, not the node" in refused.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await stub.Heartbeat(rollout_pb2.HeartbeatRequest(node_id="x"), timeout=10, metadata=issued.metadata("operator"))
+        await stub.Heartbeat(
+            rollout_pb2.HeartbeatRequest(node_id="x"), timeout=10, metadata=issued.metadata("operator")
+        )
     assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    submitted = await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[TASK]), timeout=10, metadata=issued.metadata("trainer"))
+    submitted = await stub.SubmitTasks(
+        rollout_pb2.SubmitTasksRequest(tasks=[TASK]), timeout=10, metadata=issued.metadata("trainer")
+    )
     assert list(submitted.task_ids) == ["t"]
     registered = await stub.RegisterNode(
         rollout_pb2.RegisterNodeRequest(runtimes=["local"]), timeout=10, metadata=issued.metadata("node")
@@ -133,7 +145,9 @@ def test_a_blocking_channel_carries_its_roles_token(tmp_path: Path, monkeypatch)
     holder = {}
 
     async def serve() -> None:
-        holder["running"] = await start_rollout_server(RolloutConfig(host="127.0.0.1", port=0, store=str(tmp_path / "r.db")))
+        holder["running"] = await start_rollout_server(
+            RolloutConfig(host="127.0.0.1", port=0, store=str(tmp_path / "r.db"))
+        )
         holder["stop"] = asyncio.Event()
         started.set()
         await holder["stop"].wait()
@@ -146,7 +160,9 @@ def test_a_blocking_channel_carries_its_roles_token(tmp_path: Path, monkeypatch)
         with credentials.channel(holder["running"].address, "operator", issued) as channel:
             stub = rollout_pb2_grpc.RolloutServiceStub(channel)
             assert list(stub.ListNodes(rollout_pb2.ListNodesRequest(), timeout=10).nodes) == []
-            assert [r for r in stub.WatchResults(rollout_pb2.WatchResultsRequest(until_caught_up=True), timeout=10)] == []
+            assert [
+                r for r in stub.WatchResults(rollout_pb2.WatchResultsRequest(until_caught_up=True), timeout=10)
+            ] == []
     finally:
         loop.call_soon_threadsafe(holder["stop"].set)
         thread.join(30)
@@ -154,8 +170,8 @@ def test_a_blocking_channel_carries_its_roles_token(tmp_path: Path, monkeypatch)
 
 
 async def test_no_command_a_node_runs_in_a_runtime_gets_the_credentials(tmp_path: Path, monkeypatch) -> None:
+    from polar.app.node.runtimes import LocalProvider
     from polar.rollout.harness import HarnessContext, prepare_launch
-    from polar.rollout.runtimes import LocalProvider
 
     monkeypatch.setenv(credentials.ENV_VAR, str(tmp_path / "credentials"))
     runtime = await LocalProvider(tmp_path / "work").create(rollout_pb2.RuntimeSpec(kind="local"), name="s")
@@ -171,7 +187,7 @@ async def test_no_command_a_node_runs_in_a_runtime_gets_the_credentials(tmp_path
 
 
 async def test_a_gateway_s_sessions_and_keys_are_the_operator_s_alone(tmp_path: Path, monkeypatch) -> None:
-    from gateway.service import GatewayServicer, start_grpc
+    from gateway.grpc_service import GatewayServicer, start_grpc
     from gateway.sessions import SessionStore
 
     issued = credentials.ensure(tmp_path / "credentials")
@@ -184,8 +200,12 @@ async def test_a_gateway_s_sessions_and_keys_are_the_operator_s_alone(tmp_path: 
             stub = gateway_pb2_grpc.GatewayServiceStub(channel)
             calls = {
                 "OpenSession": lambda metadata: stub.OpenSession(gateway_pb2.OpenSessionRequest(), metadata=metadata),
-                "GetSession": lambda metadata: stub.GetSession(gateway_pb2.GetSessionRequest(key="s"), metadata=metadata),
-                "CloseSession": lambda metadata: stub.CloseSession(gateway_pb2.CloseSessionRequest(key="s"), metadata=metadata),
+                "GetSession": lambda metadata: stub.GetSession(
+                    gateway_pb2.GetSessionRequest(key="s"), metadata=metadata
+                ),
+                "CloseSession": lambda metadata: stub.CloseSession(
+                    gateway_pb2.CloseSessionRequest(key="s"), metadata=metadata
+                ),
                 "Drain": lambda metadata: stub.Drain(gateway_pb2.DrainRequest(), metadata=metadata),
             }
 
@@ -206,7 +226,9 @@ async def test_a_gateway_s_sessions_and_keys_are_the_operator_s_alone(tmp_path: 
                     assert session.key not in refused.value.details()
             assert not session.closed and not store.draining and store.open_sessions() == 1
 
-            status = await stub.GetNodeStatus(gateway_pb2.GetNodeStatusRequest(), metadata=issued.metadata(credentials.TRAINER))
+            status = await stub.GetNodeStatus(
+                gateway_pb2.GetNodeStatusRequest(), metadata=issued.metadata(credentials.TRAINER)
+            )
             assert status.status.open_sessions == 1 and session.key not in str(status)
             operator = issued.metadata(credentials.OPERATOR)
             assert (await calls["GetSession"](operator)).session.key == session.key

@@ -246,8 +246,10 @@ def test_bad_blocks_name_their_field(role, block, kind, param):
         ({"tool_choice": {"type": "any"}}, "tool_choice"),
         ({"tools": [TOOL], "tool_choice": {"type": "tool"}}, "tool_choice.name"),
         ({"tools": [TOOL], "tool_choice": {"type": "tool", "name": "web_search"}}, "tool_choice.name"),
-        ({"tools": [TOOL], "tool_choice": {"type": "auto", "disable_parallel_tool_use": 1}},
-         "tool_choice.disable_parallel_tool_use"),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "auto", "disable_parallel_tool_use": 1}},
+            "tool_choice.disable_parallel_tool_use",
+        ),
     ],
 )
 def test_bad_fields_name_themselves(fields, param):
@@ -354,7 +356,7 @@ OUTPUTS = {
     "text around reasoning": ("Hello<think>hmm</think>world<think>again</think>!", FinishKind.STOP),
     "empty": ("", FinishKind.STOP),
     "cut": ("<think>unfinished", FinishKind.LENGTH),
-    "context": ("partial <tool_call>{\"name\"", FinishKind.CONTEXT_LENGTH),
+    "context": ('partial <tool_call>{"name"', FinishKind.CONTEXT_LENGTH),
 }
 
 

@@ -273,6 +273,7 @@ def test_model_and_streaming_come_from_the_url():
 
 # --- request: bad input names its field ---------------------------------------------------------------
 
+
 def turns(*contents: dict[str, Any]) -> dict[str, Any]:
     return {"contents": list(contents)}
 
@@ -807,7 +808,10 @@ def test_count_tokens_takes_contents_or_a_whole_generate_request():
 @pytest.mark.parametrize(
     "body, field",
     [
-        ({"contents": [{"role": "user", "parts": [{"text": "a"}]}], "generateContentRequest": {"contents": []}}, "contents"),
+        (
+            {"contents": [{"role": "user", "parts": [{"text": "a"}]}], "generateContentRequest": {"contents": []}},
+            "contents",
+        ),
         ({"generateContentRequest": "no"}, "generateContentRequest"),
         ([], None),
     ],

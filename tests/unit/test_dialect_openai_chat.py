@@ -27,8 +27,14 @@ from gateway.parsers import HermesParser
 
 ROUTE = Route("/v1/chat/completions")
 CALL = CallInfo(call_id="c7", created=1_700_000_000, prompt_tokens=11)
-TOOL = {"type": "function", "function": {"name": "read", "description": "Read a file",
-                                         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read",
+        "description": "Read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    },
+}
 
 
 def parse(**body):
@@ -47,29 +53,47 @@ def rejected(body):
 
 
 def test_every_message_form_translates():
-    request = DIALECT.parse_request({
-        "model": "qwen",
-        "messages": [
-            {"role": "system", "content": "be brief"},
-            {"role": "developer", "content": [{"type": "text", "text": "use tools"}]},
-            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
-            {"role": "assistant", "content": None, "reasoning_content": "think",
-             "tool_calls": [{"id": "call_1", "type": "function",
-                             "function": {"name": "read", "arguments": "{\"path\": \"a.txt\"}"}},
-                            {"id": "call_2", "type": "function", "function": {"name": "ls", "arguments": ""}}]},
-            {"role": "tool", "tool_call_id": "call_1", "content": "A"},
-            {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "B"}]},
-            {"role": "assistant", "content": [{"type": "text", "text": "done"}], "reasoning": "vllm-style"},
-            {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
-        ],
-    }, ROUTE)
+    request = DIALECT.parse_request(
+        {
+            "model": "qwen",
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "developer", "content": [{"type": "text", "text": "use tools"}]},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    "name": "x",
+                },
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "reasoning_content": "think",
+                    "tool_calls": [
+                        {
+                            "id": "call_1",
+                            "type": "function",
+                            "function": {"name": "read", "arguments": '{"path": "a.txt"}'},
+                        },
+                        {"id": "call_2", "type": "function", "function": {"name": "ls", "arguments": ""}},
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_1", "content": "A"},
+                {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "B"}]},
+                {"role": "assistant", "content": [{"type": "text", "text": "done"}], "reasoning": "vllm-style"},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+            ],
+        },
+        ROUTE,
+    )
     assert request.model == "qwen"
     assert not request.stream
     assert request.conversation.messages == (
         Message("system", "be brief"),
         Message("system", "use tools"),
         Message("user", "a\nb"),
-        Message("assistant", "", "think", (ToolCall("call_1", "read", {"path": "a.txt"}), ToolCall("call_2", "ls", {}))),
+        Message(
+            "assistant", "", "think", (ToolCall("call_1", "read", {"path": "a.txt"}), ToolCall("call_2", "ls", {}))
+        ),
         Message("tool", "A", tool_call_id="call_1", name="read"),
         Message("tool", "B", tool_call_id="call_2", name="ls"),
         Message("assistant", "done", "vllm-style"),
@@ -103,18 +127,41 @@ def test_no_tools_means_no_tool_call_parsing_and_default_parameters():
 
 
 def test_sampling_fields():
-    request = parse(max_tokens=50, max_completion_tokens=20, temperature=0.7, top_p=0.9, stop="END", seed=-1,
-                    top_k=40, n=1, stream=True, stream_options={"include_usage": True})
-    assert request.sampling == Sampling(max_tokens=20, temperature=0.7, top_p=0.9, top_k=40, stop=("END",),
-                                        seed=2**64 - 1)
+    request = parse(
+        max_tokens=50,
+        max_completion_tokens=20,
+        temperature=0.7,
+        top_p=0.9,
+        stop="END",
+        seed=-1,
+        top_k=40,
+        n=1,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert request.sampling == Sampling(
+        max_tokens=20, temperature=0.7, top_p=0.9, top_k=40, stop=("END",), seed=2**64 - 1
+    )
     assert request.stream and request.echo["include_usage"]
     assert parse(max_tokens=5, stop=["a", "b"], top_k=-1).sampling == Sampling(max_tokens=5, stop=("a", "b"))
 
 
 def test_fields_harnesses_send_are_accepted_and_ignored():
-    request = parse(parallel_tool_calls=False, user="u", metadata={"k": "v"}, store=False, reasoning_effort="high",
-                    response_format={"type": "text"}, logprobs=False, frequency_penalty=0.5, presence_penalty=1.5,
-                    logit_bias={"1": 2}, service_tier="auto", prompt_cache_key="p", some_future_field=[1, {"x": 2}])
+    request = parse(
+        parallel_tool_calls=False,
+        user="u",
+        metadata={"k": "v"},
+        store=False,
+        reasoning_effort="high",
+        response_format={"type": "text"},
+        logprobs=False,
+        frequency_penalty=0.5,
+        presence_penalty=1.5,
+        logit_bias={"1": 2},
+        service_tier="auto",
+        prompt_cache_key="p",
+        some_future_field=[1, {"x": 2}],
+    )
     assert request.sampling == Sampling()
     assert request.conversation.messages == (Message("user", "hi"),)
 
@@ -132,45 +179,109 @@ BAD = [
     ({**BASE, "messages": [{"role": "function", "content": "x"}]}, ErrorKind.INVALID_REQUEST, "messages[0].role"),
     ({**BASE, "messages": [{"role": "user"}]}, ErrorKind.INVALID_REQUEST, "messages[0].content"),
     ({**BASE, "messages": [{"role": "user", "content": 5}]}, ErrorKind.INVALID_REQUEST, "messages[0].content"),
-    ({**BASE, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     ErrorKind.UNSUPPORTED_CONTENT, "messages[0].content[0].type"),
-    ({**BASE, "messages": [{"role": "user", "content": [{"type": "text"}, {"type": "input_audio"}]}]},
-     ErrorKind.INVALID_REQUEST, "messages[0].content[0].text"),
-    ({**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]},
-     ErrorKind.UNSUPPORTED_CONTENT, "messages[0].content[1].type"),
-    ({**BASE, "messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]},
-     ErrorKind.UNSUPPORTED_CONTENT, "messages[0].content[0].type"),
-    ({**BASE, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
-     ErrorKind.INVALID_REQUEST, "messages[0].content[0].type"),
-    ({**BASE, "messages": [{"role": "tool", "content": "x"}]}, ErrorKind.INVALID_REQUEST,
-     "messages[0].tool_call_id"),
-    ({**BASE, "messages": [{"role": "assistant", "tool_calls": {}}]}, ErrorKind.INVALID_REQUEST,
-     "messages[0].tool_calls"),
-    ({**BASE, "messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f",
-                                                                                        "arguments": "{"}}]}]},
-     ErrorKind.INVALID_REQUEST, "messages[0].tool_calls[0].function.arguments"),
-    ({**BASE, "messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f",
-                                                                                        "arguments": "[1]"}}]}]},
-     ErrorKind.INVALID_REQUEST, "messages[0].tool_calls[0].function.arguments"),
+    (
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        ErrorKind.UNSUPPORTED_CONTENT,
+        "messages[0].content[0].type",
+    ),
+    (
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "text"}, {"type": "input_audio"}]}]},
+        ErrorKind.INVALID_REQUEST,
+        "messages[0].content[0].text",
+    ),
+    (
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_audio"}]}]},
+        ErrorKind.UNSUPPORTED_CONTENT,
+        "messages[0].content[1].type",
+    ),
+    (
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}]},
+        ErrorKind.UNSUPPORTED_CONTENT,
+        "messages[0].content[0].type",
+    ),
+    (
+        {**BASE, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+        ErrorKind.INVALID_REQUEST,
+        "messages[0].content[0].type",
+    ),
+    ({**BASE, "messages": [{"role": "tool", "content": "x"}]}, ErrorKind.INVALID_REQUEST, "messages[0].tool_call_id"),
+    (
+        {**BASE, "messages": [{"role": "assistant", "tool_calls": {}}]},
+        ErrorKind.INVALID_REQUEST,
+        "messages[0].tool_calls",
+    ),
+    (
+        {
+            **BASE,
+            "messages": [
+                {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "{"}}]}
+            ],
+        },
+        ErrorKind.INVALID_REQUEST,
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    (
+        {
+            **BASE,
+            "messages": [
+                {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f", "arguments": "[1]"}}]}
+            ],
+        },
+        ErrorKind.INVALID_REQUEST,
+        "messages[0].tool_calls[0].function.arguments",
+    ),
     # Nested past the parser's limit (a RecursionError inside json) and past MAX_JSON_DEPTH: a 400 either way.
-    *[({**BASE, "messages": [{"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "f",
-        "arguments": '{"a":' + "[" * depth + "]" * depth + "}"}}]}]},
-       ErrorKind.INVALID_REQUEST, "messages[0].tool_calls[0].function.arguments") for depth in (200, 100_000)],
-    ({**BASE, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
-     ErrorKind.INVALID_REQUEST, "messages[0].tool_calls[0].id"),
-    ({**BASE, "messages": [{"role": "assistant", "reasoning_content": 1}]}, ErrorKind.INVALID_REQUEST,
-     "messages[0].reasoning_content"),
+    *[
+        (
+            {
+                **BASE,
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "a",
+                                "function": {"name": "f", "arguments": '{"a":' + "[" * depth + "]" * depth + "}"},
+                            }
+                        ],
+                    }
+                ],
+            },
+            ErrorKind.INVALID_REQUEST,
+            "messages[0].tool_calls[0].function.arguments",
+        )
+        for depth in (200, 100_000)
+    ],
+    (
+        {**BASE, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+        ErrorKind.INVALID_REQUEST,
+        "messages[0].tool_calls[0].id",
+    ),
+    (
+        {**BASE, "messages": [{"role": "assistant", "reasoning_content": 1}]},
+        ErrorKind.INVALID_REQUEST,
+        "messages[0].reasoning_content",
+    ),
     ({**BASE, "tools": [{"type": "custom", "custom": {"name": "f"}}]}, ErrorKind.INVALID_REQUEST, "tools[0].type"),
     ({**BASE, "tools": [{"type": "function"}]}, ErrorKind.INVALID_REQUEST, "tools[0].function"),
-    ({**BASE, "tools": [{"type": "function", "function": {"name": ""}}]}, ErrorKind.INVALID_REQUEST,
-     "tools[0].function.name"),
-    ({**BASE, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
-     ErrorKind.INVALID_REQUEST, "tools[0].function.parameters"),
+    (
+        {**BASE, "tools": [{"type": "function", "function": {"name": ""}}]},
+        ErrorKind.INVALID_REQUEST,
+        "tools[0].function.name",
+    ),
+    (
+        {**BASE, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+        ErrorKind.INVALID_REQUEST,
+        "tools[0].function.parameters",
+    ),
     ({**BASE, "tools": [TOOL, TOOL]}, ErrorKind.INVALID_REQUEST, "tools[1]"),
     ({**BASE, "tool_choice": "required"}, ErrorKind.INVALID_REQUEST, "tool_choice"),
     ({**BASE, "tool_choice": "always"}, ErrorKind.INVALID_REQUEST, "tool_choice"),
-    ({**BASE, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "write"}}},
-     ErrorKind.INVALID_REQUEST, "tool_choice.function.name"),
+    (
+        {**BASE, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "write"}}},
+        ErrorKind.INVALID_REQUEST,
+        "tool_choice.function.name",
+    ),
     ({**BASE, "max_tokens": 0}, ErrorKind.INVALID_REQUEST, "max_tokens"),
     ({**BASE, "max_completion_tokens": "10"}, ErrorKind.INVALID_REQUEST, "max_completion_tokens"),
     ({**BASE, "max_tokens": 1.5}, ErrorKind.INVALID_REQUEST, "max_tokens"),
@@ -186,8 +297,11 @@ BAD = [
     ({**BASE, "stream_options": {"include_usage": 1}}, ErrorKind.INVALID_REQUEST, "stream_options.include_usage"),
     ({**BASE, "n": 2}, ErrorKind.INVALID_REQUEST, "n"),
     ({**BASE, "logprobs": True}, ErrorKind.INVALID_REQUEST, "logprobs"),
-    ({**BASE, "response_format": {"type": "json_schema", "json_schema": {}}}, ErrorKind.INVALID_REQUEST,
-     "response_format.json_schema.name"),
+    (
+        {**BASE, "response_format": {"type": "json_schema", "json_schema": {}}},
+        ErrorKind.INVALID_REQUEST,
+        "response_format.json_schema.name",
+    ),
     ({**BASE, "response_format": {"type": "xml"}}, ErrorKind.INVALID_REQUEST, "response_format.type"),
     ({**BASE, "functions": [{"name": "f"}]}, ErrorKind.INVALID_REQUEST, "functions"),
     ({**BASE, "parallel_tool_calls": "yes"}, ErrorKind.INVALID_REQUEST, "parallel_tool_calls"),
@@ -208,8 +322,21 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8,
 )
-KEYS = ["role", "content", "type", "text", "tool_calls", "tool_call_id", "function", "name", "arguments", "id",
-        "reasoning_content", "refusal", "parameters"]
+KEYS = [
+    "role",
+    "content",
+    "type",
+    "text",
+    "tool_calls",
+    "tool_call_id",
+    "function",
+    "name",
+    "arguments",
+    "id",
+    "reasoning_content",
+    "refusal",
+    "parameters",
+]
 near_objects = st.recursive(
     st.sampled_from(["user", "assistant", "tool", "system", "text", "function", "image_url", "{}", "[1]"])
     | json_values,
@@ -218,8 +345,23 @@ near_objects = st.recursive(
 )
 near_bodies = st.fixed_dictionaries(
     {"model": st.sampled_from(["m"]) | json_values, "messages": st.lists(near_objects, max_size=4)},
-    optional={key: near_objects for key in ["tools", "tool_choice", "stop", "max_tokens", "temperature", "top_p",
-                                            "n", "seed", "stream", "stream_options", "response_format", "logprobs"]},
+    optional={
+        key: near_objects
+        for key in [
+            "tools",
+            "tool_choice",
+            "stop",
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "n",
+            "seed",
+            "stream",
+            "stream_options",
+            "response_format",
+            "logprobs",
+        ]
+    },
 )
 
 
@@ -254,18 +396,26 @@ def test_response_with_text_and_reasoning_is_a_valid_chat_completion():
     assert (choice.message.content, choice.finish_reason) == ("Hello!", "stop")
     assert body["choices"][0]["message"]["reasoning_content"] == "hmm"
     assert completion.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == {
-        "prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
+        "prompt_tokens": 11,
+        "completion_tokens": 5,
+        "total_tokens": 16,
+    }
 
 
 def test_response_with_tool_calls():
-    text = ('<tool_call>{"name": "read", "arguments": {"path": "a"}}</tool_call>'
-            '<tool_call>{"name": "ls", "arguments": {}}</tool_call>')
-    completion = ChatCompletion.model_validate(DIALECT.render_response(parse(tools=[TOOL]),
-                                                                       result(text, FinishKind.TOOL_CALLS)))
+    text = (
+        '<tool_call>{"name": "read", "arguments": {"path": "a"}}</tool_call>'
+        '<tool_call>{"name": "ls", "arguments": {}}</tool_call>'
+    )
+    completion = ChatCompletion.model_validate(
+        DIALECT.render_response(parse(tools=[TOOL]), result(text, FinishKind.TOOL_CALLS))
+    )
     message = completion.choices[0].message
     assert message.content is None and completion.choices[0].finish_reason == "tool_calls"
     assert [(call.id, call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls] == [
-        ("call_c7_0", "read", {"path": "a"}), ("call_c7_1", "ls", {})]
+        ("call_c7_0", "read", {"path": "a"}),
+        ("call_c7_1", "ls", {}),
+    ]
     assert "reasoning_content" not in DIALECT.render_response(parse(), result("x"))["choices"][0]["message"]
 
 
@@ -293,8 +443,14 @@ def test_finish_reasons(finish, reason):
 def test_error_shape(kind, status, code):
     got_status, body = DIALECT.error_response(GatewayError(kind, "it broke", param="messages"))
     assert got_status == status
-    assert body == {"error": {"message": "it broke", "type": "server_error" if status >= 500 else
-                              "invalid_request_error", "param": "messages", "code": code}}
+    assert body == {
+        "error": {
+            "message": "it broke",
+            "type": "server_error" if status >= 500 else "invalid_request_error",
+            "param": "messages",
+            "code": code,
+        }
+    }
 
 
 def test_unknown_model_code():
@@ -313,7 +469,7 @@ def stream_bytes(request, text, finish=FinishKind.STOP, pieces=3, error=None):
     stream = parser.stream(call_id=CALL.call_id)
     chunks = renderer.start()
     for start in range(0, len(text), pieces):
-        for event in stream.feed(text[start:start + pieces]):
+        for event in stream.feed(text[start : start + pieces]):
             chunks += renderer.events(event)
     for event in stream.finish():
         chunks += renderer.events(event)
@@ -323,9 +479,11 @@ def stream_bytes(request, text, finish=FinishKind.STOP, pieces=3, error=None):
 
 def sdk_client(payload):
     transport = httpx2.MockTransport(
-        lambda request: httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=payload))
-    return openai.OpenAI(base_url="http://gateway.test/v1", api_key="key", max_retries=0,
-                         http_client=httpx2.Client(transport=transport))
+        lambda request: httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=payload)
+    )
+    return openai.OpenAI(
+        base_url="http://gateway.test/v1", api_key="key", max_retries=0, http_client=httpx2.Client(transport=transport)
+    )
 
 
 def test_stream_of_text_and_reasoning():
@@ -340,21 +498,29 @@ def test_stream_of_text_and_reasoning():
     assert {chunk.id for chunk in chunks} == {"chatcmpl-c7"}
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(getattr(chunk.choices[0].delta, "reasoning_content", None) or "" for chunk in chunks) == (
-        "Let me see.")
+        "Let me see."
+    )
     assert chunks[-1].usage is None
 
 
 def test_stream_of_tool_calls_with_usage():
-    text = ('Reading.<tool_call>\n{"name": "read", "arguments": {"path": "a b"}}\n</tool_call>\n'
-            '<tool_call>{"name": "read", "arguments": {"path": "ü"}}</tool_call>')
-    client = sdk_client(stream_bytes(parse(stream=True, tools=[TOOL], stream_options={"include_usage": True}),
-                                     text, FinishKind.TOOL_CALLS))
+    text = (
+        'Reading.<tool_call>\n{"name": "read", "arguments": {"path": "a b"}}\n</tool_call>\n'
+        '<tool_call>{"name": "read", "arguments": {"path": "ü"}}</tool_call>'
+    )
+    client = sdk_client(
+        stream_bytes(
+            parse(stream=True, tools=[TOOL], stream_options={"include_usage": True}), text, FinishKind.TOOL_CALLS
+        )
+    )
     with client.chat.completions.stream(model="m", messages=[{"role": "user", "content": "q"}]) as stream:
         completion = stream.get_final_completion()
     message = completion.choices[0].message
     assert message.content == "Reading."
     assert [(call.id, call.function.name, json.loads(call.function.arguments)) for call in message.tool_calls] == [
-        ("call_c7_0", "read", {"path": "a b"}), ("call_c7_1", "read", {"path": "ü"})]
+        ("call_c7_0", "read", {"path": "a b"}),
+        ("call_c7_1", "read", {"path": "ü"}),
+    ]
     assert completion.choices[0].finish_reason == "tool_calls"
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (11, 5)
 

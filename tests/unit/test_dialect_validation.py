@@ -157,8 +157,10 @@ def test_a_fraction_is_not_an_integer(case, value):
 
 
 @DIALECTS
-@pytest.mark.parametrize(("field", "value"), [("max_tokens", 0), ("max_tokens", -3.0), ("temperature", 3),
-                                              ("temperature", -0.5), ("top_p", 1.5)])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_tokens", 0), ("max_tokens", -3.0), ("temperature", 3), ("temperature", -0.5), ("top_p", 1.5)],
+)
 def test_a_number_out_of_range_says_the_range(case, field, value):
     message = refusal(case, field, value)
     assert "must be" in message and f"got {value:g}" in message

@@ -7,18 +7,17 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from polar.config import load_config
 from polar.rollout.tasks import parse_task_lines
+from tests.helpers.example_modules import EXAMPLES, example_module
 
-REPO = Path(__file__).resolve().parents[2]
-EXAMPLE = REPO / "examples" / "train-pi"
-sys.path.insert(0, str(EXAMPLE))
-import make_tasks  # noqa: E402  - the example's own generator, not a package
+REPO = EXAMPLES.parent
+EXAMPLE = EXAMPLES / "train-pi"
+make_tasks = example_module("train-pi/make_tasks.py")  # the example's own generator, not a package
 
 
 def tasks(name: str) -> list:

@@ -10,14 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gateway.dialects.base import ErrorKind, GatewayError, Sampling
-from gateway.sampling import (
-    DEFAULT_TEMPERATURE,
-    NO_POLICY,
-    Limit,
-    SamplingPolicy,
-    effective_sampling,
-    policy_problems,
-)
+from gateway.sampling import DEFAULT_TEMPERATURE, Limit, effective_sampling
+from polar.sampling_policy import NO_POLICY, SamplingPolicy, policy_problems
 from polar.v1 import common_pb2
 
 ROOM = 30_000  # what the context leaves after the prompt
@@ -131,8 +125,11 @@ def test_policy_problems_name_each_field():
     assert NO_POLICY.problems() == []
     bad = SamplingPolicy(temperature=-0.5, top_p=0.0, max_tokens_per_call=-1, max_tokens_per_session=-2)
     assert [problem.split(":")[0] for problem in bad.problems()] == [
-        "sampling.temperature", "sampling.top_p", "sampling.max_tokens_per_call", "sampling.max_tokens_per_session",
-    ]  # fmt: skip
+        "sampling.temperature",
+        "sampling.top_p",
+        "sampling.max_tokens_per_call",
+        "sampling.max_tokens_per_session",
+    ]
     assert SamplingPolicy(temperature=math.inf).problems()[0].startswith("sampling.temperature: must be a finite")
     assert SamplingPolicy(temperature=math.nan).problems()[0].startswith("sampling.temperature:")
     assert SamplingPolicy(top_p=1.5).problems() == ["sampling.top_p: must be in (0, 1], got 1.5"]

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.body_decoder import _may_hold_huge_integer, decode_body
 from gateway.core import finish_kind, max_tokens_for
-from gateway.json_body import _may_hold_huge_integer, decode_body
-from gateway.output import OutputAssembler, StopScanner, tool_calls_as_text
 from gateway.dialects.base import ErrorKind, FinishKind, GatewayError
+from gateway.output_assembler import OutputAssembler, StopScanner, tool_calls_as_text
 from gateway.parsers import TextDelta, ToolCallArgumentsDelta, ToolCallEnd, ToolCallStart, collect, get_output_parser
 from polar.v1 import common_pb2
 
@@ -120,13 +120,28 @@ def test_disabled_tools_turn_calls_back_into_text():
 # Pieces of a JSON string's text as a client writes it: surrogate escapes alone and in pairs, other
 # escapes, escaped backslashes (after which "ud800" is text), and plain characters.
 STRING_PIECES = [
-    "\\ud83d", "\\ude00", "\\uD800", "\\uDFFF", "\\udbff\\udc00", "\\u00e9", "\\n", "\\\\", "\\\\ud800", "\\\"",
-    "a", "ud800", "\u00e9", "🙂",
+    "\\ud83d",
+    "\\ude00",
+    "\\uD800",
+    "\\uDFFF",
+    "\\udbff\\udc00",
+    "\\u00e9",
+    "\\n",
+    "\\\\",
+    "\\\\ud800",
+    '\\"',
+    "a",
+    "ud800",
+    "\u00e9",
+    "🙂",
 ]
 
 
 @settings(max_examples=400, deadline=None)
-@given(pieces=st.lists(st.sampled_from(STRING_PIECES), max_size=8), key_pieces=st.lists(st.sampled_from(STRING_PIECES), max_size=2))
+@given(
+    pieces=st.lists(st.sampled_from(STRING_PIECES), max_size=8),
+    key_pieces=st.lists(st.sampled_from(STRING_PIECES), max_size=2),
+)
 def test_a_body_is_refused_exactly_when_it_decodes_to_text_with_a_lone_surrogate(pieces, key_pieces):
     raw = ('{"' + "".join(key_pieces) + '": "' + "".join(pieces) + '", "n": 1}').encode()
     body = json.loads(raw)
@@ -152,7 +167,9 @@ JSON_LITERALS = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False).map(repr),
     st.sampled_from(["1.0", "1e3", "-0", "-0.0", "1E-7", "NaN", "Infinity", "-Infinity", "1e400", "true", "null"]),
     st.text(max_size=5).map(json.dumps),
-    st.tuples(st.sampled_from(["", "t ", "\n", "k:", "[", "-"]), LONG_NUMBERS).map(lambda p: json.dumps(f"{p[0]}{p[1]}")),
+    st.tuples(st.sampled_from(["", "t ", "\n", "k:", "[", "-"]), LONG_NUMBERS).map(
+        lambda p: json.dumps(f"{p[0]}{p[1]}")
+    ),
 )
 SEPARATORS = st.sampled_from([",", ", ", ",\n  ", ",\t", " ,  "])
 

@@ -1,4 +1,4 @@
-"""polar/generate/plan.py (which attempt runs next, acceptance, caps) and the run folder's record."""
+"""polar/app/generate/plan.py (which attempt runs next, acceptance, caps) and the run folder's record."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polar.generate.plan import Tally, accepted, attempt_order, next_attempt
-from polar.generate.folder import RunFolder, parse_task_id, task_id
+from polar.app.generate.folder import RunFolder, parse_task_id, task_id
+from polar.app.generate.plan import Tally, accepted, attempt_order, next_attempt
 
 # Drawing is cheap but the machine may be busy: no deadline, and no health check on slow draws.
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -26,7 +26,12 @@ def test_the_order_holds_every_attempt_once_in_rounds(tasks, attempts, seed):
 
 
 @SETTINGS
-@given(st.sampled_from(["completed", "timed_out", "failed", "cancelled"]), st.floats(-2, 2), st.floats(-1, 1), st.integers(0, 3))
+@given(
+    st.sampled_from(["completed", "timed_out", "failed", "cancelled"]),
+    st.floats(-2, 2),
+    st.floats(-1, 1),
+    st.integers(0, 3),
+)
 def test_only_completed_passing_attempts_without_failed_calls_are_accepted(outcome, reward, threshold, failed):
     assert accepted(outcome=outcome, reward=reward, threshold=threshold, failed_calls=failed) == (
         outcome == "completed" and reward >= threshold and failed == 0
@@ -45,7 +50,9 @@ def test_a_capped_run_never_accepts_more_than_the_cap(tasks, attempts, cap, conc
         per_task = {}
         for t, _ in running:
             per_task[t] = per_task.get(t, 0) + 1
-        while len(running) < concurrency and (attempt := next_attempt(order, started, tally, per_task, cap)) is not None:
+        while (
+            len(running) < concurrency and (attempt := next_attempt(order, started, tally, per_task, cap)) is not None
+        ):
             started.add(attempt)
             running.append(attempt)
             per_task[attempt[0]] = per_task.get(attempt[0], 0) + 1
@@ -71,7 +78,10 @@ def test_rows_of_an_attempt_never_recorded_are_dropped(tmp_path):
     """A run killed between an attempt's rows and its line: the rows go, so a rerun exports it once."""
     folder = RunFolder(tmp_path)
     run_id = folder.run_id()
-    folder.record({"task_index": 0, "attempt": 0, "outcome": "completed", "accepted": True}, [{"task_index": 0, "attempt": 0, "x": 1}])
+    folder.record(
+        {"task_index": 0, "attempt": 0, "outcome": "completed", "accepted": True},
+        [{"task_index": 0, "attempt": 0, "x": 1}],
+    )
     with folder.accepted_path.open("a") as f:
         f.write(json.dumps({"task_index": 1, "attempt": 0, "x": 2}) + "\n")
     again = RunFolder(tmp_path)

@@ -141,8 +141,12 @@ def test_token_logprobs_upcast_half_precision_logits():
 # The loss
 
 losses = st.integers(1, 24).flatmap(
-    lambda n: st.tuples(*[st.lists(st.floats(lo, hi, allow_nan=False), min_size=n, max_size=n)
-                          for lo, hi in [(-1.0, 1.0), (-3.0, 0.0), (-1.0, 1.0), (-2.0, 2.0), (0.0, 1.0), (-3.0, 0.0)]])
+    lambda n: st.tuples(
+        *[
+            st.lists(st.floats(lo, hi, allow_nan=False), min_size=n, max_size=n)
+            for lo, hi in [(-1.0, 1.0), (-3.0, 0.0), (-1.0, 1.0), (-2.0, 2.0), (0.0, 1.0), (-3.0, 0.0)]
+        ]
+    )
 )
 
 
@@ -165,8 +169,14 @@ def test_gradient_is_the_clipped_surrogates(values, config):
     expected = torch.where(clipped, 0.0, -weights * is_weight * advantages * ratio)
     torch.testing.assert_close(grad, expected)
     assert torch.all(grad[clipped] == 0)
-    torch.testing.assert_close(loss.detach(), -(weights * is_weight * torch.minimum(
-        ratio * advantages, ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * advantages)).sum())
+    torch.testing.assert_close(
+        loss.detach(),
+        -(
+            weights
+            * is_weight
+            * torch.minimum(ratio * advantages, ratio.clamp(1 - config.clip_low, 1 + config.clip_high) * advantages)
+        ).sum(),
+    )
     assert float(stats.is_weight_mean) <= config.importance_cap + 1e-12
     assert float(stats.clipped_weight) == pytest.approx(float(weights[clipped].sum()))
 
@@ -205,8 +215,15 @@ def test_unweighted_positions_leak_nothing():
     logprobs = torch.cat([torch.tensor([-1.0]), bad]).requires_grad_()
     old = torch.cat([torch.tensor([-1.1]), bad])
     weights = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    loss, stats = policy_loss(logprobs, old, old, torch.cat([torch.tensor([0.5]), bad]), weights,
-                              LossConfig(kl_coef=0.1), ref_logprobs=torch.cat([torch.tensor([-1.2]), bad]))
+    loss, stats = policy_loss(
+        logprobs,
+        old,
+        old,
+        torch.cat([torch.tensor([0.5]), bad]),
+        weights,
+        LossConfig(kl_coef=0.1),
+        ref_logprobs=torch.cat([torch.tensor([-1.2]), bad]),
+    )
     (grad,) = torch.autograd.grad(loss, logprobs)
     assert torch.isfinite(loss) and torch.all(torch.isfinite(grad))
     assert torch.all(grad[1:] == 0)
@@ -235,8 +252,13 @@ def test_micro_batch_gradients_add_up_to_the_full_batch_gradient():
     logits = torch.randn(rows, vocab, generator=generator, dtype=torch.float64).requires_grad_()
     targets = torch.randint(vocab, (rows,), generator=generator)
     temperature, top_k, top_p = torch.full((rows,), 0.8), torch.zeros(rows, dtype=torch.long), torch.ones(rows)
-    old = token_logprobs(logits.detach() + 0.1 * torch.randn(rows, vocab, generator=generator, dtype=torch.float64),
-                         targets, temperature, top_k, top_p)
+    old = token_logprobs(
+        logits.detach() + 0.1 * torch.randn(rows, vocab, generator=generator, dtype=torch.float64),
+        targets,
+        temperature,
+        top_k,
+        top_p,
+    )
     behaviour = old + 0.2 * torch.randn(rows, generator=generator)
     advantages = torch.randn(rows, generator=generator)
     weights = torch.rand(rows, generator=generator) * (torch.rand(rows, generator=generator) > 0.3)
@@ -273,8 +295,10 @@ def test_token_weights_by_hand():
     # Session level: a's mean weighs 1, b's mean weighs 2: coefficients W / N_session / 3.
     assert trace_token_weights(traces, "session") == pytest.approx([1 / 10 / 3, 2 / 40 / 3, 2 / 40 / 3, 0.0])
     # Trace weights summing to W instead of 1 read the same.
-    scaled = [TraceWeighting(t.session_id, t.trace_weight * t.session_weight, t.session_weight, t.trainable_tokens)
-              for t in traces]
+    scaled = [
+        TraceWeighting(t.session_id, t.trace_weight * t.session_weight, t.session_weight, t.trainable_tokens)
+        for t in traces
+    ]
     for aggregation in ("token", "session"):
         assert trace_token_weights(scaled, aggregation) == pytest.approx(trace_token_weights(traces, aggregation))
 
@@ -294,7 +318,8 @@ def test_inconsistent_weights_are_refused(traces):
 
 sessions = st.lists(
     st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=5), st.sampled_from([0.5, 1.0, 2.0])),
-    min_size=1, max_size=6,
+    min_size=1,
+    max_size=6,
 )
 
 
@@ -339,7 +364,11 @@ def test_tokens_outside_the_policys_support_contribute_nothing_and_no_nan():
     assert merged["outside_support"] == 1 and merged["tokens"] == 2
     # The same loss as if the token had no weight at all.
     reference, _ = policy_loss(
-        logprobs.detach().nan_to_num(neginf=0.0), old.nan_to_num(neginf=0.0), behaviour,
-        torch.tensor([1.0, 1.0, -1.0]), torch.tensor([0.25, 0.0, 0.25]), LossConfig(),
-    )  # fmt: skip
+        logprobs.detach().nan_to_num(neginf=0.0),
+        old.nan_to_num(neginf=0.0),
+        behaviour,
+        torch.tensor([1.0, 1.0, -1.0]),
+        torch.tensor([0.25, 0.0, 0.25]),
+        LossConfig(),
+    )
     assert float(loss) == pytest.approx(float(reference))

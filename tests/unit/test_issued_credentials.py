@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from polar import credentials
-from polar.cli import main
+from polar.app.cli import main
 from polar.grpc_server import peer_is_this_machine
 
 

@@ -1,4 +1,4 @@
-"""Request bodies with known values (gateway/json_body.py): read once, and read exactly as without them."""
+"""Request bodies with known values (gateway/body_decoder.py): read once, and read exactly as without them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.body_decoder import BodyDecoder, KnownConversations, decode_body
 from gateway.dialects.base import ByIdentity, ConversationFold, GatewayError
-from gateway.json_body import BodyDecoder, KnownConversations, decode_body
 from gateway.replay import NotReplayable, recorded_request
 from polar.trajectory.session_file import SUFFIXES, read_trajectory
 
@@ -64,7 +64,10 @@ TOOL = st.fixed_dictionaries(
         "name": st.text(min_size=1, max_size=8),
         "description": st.text(max_size=40),
         "input_schema": st.fixed_dictionaries(
-            {"type": st.just("object"), "n": st.one_of(st.integers(-(2**40), 2**40), st.floats(allow_nan=False, allow_infinity=False))}
+            {
+                "type": st.just("object"),
+                "n": st.one_of(st.integers(-(2**40), 2**40), st.floats(allow_nan=False, allow_infinity=False)),
+            }
         ),
     }
 )
@@ -74,21 +77,23 @@ KNOWN = st.lists(TOOL, min_size=1, max_size=4)
 def _places(known: bytes) -> st.SearchStrategy[bytes]:
     """Members of a body: the known text in its place and out of it, and what else a body may hold."""
     escaped = json.dumps(known.decode()).encode()
-    return st.sampled_from([
-        b'"tools":' + known,  # in place
-        b'"tools": ' + known,  # in place, written with a space
-        b'"tools":' + known[:-1] + b',1]',  # the known text cut short, then more items
-        b'"tools":[]',  # the member with another value
-        b'"x":{"tools":' + known + b"}",  # nested
-        b'"s":' + escaped,  # inside a string
-        b'"s":"' + known,  # a string left open before it: not valid JSON
-        b'"messages":[' + known + b',{"role":"user"}]',  # the first item of a conversation
-        b'"messages":[' + known + b"0]",  # an item that does not end where the text does
-        b'"messages":[1,' + known + b"]",  # a later item
-        b'"n":12345678901234567890123',  # past 64 bits: the standard library's reading
-        b'"u":"\\ud800"',  # an unpaired surrogate: refused
-        b'"f":1.0',
-    ])  # fmt: skip
+    return st.sampled_from(
+        [
+            b'"tools":' + known,  # in place
+            b'"tools": ' + known,  # in place, written with a space
+            b'"tools":' + known[:-1] + b",1]",  # the known text cut short, then more items
+            b'"tools":[]',  # the member with another value
+            b'"x":{"tools":' + known + b"}",  # nested
+            b'"s":' + escaped,  # inside a string
+            b'"s":"' + known,  # a string left open before it: not valid JSON
+            b'"messages":[' + known + b',{"role":"user"}]',  # the first item of a conversation
+            b'"messages":[' + known + b"0]",  # an item that does not end where the text does
+            b'"messages":[1,' + known + b"]",  # a later item
+            b'"n":12345678901234567890123',  # past 64 bits: the standard library's reading
+            b'"u":"\\ud800"',  # an unpaired surrogate: refused
+            b'"f":1.0',
+        ]
+    )
 
 
 @settings(max_examples=300, deadline=None)
@@ -164,7 +169,14 @@ ITEM = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(calls=st.lists(st.tuples(st.sampled_from(["extend", "edit", "spaced", "other", "same", "nested"]), st.lists(ITEM, max_size=3)), min_size=1, max_size=6), start=st.lists(ITEM, min_size=1, max_size=3))
+@given(
+    calls=st.lists(
+        st.tuples(st.sampled_from(["extend", "edit", "spaced", "other", "same", "nested"]), st.lists(ITEM, max_size=3)),
+        min_size=1,
+        max_size=6,
+    ),
+    start=st.lists(ITEM, min_size=1, max_size=3),
+)
 def test_a_session_s_later_calls_read_as_without_known_conversations(calls, start):
     """A session's calls extend its conversation, edit an earlier item, write it with spaces, send
     another conversation, the same again, or the known one nested in another member before theirs:
@@ -202,7 +214,10 @@ def test_a_session_s_conversation_is_read_once():
     assert all(bodies[-1]["messages"][i] is bodies[0]["messages"][i] for i in range(3))
     assert bodies[-1]["messages"][-3] is bodies[-2]["messages"][-1]
     # Another session's decoder state is its own: the same body reads anew.
-    assert decoder.decode(orjson.dumps({"messages": items}), KnownConversations())["messages"][0] is not bodies[0]["messages"][0]
+    assert (
+        decoder.decode(orjson.dumps({"messages": items}), KnownConversations())["messages"][0]
+        is not bodies[0]["messages"][0]
+    )
 
 
 def test_a_fold_converts_only_the_items_a_later_call_adds():

@@ -17,8 +17,16 @@ pytest.importorskip("transformers")
 def _shape(model_type: str, tied: bool, **overrides) -> ModelShape:
     from transformers import AutoConfig
 
-    fields = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=4, head_dim=8, tie_word_embeddings=tied)
+    fields = dict(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=8,
+        tie_word_embeddings=tied,
+    )
     fields.update(overrides)
     return ModelShape.from_hf_config(AutoConfig.for_model(model_type, **fields))
 
@@ -27,10 +35,17 @@ def _hf_state(shape: ModelShape) -> dict[str, torch.Tensor]:
     """Random HF tensors with the shapes transformers gives this model."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(shape.model_type, vocab_size=shape.vocab_size, hidden_size=shape.hidden_size,
-                                  intermediate_size=shape.ffn_hidden_size, num_hidden_layers=shape.num_layers,
-                                  num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-                                  head_dim=shape.head_dim, tie_word_embeddings=shape.tied_embeddings)
+    config = AutoConfig.for_model(
+        shape.model_type,
+        vocab_size=shape.vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        tie_word_embeddings=shape.tied_embeddings,
+    )
     model = AutoModelForCausalLM.from_config(config)
     return {name: torch.randn_like(p) for name, p in model.named_parameters()}
 
@@ -52,20 +67,27 @@ def test_qkv_shards_hold_whole_kv_groups():
     """Rank r's fused QKV holds query heads 2r, 2r+1 ... of its KV group r, then k_r, then v_r."""
     shape = _shape("qwen3", False, num_attention_heads=4, num_key_value_heads=2, head_dim=1, hidden_size=1)
     d = shape.head_dim
-    hf = {"model.layers.0.self_attn.q_proj.weight": torch.arange(4.0).reshape(4, 1),
-          "model.layers.0.self_attn.k_proj.weight": torch.tensor([[10.0], [11.0]]),
-          "model.layers.0.self_attn.v_proj.weight": torch.tensor([[20.0], [21.0]])}
-    ranks = [hf_to_megatron(hf, shape, rank, 2)["decoder.layers.0.self_attention.linear_qkv.weight"] for rank in range(2)]
+    hf = {
+        "model.layers.0.self_attn.q_proj.weight": torch.arange(4.0).reshape(4, 1),
+        "model.layers.0.self_attn.k_proj.weight": torch.tensor([[10.0], [11.0]]),
+        "model.layers.0.self_attn.v_proj.weight": torch.tensor([[20.0], [21.0]]),
+    }
+    ranks = [
+        hf_to_megatron(hf, shape, rank, 2)["decoder.layers.0.self_attention.linear_qkv.weight"] for rank in range(2)
+    ]
     assert d == 1
     assert ranks[0].flatten().tolist() == [0.0, 1.0, 10.0, 20.0]
     assert ranks[1].flatten().tolist() == [2.0, 3.0, 11.0, 21.0]
 
 
 def test_fc1_shards_are_gate_then_up():
-    shape = _shape("llama", False, intermediate_size=4, hidden_size=1, num_attention_heads=1, num_key_value_heads=1,
-                   head_dim=1)
-    hf = {"model.layers.0.mlp.gate_proj.weight": torch.arange(4.0).reshape(4, 1),
-          "model.layers.0.mlp.up_proj.weight": torch.arange(10.0, 14.0).reshape(4, 1)}
+    shape = _shape(
+        "llama", False, intermediate_size=4, hidden_size=1, num_attention_heads=1, num_key_value_heads=1, head_dim=1
+    )
+    hf = {
+        "model.layers.0.mlp.gate_proj.weight": torch.arange(4.0).reshape(4, 1),
+        "model.layers.0.mlp.up_proj.weight": torch.arange(10.0, 14.0).reshape(4, 1),
+    }
     ranks = [hf_to_megatron(hf, shape, rank, 2)["decoder.layers.0.mlp.linear_fc1.weight"] for rank in range(2)]
     assert ranks[0].flatten().tolist() == [0.0, 1.0, 10.0, 11.0]
     assert ranks[1].flatten().tolist() == [2.0, 3.0, 12.0, 13.0]
@@ -97,11 +119,14 @@ def test_one_layer_converts_alone():
     assert converted and all(name.startswith("decoder.layers.1.") for name in converted)
 
 
-@pytest.mark.parametrize("overrides,what", [
-    ({"hidden_act": "gelu"}, "activation"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "RoPE scaling"),
-    ({"attention_bias": True}, "attention biases"),
-])
+@pytest.mark.parametrize(
+    "overrides,what",
+    [
+        ({"hidden_act": "gelu"}, "activation"),
+        ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "RoPE scaling"),
+        ({"attention_bias": True}, "attention biases"),
+    ],
+)
 def test_unsupported_configs_are_refused(overrides, what):
     with pytest.raises(UnsupportedModel, match=what):
         _shape("llama", False, **overrides)

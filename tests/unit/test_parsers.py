@@ -38,15 +38,34 @@ def stream_events(text, cuts, call_id="c1", opening=""):
 
 # Outputs built from the pieces a model writes, including broken, nested and unclosed ones.
 valid_calls = st.builds(
-    lambda name, arguments, pad: f"<tool_call>{pad}{json.dumps({'name': name, 'arguments': arguments})}{pad}</tool_call>",
+    lambda name, arguments, pad: (
+        f"<tool_call>{pad}{json.dumps({'name': name, 'arguments': arguments})}{pad}</tool_call>"
+    ),
     st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
     st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=4) | st.booleans(), max_size=2),
     st.sampled_from(["", "\n", " \n"]),
 )
 PIECES = [
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "<think", "</tool_", "<", ">", "\n", "\n\n", " ", "{", "}",
-    '{"name": "f", "arguments": 3}', '{"name": "", "arguments": {}}', '{"name": "f", "arguments": {}', "[1]",
-    '{"name": "f", "arguments": {"x": NaN}}', "é", "🙂",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<think",
+    "</tool_",
+    "<",
+    ">",
+    "\n",
+    "\n\n",
+    " ",
+    "{",
+    "}",
+    '{"name": "f", "arguments": 3}',
+    '{"name": "", "arguments": {}}',
+    '{"name": "f", "arguments": {}',
+    "[1]",
+    '{"name": "f", "arguments": {"x": NaN}}',
+    "é",
+    "🙂",
 ]
 outputs = st.lists(st.one_of(st.text(max_size=6), st.sampled_from(PIECES), valid_calls), max_size=12).map("".join)
 
@@ -60,7 +79,11 @@ def test_streaming_events_fold_into_the_whole_text_parse(text, cuts):
 @PROPERTY
 @given(text=outputs, cuts=st.lists(st.integers(0, 10_000), max_size=12))
 def test_every_tool_call_opens_streams_its_arguments_and_closes_in_order(text, cuts):
-    events = [event for event in stream_events(text, cuts) if isinstance(event, (ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd))]
+    events = [
+        event
+        for event in stream_events(text, cuts)
+        if isinstance(event, (ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd))
+    ]
     for index, triple in enumerate(zip(events[0::3], events[1::3], events[2::3])):
         assert [type(event) for event in triple] == [ToolCallStart, ToolCallArgumentsDelta, ToolCallEnd]
         assert {event.index for event in triple} == {index}
@@ -150,7 +173,9 @@ def test_a_forced_opening_and_the_sample_parse_as_one_call():
     assert collect(stream_events(sampled, [3, 9, 20], call_id="c2", opening=opening)) == expected
 
 
-plain = st.text(alphabet=st.characters(blacklist_characters="<", blacklist_categories=["Cs"]), max_size=20).map(str.strip)
+plain = st.text(alphabet=st.characters(blacklist_characters="<", blacklist_categories=["Cs"]), max_size=20).map(
+    str.strip
+)
 
 
 @PROPERTY
@@ -158,7 +183,12 @@ plain = st.text(alphabet=st.characters(blacklist_characters="<", blacklist_categ
     content=plain,
     reasoning=plain,
     calls=st.lists(
-        st.builds(ToolCall, id=st.just(""), name=st.from_regex(r"[a-z_]{1,8}", fullmatch=True), arguments=st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=5), max_size=2)),
+        st.builds(
+            ToolCall,
+            id=st.just(""),
+            name=st.from_regex(r"[a-z_]{1,8}", fullmatch=True),
+            arguments=st.dictionaries(st.text(max_size=4), st.integers() | st.text(max_size=5), max_size=2),
+        ),
         max_size=3,
     ),
 )

@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from prefix_fixtures import forest, forests
 
+from tests.helpers.trace_forests import forest, forests
 from trainer.batches import MicroBatch, TraceTooLongError, pack
 from trainer.prefix_tree import PrefixTrie, sharable_length
 from trainer.tree_attention import TreeLayout
@@ -32,8 +32,8 @@ def chains(batch: MicroBatch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
         while at >= 0:
             path.append(at)
             at = parents[at]
-        tokens = [t for p in reversed(path) for t in ids[bounds[p]:bounds[p + 1]]]
-        where = [t for p in reversed(path) for t in positions[bounds[p]:bounds[p + 1]]]
+        tokens = [t for p in reversed(path) for t in ids[bounds[p] : bounds[p + 1]]]
+        where = [t for p in reversed(path) for t in positions[bounds[p] : bounds[p + 1]]]
         found.append((tuple(tokens), tuple(where)))
     return found
 
@@ -41,11 +41,20 @@ def chains(batch: MicroBatch) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 def targets(batches) -> Counter:
     """Every trained target with what the loss reads of it."""
     return Counter(
-        (int(b.targets[0, i]), int(b.input_ids[0, i]), int(b.position_ids[0, i]), float(b.behaviour_logprobs[0, i]),
-         float(b.advantages[0, i]), float(b.token_weights[0, i]), float(b.temperature[0, i]), float(b.top_p[0, i]),
-         int(b.top_k[0, i]))
-        for b in batches for _, i in b.loss_mask.nonzero().tolist()
-    )  # fmt: skip
+        (
+            int(b.targets[0, i]),
+            int(b.input_ids[0, i]),
+            int(b.position_ids[0, i]),
+            float(b.behaviour_logprobs[0, i]),
+            float(b.advantages[0, i]),
+            float(b.token_weights[0, i]),
+            float(b.temperature[0, i]),
+            float(b.top_p[0, i]),
+            int(b.top_k[0, i]),
+        )
+        for b in batches
+        for _, i in b.loss_mask.nonzero().tolist()
+    )
 
 
 @settings(max_examples=80, deadline=None)
@@ -100,7 +109,7 @@ def test_a_system_prompt_and_group_instructions_nest():
     # the system prompt; two instructions below it; three members below each
     assert batch.row_parents(0).count(-1) == 1
     depths = []
-    for piece, parent in enumerate(batch.row_parents(0)):
+    for _piece, parent in enumerate(batch.row_parents(0)):
         depth = 0
         while parent >= 0:
             depth, parent = depth + 1, batch.row_parents(0)[parent]

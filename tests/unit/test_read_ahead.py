@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar.read_ahead import ReadAhead, StreamIdle
+from polar.batched_stream import ReadAhead, StreamIdle
 
 
 class StreamFailed(Exception):

@@ -15,11 +15,9 @@ from gateway.chat_format import (
     TextEncoder,
     assistant_body,
     forced_opening,
-    get_chat_format,
 )
 from gateway.conversation import Conversation, Message, ToolCall, ToolChoice, ToolSpec
 from gateway.parsers import HermesParser
-from polar.codec import packed_ids
 from gateway.render import (
     FIRST_CALL,
     HISTORY_DIVERGED,
@@ -31,6 +29,7 @@ from gateway.render import (
     render_request,
 )
 from gateway.replay import recorded_request
+from polar.codec import packed_ids
 from polar.trajectory.session_file import read_trajectory
 
 TOOLS = (
@@ -38,11 +37,6 @@ TOOLS = (
     ToolSpec("run", "Run a shell command.", {"type": "object", "properties": {"command": {"type": "string"}}}),
 )
 parser = HermesParser()
-
-
-@pytest.fixture(scope="module")
-def hermes(smollm2_tokenizer):
-    return get_chat_format("hermes", smollm2_tokenizer)
 
 
 class Session:
@@ -63,7 +57,7 @@ class Session:
         """Render the request, 'sample' `reply` (its first `cut` tokens when cut at max_tokens) and record the call."""
         rendered = render_request(self.chat_format, conversation, self.calls, history=self.history)
         opening = self.chat_format.forced_opening_text(conversation.tool_choice)
-        body_ids = self.chat_format.encode_text(assistant_body(reply)[len(opening):])
+        body_ids = self.chat_format.encode_text(assistant_body(reply)[len(opening) :])
         sampled = body_ids[:cut] if cut is not None else [*body_ids, self.end_of_turn]
         call_id = f"c{len(self.calls) + 1:04d}"
         text = opening + self.tokenizer.decode(sampled, skip_special_tokens=True)
@@ -77,13 +71,19 @@ class Session:
 
 
 def echoed(reply: Message, echo_reasoning: bool) -> Message:
-    calls = tuple(ToolCall(f"toolu_{index}", call.name, dict(reversed(call.arguments.items()))) for index, call in enumerate(reply.tool_calls))
+    calls = tuple(
+        ToolCall(f"toolu_{index}", call.name, dict(reversed(call.arguments.items())))
+        for index, call in enumerate(reply.tool_calls)
+    )
     return replace(reply, reasoning=reply.reasoning if echo_reasoning else "", tool_calls=calls)
 
 
 def answers(reply: Message, turn: int) -> list[Message]:
     if reply.tool_calls:
-        return [Message("tool", f"output {turn}.{index}\nline two", tool_call_id=call.id) for index, call in enumerate(reply.tool_calls)]
+        return [
+            Message("tool", f"output {turn}.{index}\nline two", tool_call_id=call.id)
+            for index, call in enumerate(reply.tool_calls)
+        ]
     return [Message("user", f"Go on with step {turn}.")]
 
 
@@ -137,9 +137,11 @@ def test_a_sample_cut_at_max_tokens_is_closed_with_end_of_turn(hermes, smollm2_t
     session = Session(hermes, smollm2_tokenizer)
     first = Conversation((Message("user", "Count to ten."),))
     _, parsed = session.call(first, Message("assistant", "one two three four five six"), cut=3)
-    rendered, _ = session.call(Conversation((*first.messages, parsed, Message("user", "Go on."))), Message("assistant", "seven"))
+    rendered, _ = session.call(
+        Conversation((*first.messages, parsed, Message("user", "Go on."))), Message("assistant", "seven")
+    )
     call = session.calls[0]
-    closing = rendered.token_ids[len(call.prompt.token_ids) + len(call.sampled_ids):][:2]
+    closing = rendered.token_ids[len(call.prompt.token_ids) + len(call.sampled_ids) :][:2]
     assert call.sampled_ids[-1] != session.end_of_turn
     assert list(closing) == [session.end_of_turn, *smollm2_tokenizer.encode("\n", add_special_tokens=False)]
     assert smollm2_tokenizer.decode(rendered.token_ids).endswith(
@@ -170,7 +172,11 @@ def test_the_first_call_renders_fresh(hermes, smollm2_tokenizer):
         pytest.param(lambda messages: [Message("user", "Summary: a.py prints 1."), *messages[3:]], id="compaction"),
         pytest.param(lambda messages: [Message("user", "What is in b.py?"), *messages[1:]], id="edited-user-turn"),
         pytest.param(
-            lambda messages: [messages[0], replace(messages[1], tool_calls=(ToolCall("x", "read_file", {"path": "b.py"}),)), *messages[2:]],
+            lambda messages: [
+                messages[0],
+                replace(messages[1], tool_calls=(ToolCall("x", "read_file", {"path": "b.py"}),)),
+                *messages[2:],
+            ],
             id="edited-arguments",
         ),
     ],
@@ -208,7 +214,7 @@ def test_an_edit_after_an_earlier_reply_extends_that_earlier_call(hermes, smollm
     head = session.calls[0].prompt.token_ids + session.calls[0].sampled_ids
     assert rendered.extends_call_id == "c0001"
     assert rendered.token_ids[: len(head)] == head
-    assert "print(2)" in smollm2_tokenizer.decode(rendered.token_ids[len(head):])
+    assert "print(2)" in smollm2_tokenizer.decode(rendered.token_ids[len(head) :])
 
 
 def test_changed_tools_start_a_new_chain(hermes, smollm2_tokenizer):
@@ -229,7 +235,9 @@ def test_arguments_match_as_parsed_json_and_ids_are_ignored(hermes, smollm2_toke
 
 def test_faithful_history_keeps_sampled_reasoning_the_harness_dropped(hermes, smollm2_tokenizer):
     session = Session(hermes, smollm2_tokenizer)
-    messages = [replace(message, reasoning="") for message in build_history(session)] + [Message("user", "Thanks. And b.py?")]
+    messages = [replace(message, reasoning="") for message in build_history(session)] + [
+        Message("user", "Thanks. And b.py?")
+    ]
     rendered = render_request(hermes, Conversation(tuple(messages), TOOLS), session.calls)
     assert rendered.extends_call_id == "c0002"
     text = smollm2_tokenizer.decode(rendered.token_ids)
@@ -271,24 +279,38 @@ def test_the_longest_history_wins_then_the_latest_call(hermes, smollm2_tokenizer
     # A sub-agent's conversation interleaved with the main one.
     _, sub = session.call(Conversation((Message("user", "Sub-task: list files."),)), Message("assistant", "a.py"))
 
-    follow_seven = render_request(hermes, Conversation((*question.messages, seven, Message("user", "Why?"))), session.calls)
-    follow_nine = render_request(hermes, Conversation((*question.messages, nine, Message("user", "Why?"))), session.calls)
-    follow_sub = render_request(hermes, Conversation((Message("user", "Sub-task: list files."), sub, Message("user", "More."))), session.calls)
-    assert (follow_seven.extends_call_id, follow_nine.extends_call_id, follow_sub.extends_call_id) == ("c0002", "c0003", "c0004")
+    follow_seven = render_request(
+        hermes, Conversation((*question.messages, seven, Message("user", "Why?"))), session.calls
+    )
+    follow_nine = render_request(
+        hermes, Conversation((*question.messages, nine, Message("user", "Why?"))), session.calls
+    )
+    follow_sub = render_request(
+        hermes, Conversation((Message("user", "Sub-task: list files."), sub, Message("user", "More."))), session.calls
+    )
+    assert (follow_seven.extends_call_id, follow_nine.extends_call_id, follow_sub.extends_call_id) == (
+        "c0002",
+        "c0003",
+        "c0004",
+    )
     assert retry_seven == seven
 
     session.calls.append(PriorCall("c0005", follow_seven, (5, 6), Message("assistant", "Because.")))
-    longer = Conversation((*follow_seven.conversation.messages, Message("assistant", "Because."), Message("user", "Sure?")))
+    longer = Conversation(
+        (*follow_seven.conversation.messages, Message("assistant", "Because."), Message("user", "Sure?"))
+    )
     assert render_request(hermes, longer, session.calls).extends_call_id == "c0005"
 
 
 def test_forced_tool_choice_opening_is_prompt_and_the_next_call_extends_it(hermes, smollm2_tokenizer):
     session = Session(hermes, smollm2_tokenizer)
     forced = Conversation((Message("user", "Read a.py."),), TOOLS, ToolChoice.function("read_file"))
-    rendered, parsed = session.call(forced, Message("assistant", tool_calls=(ToolCall("", "read_file", {"path": "a.py"}),)))
+    rendered, parsed = session.call(
+        forced, Message("assistant", tool_calls=(ToolCall("", "read_file", {"path": "a.py"}),))
+    )
     opening = forced_opening(hermes, forced.tool_choice)
     assert rendered.forced_token_count == len(opening) > 0
-    assert list(rendered.token_ids[-len(opening):]) == opening
+    assert list(rendered.token_ids[-len(opening) :]) == opening
     assert parsed.tool_calls == (ToolCall("call_c0001_0", "read_file", {"path": "a.py"}),)
 
     answer = Conversation((*forced.messages, parsed, Message("tool", "print(1)")), TOOLS)
@@ -327,7 +349,9 @@ def test_a_chain_keeps_its_first_call_s_tools_once_however_often_they_are_sent(h
     session = Session(hermes, smollm2_tokenizer)
     messages = [Message("user", "Go.")]
     for turn in range(3):
-        tools = tuple(replace(tool, parameters=json.loads(json.dumps(tool.parameters))) for tool in TOOLS)  # parsed anew
+        tools = tuple(
+            replace(tool, parameters=json.loads(json.dumps(tool.parameters))) for tool in TOOLS
+        )  # parsed anew
         _, reply = session.call(Conversation(tuple(messages), tools), Message("assistant", f"Step {turn}."))
         messages += [reply, Message("user", "Next.")]
     first, *later = session.rendered
@@ -343,7 +367,9 @@ def test_a_render_encodes_each_message_s_text_once_and_nothing_else(smollm2_toke
     rendered = render_request(chat_format, conversation)
     # No separator or generation prompt (encoded once, with the format); "" is the unforced tool-call opening.
     assert [text for text in encoder.encoded if text] == ["system\nBe brief.", "user\nHi."]
-    assert list(rendered.token_ids) == smollm2_tokenizer.encode(chat_format.render_text(conversation), add_special_tokens=False)
+    assert list(rendered.token_ids) == smollm2_tokenizer.encode(
+        chat_format.render_text(conversation), add_special_tokens=False
+    )
 
 
 def test_an_unknown_history_policy_is_refused(hermes):
@@ -358,15 +384,15 @@ def test_prior_calls_are_visited_longest_first_then_latest_first(sizes, below):
     longest-then-latest rule ranks them: (messages, completion order), highest first."""
     calls = [
         PriorCall(
-            f"c{i:04d}", RenderedPrompt(b"", 0, Conversation(tuple(Message("user", str(j)) for j in range(size)))), (),
+            f"c{i:04d}",
+            RenderedPrompt(b"", 0, Conversation(tuple(Message("user", str(j)) for j in range(size)))),
+            (),
             Message("assistant"),
         )
         for i, size in enumerate(sizes)
     ]
     index = PriorCalls(calls)
-    expected = sorted(
-        (i for i, size in enumerate(sizes) if size < below), key=lambda i: (sizes[i], i), reverse=True
-    )
+    expected = sorted((i for i, size in enumerate(sizes) if size < below), key=lambda i: (sizes[i], i), reverse=True)
     assert [call.call_id for call in index.longest_first(below)] == [calls[i].call_id for i in expected]
     assert len(index) == len(calls)
 

@@ -1,19 +1,22 @@
 """Evaluators in a real local runtime: command evaluators (reward file, last line, exit code, crashes,
-timeouts) and Python evaluators (success, exceptions, non-numbers, timeouts). None of them raises."""
+timeouts), Python evaluators (success, exceptions, non-numbers, timeouts) and NeMo Gym resources servers
+(the reward /verify gives the final reply, and servers that give none). None of them raises."""
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 import time
 
 import pytest
+from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from polar.rollout.evaluators import Evaluation, evaluate
-from polar.rollout.runtimes import LocalProvider
-from polar.v1 import rollout_pb2
+from polar.app.node.evaluators import Evaluation, evaluate
+from polar.app.node.runtimes import LocalProvider
+from polar.v1 import common_pb2, rollout_pb2
 
 pytestmark = pytest.mark.anyio
 
@@ -209,3 +212,77 @@ async def test_a_python_evaluator_past_its_timeout_gives_zero_at_the_timeout(run
 async def test_a_python_evaluator_that_cannot_be_found_gives_zero(runtime, target, error):
     evaluation = await run_python(runtime, target)
     assert evaluation.reward == 0.0 and evaluation.error.startswith(error)
+
+
+# ------------------------------------------------------------------------------------------ gym
+
+
+def answered(text: str) -> common_pb2.CallRecord:
+    body = {"choices": [{"message": {"role": "assistant", "content": text}}]}
+    return common_pb2.CallRecord(
+        call_id="c0001", dialect=common_pb2.DIALECT_OPENAI_CHAT, model="m", response_body=json.dumps(body).encode()
+    )
+
+
+@pytest.fixture
+async def resources_server():
+    """A stand-in NeMo Gym resources server (the real ones run in the nemo_gym tier): /seed_session
+    sets a session cookie, /verify requires it and gives reward 1 when the last message of the
+    response is the row's expected answer; it keeps what it was sent."""
+    seen: list[dict] = []
+
+    async def seed_session(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        response = web.json_response({})
+        response.set_cookie("session", "s1")
+        return response
+
+    async def verify(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        if request.cookies.get("session") != "s1":
+            return web.json_response({"detail": "no session"}, status=400)
+        if body.get("expected_answer") == "inf":
+            return web.Response(text='{"reward": Infinity}', content_type="application/json")
+        text = body["response"]["output"][-1]["content"][0]["text"]
+        return web.json_response({**body, "reward": float(text == body["expected_answer"])})
+
+    app = web.Application()
+    app.router.add_post("/seed_session", seed_session)
+    app.router.add_post("/verify", verify)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", seen
+    await runner.cleanup()
+
+
+async def run_gym(runtime, url: str, row: dict, calls: list[common_pb2.CallRecord]) -> Evaluation:
+    spec = rollout_pb2.EvaluatorSpec(kind="gym", gym=rollout_pb2.GymVerifier(url=url, row_json=json.dumps(row)))
+    return await evaluate(spec, runtime=runtime, task=TASK, session_id="task-7.0", calls=calls)
+
+
+@pytest.mark.parametrize(("expected", "reward"), [("Paris", 1.0), ("Lyon", 0.0)])
+async def test_a_gym_resources_server_grades_the_final_reply(runtime, resources_server, expected, reward):
+    url, seen = resources_server
+    evaluation = await run_gym(runtime, url, {"expected_answer": expected}, [answered("Thinking."), answered("Paris")])
+    assert (evaluation.reward, evaluation.error) == (reward, "")
+    seeded, verified = seen
+    assert seeded["responses_create_params"]["input"] == [{"role": "user", "content": TASK.instruction}]
+    assert seeded["expected_answer"] == expected and "response" not in seeded
+    assert verified["response"]["id"] == "resp_task-7.0"
+
+
+@pytest.mark.parametrize(
+    ("row", "url_of", "error"),
+    [
+        ({"expected_answer": "inf"}, None, "/verify answered no finite reward"),
+        ({}, None, "/verify answered HTTP 500"),
+        ({"expected_answer": "Paris"}, "http://127.0.0.1:9", "NeMo Gym resources server http://127.0.0.1:9: "),
+    ],
+)
+async def test_a_gym_server_that_gives_no_reward_gives_zero_and_says_why(runtime, resources_server, row, url_of, error):
+    url, _ = resources_server
+    evaluation = await run_gym(runtime, url_of or url, row, [answered("Paris")])
+    assert evaluation.reward == 0.0 and error in evaluation.error

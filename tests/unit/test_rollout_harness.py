@@ -26,7 +26,16 @@ KEY = "polar-session-key-0123456789"
 MODEL = "Qwen/Qwen3-4B"
 CLI_PRESETS = [name for name in PRESETS if name != "command"]
 PROGRAMS = {"codex": "codex", "claude-code": "claude", "qwen-code": "qwen", "gemini-cli": "gemini", "pi": "pi"}
-PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "all_proxy", "no_proxy")
+PROXY_VARIABLES = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "all_proxy",
+    "no_proxy",
+)
 
 
 @pytest.fixture
@@ -144,7 +153,11 @@ def test_config_files_name_no_host_but_the_gateway(preset, ctx, bin_dir):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_spec_env_overrides_everything(preset, ctx, bin_dir):
     env = launch_for(
-        preset, ctx, bin_dir, command=["sh"], env={"OPENAI_BASE_URL": "http://127.0.0.1:1/v1", "EXTRA": "yes", "HOME": "/h"}
+        preset,
+        ctx,
+        bin_dir,
+        command=["sh"],
+        env={"OPENAI_BASE_URL": "http://127.0.0.1:1/v1", "EXTRA": "yes", "HOME": "/h"},
     ).env
     assert (env["OPENAI_BASE_URL"], env["EXTRA"], env["HOME"]) == ("http://127.0.0.1:1/v1", "yes", "/h")
 
@@ -152,7 +165,11 @@ def test_spec_env_overrides_everything(preset, ctx, bin_dir):
 def test_codex_uses_a_responses_provider_at_the_gateway(ctx, bin_dir):
     launch = launch_for("codex", ctx, bin_dir)
     assert launch.argv[1:] == [
-        "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox", "--", ctx.instruction,
+        "exec",
+        "--skip-git-repo-check",
+        "--dangerously-bypass-approvals-and-sandbox",
+        "--",
+        ctx.instruction,
     ]
     codex_home = Path(launch.env["CODEX_HOME"])
     assert codex_home == ctx.home / ".codex"
@@ -163,6 +180,16 @@ def test_codex_uses_a_responses_provider_at_the_gateway(ctx, bin_dir):
     assert provider["wire_api"] == "responses"
     assert launch.env[provider["env_key"]] == KEY
     assert config["analytics"] == {"enabled": False}
+
+
+def test_codex_is_told_the_served_model_s_context_window_when_it_is_known(ctx, bin_dir):
+    def config(context: HarnessContext) -> dict:
+        launch = launch_for("codex", context, bin_dir)
+        return tomllib.loads((Path(launch.env["CODEX_HOME"]) / "config.toml").read_text())
+
+    # Codex has no metadata for a model outside its catalog and would assume its own window (272k).
+    assert config(replace(ctx, context_length=131072))["model_context_window"] == 131072
+    assert "model_context_window" not in config(ctx)  # not known: Codex's own guess stands
 
 
 def test_codex_config_carries_any_model_name_verbatim(ctx, bin_dir):
@@ -179,7 +206,12 @@ def test_claude_code_runs_headless_with_permissions_bypassed(ctx, bin_dir):
     assert env["ANTHROPIC_BASE_URL"] == BASE_URL  # it appends /v1/messages itself
     assert env["IS_SANDBOX"] == "1"  # else the bypass is refused under root
     assert env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
-    aliases = ("ANTHROPIC_MODEL", "ANTHROPIC_SMALL_FAST_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL", "CLAUDE_CODE_SUBAGENT_MODEL")
+    aliases = (
+        "ANTHROPIC_MODEL",
+        "ANTHROPIC_SMALL_FAST_MODEL",
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL",
+        "CLAUDE_CODE_SUBAGENT_MODEL",
+    )
     assert {env[name] for name in aliases} == {MODEL}
 
 

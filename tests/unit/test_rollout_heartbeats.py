@@ -1,4 +1,4 @@
-"""What a node's heartbeat carries (polar/rollout/node.py, Node._heartbeat_request): its id and
+"""What a node's heartbeat carries (polar/app/node/node.py, Node._heartbeat_request): its id and
 secret, and the calls completed since the last acknowledged heartbeat, within the rollout server's
 request limit: calls that do not fit wait for a later heartbeat, one that fits in none is left out."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from gateway.sessions import SessionStore
+from polar.app.node.node import Node, SessionRun
 from polar.config import NodeConfig
-from polar.rollout.node import Node, SessionRun
 from polar.v1 import common_pb2, rollout_pb2
 
 pytestmark = pytest.mark.anyio

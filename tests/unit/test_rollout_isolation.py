@@ -1,4 +1,4 @@
-"""The local runtime's sandbox (polar/rollout/isolation.py, sandbox.py) with real namespaces and real
+"""The local runtime's sandbox (polar/app/node/isolation.py, sandbox.py) with real namespaces and real
 processes: what a command inside sees of the node, that it ends exactly as it would outside, and
 that the harness URL is its only way out under "network", relayed as a stream. Skipped, with the
 reason, where this machine cannot make user namespaces. Plus the docker runtime's command line
@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from polar import credentials
-from polar.rollout.isolation import GATEWAY_SOCKET, Isolation, IsolationUnavailable, in_namespace_url, probe, resolve
-from polar.rollout.process import run_process
-from polar.rollout.runtimes import LocalProvider
-from polar.rollout.runtimes.docker import SANDBOX_IN_CONTAINER, docker_run_argv
+from polar.app.node.isolation import GATEWAY_SOCKET, Isolation, IsolationUnavailable, in_namespace_url, probe, resolve
+from polar.app.node.process import run_process
+from polar.app.node.runtimes import LocalProvider
 from polar.v1 import rollout_pb2
 
 pytestmark = pytest.mark.anyio
@@ -39,6 +38,11 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 async def runtime_in(tmp_path: Path, isolation: Isolation):
     return await LocalProvider(tmp_path / "sessions", isolation=isolation).create(rollout_pb2.RuntimeSpec(), name="s")
+
+
+def _observed(result) -> tuple:
+    """What a command's result says, all but its timing."""
+    return (result.exit_code, result.timed_out, result.cancelled, result.output, result.output_bytes)
 
 
 def env() -> dict[str, str]:
@@ -118,12 +122,15 @@ async def test_a_sandboxed_command_ends_exactly_as_it_would_outside(tmp_path, st
     try:
         for script, timeout_s in SCRIPTS:
             outside = await run_process(
-                ["sh", "-c", script], cwd=runtime.workspace, env=env(), timeout_s=timeout_s, output_limit=1000,
+                ["sh", "-c", script],
+                cwd=runtime.workspace,
+                env=env(),
+                timeout_s=timeout_s,
+                output_limit=1000,
                 kill_grace_s=0.5,
-            )  # fmt: skip
+            )
             inside = await runtime.run(["sh", "-c", script], env=env(), timeout_s=timeout_s, output_limit=1000)
-            same = lambda r: (r.exit_code, r.timed_out, r.cancelled, r.output, r.output_bytes)
-            assert same(inside) == same(outside), script
+            assert _observed(inside) == _observed(outside), script
         cancel = asyncio.Event()
         asyncio.get_running_loop().call_later(1.5, cancel.set)
         cancelled = await runtime.run(["sleep", "30"], env=env(), timeout_s=None, cancel=cancel)
@@ -192,30 +199,18 @@ def test_auto_falls_back_to_none_and_an_explicit_mode_says_why(tmp_path, monkeyp
     monkeypatch.setenv("PATH", str(tmp_path))  # no `unshare` on it
     assert resolve("auto", "http://127.0.0.1:8080", tmp_path / "w") == Isolation()
     assert resolve("none", "http://127.0.0.1:8080", tmp_path / "w") == Isolation()
-    with pytest.raises(IsolationUnavailable, match="'namespace' is not available here: util-linux `unshare` is not installed"):
+    with pytest.raises(
+        IsolationUnavailable, match="'namespace' is not available here: util-linux `unshare` is not installed"
+    ):
         resolve("namespace", "http://127.0.0.1:8080", tmp_path / "w")
     with pytest.raises(IsolationUnavailable, match="needs a harness URL with a host and a port"):
         resolve("network", "http://127.0.0.1", tmp_path / "w")
 
 
-def test_the_docker_runtime_s_container_has_no_network_but_the_forwarded_harness_url():
-    root = Path("/srv/polar/s-1")
-    argv = docker_run_argv("docker", "polar-s-1", root, "python:3.12", "http://gw.example:8080")
-    assert "--network=none" in argv and not any(arg.startswith("--network=host") for arg in argv)
-    assert f"--volume={root}:{root}" in argv
-    assert any(arg.endswith(f":{SANDBOX_IN_CONTAINER}:ro") for arg in argv)
-    assert f"--workdir={root}" in argv  # the forwarder dials gateway.sock relative to it
-    assert argv[argv.index("python:3.12") :] == ["python:3.12", SANDBOX_IN_CONTAINER, "forward", "127.0.0.1", "8080", GATEWAY_SOCKET]
-    assert argv[argv.index("python:3.12") - 1] == "--entrypoint=python3"
-    # Without a harness URL: no network at all, an idle first process.
-    idle = docker_run_argv("docker", "polar-s-1", root, "python:3.12", "")
-    assert "--network=none" in idle and idle[-3:-1] == ["python:3.12", "-c"]
-
-
 def test_a_node_python_inside_a_hidden_folder_is_named_as_the_reason(tmp_path, monkeypatch):
     """A checkout under /tmp runs its venv's Python from a folder the sandbox covers: the probe says
     so, rather than blaming user namespaces, and "auto" falls back with that reason."""
-    from polar.rollout import isolation
+    from polar.app.node import isolation
 
     monkeypatch.setattr(isolation.shutil, "which", lambda name: "/usr/bin/" + name)
     monkeypatch.setattr(isolation.sys, "executable", "/tmp/checkout/.venv/bin/python")

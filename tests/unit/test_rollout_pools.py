@@ -1,4 +1,4 @@
-"""The node's pools, its READY buffer of prewarmed runtimes, and its stage clock (polar/rollout/pools.py)."""
+"""The node's pools, its READY buffer of prewarmed runtimes, and its stage clock (polar/app/node/pools.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar.rollout.pools import Pool, ReadyBuffer, StageClock
+from polar.app.node.pools import Pool, ReadyBuffer, StageClock
 from polar.v1 import rollout_pb2
 
 pytestmark = pytest.mark.anyio

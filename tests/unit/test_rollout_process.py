@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from polar.rollout.process import OutputCap, ProcessStartError, exit_text, omission_marker, run_process
+from polar.app.node.process import OutputCap, ProcessStartError, exit_text, omission_marker, run_process
 
 pytestmark = pytest.mark.anyio
 
@@ -171,7 +171,7 @@ async def test_the_command_dies_with_the_process_that_started_it(tmp_path):
     program = textwrap.dedent(
         f"""
         import asyncio, os
-        from polar.rollout.process import run_process
+        from polar.app.node.process import run_process
         asyncio.run(run_process(["sh", "-c", "echo $$ > {pid_file}; exec sleep 60"],
                                 cwd={str(tmp_path)!r}, env={ENV!r}, timeout_s=60))
         """

@@ -11,7 +11,9 @@ from polar.rollout.report import render_nodes, render_status, render_totals, sum
 from polar.v1 import common_pb2, rollout_pb2
 
 
-def _task(task_id: str, group: int, released: bool = False, mean_reward: float = 0.0, **states: int) -> rollout_pb2.TaskStatus:
+def _task(
+    task_id: str, group: int, released: bool = False, mean_reward: float = 0.0, **states: int
+) -> rollout_pb2.TaskStatus:
     return rollout_pb2.TaskStatus(
         task_id=task_id, group_size=group, sessions_by_state=states, released=released, mean_reward=mean_reward
     )
@@ -41,7 +43,18 @@ def test_the_totals_line_names_only_the_states_in_use():
 
 def test_the_table_has_a_row_per_task_in_submission_order():
     lines = render_status(TASKS).splitlines()
-    assert lines[0].split() == ["task", "group", "pending", "init", "ready", "running", "postrun", "done", "reward", "released"]
+    assert lines[0].split() == [
+        "task",
+        "group",
+        "pending",
+        "init",
+        "ready",
+        "running",
+        "postrun",
+        "done",
+        "reward",
+        "released",
+    ]
     assert lines[1].split() == ["alpha", "2", "0", "0", "0", "0", "0", "2", "0.500", "yes"]
     assert lines[2].split() == ["beta", "4", "1", "0", "0", "2", "0", "1", "1.000", "no"]
     assert lines[3].startswith("total: 2 tasks, 1 released")
@@ -78,10 +91,17 @@ def test_no_tasks():
 
 def test_a_batch_becomes_one_json_object_per_trajectory_in_the_protobuf_mapping():
     trajectories = [
-        common_pb2.Trajectory(trajectory_id="t.0", session_id="t.0", group_id="t", reward=1.0, attempt=1,
-                              harness_output="done ✓\n", outcome=common_pb2.SESSION_OUTCOME_COMPLETED),
+        common_pb2.Trajectory(
+            trajectory_id="t.0",
+            session_id="t.0",
+            group_id="t",
+            reward=1.0,
+            attempt=1,
+            harness_output="done ✓\n",
+            outcome=common_pb2.SESSION_OUTCOME_COMPLETED,
+        ),
         common_pb2.Trajectory(trajectory_id="t.1", session_id="t.1", group_id="t", min_policy_version=3),
-    ]  # fmt: skip
+    ]
     batch = compress(trajectory_batch(t.SerializeToString() for t in trajectories))
 
     lines = trajectory_lines(batch)
@@ -97,15 +117,24 @@ def test_a_batch_becomes_one_json_object_per_trajectory_in_the_protobuf_mapping(
 
 
 def test_the_nodes_table_shows_each_pools_depth_of_capacity_and_the_credential_it_registered_with():
-    pools = [rollout_pb2.PoolStatus(name=name, capacity=c, depth=d) for name, c, d in
-             [("init", 4, 1), ("ready", 8, 2), ("running", 16, 3), ("postrun", 4, 0)]]  # fmt: skip
+    pools = [
+        rollout_pb2.PoolStatus(name=name, capacity=c, depth=d)
+        for name, c, d in [("init", 4, 1), ("ready", 8, 2), ("running", 16, 3), ("postrun", 4, 0)]
+    ]
     nodes = [
-        rollout_pb2.NodeInfo(node_id="node-a", pools=pools, session_count=6, seconds_since_heartbeat=0.0,
-                             credential_role="node"),
-        rollout_pb2.NodeInfo(node_id="node-bb", pools=pools[:1], session_count=12, seconds_since_heartbeat=2.5,
-                             credential="edge-7", credential_role="node"),
+        rollout_pb2.NodeInfo(
+            node_id="node-a", pools=pools, session_count=6, seconds_since_heartbeat=0.0, credential_role="node"
+        ),
+        rollout_pb2.NodeInfo(
+            node_id="node-bb",
+            pools=pools[:1],
+            session_count=12,
+            seconds_since_heartbeat=2.5,
+            credential="edge-7",
+            credential_role="node",
+        ),
         rollout_pb2.NodeInfo(node_id="node-c", session_count=0, seconds_since_heartbeat=1.0),
-    ]  # fmt: skip
+    ]
     assert render_nodes(nodes).splitlines() == [
         "node     sessions  init  ready  running  postrun  heartbeat  credential",
         "node-a          6   1/4    2/8     3/16      0/4  now        stack's own (node)",

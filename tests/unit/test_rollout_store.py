@@ -15,9 +15,9 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from polar import codec
 from polar.rollout.store import (
+    SCHEMA_VERSION,
     InvalidCursor,
     NotAssigned,
-    SCHEMA_VERSION,
     RolloutStore,
     StoreError,
     TaskExists,
@@ -185,6 +185,14 @@ def test_add_tasks_is_all_or_nothing(store):
     assert [status.task_id for status in store.task_statuses([])] == ["a"]
     with pytest.raises(UnknownTask, match="no task 'b'"):
         store.task_statuses(["b"])
+
+
+def test_a_tasks_status_names_its_harness(store):
+    command = task("b")
+    command.harness.preset = "command"
+    store.add_tasks([task("a"), command], now=0.0)
+    assert [(s.task_id, s.harness) for s in store.task_statuses([])] == [("a", "codex"), ("b", "command")]
+    assert [s.harness for s in store.task_statuses(["b"])] == ["command"]
 
 
 @given(

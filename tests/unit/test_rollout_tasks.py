@@ -89,8 +89,28 @@ def test_a_good_task_has_no_problems():
         ({"instruction": "  "}, "instruction: required (empty)"),
         ({"runtime": {"kind": "vm"}}, "runtime.kind: unknown runtime 'vm' (known: local, docker)"),
         ({"runtime": {"kind": "docker"}}, "runtime.image: required for runtime 'docker'"),
-        ({"evaluator": {"kind": "llm"}}, "evaluator.kind: unknown evaluator 'llm' (known: '', 'command', 'python', 'swe')"),
+        (
+            {"evaluator": {"kind": "llm"}},
+            "evaluator.kind: unknown evaluator 'llm' (known: '', 'command', 'python', 'swe', 'harbor', 'gym')",
+        ),
+        (
+            {"runtime": {"kind": "docker", "image": "x"}, "evaluator": {"kind": "harbor"}},
+            "evaluator.harbor.image: required",
+        ),
+        (
+            {"evaluator": {"kind": "harbor", "harbor": {"image": "x-tests"}}},
+            "evaluator.harbor: a Harbor task runs in runtime 'docker'",
+        ),
         ({"evaluator": {"kind": "command"}}, "evaluator.command: required for evaluator 'command'"),
+        ({"evaluator": {"kind": "gym"}}, "evaluator.gym.url: '' is not an http(s) URL"),
+        (
+            {"evaluator": {"kind": "gym", "gym": {"url": "http://h:1", "rowJson": "[1]"}}},
+            "evaluator.gym.row_json: must be a JSON object",
+        ),
+        (
+            {"evaluator": {"kind": "gym", "gym": {"url": "http://h:1", "rowJson": "{oops"}}},
+            "evaluator.gym.row_json: must be a JSON object",
+        ),
         (
             {"evaluator": {"kind": "python", "callable": "score"}},
             "evaluator.callable: 'score' is not 'module:function'",
@@ -165,7 +185,10 @@ def test_parse_task_lines_reads_jsonl_skipping_blanks_and_comments():
             'tasks.jsonl:2: Message type "polar.v1.Task" has no field named "instruktion"',
         ),
         ('{"groupSize": "many"}', "tasks.jsonl:2: Failed to parse groupSize field"),
-        ('{"groupSize": 0, "instruction": "x", "harness": {"preset": "pi"}}', "tasks.jsonl:2: group_size: must be between 1 and 4096"),
+        (
+            '{"groupSize": 0, "instruction": "x", "harness": {"preset": "pi"}}',
+            "tasks.jsonl:2: group_size: must be between 1 and 4096",
+        ),
         (
             '{"taskId": "a", "groupSize": 1, "instruction": "x", "harness": {"preset": "pi"}}',
             "tasks.jsonl:2: task_id: 'a' repeats line 1",

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from polar.app.node.runtimes import LocalProvider, RuntimeFailure, available_providers
 from polar.rollout import tasks
-from polar.rollout.runtimes import LocalProvider, RuntimeFailure, available_providers
 from polar.rollout.templates import (
     TemplateRefused,
     TemplateSources,
@@ -100,13 +100,17 @@ def test_no_text_escapes_the_root(tree, template):
 def test_what_no_node_takes_is_refused_at_submit(template):
     assert template_problem(template) is not None
     task = rollout_pb2.Task(
-        task_id="t", instruction="x", harness=rollout_pb2.HarnessSpec(preset="command", command=["true"]),
+        task_id="t",
+        instruction="x",
+        harness=rollout_pb2.HarnessSpec(preset="command", command=["true"]),
         runtime=rollout_pb2.RuntimeSpec(kind="local", template=template),
-    )  # fmt: skip
+    )
     assert any(problem.startswith("runtime.template: ") for problem in tasks.validate_task(tasks.normalize_task(task)))
 
 
-@pytest.mark.parametrize("template", ["https://github.com/o/r.git", "git@github.com:o/r.git", "ssh://h/r", "examples/agent", "/abs/x"])
+@pytest.mark.parametrize(
+    "template", ["https://github.com/o/r.git", "git@github.com:o/r.git", "ssh://h/r", "examples/agent", "/abs/x"]
+)
 def test_remote_git_and_plain_paths_pass_the_submit_check(template):
     assert template_problem(template) is None
 
@@ -121,7 +125,9 @@ def test_a_folder_outside_the_roots_names_them_and_the_option(tree):
 def test_roots_default_to_the_working_folder(tmp_path):
     assert parse_roots("", cwd=tmp_path) == [tmp_path]
     assert parse_roots(os.pathsep.join(["a", "/b"]), cwd=tmp_path) == [tmp_path / "a", Path("/b")]
-    assert parse_sources("", " https://h/a/ ,, git@h:a/", cwd=tmp_path) == TemplateSources((tmp_path,), ("https://h/a/", "git@h:a/"))
+    assert parse_sources("", " https://h/a/ ,, git@h:a/", cwd=tmp_path) == TemplateSources(
+        (tmp_path,), ("https://h/a/", "git@h:a/")
+    )
 
 
 async def test_a_node_provider_refuses_a_template_outside_its_roots(tree, tmp_path):
@@ -129,7 +135,9 @@ async def test_a_node_provider_refuses_a_template_outside_its_roots(tree, tmp_pa
     with pytest.raises(RuntimeFailure, match="outside the node's template roots"):
         await provider.create(rollout_pb2.RuntimeSpec(kind="local", template=str(tree / "root" / "out")), name="s")
     assert list((tmp_path / "work").iterdir()) == []  # nothing left behind
-    runtime = await provider.create(rollout_pb2.RuntimeSpec(kind="local", template=str(tree / "root" / "link-in")), name="s")
+    runtime = await provider.create(
+        rollout_pb2.RuntimeSpec(kind="local", template=str(tree / "root" / "link-in")), name="s"
+    )
     try:
         assert (runtime.workspace / "b").is_dir()
     finally:
@@ -137,7 +145,9 @@ async def test_a_node_provider_refuses_a_template_outside_its_roots(tree, tmp_pa
     sources = TemplateSources((tree / "root",), ("https://git.example/acme/",))
     assert available_providers(tmp_path / "w", sources)["local"].templates == sources
     with pytest.raises(RuntimeFailure, match="not among the node's allowed sources"):
-        await provider.create(rollout_pb2.RuntimeSpec(kind="local", template="https://git.example/acme/r.git"), name="s")
+        await provider.create(
+            rollout_pb2.RuntimeSpec(kind="local", template="https://git.example/acme/r.git"), name="s"
+        )
     assert list((tmp_path / "work").iterdir()) == []
 
 

@@ -160,7 +160,9 @@ def test_tied_logits_are_kept_or_dropped_together():
 @given(seed=seeds, temperature=temperatures, top_k=top_ks, top_p=top_ps, draw_seed=seeds)
 def test_sampled_token_is_allowed_and_carries_its_processed_logprob(seed, temperature, top_k, top_p, draw_seed):
     logits = random_logits(seed, rows=3)
-    tokens, logprobs = sample_next_tokens(logits, *params(3, temperature, top_k, top_p), [new_generator(draw_seed + i) for i in range(3)])
+    tokens, logprobs = sample_next_tokens(
+        logits, *params(3, temperature, top_k, top_p), [new_generator(draw_seed + i) for i in range(3)]
+    )
     expected = processed_logprobs(logits, temperature, top_k, top_p)
     for row in range(3):
         assert math.isfinite(expected[row, tokens[row]].item())
@@ -169,9 +171,13 @@ def test_sampled_token_is_allowed_and_carries_its_processed_logprob(seed, temper
 
 @settings(max_examples=100, deadline=None)
 @given(
-    seed=seeds, temperature=temperatures, top_k=top_ks, top_p=top_ps, draw_seed=seeds,
+    seed=seeds,
+    temperature=temperatures,
+    top_k=top_ks,
+    top_p=top_ps,
+    draw_seed=seeds,
     forced=st.lists(st.integers(-1, VOCAB - 1), min_size=3, max_size=3),
-)  # fmt: skip
+)
 def test_a_forced_token_is_taken_with_its_processed_logprob_and_other_rows_sample_as_before(
     seed, temperature, top_k, top_p, draw_seed, forced
 ):
@@ -207,11 +213,15 @@ def test_greedy_rows_draw_nothing_from_their_generator():
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=seeds, draw_seed=seeds, others=st.lists(st.tuples(temperatures, seeds), max_size=5), position=st.integers(0, 5))
+@given(
+    seed=seeds, draw_seed=seeds, others=st.lists(st.tuples(temperatures, seeds), max_size=5), position=st.integers(0, 5)
+)
 def test_a_rows_token_does_not_depend_on_the_rest_of_the_batch(seed, draw_seed, others, position):
     position = min(position, len(others))
     logits = random_logits(seed, rows=len(others) + 1)
-    alone, alone_logprob = sample_next_tokens(logits[position : position + 1], *params(1, 0.8, 20, 0.9), [new_generator(draw_seed)])
+    alone, alone_logprob = sample_next_tokens(
+        logits[position : position + 1], *params(1, 0.8, 20, 0.9), [new_generator(draw_seed)]
+    )
     rows = [(t, s) for t, s in others]
     rows.insert(position, (0.8, draw_seed))
     temperature = torch.tensor([t for t, _ in rows])
@@ -242,9 +252,7 @@ def test_sample_frequencies_match_the_distribution():
     expected = processed_logprobs(logits, 0.9, 0, 0.95).exp()[0]
     generator = new_generator(5)
     draws = 20_000
-    tokens, _ = sample_next_tokens(
-        logits.expand(draws, -1), *params(draws, 0.9, 0, 0.95), [generator] * draws
-    )
+    tokens, _ = sample_next_tokens(logits.expand(draws, -1), *params(draws, 0.9, 0, 0.95), [generator] * draws)
     frequencies = torch.bincount(tokens, minlength=6).double() / draws
     assert torch.allclose(frequencies, expected.double(), atol=0.012)
     assert frequencies[expected == 0].sum().item() == 0

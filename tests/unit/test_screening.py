@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from polar.rollout.client import Group
 from polar.trajectory import CallView, build, views_from_protos
 from polar.trajectory.call_stats import CALL_COUNTS, call_counts
 from polar.v1 import common_pb2
-from trainer.rollout_link import Group
 from trainer.screening import SCREEN_KEYS, Screener
 
 BUDGET = 100
@@ -52,7 +52,11 @@ def test_a_group_holding_a_trace_past_the_budget_leaves_the_step_whole_by_defaul
     screened = screen.screen([fits, holds_long])
     assert screened.groups == [fits] and screened.dropped == ["t2"]
     counts = screened.counts
-    assert (counts["traces_too_long"], counts["groups_too_long_dropped"], counts["sessions_too_long_dropped"]) == (2, 1, 0)
+    assert (counts["traces_too_long"], counts["groups_too_long_dropped"], counts["sessions_too_long_dropped"]) == (
+        2,
+        1,
+        0,
+    )
     [warning] = warnings
     assert "task t2" in warning and "2 of its 3 sessions" in warning and "session d, 152 tokens" in warning
     assert "the group left out" in warning
@@ -132,7 +136,11 @@ def test_call_counts_hold_their_definitions(plan):
         calls.append(call(f"c{index:04d}", [1, prompt], sampled, truncated=truncated, **fields))
     counts = call_counts(calls)
     assert set(counts) == set(CALL_COUNTS) and counts["calls"] == len(plan)
-    for key, outcome in (("calls_aborted", "aborted"), ("calls_failed", "failed"), ("calls_prompt_too_long", "too_long")):
+    for key, outcome in (
+        ("calls_aborted", "aborted"),
+        ("calls_failed", "failed"),
+        ("calls_prompt_too_long", "too_long"),
+    ):
         assert counts[key] == sum(o == outcome for _, o, _ in plan)
     assert counts["calls_truncated"] == sum(t for _, _, t in plan)
     # A retry repeats the prompt of an earlier call that did not succeed.

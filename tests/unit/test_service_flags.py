@@ -8,15 +8,17 @@ import dataclasses
 
 import pytest
 
-from polar.cli import build_parser
+from polar.app.cli import build_parser
 from polar.config import ConfigError, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, load_config, settings
-from polar.services import ENVOY, SERVICES
-from polar.service import Service
+from polar.service_base import Service
+from polar.service_table import ENVOY, SERVICES
 
 
 def _serve_parser(name: str) -> argparse.ArgumentParser:
     root = build_parser()
-    serve = next(a for a in root._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices["serve"]
+    serve = next(a for a in root._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices[
+        "serve"
+    ]
     return next(a for a in serve._subparsers._group_actions if isinstance(a, argparse._SubParsersAction)).choices[name]
 
 
@@ -48,9 +50,15 @@ def test_sections_of_one_service_share_no_field_name():
 
 
 CHANGED = {
-    "inference": (InferenceConfig(engine="scripted", model="m", host="0.0.0.0", port=0, max_batch_size=3, script="s.json"),),
+    "inference": (
+        InferenceConfig(engine="scripted", model="m", host="0.0.0.0", port=0, max_batch_size=3, script="s.json"),
+    ),
     "rollout": (RolloutConfig(port=0, store="a.db", heartbeat_interval_s=0.25, node_timeout_s=7.5, max_attempts=5),),
-    "gateway": (GatewayConfig(port=0, history="template", inference_address="10.0.0.1:5", base_url="http://x", generate_timeout_s=3.5),),
+    "gateway": (
+        GatewayConfig(
+            port=0, history="template", inference_address="10.0.0.1:5", base_url="http://x", generate_timeout_s=3.5
+        ),
+    ),
     "node": (
         NodeConfig(rollout_address="10.0.0.2:50070", ready_slots=0, prewarm=False, harness_path="/opt/bin"),
         GatewayConfig(grpc_port=0, tokenizer="tiny", inference_address="10.0.0.1:5"),

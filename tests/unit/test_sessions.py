@@ -10,10 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.bodies import SpillFolder
-from gateway.sampling import NO_POLICY, SamplingPolicy
+from gateway.body_store import SpillFolder
 from gateway.sessions import Draining, RecordParts, SessionClosed, SessionExists, SessionStore, UnknownSession
 from polar.codec import packed_ids
+from polar.sampling_policy import NO_POLICY, SamplingPolicy
 from polar.v1 import common_pb2, gateway_pb2
 
 pytestmark = pytest.mark.anyio

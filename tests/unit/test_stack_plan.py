@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from polar.cli import build_parser
+from polar.app.cli import build_parser
+from polar.app.stack import Service, StackError, _resolve, plan
 from polar.config import ConfigError, EnvoyConfig, GatewayConfig, NodeConfig, RolloutConfig, StackConfig, load_config
-from polar.stack import Service, StackError, _resolve, plan
 
 
 def _option(argv: tuple[str, ...], name: str) -> str:
@@ -57,7 +57,12 @@ def test_the_gateway_port_must_be_bound_before_planning():
 
 def test_a_service_s_reports_fill_later_arguments_and_its_table_line():
     [envoy] = [spec for spec in plan(StackConfig()) if spec.name == "envoy"]
-    service = Service(envoy, process=None, port=50051, reported={"base_url": "http://127.0.0.1:8123", "admin": "unix:/tmp/e/admin.sock"})
+    service = Service(
+        envoy,
+        process=None,
+        port=50051,
+        reported={"base_url": "http://127.0.0.1:8123", "admin": "unix:/tmp/e/admin.sock"},
+    )
     started = {"envoy": service}
     assert _resolve("{envoy}", started) == "127.0.0.1:50051"
     assert _resolve("{envoy.base_url}", started) == "http://127.0.0.1:8123"
@@ -73,10 +78,19 @@ def test_every_rollout_and_node_setting_reaches_its_command_line():
         host="0.0.0.0", port=0, store="runs/a.db", heartbeat_interval_s=0.25, node_timeout_s=7.5, max_attempts=5
     )
     node_config = NodeConfig(
-        rollout_address="10.0.0.2:50070", init_workers=3, ready_slots=0, running_slots=9, postrun_workers=2,
-        prewarm=False, work_root="/srv/sessions", harness_path="/opt/clis/bin", harness_output_limit=999,
-    )  # fmt: skip
-    gateway_config = GatewayConfig(port=8001, grpc_port=0, history="template", tokenizer="tiny", generate_timeout_s=3600.0)
+        rollout_address="10.0.0.2:50070",
+        init_workers=3,
+        ready_slots=0,
+        running_slots=9,
+        postrun_workers=2,
+        prewarm=False,
+        work_root="/srv/sessions",
+        harness_path="/opt/clis/bin",
+        harness_output_limit=999,
+    )
+    gateway_config = GatewayConfig(
+        port=8001, grpc_port=0, history="template", tokenizer="tiny", generate_timeout_s=3600.0
+    )
     rollout, *_, node = plan(StackConfig(rollout=rollout_config, node=node_config, gateway=gateway_config))
 
     served = _parse(rollout.argv)
@@ -85,10 +99,24 @@ def test_every_rollout_and_node_setting_reaches_its_command_line():
 
     node_args = _parse(node.argv)
     assert node_args.rollout_address == "10.0.0.2:50070"
-    assert (node_args.init_workers, node_args.ready_slots, node_args.running_slots, node_args.postrun_workers) == (3, 0, 9, 2)
+    assert (node_args.init_workers, node_args.ready_slots, node_args.running_slots, node_args.postrun_workers) == (
+        3,
+        0,
+        9,
+        2,
+    )
     assert node_args.prewarm is False
-    assert (node_args.work_root, node_args.harness_path, node_args.harness_output_limit) == ("/srv/sessions", "/opt/clis/bin", 999)
-    assert (node_args.port, node_args.grpc_port, node_args.history, node_args.tokenizer) == (8001, 0, "template", "tiny")
+    assert (node_args.work_root, node_args.harness_path, node_args.harness_output_limit) == (
+        "/srv/sessions",
+        "/opt/clis/bin",
+        999,
+    )
+    assert (node_args.port, node_args.grpc_port, node_args.history, node_args.tokenizer) == (
+        8001,
+        0,
+        "template",
+        "tiny",
+    )
     assert node_args.generate_timeout_s == 3600.0
     assert "reports to 10.0.0.2:50070" in node.detail
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from polar.swe.grading import files_in_patch, files_to_test, grade, parse_pytest_log
+from polar.app.swe.grading import files_in_patch, files_to_test, grade, parse_pytest_log
 
 F2P = ["tests/test_a.py::test_fixed"]
 P2P = ["tests/test_a.py::test_kept", "tests/test_b.py::TestB::test_method"]
@@ -54,7 +54,9 @@ def test_a_missing_pass_to_pass_test_scores_0() -> None:
 
 
 def test_an_erroring_test_does_not_pass() -> None:
-    log = PASSING_LOG.replace("PASSED tests/test_a.py::test_kept", "ERROR tests/test_a.py::test_kept - fixture 'x' not found")
+    log = PASSING_LOG.replace(
+        "PASSED tests/test_a.py::test_kept", "ERROR tests/test_a.py::test_kept - fixture 'x' not found"
+    )
     assert grade(F2P, P2P, parse_pytest_log(log)).reward == 0.0
 
 
@@ -109,7 +111,10 @@ def test_lines_a_test_prints_before_the_summary_are_not_results() -> None:
         "----------------------------- Captured stdout call -----------------------------\n"
         "PASSED tests/test_a.py::test_fixed\n"
         "tests/test_a.py::test_fixed PASSED",
-    ).replace("PASSED tests/test_a.py::test_fixed\nPASSED tests/test_a.py::test_kept", "FAILED tests/test_a.py::test_fixed\nPASSED tests/test_a.py::test_kept")
+    ).replace(
+        "PASSED tests/test_a.py::test_fixed\nPASSED tests/test_a.py::test_kept",
+        "FAILED tests/test_a.py::test_fixed\nPASSED tests/test_a.py::test_kept",
+    )
     assert parse_pytest_log(log)["tests/test_a.py::test_fixed"] == "FAILED"
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from polar.app.swe.grading import files_in_patch
+from polar.app.swe.instances import ImportOptions, InstanceError, import_tasks
 from polar.rollout.tasks import normalize_task, validate_task
-from polar.swe.grading import files_in_patch
-from polar.swe.instances import ImportOptions, InstanceError, import_tasks
 
 GOLD = """\
 diff --git a/astropy/modeling/separable.py b/astropy/modeling/separable.py
@@ -29,7 +29,10 @@ diff --git a/astropy/modeling/tests/test_separable.py b/astropy/modeling/tests/t
 +    pass
 """
 F2P = ["astropy/modeling/tests/test_separable.py::test_separable[compound_model6-result6]"]
-P2P = ["astropy/modeling/tests/test_separable.py::test_coord_matrix", "astropy/modeling/tests/test_separable.py::test_cdot"]
+P2P = [
+    "astropy/modeling/tests/test_separable.py::test_coord_matrix",
+    "astropy/modeling/tests/test_separable.py::test_cdot",
+]
 PROBLEM = "Modeling's `separability_matrix` does not compute separability correctly for nested CompoundModels"
 
 
@@ -54,9 +57,7 @@ def swebench_record(**changes) -> dict:
 
 def swegym_record() -> dict:
     """A SWE-Gym instance: the same fields, test lists as JSON lists."""
-    return swebench_record(
-        instance_id="getmoto__moto-5752", repo="getmoto/moto", FAIL_TO_PASS=F2P, PASS_TO_PASS=P2P
-    )
+    return swebench_record(instance_id="getmoto__moto-5752", repo="getmoto/moto", FAIL_TO_PASS=F2P, PASS_TO_PASS=P2P)
 
 
 def write_jsonl(path: Path, *records: dict) -> Path:
@@ -70,7 +71,8 @@ def test_swebench_instances_run_in_their_image(tmp_path: Path) -> None:
     assert task.task_id == "astropy__astropy-12907"
     assert task.runtime.kind == "docker"
     assert task.runtime.image == "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest"
-    assert [*task.runtime.prepare] == ['cp -a /testbed/. . && rm -rf /testbed && ln -s "$PWD" /testbed']
+    # The workspace is the image's /testbed (filled from the image), not a copy beside it.
+    assert (task.runtime.workdir, [*task.runtime.prepare]) == ("/testbed", [])
     swe = task.evaluator.swe
     assert task.evaluator.kind == "swe"
     assert (list(swe.fail_to_pass), list(swe.pass_to_pass)) == (F2P, P2P)
@@ -93,7 +95,9 @@ def test_an_image_template_overrides_the_rule(tmp_path: Path) -> None:
 
 def test_nothing_of_the_answer_is_in_the_instruction(tmp_path: Path) -> None:
     for hints in (False, True):
-        [task] = import_tasks(write_jsonl(tmp_path / "i.jsonl", swebench_record()), ImportOptions("swebench", hints=hints))
+        [task] = import_tasks(
+            write_jsonl(tmp_path / "i.jsonl", swebench_record()), ImportOptions("swebench", hints=hints)
+        )
         assert PROBLEM in task.instruction
         assert ("right matrix is replaced" in task.instruction) is hints
         secrets = [*F2P, *P2P, "test_nested_compound_models", "test_separable", "= right", "cright"]
@@ -107,7 +111,9 @@ def test_r2e_instances(tmp_path: Path) -> None:
         "commit_hash": "0123456789abcdef0123456789abcdef01234567",
         "docker_image": "namanjain12/pillow_final:0123456789ab",
         "problem_statement": "Image.crop loses the palette.",
-        "expected_output_json": json.dumps({"test_crop.py::test_palette": "PASSED", "test_crop.py::test_slow": "FAILED"}),
+        "expected_output_json": json.dumps(
+            {"test_crop.py::test_palette": "PASSED", "test_crop.py::test_slow": "FAILED"}
+        ),
     }
     [task] = import_tasks(write_jsonl(tmp_path / "i.jsonl", record), ImportOptions(flavor="r2e"))
     assert task.runtime.image == "namanjain12/pillow_final:0123456789ab"
@@ -120,8 +126,9 @@ def test_a_json_array_file(tmp_path: Path) -> None:
     path = tmp_path / "i.json"
     path.write_text(json.dumps([swebench_record(), swegym_record()]))
     assert [task.task_id for task in import_tasks(path, ImportOptions("swebench"))] == [
-        "astropy__astropy-12907", "getmoto__moto-5752"
-    ]  # fmt: skip
+        "astropy__astropy-12907",
+        "getmoto__moto-5752",
+    ]
 
 
 @pytest.mark.parametrize(

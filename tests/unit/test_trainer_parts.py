@@ -13,13 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from polar.config import TrainerConfig
+from polar.rollout.client import Group
 from polar.v1 import common_pb2
 from trainer.backends.base import BackendError, activation_bytes, recompute_activations
 from trainer.checkpoints import CheckpointError, TrainerState, check_compatible, latest_checkpoint, save_checkpoint
+from trainer.dataset import Dataset, DatasetError
 from trainer.evaluation import pass_at_k
 from trainer.loop import group_sequences, stale_lag, too_stale, trace_sequence
 from trainer.metrics import STEP_KEYS, MetricsLog, read_metrics
-from trainer.rollout_link import Dataset, DatasetError, Group
 
 TASK_LINE = (
     '{{"taskId": "{id}", "instruction": "say {id}", "groupSize": 2, '
@@ -60,27 +61,43 @@ def test_dataset_errors_name_the_file_and_line(tmp_path: Path) -> None:
         Dataset(str(empty), seed=0, prefix="p")
 
 
-def trajectory(session: str, reward: float, versions: tuple[int, int], traces: list[common_pb2.Trace]) -> common_pb2.Trajectory:
+def trajectory(
+    session: str, reward: float, versions: tuple[int, int], traces: list[common_pb2.Trace]
+) -> common_pb2.Trajectory:
     return common_pb2.Trajectory(
-        session_id=session, trajectory_id=session, reward=reward, weight=1.0,
-        min_policy_version=versions[0], max_policy_version=versions[1], traces=traces,
-    )  # fmt: skip
+        session_id=session,
+        trajectory_id=session,
+        reward=reward,
+        weight=1.0,
+        min_policy_version=versions[0],
+        max_policy_version=versions[1],
+        traces=traces,
+    )
 
 
-def trace(trace_id: str, mask: list[int], weight: float, *, truncated: bool = False, temperature: float = 0.7) -> common_pb2.Trace:
+def trace(
+    trace_id: str, mask: list[int], weight: float, *, truncated: bool = False, temperature: float = 0.7
+) -> common_pb2.Trace:
     prompt = mask.index(1) if 1 in mask else len(mask)
     segments = [common_pb2.TraceSegment(kind=common_pb2.TraceSegment.KIND_PROMPT, start=0, end=prompt)]
     if prompt < len(mask):
         segments.append(
             common_pb2.TraceSegment(
-                kind=common_pb2.TraceSegment.KIND_SAMPLED, start=prompt, end=len(mask),
+                kind=common_pb2.TraceSegment.KIND_SAMPLED,
+                start=prompt,
+                end=len(mask),
                 sampling=common_pb2.SamplingParams(temperature=temperature, top_p=0.9, top_k=5),
             )
-        )  # fmt: skip
+        )
     return common_pb2.Trace(
-        trace_id=trace_id, token_ids=list(range(len(mask))), loss_mask=mask,
-        behaviour_logprobs=[-0.5 * m for m in mask], segments=segments, weight=weight, truncated=truncated,
-    )  # fmt: skip
+        trace_id=trace_id,
+        token_ids=list(range(len(mask))),
+        loss_mask=mask,
+        behaviour_logprobs=[-0.5 * m for m in mask],
+        segments=segments,
+        weight=weight,
+        truncated=truncated,
+    )
 
 
 def test_stale_lag_is_the_oldest_sampled_token() -> None:
@@ -190,8 +207,9 @@ class FakeBackend:
 def test_checkpoints_are_complete_latest_and_pruned(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path) is None
     for step in (1, 2, 3):
-        state = TrainerState(step=step, cursor=f"c{step}", policy_version=step, base_model="tiny",
-                             model=FakeBackend.model_description)  # fmt: skip
+        state = TrainerState(
+            step=step, cursor=f"c{step}", policy_version=step, base_model="tiny", model=FakeBackend.model_description
+        )
         save_checkpoint(tmp_path / "checkpoints", FakeBackend(), state, "tiny", keep=2)
     latest = latest_checkpoint(tmp_path)
     assert latest is not None and latest.state.step == 3 and latest.state.cursor == "c3"
@@ -209,8 +227,8 @@ def test_checkpoints_are_complete_latest_and_pruned(tmp_path: Path) -> None:
 
 
 def test_a_group_whose_traces_are_not_what_the_engine_sampled_stops_the_run() -> None:
+    from polar.testing.trajectories import SessionShape, tool_session
     from polar.trajectory import build, session_trajectory
-    from polar.trajectory.synthetic import SessionShape, tool_session
     from trainer.loop import TrainingError, check_faithful
 
     shape = SessionShape(system_tokens=20, task_tokens=(5, 10), tool_tokens=(5, 10), sample_tokens=(3, 8))
@@ -226,8 +244,11 @@ def test_a_group_whose_traces_are_not_what_the_engine_sampled_stops_the_run() ->
 
 
 @given(
-    tokens=st.integers(1, 1 << 17), more=st.integers(1, 1 << 17), memory=st.integers(1 << 20, 1 << 40),
-    layers=st.integers(1, 80), hidden=st.integers(16, 8192),
+    tokens=st.integers(1, 1 << 17),
+    more=st.integers(1, 1 << 17),
+    memory=st.integers(1 << 20, 1 << 40),
+    layers=st.integers(1, 80),
+    hidden=st.integers(16, 8192),
 )
 def test_auto_recomputes_from_some_micro_batch_size_on_and_never_below_it(tokens, more, memory, layers, hidden) -> None:
     def wanted(setting: str, count: int) -> bool:

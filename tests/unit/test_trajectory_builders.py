@@ -55,8 +55,12 @@ def test_stopped_and_cut_responses_both_merge_into_one_trace():
     assert trace.token_ids[22] == END and trace.loss_mask[22] == 0
     assert trace.policy_versions == (3, 4, 4)
     assert [(s.kind, s.start, s.end, s.call_id) for s in trace.segments] == [
-        (1, 0, 8, "c1"), (2, 8, 11, "c1"), (1, 11, 20, "c2"), (2, 20, 22, "c2"),
-        (1, 22, 32, "c3"), (2, 32, 34, "c3"),
+        (1, 0, 8, "c1"),
+        (2, 8, 11, "c1"),
+        (1, 11, 20, "c2"),
+        (2, 20, 22, "c2"),
+        (1, 22, 32, "c3"),
+        (2, 32, 34, "c3"),
     ]
     assert result.stats == MergeStats(calls=3, chains=1, tokens_before=11 + 22 + 34, tokens_after=34, forks={})
 
@@ -199,8 +203,10 @@ def _sampled_segments(trace):
 def test_sampled_segments_carry_their_call_s_sampling_and_prompts_carry_none():
     first = sampled_call("c1", [5, 6], [7, END], WARM)
     second = sampled_call("c2", [5, 6, 7, END, 8], [9, END], GREEDY)
-    for builder, expected in (("prefix_merging", [[("c1", WARM), ("c2", GREEDY)]]),
-                              ("per_request", [[("c1", WARM)], [("c2", GREEDY)]])):  # fmt: skip
+    for builder, expected in (
+        ("prefix_merging", [[("c1", WARM), ("c2", GREEDY)]]),
+        ("per_request", [[("c1", WARM)], [("c2", GREEDY)]]),
+    ):
         result = build(builder, [first, second])
         verify_or_raise([first, second], result.traces)
         assert [_sampled_segments(trace) for trace in result.traces] == expected

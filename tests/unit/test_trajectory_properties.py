@@ -1,4 +1,4 @@
-"""Property tests of both builders over generated sessions (polar.trajectory.synthetic)."""
+"""Property tests of both builders over generated sessions (polar.testing.trajectories)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from polar.testing.trajectories import EVENTS, generate_session
 from polar.trajectory import build, verify
-from polar.trajectory.synthetic import EVENTS, generate_session
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -55,9 +55,7 @@ def test_every_trace_of_both_builders_verifies(session):
 @given(sessions)
 def test_merged_traces_hold_each_sampled_token_once(session):
     traces = build("prefix_merging", session.calls).traces
-    sampled_segments = Counter(
-        s.call_id for t in traces for s in t.segments if s.kind == 2
-    )
+    sampled_segments = Counter(s.call_id for t in traces for s in t.segments if s.kind == 2)
     with_samples = {c.call_id for c in session.calls if len(c.sampled_ids)}
     assert set(sampled_segments) == with_samples
     assert set(sampled_segments.values()) <= {1}

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from polar.testing.trajectories import EVENTS, generate_session
 from polar.trajectory import build, credit_traces, session_loss, token_share_weights
 from polar.trajectory.rewards import token_weights, with_token_share_weights
-from polar.trajectory.synthetic import EVENTS, generate_session
 
 sessions = st.builds(
     generate_session,
@@ -45,7 +45,7 @@ def test_session_loss_does_not_depend_on_how_the_session_was_split(session, adva
             values = np.zeros(len(trace.token_ids))
             for segment in trace.segments:
                 if segment.kind == 2:
-                    values[segment.start:segment.end] = per_call[segment.call_id]
+                    values[segment.start : segment.end] = per_call[segment.call_id]
             token_losses.append(values)
         losses[builder] = session_loss(traces, token_losses)
         credits = credit_traces(traces, advantage, session_weight)

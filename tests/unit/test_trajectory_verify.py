@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from polar.testing.trajectories import EVENTS, generate_session
 from polar.trajectory import (
     Segment,
     SegmentKind,
@@ -24,7 +25,6 @@ from polar.trajectory import (
     verify_or_raise,
     write_session,
 )
-from polar.trajectory.synthetic import EVENTS, generate_session
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 CORRUPTIONS = ("mask_off", "mask_on", "token", "logprob", "context", "version")

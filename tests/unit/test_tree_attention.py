@@ -34,8 +34,13 @@ def dense_mask(layout: TreeLayout) -> torch.Tensor:
 
 
 @settings(max_examples=60, deadline=None)
-@given(layout=trees(), heads=st.sampled_from([(4, 2), (3, 3), (6, 2)]), tokens_first=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
+@given(
+    layout=trees(),
+    heads=st.sampled_from([(4, 2), (3, 3), (6, 2)]),
+    tokens_first=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
 def test_tree_attention_is_attention_under_the_trees_mask(layout, heads, tokens_first, dtype, seed):
     generator = torch.Generator().manual_seed(seed)
     total, dim = layout.spans[-1][1], 8
@@ -43,8 +48,9 @@ def test_tree_attention_is_attention_under_the_trees_mask(layout, heads, tokens_
     inputs = [torch.randn(count, total, dim, generator=generator, dtype=torch.float64) for count in counts]
     grad = torch.randn(heads[0], total, dim, generator=generator, dtype=torch.float64)
     exact = [t.clone().requires_grad_() for t in inputs]
-    expected = F.scaled_dot_product_attention(*(t[None] for t in exact), attn_mask=dense_mask(layout),
-                                              enable_gqa=True)[0]  # fmt: skip
+    expected = F.scaled_dot_product_attention(*(t[None] for t in exact), attn_mask=dense_mask(layout), enable_gqa=True)[
+        0
+    ]
     expected.backward(grad)
     ours = [t.to(dtype).requires_grad_() for t in inputs]
     # Megatron and transformers hand over [heads, T, d] views of tensors laid out token by token.

@@ -23,8 +23,14 @@ def request(prompt=(1, 2, 3), model="", **sampling) -> inference_pb2.GenerateReq
 def test_valid_request_converts_every_field():
     got = validate_generate(
         request(
-            prompt=(0, 99), model="tiny", temperature=0.5, top_p=0.25, top_k=7, stop_token_ids=[5, 6],
-            seed=42, ignore_eos=True,
+            prompt=(0, 99),
+            model="tiny",
+            temperature=0.5,
+            top_p=0.25,
+            top_k=7,
+            stop_token_ids=[5, 6],
+            seed=42,
+            ignore_eos=True,
         ),
         MODEL,
     )

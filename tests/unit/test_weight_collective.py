@@ -34,9 +34,16 @@ def _store() -> collective.dist.TCPStore:
 
 def _header(rank: int, world_size: int, group_id: str, bucket_bytes: int, tensor_count: int, timeout_s: float = 30):
     return inference_pb2.CollectiveWeightsHeader(
-        tensor_count=tensor_count, backend="gloo", rendezvous=f"127.0.0.1:{_store().port}", group_id=group_id,
-        world_size=world_size, rank=rank, bucket_bytes=bucket_bytes, buffer_count=2, timeout_seconds=timeout_s,
-    )  # fmt: skip
+        tensor_count=tensor_count,
+        backend="gloo",
+        rendezvous=f"127.0.0.1:{_store().port}",
+        group_id=group_id,
+        world_size=world_size,
+        rank=rank,
+        bucket_bytes=bucket_bytes,
+        buffer_count=2,
+        timeout_seconds=timeout_s,
+    )
 
 
 class _Server(threading.Thread):
@@ -54,14 +61,16 @@ class _Server(threading.Thread):
 
     def run(self) -> None:
         try:
-            buffers = [torch.empty(self.header.bucket_bytes, dtype=torch.uint8) for _ in range(self.header.buffer_count)]
+            buffers = [
+                torch.empty(self.header.bucket_bytes, dtype=torch.uint8) for _ in range(self.header.buffer_count)
+            ]
             membership = collective.Membership(self.header)
             membership.join(self.header, torch.device("cpu"))  # on this thread, which also runs every broadcast
             self.group = membership.group
             while (bucket := self.inbox.get()) is not None:
                 collective.receive_bucket(self.group, bucket, self.receiver, buffers)
             self.received = self.receiver.finish()
-        except BaseException as exc:  # noqa: BLE001 - the test reads it
+        except BaseException as exc:
             self.error = exc
         finally:
             if self.group is not None:
@@ -87,11 +96,17 @@ def _trainer_group(world_size: int, group_id: str, timeout_s: float = 30) -> col
 )
 def test_every_server_stages_the_trainer_s_tensors_bit_for_bit(shapes, dtypes, bucket_bytes, servers, seed):
     generator = torch.Generator().manual_seed(seed)
-    tensors = {f"t{i}.weight": torch.randn(shape, generator=generator).to(dtype) for i, (shape, dtype) in enumerate(zip(shapes, dtypes))}
+    tensors = {
+        f"t{i}.weight": torch.randn(shape, generator=generator).to(dtype)
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes))
+    }
     expected = {name: t.float() if t.dtype == torch.float64 else t for name, t in tensors.items()}
     specs = {name: ParameterSpec(tuple(t.shape), t.dtype) for name, t in expected.items()}
     group_id = uuid.uuid4().hex
-    members = [_Server(_header(rank, servers + 1, group_id, bucket_bytes, len(tensors)), specs) for rank in range(1, servers + 1)]
+    members = [
+        _Server(_header(rank, servers + 1, group_id, bucket_bytes, len(tensors)), specs)
+        for rank in range(1, servers + 1)
+    ]
     for member in members:
         member.start()
     group = _trainer_group(servers + 1, group_id)

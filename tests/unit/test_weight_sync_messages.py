@@ -44,7 +44,10 @@ def test_the_stream_path_s_bytes_equal_the_tensors(shapes, dtypes, chunk_bytes, 
     """Any tensors, any chunk size (splitting elements too): what the server stages from the
     serialized stream is the trainer's tensors bit for bit (float64, not a wire dtype, as float32)."""
     generator = torch.Generator().manual_seed(seed)
-    tensors = {f"t{i}.weight": torch.randn(shape, generator=generator).to(dtype) for i, (shape, dtype) in enumerate(zip(shapes, dtypes))}
+    tensors = {
+        f"t{i}.weight": torch.randn(shape, generator=generator).to(dtype)
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes))
+    }
     expected = {name: t.float() if t.dtype == torch.float64 else t for name, t in tensors.items()}
     specs = {name: ParameterSpec(tuple(t.shape), t.dtype) for name, t in expected.items()}
     receiver = WeightsReceiver(specs, Staging())
@@ -77,7 +80,10 @@ def test_buckets_carry_every_tensor_exactly_through_two_buffers(shapes, dtypes, 
     pieces of a bucket overlap, and the server's receiver rebuilds the tensors bit for bit while
     the two buffers are handed back and forth."""
     generator = torch.Generator().manual_seed(seed)
-    tensors = {f"t{i}.weight": torch.randn(shape, generator=generator).to(dtype) for i, (shape, dtype) in enumerate(zip(shapes, dtypes))}
+    tensors = {
+        f"t{i}.weight": torch.randn(shape, generator=generator).to(dtype)
+        for i, (shape, dtype) in enumerate(zip(shapes, dtypes))
+    }
     expected = {name: t.float() if t.dtype == torch.float64 else t for name, t in tensors.items()}
     specs = {name: ParameterSpec(tuple(t.shape), t.dtype) for name, t in expected.items()}
     receiver = WeightsReceiver(specs, Staging())
@@ -94,7 +100,9 @@ def test_buckets_carry_every_tensor_exactly_through_two_buffers(shapes, dtypes, 
             assert 0 <= start <= end <= bucket_bytes
             assert all(end <= a or b <= start for a, b in taken)
             taken.append((start, end))
-            receiver.piece(piece.name, piece.dtype, tuple(piece.shape), piece.tensor_offset, buffers[bucket.buffer][start:end])
+            receiver.piece(
+                piece.name, piece.dtype, tuple(piece.shape), piece.tensor_offset, buffers[bucket.buffer][start:end]
+            )
         buffers[bucket.buffer].fill_(0xCD)  # the trainer may now overwrite it: nothing may read it later
         free.put(bucket.buffer)
     received = receiver.finish()

@@ -20,7 +20,9 @@ SPECS = {
 
 
 def header(count: int, note: str = "") -> bytes:
-    return inference_pb2.UpdateWeightsRequest(header=inference_pb2.WeightsHeader(tensor_count=count, note=note)).SerializeToString()
+    return inference_pb2.UpdateWeightsRequest(
+        header=inference_pb2.WeightsHeader(tensor_count=count, note=note)
+    ).SerializeToString()
 
 
 def chunk(name, data, offset=0, dtype="float32", shape=None) -> bytes:
@@ -45,7 +47,11 @@ def test_whole_tensors_round_trip_and_convert_to_the_parameter_dtype():
     embed = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     half = torch.tensor([[1.5, -2.0], [0.25, 8.0]], dtype=torch.float16)
     assembler = WeightsReceiver(SPECS, Staging())
-    for message in (header(2, note="step 7"), chunk("embed.weight", raw(embed)), chunk("half.weight", raw(half), dtype="float16")):
+    for message in (
+        header(2, note="step 7"),
+        chunk("embed.weight", raw(embed)),
+        chunk("half.weight", raw(half), dtype="float16"),
+    ):
         assembler.add(message)
     got = assembler.finish()
     assert assembler.note == "step 7"
@@ -195,7 +201,13 @@ def test_the_wire_reader_reads_what_protobuf_reads(payload, unknown, split_data)
     else:
         c = expected.chunk
         assert isinstance(got, Chunk)
-        assert (got.name, got.dtype, got.shape, got.offset, bytes(got.data)) == (c.name, c.dtype, tuple(c.shape), c.offset, c.data)
+        assert (got.name, got.dtype, got.shape, got.offset, bytes(got.data)) == (
+            c.name,
+            c.dtype,
+            tuple(c.shape),
+            c.offset,
+            c.data,
+        )
 
 
 def test_a_chunk_s_data_is_read_in_place():

@@ -136,16 +136,33 @@ async def test_nothing_is_told_during_the_warm_up():
 
 def test_status_shows_each_envoys_acknowledged_and_refused_versions_and_who_joined_with_which_credential():
     response = rollout_pb2.ListUpstreamsResponse(
-        upstreams=[rollout_pb2.UpstreamInfo(upstream_id="inference-1", cluster="inference", address="10.0.0.2:50051", draining=True,
-                                            credential="gpu-3", credential_role="inference")],
-        envoys=[
-            rollout_pb2.EnvoyInfo(node_id="edge-1", connected=True, version="9.3", acknowledged_version="9.2",
-                                  rejected_version="9.3", error="malformed IP address", credential_role="node"),
+        upstreams=[
+            rollout_pb2.UpstreamInfo(
+                upstream_id="inference-1",
+                cluster="inference",
+                address="10.0.0.2:50051",
+                draining=True,
+                credential="gpu-3",
+                credential_role="inference",
+            )
         ],
-    )  # fmt: skip
+        envoys=[
+            rollout_pb2.EnvoyInfo(
+                node_id="edge-1",
+                connected=True,
+                version="9.3",
+                acknowledged_version="9.2",
+                rejected_version="9.3",
+                error="malformed IP address",
+                credential_role="node",
+            ),
+        ],
+    )
     text = render_envoys(response)
     [upstream] = [line for line in text.splitlines() if line.startswith("inference-1")]
     assert "draining" in upstream and "10.0.0.2:50051" in upstream and upstream.endswith("gpu-3 (inference)")
     [row] = [line for line in text.splitlines() if line.startswith("edge-1")]
-    assert row.split()[:4] == ["edge-1", "yes", "9.3", "9.2"] and row.endswith("stack's own (node)  9.3: malformed IP address")
+    assert row.split()[:4] == ["edge-1", "yes", "9.3", "9.2"] and row.endswith(
+        "stack's own (node)  9.3: malformed IP address"
+    )
     assert render_envoys(rollout_pb2.ListUpstreamsResponse()) == ""

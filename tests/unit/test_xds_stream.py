@@ -3,11 +3,11 @@ to answer; ACK, NACK, stale nonces), as go-control-plane's snapshot cache behave
 
 from __future__ import annotations
 
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
 from hypothesis import given
 from hypothesis import strategies as st
 
-from envoy.config.core.v3 import health_check_pb2
-from envoy.config.endpoint.v3 import endpoint_pb2
 from polar.xds.snapshot import (
     ENDPOINT_TYPE,
     GATEWAY_CLUSTER,
@@ -125,7 +125,10 @@ def test_a_stale_nonce_changes_nothing():
     rules.on_request(EDS, r1.version, r1.nonce, NAMES, "", cache.current("e1"))
     [r2] = rules.on_snapshot(cache.set("e1", resources(B)))
     # A request answering r1 crossed r2 on the wire: stale, even with other names or an error.
-    assert rules.on_request(EDS, r1.version, r1.nonce, [INFERENCE_CLUSTER], "boom", cache.current("e1")) == (STALE, None)
+    assert rules.on_request(EDS, r1.version, r1.nonce, [INFERENCE_CLUSTER], "boom", cache.current("e1")) == (
+        STALE,
+        None,
+    )
     state = rules.types[EDS]
     assert state.names == frozenset(NAMES) and state.rejected == "" and state.nonce == r2.nonce
 

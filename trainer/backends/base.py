@@ -182,8 +182,9 @@ class Backend(abc.ABC):
         """Accumulate the gradients of one micro-batch's loss; `last`: this process's last one."""
         loss.backward()
 
-    def _combine(self, losses: dict[int, float], stats: dict[int, LossStats], tokens: int,
-                 trainable: int) -> tuple[list[float], list[LossStats], int, int]:
+    def _combine(
+        self, losses: dict[int, float], stats: dict[int, LossStats], tokens: int, trainable: int
+    ) -> tuple[list[float], list[LossStats], int, int]:
         """This process's per-micro-batch losses and stats (by index) and counts, as the whole
         update's (losses and stats in micro-batch order); what the caller gets is the leader's."""
         return [losses[i] for i in sorted(losses)], [stats[i] for i in sorted(stats)], tokens, trainable

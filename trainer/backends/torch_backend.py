@@ -15,6 +15,11 @@ would lose the update itself: AdamW moves a weight by about the learning rate pe
 1e-5 to 1e-4 that RL fine-tuning uses that is below half of bf16's spacing for most weights, so
 most of each step rounds away. Logprobs and the loss are always computed in fp32; the weights go to
 the inference servers in the compute dtype.
+
+LoRA (`lora_rank` > 0, polar/lora.py): every targeted projection gets an adapter, the base weights
+are frozen, and the optimizer, the gradient clipping, the weight push and the checkpoint hold the
+adapters alone. The reference policy of the KL term is the base model itself (the adapters switched
+off), so no copy of the model is kept.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from polar import lora
+from polar.config import DEFAULT_LORA_TARGETS
 from trainer.backends.base import (
     Backend,
     BackendError,
@@ -56,6 +63,10 @@ class TorchBackendOptions:
     reference_model: bool = False  # keep a frozen copy of the starting weights (for the KL term)
     seed: int = 0
     cpu_threads: int = 0  # 0 = torch's default
+    lora_rank: int = 0  # > 0: train a LoRA adapter of this rank on lora_targets (polar/lora.py); 0 = every weight
+    lora_alpha: float = 32.0
+    lora_targets: str = DEFAULT_LORA_TARGETS  # comma-separated module names
+    adapter: str = ""  # a PEFT adapter folder to start from (a checkpoint's); its settings replace the three above
 
 
 class TorchBackend(Backend):
@@ -80,19 +91,24 @@ class TorchBackend(Backend):
         self.options = options
         transformers_logging.disable_progress_bar()
         register_with_transformers()
-        self.model = AutoModelForCausalLM.from_pretrained(self.folder, dtype=torch.float32,
-                                                          attn_implementation=TREE_ATTENTION)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.folder, dtype=torch.float32, attn_implementation=TREE_ATTENTION
+        )
         self.model.to(self.device).train()
         self.model.config.use_cache = False
         # transformers builds the input embedding with padding_idx = pad_token_id, whose row then never
         # gets a gradient. Packed micro-batches hold no padding, and SmolLM2's pad id is a real token
         # (<|im_end|>, which ends every turn): its embedding must learn like any other.
         self.model.get_input_embeddings().padding_idx = None
+        self.lora = self._attach_adapters(options)
         config = self.model.config
         self.microbatch_tokens = options.max_tokens_per_microbatch or config.max_position_embeddings
         self._activations_per_token = activation_bytes(
-            tokens=1, layers=config.num_hidden_layers, hidden=config.hidden_size,
-            intermediate=config.intermediate_size, element_bytes=self.dtype.itemsize,
+            tokens=1,
+            layers=config.num_hidden_layers,
+            hidden=config.hidden_size,
+            intermediate=config.intermediate_size,
+            element_bytes=self.dtype.itemsize,
         )
         self._memory = device_memory(self.device)
         recompute_activations(options.gradient_checkpointing, activations=0, device_memory=self._memory)  # checks it
@@ -101,20 +117,47 @@ class TorchBackend(Backend):
         self._recomputable: list[torch.nn.Module] = []
         if options.gradient_checkpointing != "off":
             # transformers renamed it (the old name warns); older 5.x releases have only the old one.
-            enable = getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            enable = (
+                getattr(self.model, "activation_checkpointing_enable", None) or self.model.gradient_checkpointing_enable
+            )
             enable()
             self._recomputable = [m for m in self.model.modules() if hasattr(m, "_gradient_checkpointing_func")]
         self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
         self.reference = None
-        if options.reference_model:
+        if options.reference_model and self.lora is None:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self._trained(),
             lr=options.lr,
             betas=(options.adam_beta1, options.adam_beta2),
             weight_decay=options.weight_decay,
             foreach=True,
         )
+
+    def _attach_adapters(self, options: TorchBackendOptions) -> lora.LoraSettings | None:
+        """The adapters' settings once attached (and loaded from `options.adapter`); None without LoRA."""
+        if not options.lora_rank and not options.adapter:
+            return None
+        try:
+            saved = lora.read_adapter(options.adapter) if options.adapter else None
+            settings = (
+                saved.settings
+                if saved
+                else lora.LoraSettings.parse(options.lora_rank, options.lora_alpha, options.lora_targets)
+            )
+            self.model.requires_grad_(False)
+            lora.attach(self.model, settings)  # fp32, as every trained parameter (see the module docstring)
+            if saved:
+                lora.load_adapter_tensors(self.model, saved.tensors)
+        except lora.LoraError as exc:
+            raise BackendError(str(exc)) from None
+        return settings
+
+    def _trained(self) -> list[torch.nn.Parameter]:
+        """The parameters the optimizer updates: the adapters' with LoRA, else every one."""
+        if self.lora is not None:
+            return [parameter for _, parameter in lora.adapter_parameters(self.model)]
+        return list(self.model.parameters())
 
     @property
     def model_description(self) -> dict[str, object]:
@@ -124,13 +167,17 @@ class TorchBackend(Backend):
             "vocab_size": self.model.get_output_embeddings().weight.shape[0],
             "hidden_size": config.hidden_size,
             "num_hidden_layers": config.num_hidden_layers,
+            "lora_rank": self.lora.rank if self.lora else 0,
         }
 
     # -- scoring and learning ---------------------------------------------------------------------
 
     def recomputes(self, tokens: int) -> bool:
-        return recompute_activations(self.options.gradient_checkpointing,
-                                     activations=tokens * self._activations_per_token, device_memory=self._memory)
+        return recompute_activations(
+            self.options.gradient_checkpointing,
+            activations=tokens * self._activations_per_token,
+            device_memory=self._memory,
+        )
 
     def _set_recompute(self, tokens: int) -> None:
         recompute = self.recomputes(tokens)
@@ -174,6 +221,9 @@ class TorchBackend(Backend):
         return values, flat
 
     def logprobs(self, batches: Sequence[MicroBatch], *, reference: bool = False) -> list[torch.Tensor]:
+        if reference and self.lora is not None:
+            with lora.disabled(self.model):
+                return self._score(self.model, batches)
         model = self.reference if reference else self.model
         if model is None:
             raise BackendError("no reference model was kept (kl_coef is 0)")
@@ -191,17 +241,23 @@ class TorchBackend(Backend):
 
     def _clip_gradients(self) -> float:
         clip = self.options.grad_clip if self.options.grad_clip > 0 else float("inf")
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip))
+        return float(torch.nn.utils.clip_grad_norm_(self._trained(), clip))
 
     # -- weights ----------------------------------------------------------------------------------
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, parameter in self.model.named_parameters():
+        """Every parameter, or with LoRA the adapter matrices alone (the base never changes)."""
+        named = lora.adapter_parameters(self.model) if self.lora is not None else self.model.named_parameters()
+        for name, parameter in named:
             yield name, parameter.detach().to(self.dtype)
 
     def save(self, model_folder: Path, optimizer_file: Path) -> None:
-        self.model.save_pretrained(model_folder, safe_serialization=True)
-        self.tokenizer.save_pretrained(model_folder)
+        """The Hugging Face folder, or with LoRA the adapter's PEFT folder (over the base's folder)."""
+        if self.lora is not None:
+            lora.save_adapter(model_folder, self.model, self.lora, base_model=str(self.folder))
+        else:
+            self.model.save_pretrained(model_folder, safe_serialization=True)
+            self.tokenizer.save_pretrained(model_folder)
         torch.save(self.optimizer.state_dict(), optimizer_file)
 
     def load_optimizer(self, optimizer_file: Path) -> None:

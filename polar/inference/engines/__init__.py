@@ -17,8 +17,8 @@ from polar.inference.engines.base import (
     ParameterSpec,
     SamplingConfig,
     TokenChunk,
-    WeightUpdateError,
     WeightsFixed,
+    WeightUpdateError,
 )
 
 ENGINE_KINDS = ("torch", "vllm", "scripted", "upstream")

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from polar.config import DEFAULT_LORA_TARGETS
 from polar.inference.constraints import OutputConstraint
+from polar.lora import is_adapter_name
 
 
 class FinishReason(enum.Enum):
@@ -51,6 +53,7 @@ class GenerationRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingConfig
+    adapter: str = ""  # the LoRA adapter to sample with: a loaded name, or "" for the default weights
 
 
 @dataclass(frozen=True)
@@ -102,12 +105,63 @@ class ParameterSpec:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter an engine holds (AdapterInfo in inference.proto)."""
+
+    name: str  # "" = the default adapter
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """A validated LoadAdapter request: a PEFT folder, or a zero adapter of rank, alpha and targets."""
+
+    name: str
+    path: str = ""
+    rank: int = 0
+    alpha: float = 0.0
+    targets: str = ""  # comma-separated; "" = the server's
+    policy_version: int = 0
+    replace: bool = False
+
+
+class UnknownAdapter(LookupError):
+    """A Generate call or weight update naming an adapter the engine does not hold (NOT_FOUND)."""
+
+
+class AdaptersUnsupported(RuntimeError):
+    """LoadAdapter to an engine that holds no named adapters (FAILED_PRECONDITION)."""
+
+
+class AdapterExists(RuntimeError):
+    """LoadAdapter of a name held, without replace (ALREADY_EXISTS)."""
+
+
+class AdaptersFull(RuntimeError):
+    """LoadAdapter while max_adapters adapters are held (RESOURCE_EXHAUSTED)."""
+
+
 class WeightsFixed(RuntimeError):
     """The engine's weights cannot be updated at all (Engine.fixed_weights says why)."""
 
 
 class WeightUpdateError(ValueError):
     """A weight update that names unknown parameters or has the wrong shapes; nothing was applied."""
+
+
+def unknown_parameter(name: str, specs: Mapping[str, ParameterSpec]) -> str:
+    """Why `name` is no parameter of an update to `specs`, saying so when one side is a LoRA adapter
+    and the other is not (a trainer and a server set up differently)."""
+    serves_adapter = any(is_adapter_name(n) for n in specs)
+    if is_adapter_name(name) and not serves_adapter:
+        return f"unknown parameter {name!r}: the trainer sends a LoRA adapter, and this server serves none (lora_rank)"
+    if serves_adapter and not is_adapter_name(name):
+        return f"unknown parameter {name!r}: this server serves a LoRA adapter and takes updates of its matrices alone"
+    return f"unknown parameter {name!r}"
 
 
 def check_weight_update(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ParameterSpec]) -> None:
@@ -120,7 +174,7 @@ def check_weight_update(tensors: Mapping[str, torch.Tensor], specs: Mapping[str,
         shape = tuple(tensor.shape)
         spec = specs.get(name)
         if spec is None:
-            raise WeightUpdateError(f"unknown parameter {name!r} (tensor of shape {shape})")
+            raise WeightUpdateError(f"{unknown_parameter(name, specs)} (tensor of shape {shape})")
         if shape != spec.shape:
             raise WeightUpdateError(f"parameter {name!r} has shape {spec.shape}, the update has shape {shape}")
         if not tensor.dtype.is_floating_point:
@@ -172,6 +226,38 @@ class Engine(abc.ABC):
         into `tensors` under the same name, for the server to stage the next update in."""
         return await self.update_weights(tensors)
 
+    # Named LoRA adapters (inference.proto's LoadAdapter): an engine that holds none keeps these.
+    max_adapters: int = 0
+
+    def adapters(self) -> list[AdapterInfo]:
+        """The adapters held: the default one first when there is one, then the named ones."""
+        return []
+
+    def adapter_version(self, adapter: str) -> int:
+        """The policy version of `adapter` ("" = the default weights); UnknownAdapter if not held."""
+        if adapter:
+            raise UnknownAdapter(f"this server holds no LoRA adapter {adapter!r} (it serves none by name)")
+        return self.policy_version
+
+    def adapter_specs(self, adapter: str) -> Mapping[str, ParameterSpec]:
+        """What an update of the named `adapter` may replace; UnknownAdapter if not held."""
+        self.adapter_version(adapter)
+        return self.parameter_specs()
+
+    async def apply_adapter(self, adapter: str, tensors: dict[str, torch.Tensor]) -> int:
+        """apply_staged for the named `adapter`: its matrices alone; its new version."""
+        self.adapter_version(adapter)
+        return await self.apply_staged(tensors)
+
+    async def load_adapter(self, load: AdapterLoad) -> AdapterInfo:
+        raise AdaptersUnsupported(
+            f"the {self.description.engine} engine holds no named LoRA adapters (the torch engine with max_adapters)"
+        )
+
+    async def unload_adapter(self, name: str) -> int:
+        """Remove the named adapter; the number of its generations this ended."""
+        raise UnknownAdapter(f"this server holds no LoRA adapter {name!r}")
+
 
 @dataclass
 class EngineOptions:
@@ -188,4 +274,13 @@ class EngineOptions:
     # Version the loaded weights are served as: a trainer checkpoint's, so that versions keep counting
     # across a resumed run instead of starting again at 0.
     policy_version: int = 0
+    # torch engine: a LoRA adapter served on top of the model (polar/lora.py): a PEFT adapter folder,
+    # or with lora_rank > 0 a zero adapter of that shape (the model as it is until a push sets it)
+    adapter: str = ""
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_targets: str = DEFAULT_LORA_TARGETS
+    # torch engine, with lora_rank: room for this many named adapters (LoadAdapter) beside the default
+    # one, each of rank <= lora_rank on lora_targets, so that several runs share the server; 0 = none
+    max_adapters: int = 0
     extra: dict[str, str] = field(default_factory=dict)  # engine-specific settings

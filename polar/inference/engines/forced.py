@@ -1,40 +1,9 @@
 """Forced replies: the torch engine's teacher-forcing mode, a test fixture for real harness CLIs.
 
-A random test model never calls a tool, so a real CLI driven by it never runs one. With
-`[inference] forced_replies` set to a script, the torch engine emits the script's reply for each call
-token by token instead of sampling, while still running the model: each forced token is recorded with
-the served model's own log-probability of it under the call's sampling (temperature, top-k, top-p:
-`polar.inference.sampling`, exactly what the trainer recomputes). So the trainer's importance weights
-start at 1 and its update is a real one; only the choice of tokens is scripted. Never a default.
-
-Script format (a JSON file)::
-
-    {
-      "replies": [                  # tried in order; the first whose conditions all hold is forced
-        {"turn": 0, "prompt_regex": "<tools>",
-         "text": "<tool_call>\\n{\\"name\\": \\"bash\\", \\"arguments\\": {\\"command\\": \\"ls\\"}}\\n</tool_call>"},
-        {"turn": 1, "last_message_regex": "<tool_response>", "text": "Done."}
-      ],
-      "fallback": "Done."           # forced when no reply matches (default "Done.")
-    }
-
-A reply's conditions, each optional (a reply with none always matches):
-
-- ``turn``: the number of assistant turns since the prompt's last user turn that is not a tool result
-  (the instruction), i.e. the call's place in its task: 0 for the first call on an instruction, 1
-  after one model turn and its tool result, ... (counting every assistant turn would not do: Qwen
-  Code opens its conversations with a user-and-model exchange of its own before the instruction);
-- ``prompt_regex``: found in the decoded prompt (e.g. ``<tools>``: the call offers tools, which a
-  CLI's side calls such as Claude Code's title generation do not);
-- ``last_message_regex``: found in the decoded last turn before the reply (the instruction, a tool
-  result, a side call's request).
-
-Texts are in the served model's chat format (the gateway's hermes ``<tool_call>`` JSON for the tiny
-and SmolLM2 models); the tokenizer's end-of-turn token is appended, so every reply ends with STOP
-unless max_tokens cuts it first (then LENGTH). Matching reads only the prompt's token ids, so calls
-of every session and harness are answered independently and a call the script does not foresee gets
-the fallback instead of hanging. A forced token outside the call's top-k / top-p set has logprob -inf
-(the trainer leaves such tokens out): tasks trained this way sample without truncation (top_p 1).
+With `[inference] forced_replies` set to a script, the torch engine emits the script's reply for each
+call instead of sampling, each token recorded with the served model's own logprob under the call's
+sampling, so the trainer's steps on it are real. Never a default. The script format and the reply
+conditions: docs/design/engines.md (forced replies).
 """
 
 from __future__ import annotations
@@ -100,7 +69,9 @@ class ForcedReplies:
             raise ForcedRepliesError(f"{where}: a reply is an object with a string 'text'")
         unknown = set(entry) - {"text", *_CONDITIONS}
         if unknown:
-            raise ForcedRepliesError(f"{where}: unknown key {sorted(unknown)[0]!r} (known: text, {', '.join(_CONDITIONS)})")
+            raise ForcedRepliesError(
+                f"{where}: unknown key {sorted(unknown)[0]!r} (known: text, {', '.join(_CONDITIONS)})"
+            )
         turn = entry.get("turn")
         if turn is not None and (not isinstance(turn, int) or isinstance(turn, bool) or turn < 0):
             raise ForcedRepliesError(f"{where}.turn: must be an integer >= 0, got {turn!r}")
@@ -128,7 +99,6 @@ class ForcedReplies:
                     continue
             return reply.token_ids
         return self._fallback.token_ids
-
 
     def _turn(self, prompt: Sequence[int], starts: list[int]) -> int:
         """Assistant turns after the last user turn that is not a tool result. Turns are

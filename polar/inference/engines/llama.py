@@ -73,8 +73,12 @@ class SlotKVCache:
         new_slots = min(self.max_slots, max(slots, 2 * self.slots))
         new_positions = max(positions, 2 * self.positions) if positions > self.positions else self.positions
         new_positions = min(self.max_positions, -(-new_positions // _ALIGN) * _ALIGN)
-        self.keys = [self._grown(t, new_slots, new_positions) for t in self.keys] or self._empty(new_slots, new_positions)
-        self.values = [self._grown(t, new_slots, new_positions) for t in self.values] or self._empty(new_slots, new_positions)
+        self.keys = [self._grown(t, new_slots, new_positions) for t in self.keys] or self._empty(
+            new_slots, new_positions
+        )
+        self.values = [self._grown(t, new_slots, new_positions) for t in self.values] or self._empty(
+            new_slots, new_positions
+        )
         self.slots, self.positions = new_slots, new_positions
         self.generation += 1
 
@@ -143,6 +147,9 @@ class DecoderRunner:
         self.group = self.heads // self.kv_heads
         self.has_qk_norm = hasattr(attention, "q_norm")
         parameter = next(model.parameters())
+        # On a GPU each RMSNorm is one fused kernel rather than Hugging Face's seven elementwise ones
+        # (four norms a layer: most of a decode step's launches); the CPU keeps the model's own modules.
+        self.fused_norms = parameter.device.type == "cuda"
         self.cache = SlotKVCache(
             layers=len(self.decoder.layers),
             kv_heads=self.kv_heads,
@@ -189,7 +196,7 @@ class DecoderRunner:
         hidden = self.decoder.embed_tokens(pad_sequence(chunks, batch_first=True))  # [b, q, hidden]
         for index, layer in enumerate(self.decoder.layers):
             attention = layer.self_attn
-            q, k, v = self._qkv(attention, layer.input_layernorm(hidden), cos, sin)  # [b, heads, q, d]
+            q, k, v = self._qkv(attention, self._norm(layer.input_layernorm, hidden), cos, sin)  # [b, heads, q, d]
             keys, values = self.cache.keys[index], self.cache.values[index]
             if writes is None:
                 slot, start = slots[0], starts[0]
@@ -262,7 +269,7 @@ class DecoderRunner:
         hidden = self.decoder.embed_tokens(token_ids.unsqueeze(1))  # [n, 1, hidden]
         for index, layer in enumerate(self.decoder.layers):
             attention = layer.self_attn
-            q, k, v = self._qkv(attention, layer.input_layernorm(hidden), cos, sin)  # [n, heads, 1, d]
+            q, k, v = self._qkv(attention, self._norm(layer.input_layernorm, hidden), cos, sin)  # [n, heads, 1, d]
             keys, values = self.cache.keys[index], self.cache.values[index]
             keys[slots, :, positions] = k[:, :, 0]
             values[slots, :, positions] = v[:, :, 0]
@@ -277,6 +284,24 @@ class DecoderRunner:
             )  # [n, kv_heads, group, d]
             hidden = self._finish_layer(layer, hidden, out.reshape(n, 1, -1))
         return hidden[:, 0]
+
+    def capture_graphs(self, positions: int) -> None:
+        """Give the cache every slot and at least `positions` positions now, and capture the decode
+        graph of every bucket within them. Otherwise the first step that decodes more sequences, or
+        reads further, than any before grows the cache, which makes every graph captured so far read
+        freed tensors: decoding pauses to capture again, mid-run."""
+        slots = self.cache.max_slots
+        length = _bucket(positions, _MIN_GRAPH_POSITIONS, self.cache.max_positions)
+        self.cache.ensure(slots, length)
+        lengths, bucket = [], _MIN_GRAPH_POSITIONS
+        while bucket < length:
+            lengths.append(bucket)
+            bucket *= 2
+        lengths.append(length)
+        for n in sorted({_bucket(n, _MIN_GRAPH_SLOTS, slots) for n in range(1, slots + 1)}):
+            for keys in lengths:
+                # Nothing is cached yet: what the steps write is overwritten before anyone reads it.
+                self._decode_graphed([0] * n, [keys - 1] + [0] * (n - 1), [0])
 
     def _decode_graphed(self, token_ids: list[int], positions: list[int], rows: list[int]) -> torch.Tensor:
         slots = _bucket(len(token_ids), _MIN_GRAPH_SLOTS, self.cache.max_slots)
@@ -304,7 +329,9 @@ class DecoderRunner:
             graph.graph.replay()
         return graph.logits[to_device(torch.tensor(rows), self.device)]
 
-    def _capture(self, slots: int, length: int, host_tokens: torch.Tensor, host_positions: torch.Tensor) -> _DecodeGraph:
+    def _capture(
+        self, slots: int, length: int, host_tokens: torch.Tensor, host_positions: torch.Tensor
+    ) -> _DecodeGraph:
         """Run this step eagerly to warm its kernels up, record it (recording executes nothing),
         then replay it for this step's logits; the replay rewrites the same keys and values."""
         token_ids = host_tokens.to(self.device)
@@ -334,15 +361,20 @@ class DecoderRunner:
         k = attention.k_proj(x).view(b, q_len, -1, self.head_dim)
         v = attention.v_proj(x).view(b, q_len, -1, self.head_dim)
         if self.has_qk_norm:
-            q, k = attention.q_norm(q), attention.k_norm(k)
+            q, k = self._norm(attention.q_norm, q), self._norm(attention.k_norm, k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
-    @staticmethod
-    def _finish_layer(layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    def _norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm module `norm` applied to x over its last dimension."""
+        if self.fused_norms:
+            return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+        return norm(x)
+
+    def _finish_layer(self, layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         hidden = hidden + layer.self_attn.o_proj(attended)
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + layer.mlp(self._norm(layer.post_attention_layernorm, hidden))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [r, hidden] -> logits [r, V] fp32."""
-        return self.model.lm_head(self.decoder.norm(hidden)).float()
+        return self.model.lm_head(self._norm(self.decoder.norm, hidden)).float()

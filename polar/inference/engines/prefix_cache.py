@@ -53,6 +53,14 @@ def block_keys(token_ids: Sequence[int], parent: bytes = b"", block_tokens: int 
     return keys
 
 
+def adapter_namespace(adapter: str) -> bytes:
+    """The parent key of the first block computed with the LoRA adapter named `adapter` ("" = the
+    server's default weights: b""): blocks of one prompt under two adapters get different keys."""
+    if not adapter:
+        return b""
+    return hashlib.blake2b(b"adapter\0" + adapter.encode(), digest_size=16, key=_HASH_KEY).digest()
+
+
 class BlockIndex:
     """Which pool row holds which block, which rows are pinned, and the order to evict in.
 
@@ -144,6 +152,9 @@ class PrefixLease:
     rows: list[int] = field(default_factory=list)  # rows it pins, in chain order
     reused_tokens: int = 0  # positions copied from the cache instead of computed
     storing: bool = True  # false once a block found no row: blocks after it could never be reached
+    # The first block's parent key: b"" for the model's default weights, else the key of the LoRA
+    # adapter it is computed with (adapter_namespace), so that adapters never share blocks.
+    namespace: bytes = b""
 
 
 class PrefixCache:
@@ -162,8 +173,10 @@ class PrefixCache:
         self._values: list[torch.Tensor] = []
         self.epoch = 0  # bumped by clear
 
-    def begin(self, prompt: Sequence[int]) -> PrefixLease:
-        return PrefixLease(tokens=list(prompt), epoch=self.epoch, keys=block_keys(prompt))
+    def begin(self, prompt: Sequence[int], namespace: bytes = b"") -> PrefixLease:
+        """A lease for `prompt`, computed with the weights `namespace` stands for (adapter_namespace)."""
+        keys = block_keys(prompt, namespace)
+        return PrefixLease(tokens=list(prompt), epoch=self.epoch, keys=keys, namespace=namespace)
 
     def take(self, lease: PrefixLease, slot: int, cached: int) -> int:
         """Copy into `slot` the cached blocks that continue its first `cached` positions, leaving at
@@ -199,7 +212,7 @@ class PrefixCache:
             return
         known = len(lease.keys)
         if end > known:
-            parent = lease.keys[-1] if lease.keys else b""
+            parent = lease.keys[-1] if lease.keys else lease.namespace
             lease.keys += block_keys(lease.tokens[known * BLOCK_TOKENS : end * BLOCK_TOKENS], parent)
         new_blocks, new_rows = [], []
         for block in range(lease.blocks, end):

@@ -1,40 +1,8 @@
 """The scripted engine: replays configured outputs without any model, for tests and benchmarks.
 
-Script format (a JSON file named by ``EngineOptions.script``, or a dict for ``ScriptedEngine.from_script``)::
-
-    {
-      "name": "scripted",          # model name served (default "scripted")
-      "tokenizer": "tiny",         # model whose tokenizer encodes "text" outputs, decodes prompts for
-                                   # rules and describes the vocabulary (resolve_model spec; default
-                                   # "tiny"); null for none: then "vocab_size" is required and outputs
-                                   # must be token ids
-      "vocab_size": 49152,         # default: the tokenizer's size
-      "context_length": 32768,     # default 32768
-      "logprob": -0.1,             # logprob of every token an output does not give one for
-      "delay_seconds": 0.0,        # default pause before each token (then one token per chunk)
-      "tokens_per_chunk": 32,      # tokens per TokenChunk when there is no delay
-      "cycle": false,              # start over when "outputs" runs out; otherwise that call fails
-      "rules": [                   # tried first, in order; the first whose regex is found in the
-        {"prompt_regex": "weather", "text": "Sunny."},   # decoded prompt gives the output (without
-                                   # a tokenizer the prompt's text is its ids joined by spaces), or
-        {"prompt_ends_with": [198, 1], "text": "Hi."}    # whose ids end the prompt (nothing decoded:
-      ],                           # for benchmarks replaying long recorded prompts)
-      "outputs": [                 # otherwise the next of these, call after call
-        {"text": "Hello!"},
-        {"token_ids": [19556, 905], "logprobs": [-0.5, -1.25]},
-        {"text": "Bye", "end_of_turn": false, "delay_seconds": 0.05}
-      ]
-    }
-
-An output (in "rules" or "outputs") is either ``text`` or ``token_ids``, with optional ``logprobs``
-(one per token; default: the script's ``logprob`` for every token), ``logprob`` and
-``delay_seconds``. ``end_of_turn`` appends the tokenizer's end-of-turn token ``<|im_end|>`` (logprob
-as ``logprob``); it defaults to true for text and false for token ids.
-
-A generation replays its output token by token with the request's stopping rules: it ends with STOP
-after a token in the request's stop_token_ids or the model's EOS ids (unless ignore_eos), with
-LENGTH once max_tokens are emitted, and otherwise with STOP when the output is spent. At most ``max_batch_size``
-generations run at once; the others queue, and their wait is reported as queue_seconds.
+Outputs come from a JSON script (``EngineOptions.script``, or a dict for
+``ScriptedEngine.from_script``): rules matched against the prompt, else the next output in order.
+The script format and the stopping rules: docs/design/engines.md (the scripted engine).
 """
 
 from __future__ import annotations
@@ -142,9 +110,7 @@ class ScriptedEngine(Engine):
             tokenizer_path=str(tokenizer_path or ""),
         )
         self._rules = tuple(self._rule(entry, f"rules[{i}]") for i, entry in enumerate(script.get("rules", ())))
-        self._outputs = tuple(
-            self._output(entry, f"outputs[{i}]") for i, entry in enumerate(script.get("outputs", ()))
-        )
+        self._outputs = tuple(self._output(entry, f"outputs[{i}]") for i, entry in enumerate(script.get("outputs", ())))
         indices = range(len(self._outputs))
         self._next_output: Iterator[int] = itertools.cycle(indices) if script.get("cycle", False) else iter(indices)
         self._slots = asyncio.Semaphore(max_batch_size)
@@ -238,7 +204,7 @@ class ScriptedEngine(Engine):
         text = None  # decoded once, when a regex rule is reached
         for rule in self._rules:
             if rule.pattern is None:
-                if prompt[len(prompt) - len(rule.ends_with):] == rule.ends_with:
+                if prompt[len(prompt) - len(rule.ends_with) :] == rule.ends_with:
                     return rule.output
                 continue
             if text is None:

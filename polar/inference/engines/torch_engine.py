@@ -1,34 +1,9 @@
 """The built-in torch engine: a Hugging Face Llama-family model, continuously batched.
 
-One worker thread owns the model and its KV cache and loops over steps. A step, in order: applies
-pending weight updates, drops sequences whose consumers went away, admits waiting requests into free
-slots, prefills (at most `prefill_chunk_tokens` prompt tokens a step, so a long prompt is processed
-in chunks and does not stall the others for long), runs one decode forward for every sequence that
-has a sampled token, then samples one token for each of those and for each prompt that finished
-prefilling. Each sequence gets its tokens through its own asyncio queue, one TokenChunk per step.
-
-The prefix cache (prefix_cache.py; `EngineOptions.prefix_cache_mib`, default 1024, 0 = off) keeps the
-keys and values of the token blocks sequences computed, prompts and outputs, so that a prompt
-starting with them (a CLI's system prompt, a session's earlier call) computes only the rest: before
-its prefill chunk, a sequence takes the cached blocks that continue what its slot holds, and one
-whose next block an earlier sequence of the step is computing waits a step for it, rather than
-computing it too. A weight update empties the cache. A call's GenerationEnd says how many prompt
-tokens it took from the cache.
-
-Settings in EngineOptions.extra: `prefill_chunk_tokens` (default 2048); `cpu_threads`, torch's
-process-wide intra-op thread count, set only when the model runs on the CPU (default: one less than
-the usable cores, at least 1: with all of them, torch's spinning workers starve the event loop and the
-worker thread, and tiny on 2 cores ran 15x slower);
-`cuda_graphs` (default 1): on CUDA, replay decode steps as captured CUDA graphs, which removes the
-per-kernel launch cost that otherwise bounds a small model's step time; `forced_replies`: a script of
-replies emitted instead of sampled tokens, each recorded with the model's own logprob (a test fixture:
-polar/inference/engines/forced.py).
-
-A request with a constraint (SamplingConfig.constraint: a forced tool call, JSON-schema output) gets
-a grammar matcher when it is admitted; each step masks its logits to the tokens the matcher allows
-before sampling, and feeds it the token sampled (polar/inference/constraints.py). The masks of the
-next step are computed in a thread of their own as soon as a step's tokens are fed, while the next
-forward runs (llguidance and torch both release the GIL).
+One worker thread owns the model and its KV cache and loops over steps (weight updates, admission,
+chunked prefill, one decode forward, sampling), with a prefix cache (prefix_cache.py) and grammar
+masks for constrained requests. The step, the cache and the settings (``EngineOptions.extra``):
+docs/design/engines.md.
 """
 
 from __future__ import annotations
@@ -38,7 +13,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,9 +21,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from polar import lora
 from polar.inference import models
 from polar.inference.constraints import BitmaskUpload, ConstraintError, TokenGrammar, mask_logits_
 from polar.inference.engines.base import (
+    AdapterExists,
+    AdapterInfo,
+    AdapterLoad,
+    AdaptersFull,
     Engine,
     EngineOptions,
     FinishReason,
@@ -58,18 +38,23 @@ from polar.inference.engines.base import (
     ParameterSpec,
     SamplingConfig,
     TokenChunk,
+    UnknownAdapter,
     check_weight_update,
 )
 from polar.inference.engines.forced import ForcedReplies
 from polar.inference.engines.llama import DecoderRunner
-from polar.inference.engines.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixLease
+from polar.inference.engines.lora_bank import AdapterBank, specs_of
+from polar.inference.engines.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixLease, adapter_namespace
 from polar.inference.sampling import new_generator, sample_next_tokens, to_device
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
+# On CUDA, the KV cache positions every slot holds from the start, with the decode graphs reading up
+# to them captured before the first request (EngineOptions.extra["graph_positions"]).
+DEFAULT_GRAPH_POSITIONS = 1024
 
 
 def resolve_device(spec: str) -> torch.device:
-    """"auto" -> the current CUDA device when there is one, else the CPU; a bare "cuda" gets its index."""
+    """ "auto" -> the current CUDA device when there is one, else the CPU; a bare "cuda" gets its index."""
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(spec)
@@ -79,13 +64,40 @@ def resolve_device(spec: str) -> torch.device:
 
 
 def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
-    """"auto" -> bfloat16 on CUDA, float32 elsewhere; else a torch dtype name such as "float16"."""
+    """ "auto" -> bfloat16 on CUDA, float32 elsewhere; else a torch dtype name such as "float16"."""
     if spec == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = getattr(torch, spec, None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype {spec!r} is not a torch floating-point dtype")
     return dtype
+
+
+def _default_adapter(options: EngineOptions) -> lora.AdapterFolder | None:
+    """The adapter the server starts with: its folder's, or a zero one of the lora_ settings; None
+    without either. max_adapters needs the lora_ settings: they are the shape every adapter fits in."""
+    if options.adapter:
+        return lora.read_adapter(options.adapter)
+    if options.lora_rank:
+        settings = lora.LoraSettings.parse(options.lora_rank, options.lora_alpha, options.lora_targets)
+        return lora.AdapterFolder(settings, "", {})
+    if options.max_adapters:
+        raise lora.LoraError("max_adapters needs lora_rank: the largest rank an adapter on this server may have")
+    return None
+
+
+@dataclass
+class _Adapter:
+    """A LoRA adapter in the bank: its row, shape and version, and its matrices as views of the bank."""
+
+    row: int
+    settings: lora.LoraSettings
+    version: int
+    views: dict[str, torch.Tensor]
+
+    def info(self, name: str) -> AdapterInfo:
+        s = self.settings
+        return AdapterInfo(name, s.rank, s.alpha, s.targets, self.version)
 
 
 def _default_cpu_threads() -> int:
@@ -117,6 +129,7 @@ class _Sequence:
     generator: torch.Generator
     stop_ids: frozenset[int]
     submitted: float
+    adapter: str = ""  # the LoRA adapter it samples with ("" = the default weights)
     prompt: torch.Tensor | None = None  # on the model's device, from admission on
     prefix: PrefixLease | None = None  # its part in the prefix cache, from admission on (None: no cache)
     slot: int = -1
@@ -201,6 +214,7 @@ class _Update:
     # Staged tensors whose memory becomes the parameters' (the replaced memory goes back into
     # `tensors`); else each is copied into its parameter.
     swap: bool = False
+    adapter: str = ""  # the named LoRA adapter whose matrices these are; "" = the engine's parameters
 
 
 class TorchEngine(Engine):
@@ -224,11 +238,32 @@ class TorchEngine(Engine):
         transformers_logging.disable_progress_bar()
         self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
+        base_parameters = sum(p.numel() for p in self.model.parameters())
+        # LoRA: the default adapter in row 0 of a bank, and max_adapters rows for named ones.
+        self._bank: AdapterBank | None = None
+        self._adapters: dict[str, _Adapter] = {}
+        default = _default_adapter(options)
+        if default is not None:
+            self._bank = AdapterBank(
+                self.model,
+                default.settings.rank,
+                default.settings.targets,
+                rows=1 + options.max_adapters,
+                batch_rows=self.max_batch_size,
+                dtype=self.dtype,
+            )
+            self._adapters[""] = self._fill_row(0, default.settings, default.tensors, options.policy_version)
+        self.max_adapters = options.max_adapters
         self._runner = DecoderRunner(
             self.model, max_slots=self.max_batch_size, cuda_graphs=options.extra.get("cuda_graphs", "1") == "1"
         )
+        if self._runner.cuda_graphs:
+            with torch.inference_mode():
+                self._runner.capture_graphs(int(options.extra.get("graph_positions", DEFAULT_GRAPH_POSITIONS)))
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        self._parameters = dict(self.model.named_parameters())  # tied weights appear once
+        # What a weight update may replace: every parameter (tied weights appear once), or with an
+        # adapter its matrices alone (the base is never sent again).
+        self._parameters = self._adapters[""].views if self._bank else dict(self.model.named_parameters())
         self._prefix = None
         if options.prefix_cache_mib > 0:
             self._prefix = PrefixCache(
@@ -239,7 +274,7 @@ class TorchEngine(Engine):
                 device=self.device,
                 budget_bytes=options.prefix_cache_mib << 20,
             )
-        self.description = self._describe(options.model, folder, tokenizer)
+        self.description = self._describe(options.model, folder, tokenizer, base_parameters)
         script = options.extra.get("forced_replies", "")
         self._forced = ForcedReplies.load(script, tokenizer) if script else None
         self._tokenizer = tokenizer
@@ -253,12 +288,13 @@ class TorchEngine(Engine):
         self._wake = threading.Condition()
         self._waiting: deque[_Sequence] = deque()
         self._updates: list[_Update] = []
+        self._adapter_jobs: list[tuple[Callable[[_Outbox], object], asyncio.Future]] = []
         self._slots: list[_Sequence | None] = [None] * self.max_batch_size
         self._admitted: list[_Sequence] = []  # running sequences, in admission order
         self._stopping = False
         self._worker: threading.Thread | None = None
 
-    def _describe(self, spec: str, folder: Path, tokenizer) -> ModelDescription:
+    def _describe(self, spec: str, folder: Path, tokenizer, parameter_count: int) -> ModelDescription:
         end_of_turn = models.end_of_turn_id(tokenizer)
         eos = models.end_token_ids(folder, tokenizer)
         bos = tokenizer.bos_token_id
@@ -273,16 +309,132 @@ class TorchEngine(Engine):
             chat_template=tokenizer.chat_template or "",
             dtype=str(self.dtype).removeprefix("torch."),
             device=str(self.device),
-            parameter_count=sum(p.numel() for p in self._parameters.values()),
+            parameter_count=parameter_count,
             tokenizer_path=str(folder),
             constrained_decoding=True,
         )
 
     # -- the Engine contract, called from event loops --------------------------------------------
 
+    def _fill_row(self, row: int, settings: lora.LoraSettings, tensors, version: int) -> _Adapter:
+        """Put an adapter of `settings` into bank row `row` (its `tensors`, or zero without); its record."""
+        views = self._bank.views(row, settings)
+        if tensors:
+            known = specs_of(views)
+            for name, tensor in tensors.items():
+                if name not in known:
+                    raise lora.LoraError(f"the adapter holds {name!r}, which its targets do not adapt on this model")
+                if tuple(tensor.shape) != known[name].shape:
+                    raise lora.LoraError(
+                        f"adapter matrix {name} has shape {list(tensor.shape)}, this model's is {list(known[name].shape)}"
+                    )
+            missing = sorted(set(views) - set(tensors))
+            if missing:
+                raise lora.LoraError(
+                    f"the adapter lacks {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else "")
+                )
+        with torch.no_grad():
+            self._bank.clear(row)
+            for name, tensor in (tensors or {}).items():
+                views[name].copy_(tensor)
+            self._bank.scales[row] = settings.scaling
+        return _Adapter(row, settings, version, views)
+
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._adapters[""].version if self._bank else self._version
+
+    def adapters(self) -> list[AdapterInfo]:
+        return [adapter.info(name) for name, adapter in self._adapters.items()]
+
+    def adapter_version(self, adapter: str) -> int:
+        if not adapter:
+            return self.policy_version
+        held = self._adapters.get(adapter)
+        if held is None:
+            raise self._unknown(adapter)
+        return held.version
+
+    def _unknown(self, adapter: str) -> UnknownAdapter:
+        names = ", ".join(repr(n) for n in self._adapters if n) or "none"
+        return UnknownAdapter(f"this server holds no LoRA adapter {adapter!r} (it holds {names})")
+
+    def adapter_specs(self, adapter: str) -> Mapping[str, ParameterSpec]:
+        if not adapter:
+            return self.parameter_specs()
+        self.adapter_version(adapter)
+        return specs_of(self._adapters[adapter].views)
+
+    async def apply_adapter(self, adapter: str, tensors: dict[str, torch.Tensor]) -> int:
+        check_weight_update(tensors, self.adapter_specs(adapter))
+        update = _Update(tensors, asyncio.get_running_loop().create_future(), adapter=adapter)
+        self._ensure_worker()
+        with self._wake:
+            self._updates.append(update)
+            self._wake.notify()
+        return await update.future
+
+    async def load_adapter(self, load: AdapterLoad) -> AdapterInfo:
+        if self._bank is None or not self.max_adapters:
+            return await super().load_adapter(load)
+        if load.path:
+            saved = await asyncio.to_thread(lora.read_adapter, load.path)
+        else:
+            targets = load.targets or ",".join(self._bank.targets)
+            saved = lora.AdapterFolder(lora.LoraSettings.parse(load.rank, load.alpha, targets), "", {})
+        problem = self._bank.fits(saved.settings)
+        if problem:
+            raise lora.LoraError(f"adapter {load.name!r} does not fit this server: {problem}")
+        tensors = {name: t.to(self.dtype) for name, t in saved.tensors.items()}
+
+        def job(outbox: _Outbox) -> AdapterInfo:
+            held = self._adapters.get(load.name)
+            if held is not None and not load.replace:
+                raise AdapterExists(
+                    f"this server holds an adapter {load.name!r} already (another run of that name, or this one "
+                    "not unloaded: give the run another name, or replace it)"
+                )
+            if held is not None:
+                self._end_generations_of(load.name, outbox, "was replaced")
+                row = held.row
+            else:
+                used = {a.row for a in self._adapters.values()}
+                free = [row for row in range(1, self._bank.rows) if row not in used]
+                if not free:
+                    raise AdaptersFull(
+                        f"this server holds {self.max_adapters} named adapters already (max_adapters): "
+                        "unload one, or start it with a larger max_adapters"
+                    )
+                row = free[0]
+            adapter = self._fill_row(row, saved.settings, tensors, load.policy_version)
+            self._adapters[load.name] = adapter
+            if self._prefix is not None:
+                self._prefix.clear()  # blocks computed under this name came from other matrices
+            return adapter.info(load.name)
+
+        return await self._adapter_job(job)
+
+    async def unload_adapter(self, name: str) -> int:
+        def job(outbox: _Outbox) -> int:
+            held = self._adapters.pop(name, None)
+            if held is None:
+                raise self._unknown(name)
+            ended = self._end_generations_of(name, outbox, "was unloaded")
+            self._bank.clear(held.row)
+            return ended
+
+        if not name:
+            raise UnknownAdapter("the default adapter cannot be unloaded; name an adapter LoadAdapter loaded")
+        return await self._adapter_job(job)
+
+    async def _adapter_job(self, job: Callable[[_Outbox], object]):
+        """Run `job` on the worker between two steps (it may raise); its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._ensure_worker()
+        with self._wake:
+            self._adapter_jobs.append((job, future))
+            self._wake.notify()
+        return await future
 
     @property
     def active_requests(self) -> int:
@@ -310,6 +462,7 @@ class TorchEngine(Engine):
             loop=asyncio.get_running_loop(),
             queue=asyncio.Queue(),
             generator=new_generator(request.sampling.seed),
+            adapter=request.adapter,
             stop_ids=_stop_ids(request.sampling, self.description.eos_token_ids),
             submitted=time.monotonic(),
             forced=self._forced.reply(request.prompt_token_ids) if self._forced is not None else (),
@@ -348,7 +501,8 @@ class TorchEngine(Engine):
         """Staged tensors on the model's device become the parameters (no copy), unless CUDA graphs
         captured the parameters' addresses; any others are copied in, between two steps."""
         check_weight_update(tensors, self.parameter_specs())
-        swap = all(t.device == self.device for t in tensors.values()) and not self._runner.cuda_graphs
+        # An adapter's matrices are views into its bank, which only a copy writes.
+        swap = all(t.device == self.device for t in tensors.values()) and not (self._runner.cuda_graphs or self._bank)
         update = _Update(tensors, asyncio.get_running_loop().create_future(), swap=swap)
         self._ensure_worker()
         with self._wake:
@@ -373,20 +527,25 @@ class TorchEngine(Engine):
         with torch.inference_mode():
             while True:
                 with self._wake:
-                    while not (self._stopping or self._updates or self._waiting or self._admitted):
+                    while not (
+                        self._stopping or self._updates or self._adapter_jobs or self._waiting or self._admitted
+                    ):
                         self._wake.wait()
                     if self._stopping:
                         break
                     updates, self._updates = self._updates, []
-                    admitted = self._admit()
+                    jobs, self._adapter_jobs = self._adapter_jobs, []
                 outbox = _Outbox()
                 self._apply_updates(updates)
+                self._run_adapter_jobs(jobs, outbox)
+                with self._wake:
+                    admitted = self._admit()
                 try:
                     for seq in admitted:
                         self._start_sequence(seq, outbox)
                     self._drop_cancelled()
                     self._step(outbox)
-                except Exception as error:  # noqa: BLE001 - not one request's fault: end all, keep serving
+                except Exception as error:
                     for seq in list(self._admitted):
                         self._finish(seq, FinishReason.ERROR, outbox, f"engine step failed: {error!r}")
                 outbox.deliver()
@@ -394,6 +553,31 @@ class TorchEngine(Engine):
                     if not self._admitted and not self._waiting:
                         self._runner.cache.release()
             self._shut_down()
+
+    def _run_adapter_jobs(self, jobs, outbox: _Outbox) -> None:
+        for job, future in jobs:
+            try:
+                with torch.no_grad():
+                    result = job(outbox)
+            except Exception as error:
+                future.get_loop().call_soon_threadsafe(_resolve, future, None, error)
+            else:
+                future.get_loop().call_soon_threadsafe(_resolve, future, result)
+
+    def _end_generations_of(self, adapter: str, outbox: _Outbox, why: str) -> int:
+        """End the running and waiting generations of `adapter` with an error saying it `why`."""
+        error = f"LoRA adapter {adapter!r} {why} while this generation ran"
+        running = [seq for seq in self._admitted if seq.adapter == adapter]
+        for seq in running:
+            self._finish(seq, FinishReason.ERROR, outbox, error)
+        with self._wake:
+            waiting = [seq for seq in self._waiting if seq.adapter == adapter]
+            for seq in waiting:
+                self._waiting.remove(seq)
+        for seq in waiting:
+            seq.queue_seconds = time.monotonic() - seq.submitted
+            outbox.put(seq, _end(seq, FinishReason.ERROR, error))
+        return len(running) + len(waiting)
 
     def _admit(self) -> list[_Sequence]:
         """Move waiting requests into free slots (caller holds the lock)."""
@@ -415,7 +599,7 @@ class TorchEngine(Engine):
             return
         seq.prompt = torch.tensor(seq.request.prompt_token_ids, dtype=torch.long, device=self.device)
         if self._prefix is not None:
-            seq.prefix = self._prefix.begin(seq.request.prompt_token_ids)
+            seq.prefix = self._prefix.begin(seq.request.prompt_token_ids, adapter_namespace(seq.adapter))
         constraint = seq.request.sampling.constraint
         if constraint is not None and not seq.forced:  # a forced reply (a test fixture) is emitted as written
             try:
@@ -466,6 +650,8 @@ class TorchEngine(Engine):
             return FinishReason.ERROR, f"prompt token ids must be in [0, {vocab})"
         if len(prompt) >= self.description.context_length:
             return FinishReason.CONTEXT_LENGTH, ""
+        if request.adapter and request.adapter not in self._adapters:
+            return FinishReason.ERROR, f"LoRA adapter {request.adapter!r} is not held here (it was unloaded)"
         return None
 
     def _apply_updates(self, updates: list[_Update]) -> None:
@@ -473,30 +659,37 @@ class TorchEngine(Engine):
             loop = update.future.get_loop()
             try:
                 with torch.no_grad():
+                    parameters = self._adapters[update.adapter].views if update.adapter else self._parameters
                     for name, tensor in update.tensors.items():
-                        parameter = self._parameters[name]
+                        parameter = parameters[name]
                         if update.swap:
                             update.tensors[name], parameter.data = parameter.data, tensor
                         else:
                             parameter.copy_(tensor)
                     if self.device.type == "cuda":
                         torch.cuda.current_stream(self.device).synchronize()
-            except Exception as error:  # noqa: BLE001 - a device failure, reported to the caller
+            except Exception as error:
                 loop.call_soon_threadsafe(_resolve, update.future, None, error)
                 continue
             finally:
                 # Keys and values computed with other weights would give other logprobs.
                 if self._prefix is not None:
                     self._prefix.clear()
-            self._version += 1
-            loop.call_soon_threadsafe(_resolve, update.future, self._version)
+            held = self._adapters.get(update.adapter) if self._bank else None
+            if held is None:
+                self._version += 1
+                version = self._version
+            else:
+                held.version += 1
+                version = held.version
+            loop.call_soon_threadsafe(_resolve, update.future, version)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._admitted if s.cancelled]:
             self._release(seq)
 
     def _step(self, outbox: _Outbox) -> None:
-        version = self._version
+        versions = {name: adapter.version for name, adapter in self._adapters.items()} or {"": self._version}
         decoding = sorted((s for s in self._admitted if s.last_token >= 0), key=lambda s: s.slot)
         prefilled, prefill_logits = self._prefill(outbox)
         decode_logits = self._decode(decoding, outbox)
@@ -512,12 +705,12 @@ class TorchEngine(Engine):
             return
         try:
             tokens, logprobs = self._sample(batch, logits)
-        except Exception as error:  # noqa: BLE001 - reported to the affected callers
+        except Exception as error:
             for seq in batch:
                 self._finish(seq, FinishReason.ERROR, outbox, f"sampling failed: {error!r}")
             return
         for seq, token, logprob in zip(batch, tokens, logprobs, strict=True):
-            self._emit(seq, token, logprob, version, outbox)
+            self._emit(seq, token, logprob, versions[seq.adapter], outbox)
         if self._grammar is not None:
             self._compute_masks_ahead()
 
@@ -527,12 +720,14 @@ class TorchEngine(Engine):
         prefilled, logits = [], []
         for group in _padded_groups(self._prefill_chunks(), self.prefill_chunk_tokens):
             try:
+                if self._bank is not None:
+                    self._bank.select([self._adapters[seq.adapter].row for seq, _, _ in group])
                 last = self._runner.prefill(
                     [seq.slot for seq, _, _ in group],
                     [seq.prompt[start:end] for seq, start, end in group],
                     [start for _, start, _ in group],
                 )  # [len(group), V]
-            except Exception as error:  # noqa: BLE001 - reported to these callers, others go on
+            except Exception as error:
                 for seq, _, _ in group:
                     self._finish(seq, FinishReason.ERROR, outbox, f"prefill failed: {error!r}")
                 continue
@@ -585,8 +780,11 @@ class TorchEngine(Engine):
         for seq in decoding:
             tokens[seq.slot] = seq.last_token
         try:
+            if self._bank is not None:
+                rows = [self._adapters[s.adapter].row if s is not None else 0 for s in self._slots[:n]]
+                self._bank.select(rows)
             logits = self._runner.decode(tokens, positions, [s.slot for s in decoding])
-        except Exception as error:  # noqa: BLE001 - reported to the affected callers
+        except Exception as error:
             for seq in decoding:
                 self._finish(seq, FinishReason.ERROR, outbox, f"decode failed: {error!r}")
             return None
@@ -610,7 +808,7 @@ class TorchEngine(Engine):
         try:
             masks = self._constraint_masks(seqs)
             dead = {id(s): "its grammar allows no next token" for s, mask in zip(seqs, masks) if not mask.any()}
-        except Exception as error:  # noqa: BLE001 - the grammar library failed: these sequences end, not the step
+        except Exception as error:
             masks, dead = None, {id(s): f"computing its grammar's mask failed: {error!r}" for s in seqs}
         if dead:
             for seq in seqs:

@@ -1,39 +1,10 @@
 """The upstream engine: every generation forwarded to an inference server that Polar does not own.
 
-The upstream takes a prompt as token ids and returns the sampled token ids with their
-log-probabilities, so the records stay token-faithful without Polar holding the weights: the ids
-recorded are the upstream's, never text encoded again. Two protocols (``EngineOptions.extra["api"]``;
-their request bodies and response readers are in upstream_protocols.py, the HTTP client in
-upstream_http.py):
-
-- ``vllm``: vLLM's OpenAI-compatible ``POST /v1/completions`` with the prompt as a list of ids,
-  ``logprobs: 0`` (the sampled token's logprob) and ``return_tokens_as_token_ids`` (each token comes
-  back as ``"token_id:N"``). Start vLLM with ``--logprobs-mode processed_logprobs``: its default
-  reports the untempered full-vocabulary logprob, not that of the distribution the token was drawn
-  from (which is what inference.proto promises and what the trainer replays).
-- ``sglang``: SGLang's ``POST /generate`` with ``input_ids`` and ``return_logprob``; the sampled ids
-  come from ``meta_info.output_token_logprobs`` (``[logprob, id, text]`` triples, cumulative while
-  streaming).
-
-Both stream (server-sent events), so tokens reach the gateway as the upstream samples them. Closing a
-generation closes its HTTP response, which both servers take as the request's abort. The task's
-sampling (temperature, top_p, top_k, max_tokens, seed), the request's stop ids and the model's own
-end-of-sequence ids are sent with every request.
-
-At start the engine checks that the upstream's tokenizer is the gateway's (the one of
-``EngineOptions.model``, whose folder this engine names as its tokenizer): the same encoding of a probe
-text rich in special tokens, BPE merges and non-ASCII text, and the same vocabulary size (ids just
-inside and just outside the local vocabulary are sent as prompts: the first must be taken, the second
-refused). A difference stops the server with both names. Weights cannot be pushed into a server
-Polar does not run: ``fixed_weights`` says so and UpdateWeights answers FAILED_PRECONDITION.
-
-Engine-specific settings (``EngineOptions.extra``; `polar serve inference --upstream-*`):
-- ``url``: the upstream's base URL, e.g. ``http://127.0.0.1:8000``, or ``unix:PATH`` for a server on a
-  Unix socket (vLLM's ``--uds``) (required).
-- ``api``: ``vllm`` (default) or ``sglang``.
-- ``served_model``: vLLM's model name to ask for; "" = the first that ``GET /v1/models`` lists.
-- ``timeout_s``: seconds the upstream may stay silent (connecting, or between two events) before the
-  generation fails (default 120).
+vLLM (``POST /v1/completions``) or SGLang (``POST /generate``) takes the prompt as token ids and
+streams back sampled ids with their logprobs, so records stay token-faithful; NeMo RL's vLLM HTTP
+server takes it pinned to token ids and answers the ids it sampled from and sampled, whole. At start
+the upstream's tokenizer is checked against the gateway's. The protocols, the check and the settings
+(``EngineOptions.extra``): docs/design/engines.md.
 """
 
 from __future__ import annotations
@@ -58,22 +29,29 @@ from polar.inference.engines.base import (
     TokenChunk,
     WeightsFixed,
 )
-from polar.inference.engines.upstream_http import UpstreamError, UpstreamHttp, UpstreamRefused, error_message, events
-from polar.inference.engines.upstream_protocols import API_KINDS, PROTOCOLS, UpstreamModel
+from polar.inference.engines.upstream_http import (
+    UpstreamError,
+    UpstreamHttp,
+    UpstreamRefused,
+    error_message,
+    events,
+    whole_body,
+)
+from polar.inference.engines.upstream_protocols import API_KINDS, PROTOCOLS, PromptRefused, UpstreamModel
 
 DEFAULT_TIMEOUT_S = 120.0
 # Special tokens, code, digits, accents and an emoji: text on which tokenizers that differ in their
 # vocabulary, merges or special tokens encode differently.
 PROBE_TEXT = (
     "<|im_start|>user\nNaïve café façade — déjà vu? 1234567 tokens; def f(x): return x**2  # 🙂\n"
-    "<tool_call>{\"name\": \"ls\", \"arguments\": {}}</tool_call><|im_end|>\n<|im_start|>assistant\n"
+    '<tool_call>{"name": "ls", "arguments": {}}</tool_call><|im_end|>\n<|im_start|>assistant\n'
 )
 _END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 
 
 class UpstreamEngine(Engine):
-    """Generations forwarded to a vLLM or SGLang server; see the module docstring."""
+    """Generations forwarded to a vLLM, SGLang or NeMo RL server; see the module docstring."""
 
     fixed_weights = (
         "the upstream engine serves a model another server holds: its weights cannot be updated through "
@@ -149,9 +127,13 @@ class UpstreamEngine(Engine):
             upstream = await self._protocol.describe(self._http)
             await self._check_tokenizer(upstream)
         except UpstreamRefused as exc:
-            raise UpstreamError(f"the {self._api} upstream at {self._http.base} refused the start-up checks: {exc}") from None
-        except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamError(f"the {self._api} upstream at {self._http.base} is unreachable: {_describe_error(exc)}") from None
+            raise UpstreamError(
+                f"the {self._api} upstream at {self._http.base} refused the start-up checks: {exc}"
+            ) from None
+        except (TimeoutError, OSError, aiohttp.ClientError) as exc:
+            raise UpstreamError(
+                f"the {self._api} upstream at {self._http.base} is unreachable: {_describe_error(exc)}"
+            ) from None
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise UpstreamError(
                 f"the upstream at {self._http.base} does not answer like {self._api}: {type(exc).__name__}: {exc}"
@@ -171,6 +153,8 @@ class UpstreamEngine(Engine):
                 f" ({mine[where] if where < len(mine) else 'end'} vs {other[where] if where < len(other) else 'end'});"
                 " serve the same model upstream or set [inference] model to the upstream's"
             )
+        if not self._protocol.probes_vocabulary:
+            return
         size = self.description.vocab_size
         inside = await self._accepts(upstream, size - 1)
         outside = await self._accepts(upstream, size)
@@ -183,7 +167,9 @@ class UpstreamEngine(Engine):
 
     async def _accepts(self, upstream: UpstreamModel, token_id: int) -> bool:
         """Whether the upstream takes a one-token prompt of this id (4xx: it refuses the id)."""
-        params = _params(max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=[], ignore_eos=False)
+        params = _params(
+            max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop_token_ids=[], ignore_eos=False
+        )
         body = self._protocol.body([token_id], params, upstream.served_name, stream=False)
         try:
             await self._http.post_json(self._protocol.generate_path, body)
@@ -213,8 +199,13 @@ class UpstreamEngine(Engine):
             stop_token_ids=list(stops),
             ignore_eos=s.ignore_eos,
         )
-        body = self._protocol.body(list(request.prompt_token_ids), params, self._upstream.served_name, stream=True)
-        reader = self._protocol.reader()
+        prompt_ids = list(request.prompt_token_ids)
+        try:
+            body = self._protocol.body(prompt_ids, params, self._upstream.served_name, stream=True)
+        except PromptRefused as exc:
+            yield self._end(FinishReason.ERROR, prompt, 0, 0.0, f"the upstream cannot be sent this prompt: {exc}")
+            return
+        reader = self._protocol.reader(prompt_ids)
         finish: str | None = None
         try:
             # Leaving this block (the caller closed the generation) closes the response: the
@@ -222,7 +213,7 @@ class UpstreamEngine(Engine):
             async with self._http.post(self._protocol.generate_path, body) as response:
                 if response.status >= 400:
                     raise UpstreamRefused(response.status, error_message(await response.text()))
-                async for event in events(response):
+                async for event in events(response) if self._protocol.streams else whole_body(response):
                     step = reader.read(event)
                     if step.token_ids:
                         if completion == 0:
@@ -233,9 +224,11 @@ class UpstreamEngine(Engine):
                         finish = step.finish
                         break
         except UpstreamRefused as exc:
-            yield self._end(FinishReason.ERROR, prompt, completion, queue_seconds, f"the upstream refused the generation: {exc}")
+            yield self._end(
+                FinishReason.ERROR, prompt, completion, queue_seconds, f"the upstream refused the generation: {exc}"
+            )
             return
-        except (OSError, asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, OSError, aiohttp.ClientError) as exc:
             error = f"the upstream at {self._http.base} failed: {_describe_error(exc)}"
             yield self._end(FinishReason.ERROR, prompt, completion, queue_seconds, error)
             return
@@ -244,12 +237,20 @@ class UpstreamEngine(Engine):
             yield self._end(FinishReason.ERROR, prompt, completion, queue_seconds, error)
             return
         if finish is None:
-            yield self._end(FinishReason.ERROR, prompt, completion, queue_seconds, "the upstream ended the stream without a finish reason")
+            yield self._end(
+                FinishReason.ERROR,
+                prompt,
+                completion,
+                queue_seconds,
+                "the upstream ended the stream without a finish reason",
+            )
             return
         yield self._end(_finish_reason(finish, completion, s.max_tokens), prompt, completion, queue_seconds)
 
     @staticmethod
-    def _end(reason: FinishReason, prompt: int, completion: int, queue_seconds: float, error: str = "") -> GenerationEnd:
+    def _end(
+        reason: FinishReason, prompt: int, completion: int, queue_seconds: float, error: str = ""
+    ) -> GenerationEnd:
         return GenerationEnd(reason, prompt, completion, queue_seconds, error)
 
     def parameter_specs(self) -> Mapping[str, ParameterSpec]:

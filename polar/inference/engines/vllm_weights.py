@@ -83,9 +83,7 @@ class ReloadFromSharedWeights:
         with set_current_vllm_config(self.vllm_config):
             self.model_runner.reload_weights(weights_iterator=iter(tensors), is_checkpoint_format=True)
         start, end = block.data_ptr(), block.data_ptr() + block.numel()
-        aliased = [
-            name for name, p in self.model_runner.get_model().named_parameters() if start <= p.data_ptr() < end
-        ]
+        aliased = [name for name, p in self.model_runner.get_model().named_parameters() if start <= p.data_ptr() < end]
         if aliased:
             raise RuntimeError(f"vLLM's reload kept views of the shared weights instead of copying them: {aliased[:3]}")
         return len(tensors)

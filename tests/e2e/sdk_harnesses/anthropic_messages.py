@@ -21,8 +21,12 @@ def main() -> int:
         if not uses:
             print("".join(block.text for block in response.content if block.type == "text"))
             return 0
-        messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in response.content]})
-        results = [{"type": "tool_result", "tool_use_id": use.id, "content": run_tool(use.name, use.input)} for use in uses]
+        messages.append(
+            {"role": "assistant", "content": [block.model_dump(exclude_none=True) for block in response.content]}
+        )
+        results = [
+            {"type": "tool_result", "tool_use_id": use.id, "content": run_tool(use.name, use.input)} for use in uses
+        ]
         messages.append({"role": "user", "content": results})
     print(f"no final answer after {MAX_TURNS} calls", file=sys.stderr)
     return 1

@@ -20,7 +20,11 @@ def main() -> int:
             print(message.content)
             return 0
         calls = [
-            {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": call.function.arguments}}
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": call.function.arguments},
+            }
             for call in message.tool_calls
         ]
         messages.append({"role": "assistant", "content": message.content, "tool_calls": calls})

@@ -4,6 +4,7 @@
     model.py      the GPT model from a Hugging Face config; Polar's layer spec (RoPE + SDPA attention); packing
     convert.py    Hugging Face <-> Megatron weights, tensor-parallel sharding (pure functions)
     logprobs.py   vocabulary-parallel per-token logprobs (the full vocabulary is never gathered)
+    lora.py       LoRA adapters split like the layers they adapt, under PEFT's names and shapes
     backend.py    MegatronBackend: the Backend contract; rank 0 leads, the other ranks follow
     launch.py     the torchrun entry point: rank 0 serves the trainer, the other ranks follow
 

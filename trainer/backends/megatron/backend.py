@@ -1,42 +1,13 @@
 """The megatron backend: a Megatron-Core GPT model over the ranks of a torchrun job, tensor parallel
 within groups of `tp_size` ranks and data parallel across those groups.
 
-Every rank holds its shard of the weights and of the optimizer state. Rank 0 is the one the training
-loop talks to; each of its public calls is first announced to the other ranks (a broadcast of the
-call and its arguments, micro-batches included), which run the same call in lockstep from
-`follow()` so that every collective of the forward, backward and weight gathering has all its
-ranks. Rank 0 checks what could fail on bad input before announcing, so followers never see a call
-that fails half-way on rank 0 alone.
-
-One replica (tp_size = number of ranks): the optimizer is AdamW over the local shards (exact: AdamW
-is elementwise, so sharded AdamW is whole-model AdamW), with parameters and moments in the model's
-dtype. In bf16 (a GPU) that is trainer.bf16_adamw's AdamW, which writes each step back with
-stochastic rounding: rounded to the nearest bf16, RL-sized steps vanish, and fp32 master weights
-would not fit a 4B model on one 80 GiB GPU. In fp32 (a CPU) it is torch's AdamW.
-
-Several replicas: each learns from its share of an update's micro-batches (dealt round-robin) and
-scores its share of `logprobs`' (gathered on rank 0). The model is wrapped in Megatron's
-DistributedDataParallel, which keeps gradients in contiguous buckets and reduce-scatters each bucket
-over the replicas as soon as the last micro-batch's backward has filled it (overlapped with the rest
-of that backward); the gradients are summed, not averaged, since the loop's token weights are
-already normalised over the whole update, so the update equals one replica's over all micro-batches.
-Megatron's DistributedOptimizer then holds fp32 main weights and AdamW state for its 1/dp slice
-only, steps that slice, and all-gathers the updated weights. A replica's last micro-batch is
-always in the last round (the rounds it sits out come first), so no replica has started its
-reduce-scatter when a stop between rounds cancels the update.
-
-Logprobs and the loss are computed in fp32. A constrained call's tokens (a forced tool call, JSON-schema
-output) are scored over the logits masked by its grammar, replayed by the loop, as the engine sampled
-them: each rank masks its own vocabulary slice with the same function as the torch backend
-(grpo.constrained_logits), so the softmax over the whole vocabulary is over the masked, tempered logits.
-
-The gradient norm counts a replicated parameter (the norms) once and sums sharded ones over ranks;
-QK-norm weights are shared by all heads but each rank only sees its own heads, so their gradients are
-summed over ranks before anything reads them (Megatron's finalize_model_grads does the same).
+Rank 0 talks to the training loop and announces each call to the other ranks, which follow in
+lockstep. How replicas, the optimizer, logprobs and the gradient norm work: docs/design/megatron.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from polar import lora
+from polar.config import DEFAULT_LORA_TARGETS
 from trainer.backends.base import (
     Backend,
     BackendError,
@@ -58,6 +31,7 @@ from trainer.backends.base import (
     recompute_activations,
     shared_options,
 )
+from trainer.backends.megatron import lora as megatron_lora
 from trainer.backends.megatron.convert import (
     hf_names,
     hf_to_megatron,
@@ -70,6 +44,7 @@ from trainer.backends.megatron.logprobs import (
     check_untruncated,
     vocab_parallel_logprobs,
 )
+from trainer.backends.megatron.lora import AdapterMatrix
 from trainer.backends.megatron.model import (
     ModelShape,
     UnsupportedModel,
@@ -82,8 +57,8 @@ from trainer.backends.megatron.runtime import (
     init_parallel,
     tp_group,
 )
-from trainer.bf16_adamw import StochasticRoundingAdamW
 from trainer.batches import MicroBatch
+from trainer.bf16_adamw import StochasticRoundingAdamW
 from trainer.grpo import LossConfig, LossStats, constrained_logits
 
 if TYPE_CHECKING:
@@ -113,16 +88,31 @@ class MegatronBackendOptions:
     seed: int = 0
     cpu_threads: int = 0  # 0 = torch's default
     max_tokens_per_microbatch: int = 0  # 0 = the model's context length
+    lora_rank: int = 0  # > 0: train a LoRA adapter of this rank on lora_targets (megatron/lora.py); 0 = every weight
+    lora_alpha: float = 32.0
+    lora_targets: str = DEFAULT_LORA_TARGETS  # comma-separated module names
+    adapter: str = ""  # a PEFT adapter folder to start from (a checkpoint's); its settings replace the three above
 
 
 def options_from_config(config: TrainerConfig, model: str) -> MegatronBackendOptions:
     """The backend's options from the [trainer] section: the same on every rank;
-    gradient_checkpointing recomputes whole layers; SwiGLU and RoPE are compiled on a GPU."""
+    gradient_checkpointing recomputes whole layers; SwiGLU and RoPE are compiled on a GPU. With LoRA,
+    `model` may be an adapter folder (a checkpoint's) over the [trainer] model."""
+    from polar.lora import is_adapter_folder
+
     cuda = torch.cuda.is_available()
+    adapter = model if config.lora_rank and is_adapter_folder(model) else ""
     return MegatronBackendOptions(
-        model=model, tp_size=config.tensor_parallel,
+        model=config.model if adapter else model,
+        adapter=adapter,
+        lora_rank=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_targets=config.lora_targets,
+        tp_size=config.tensor_parallel,
         recompute={"on": "full", "off": "none", "auto": "auto"}[config.gradient_checkpointing],
-        fused_swiglu=cuda, fused_rope=cuda, **shared_options(config),
+        fused_swiglu=cuda,
+        fused_rope=cuda,
+        **shared_options(config),
     )
 
 
@@ -149,11 +139,18 @@ class HFWeights:
         self._backend = backend
 
     def __len__(self) -> int:
-        return len(hf_names(self._backend.shape))
+        backend = self._backend
+        return len(backend.adapters) if backend.lora is not None else len(hf_names(backend.shape))
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._backend._announce("hf_weights")
-        yield from self._backend._hf_weights()
+        backend = self._backend
+        backend._announce("hf_weights")
+        if backend.lora is None:
+            yield from backend._hf_weights()
+            return
+        # The fp32 adapters go to the inference servers in the compute dtype, as the torch backend's do.
+        for name, tensor in backend._hf_weights():
+            yield name, tensor.to(backend.dtype)
 
 
 class MegatronBackend(Backend):
@@ -174,8 +171,11 @@ class MegatronBackend(Backend):
         torch.manual_seed(options.seed)
         self.options = options
         self.device = self.parallel.device
-        dtypes = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
-                  "float32": torch.float32, "bfloat16": torch.bfloat16}
+        dtypes = {
+            "auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+        }
         if options.dtype not in dtypes:
             raise BackendError(f"dtype must be one of {', '.join(dtypes)}, got {options.dtype!r}")
         self.dtype = dtypes[options.dtype]
@@ -185,9 +185,10 @@ class MegatronBackend(Backend):
             if getattr(options, name) and self.device.type != "cuda":
                 raise BackendError(f"{name} needs CUDA")
         # Rank 0's choice (a checkpoint of the run, say) is every rank's.
-        choice = [options.model]
+        choice = [options.model, options.adapter]
         if self.parallel.world_size > 1:
             dist.broadcast_object_list(choice, src=0)
+        adapter = choice[1]
         try:
             self.folder = resolve_model(choice[0])
         except ModelNotFoundError as exc:
@@ -200,11 +201,15 @@ class MegatronBackend(Backend):
             self.model = self._build()
         except UnsupportedModel as exc:
             raise BackendError(f"cannot build {options.model!r} with Megatron: {exc}") from None
-        self.parameters = dict(self.model.named_parameters())
+        self.parameters = dict(self.model.named_parameters())  # the base model's
         self._load_hf_folder(self.folder)
+        self.lora, self.adapters = self._attach_adapters(options, adapter)
+        self.trained = {  # what the optimizer updates: the adapters with LoRA, else every parameter
+            name: parameter for name, parameter in self.model.named_parameters() if parameter.requires_grad
+        }
         self.model.train()
         self.reference = None
-        if options.reference_model:
+        if options.reference_model and self.lora is None:
             self.reference = self._build()
             self.reference.load_state_dict(self.model.state_dict())
             self.reference.eval().requires_grad_(False)
@@ -213,16 +218,16 @@ class MegatronBackend(Backend):
         self._reducing = False  # this update's reduce-scatter has started (this rank's last backward ran)
         if self.parallel.dp_size > 1:
             self.replicated, self.optimizer = self._distributed_optimizer()
-        elif self.dtype == torch.bfloat16:
+        elif self.dtype == torch.bfloat16 and self.lora is None:  # adapters are fp32
             self.optimizer = StochasticRoundingAdamW(
-                self.parameters.values(),
+                self.trained.values(),
                 lr=options.lr,
                 betas=(options.adam_beta1, options.adam_beta2),
                 weight_decay=options.weight_decay,
             )
         else:
             self.optimizer = torch.optim.AdamW(
-                self.parameters.values(),
+                self.trained.values(),
                 lr=options.lr,
                 betas=(options.adam_beta1, options.adam_beta2),
                 weight_decay=options.weight_decay,
@@ -232,6 +237,29 @@ class MegatronBackend(Backend):
             )
         padded = self.shape.padded_vocab_size(self.parallel.tp_size)
         self.vocab_start = self.parallel.tp_rank * padded // self.parallel.tp_size
+
+    def _attach_adapters(
+        self, options: MegatronBackendOptions, adapter: str
+    ) -> tuple[lora.LoraSettings | None, dict[str, AdapterMatrix]]:
+        """With LoRA: the base frozen, the adapters attached (loaded from `adapter`, else new), their
+        settings and matrices (by Megatron name). Without: (None, {})."""
+        if not options.lora_rank and not adapter:
+            return None, {}
+        tp_rank, tp_size = self.parallel.tp_rank, self.parallel.tp_size
+        try:
+            saved = lora.read_adapter(adapter) if adapter else None
+            settings = (
+                saved.settings
+                if saved
+                else lora.LoraSettings.parse(options.lora_rank, options.lora_alpha, options.lora_targets)
+            )
+            self.model.requires_grad_(False)
+            matrices = megatron_lora.attach(self.model, self.shape, settings, tp_size)
+            tensors = saved.tensors if saved else megatron_lora.initial_adapters(matrices, options.seed)
+            megatron_lora.load_shards(dict(self.model.named_parameters()), matrices, tensors, tp_rank, tp_size)
+        except lora.LoraError as exc:
+            raise BackendError(str(exc)) from None
+        return settings, {matrix.megatron: matrix for matrix in matrices}
 
     def _distributed_optimizer(self):
         """The loaded model in Megatron's DistributedDataParallel, and a DistributedOptimizer over it
@@ -277,10 +305,16 @@ class MegatronBackend(Backend):
             return False  # only CUDA can recompute (see __init__)
         shape = self.shape
         # Tensor parallelism splits the MLP's and the attention's activations over the group's ranks.
-        per_token = activation_bytes(tokens=1, layers=shape.num_layers, hidden=shape.hidden_size,
-                                     intermediate=shape.ffn_hidden_size, element_bytes=self.dtype.itemsize)
-        return recompute_activations("auto", activations=tokens * per_token // self.parallel.tp_size,
-                                     device_memory=device_memory(self.device))
+        per_token = activation_bytes(
+            tokens=1,
+            layers=shape.num_layers,
+            hidden=shape.hidden_size,
+            intermediate=shape.ffn_hidden_size,
+            element_bytes=self.dtype.itemsize,
+        )
+        return recompute_activations(
+            "auto", activations=tokens * per_token // self.parallel.tp_size, device_memory=device_memory(self.device)
+        )
 
     def _set_recompute(self, tokens: int) -> None:
         """With recompute "auto", the model is built to recompute whole layers, and Megatron's
@@ -293,8 +327,15 @@ class MegatronBackend(Backend):
         recompute = options.recompute
         if recompute == "auto":
             recompute = "full" if self.device.type == "cuda" else "none"
-        return build_model(self.shape, self.parallel.tp_size, self.dtype, self.device, recompute,
-                           options.fused_swiglu, options.fused_rope)
+        return build_model(
+            self.shape,
+            self.parallel.tp_size,
+            self.dtype,
+            self.device,
+            recompute,
+            options.fused_swiglu,
+            options.fused_rope,
+        )
 
     @property
     def model_description(self) -> dict[str, object]:
@@ -303,6 +344,7 @@ class MegatronBackend(Backend):
             "vocab_size": self.shape.vocab_size,
             "hidden_size": self.shape.hidden_size,
             "num_hidden_layers": self.shape.num_layers,
+            "lora_rank": self.lora.rank if self.lora else 0,
         }
 
     # -- loading --------------------------------------------------------------------------------------
@@ -334,13 +376,17 @@ class MegatronBackend(Backend):
                 for name, value in converted.items():
                     parameter = self.parameters[name]
                     if parameter.shape != value.shape:
-                        raise BackendError(f"{folder}: {name} is {tuple(value.shape)} on this rank, the model "
-                                           f"expects {tuple(parameter.shape)}")
+                        raise BackendError(
+                            f"{folder}: {name} is {tuple(value.shape)} on this rank, the model "
+                            f"expects {tuple(parameter.shape)}"
+                        )
                     parameter.copy_(value)
             loaded.update(converted)
         missing = set(self.parameters) - loaded
         if missing:
-            raise BackendError(f"{folder} lacks the weights of {', '.join(sorted(missing)[:3])} ({len(missing)} in all)")
+            raise BackendError(
+                f"{folder} lacks the weights of {', '.join(sorted(missing)[:3])} ({len(missing)} in all)"
+            )
 
     # -- the leader's announcements and the followers' loop -------------------------------------------
 
@@ -402,11 +448,13 @@ class MegatronBackend(Backend):
             self._set_recompute(batch.input_ids.numel() if torch.is_grad_enabled() else 0)
         keep = batch.loss_mask.reshape(-1).nonzero().squeeze(-1)  # [K]
         parents = [batch.row_parents(row) for row in range(len(batch.sequence_lengths))]
-        logits = selected_logits(model, batch.input_ids, batch.position_ids, batch.sequence_lengths, parents,
-                                 keep)  # [K, V/tp]
+        logits = selected_logits(
+            model, batch.input_ids, batch.position_ids, batch.sequence_lengths, parents, keep
+        )  # [K, V/tp]
         if batch.constraint_index is not None:  # each rank masks its own vocabulary slice
-            logits = constrained_logits(logits, keep, batch.constraint_index, batch.constraint_allowed,
-                                        vocab_start=self.vocab_start)
+            logits = constrained_logits(
+                logits, keep, batch.constraint_index, batch.constraint_allowed, vocab_start=self.vocab_start
+            )
         values = vocab_parallel_logprobs(
             logits,
             batch.targets.reshape(-1)[keep],
@@ -418,14 +466,18 @@ class MegatronBackend(Backend):
         return values, keep
 
     def logprobs(self, batches: Sequence[MicroBatch], *, reference: bool = False) -> list[torch.Tensor]:
-        if reference and self.reference is None:
+        if reference and self.reference is None and self.lora is None:
             raise BackendError("no reference model was kept (kl_coef is 0)")
         self._check(batches)
         self._announce("logprobs", batches, reference)
         return self._logprobs(batches, reference)
 
     def _logprobs(self, batches: Sequence[MicroBatch], reference: bool = False) -> list[torch.Tensor]:
-        """Every replica scores its share; rank 0 returns all of them (the others, only their own)."""
+        """Every replica scores its share; rank 0 returns all of them (the others, only their own).
+        With LoRA the reference policy is the base model: the adapters left out."""
+        if reference and self.lora is not None:
+            with self._adapters_disabled():
+                return self._logprobs(batches)
         model = self.reference if reference else self.model
         dp_size, dp_rank = self.parallel.dp_size, self.parallel.dp_rank
         if dp_size == 1:
@@ -448,7 +500,7 @@ class MegatronBackend(Backend):
         old_logprobs: Sequence[torch.Tensor] | None = None,
         should_stop: Callable[[], bool] = lambda: False,
     ) -> UpdateResult:
-        if loss_config.kl_coef > 0 and self.reference is None:
+        if loss_config.kl_coef > 0 and self.reference is None and self.lora is None:
             raise BackendError("kl_coef > 0 needs the reference model (reference_model = true)")
         self._check(batches)
         self._announce("update", batches, loss_config, old_logprobs)
@@ -456,6 +508,17 @@ class MegatronBackend(Backend):
 
     def _update(self, batches, loss_config, old_logprobs, should_stop=lambda: False) -> UpdateResult:
         return self._run_update(batches, loss_config, old_logprobs, should_stop)
+
+    @contextlib.contextmanager
+    def _adapters_disabled(self) -> Iterator[None]:
+        layers = list(megatron_lora.layer_adapters(self.model))
+        for layer in layers:
+            layer.enabled = False
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer.enabled = True
 
     def _reference_logprobs(self, batches: Sequence[MicroBatch]) -> list[torch.Tensor]:
         return self._logprobs(batches, reference=True)  # every rank is already in this call
@@ -536,7 +599,7 @@ class MegatronBackend(Backend):
 
     def _clip_local_gradients(self) -> float:
         """Sum the QK-norm gradients over ranks, then clip by the whole model's gradient norm."""
-        with_grad = {name: p for name, p in self.parameters.items() if p.grad is not None}
+        with_grad = {name: p for name, p in self.trained.items() if p.grad is not None}
         tp = self.parallel.tp_size > 1
         if tp:
             for name, parameter in with_grad.items():
@@ -549,8 +612,8 @@ class MegatronBackend(Backend):
                 return torch.zeros((), dtype=torch.float32, device=self.device)
             return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
 
-        sharded = square_sum([p.grad for name, p in with_grad.items() if not replicated(name)])
-        duplicated = square_sum([p.grad for name, p in with_grad.items() if replicated(name)])
+        sharded = square_sum([p.grad for name, p in with_grad.items() if not self._replicated(name)])
+        duplicated = square_sum([p.grad for name, p in with_grad.items() if self._replicated(name)])
         if tp:
             dist.all_reduce(sharded, group=tp_group())
         total = float((sharded + duplicated).sqrt())
@@ -558,6 +621,11 @@ class MegatronBackend(Backend):
         if clip > 0 and total > clip and math.isfinite(total):
             torch._foreach_mul_([p.grad for p in with_grad.values()], clip / (total + 1e-6))
         return total
+
+    def _replicated(self, name: str) -> bool:
+        """Whether every tensor-parallel rank holds the whole parameter (its gradient too)."""
+        matrix = self.adapters.get(name)
+        return replicated(name) if matrix is None else matrix.split is None
 
     # -- weights ----------------------------------------------------------------------------------
 
@@ -567,9 +635,13 @@ class MegatronBackend(Backend):
     def _hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Whole HF tensors on rank 0, a layer at a time: each layer's shards are gathered from the
         ranks of its tensor-parallel group, converted, yielded, and dropped before the next layer is
-        gathered. The other replicas hold the same weights and take no part."""
+        gathered. The other replicas hold the same weights and take no part. With LoRA: the adapter
+        matrices alone, under PEFT's names and in its shapes."""
         tp_size = self.parallel.tp_size
         if self.parallel.dp_rank != 0:
+            return
+        if self.lora is not None:
+            yield from self._adapter_weights()
             return
         for _, names in groupby(megatron_names(self.shape), key=layer_of):
             local = {name: self.parameters[name].detach() for name in names}
@@ -587,11 +659,46 @@ class MegatronBackend(Backend):
             if self.parallel.is_leader:
                 yield from megatron_to_hf(shards, self.shape).items()
 
+    def _adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Whole adapter matrices on rank 0, one at a time: each split one gathered from the ranks of
+        its tensor-parallel group (the others are rank 0's own)."""
+        tp_size = self.parallel.tp_size
+        for matrix in self.adapters.values():
+            local = self.trained[matrix.megatron].detach()
+            parts = [local]
+            if matrix.split is not None and tp_size > 1:
+                local = local.contiguous()
+                parts = [torch.empty_like(local) for _ in range(tp_size)] if self.parallel.is_leader else None
+                dist.gather(local, parts, dst=0, group=tp_group())
+            if self.parallel.is_leader:
+                yield matrix.hf, matrix.join(parts)
+
     def save(self, model_folder: Path, optimizer_file: Path) -> None:
+        """The Hugging Face folder, or with LoRA the adapter's PEFT folder (over the base's folder)."""
         self._announce("save")
         self._save(model_folder, optimizer_file)
 
     def _save(self, model_folder: Path | None, optimizer_file: Path | None) -> None:
+        leader = self.parallel.is_leader
+        if self.lora is not None:
+            tensors = list(self._hf_weights())  # rank 0's; the other ranks take part in the gathers
+            if leader:
+                lora.save_adapter_tensors(model_folder, tensors, self.lora, base_model=str(self.folder))
+        else:
+            self._save_model(model_folder)
+        states = [None] * self.parallel.world_size if leader else None
+        state = _on_cpu(self._optimizer_state())  # pickled between ranks: no device tensors
+        if self.parallel.world_size > 1:
+            dist.gather_object(state, states, dst=0)
+        else:
+            states = [state]
+        if leader:
+            torch.save(
+                {"tp_size": self.parallel.tp_size, "dp_size": self.parallel.dp_size, "ranks": states}, optimizer_file
+            )
+
+    def _save_model(self, model_folder: Path | None) -> None:
+        """The whole model as a Hugging Face folder on rank 0 (sharded safetensors, config, tokenizer)."""
         from safetensors.torch import save_file
 
         leader = self.parallel.is_leader
@@ -620,15 +727,6 @@ class MegatronBackend(Backend):
             self.hf_config.save_pretrained(model_folder)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(model_folder)
-        states = [None] * self.parallel.world_size if leader else None
-        state = _on_cpu(self._optimizer_state())  # pickled between ranks: no device tensors
-        if self.parallel.world_size > 1:
-            dist.gather_object(state, states, dst=0)
-        else:
-            states = [state]
-        if leader:
-            torch.save({"tp_size": self.parallel.tp_size, "dp_size": self.parallel.dp_size, "ranks": states},
-                       optimizer_file)
 
     def _optimizer_state(self) -> dict:
         """This rank's optimizer state. With several replicas: the AdamW state of its slice and the
@@ -656,8 +754,11 @@ class MegatronBackend(Backend):
         layout = (self.parallel.tp_size, self.parallel.dp_size)
         saved_layout = (saved.get("tp_size"), saved.get("dp_size", 1)) if isinstance(saved, dict) else None
         if saved_layout != layout:
-            described = (f"{saved_layout[0]} tensor-parallel ranks x {saved_layout[1]} replicas" if saved_layout
-                         else "no known layout")
+            described = (
+                f"{saved_layout[0]} tensor-parallel ranks x {saved_layout[1]} replicas"
+                if saved_layout
+                else "no known layout"
+            )
             raise BackendError(
                 f"{optimizer_file} holds the optimizer state of a megatron backend with {described}; "
                 f"this one has {layout[0]} x {layout[1]}"

@@ -37,8 +37,13 @@ _LAYER = re.compile(r"^(model\.layers|decoder\.layers)\.(\d+)\.(.+)$")
 _LAYER_RULES: dict[str, tuple[tuple[str, ...], object]] = {
     "input_layernorm.weight": (("input_layernorm.weight",), None),
     "self_attention.linear_qkv.weight": (
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
-    "self_attention.linear_qkv.bias": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+        "qkv",
+    ),
+    "self_attention.linear_qkv.bias": (
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+        "qkv",
+    ),
     "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), ("dim", 1)),
     "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), None),
     "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), None),
@@ -67,8 +72,7 @@ def _rules(shape: ModelShape) -> dict[str, tuple[tuple[str, ...], object]]:
                 continue
             if suffix.endswith("linear_qkv.bias") and not shape.qkv_bias:
                 continue
-            rules[f"decoder.layers.{layer}.{suffix}"] = (
-                tuple(f"model.layers.{layer}.{s}" for s in hf_suffixes), split)
+            rules[f"decoder.layers.{layer}.{suffix}"] = (tuple(f"model.layers.{layer}.{s}" for s in hf_suffixes), split)
     return rules
 
 

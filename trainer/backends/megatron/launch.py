@@ -18,11 +18,13 @@ import os
 import signal
 import sys
 
-from polar.services import TRAINER
+from polar.service_table import TRAINER
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.backends.megatron.launch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.backends.megatron.launch", description=__doc__.split("\n\n")[0]
+    )
     TRAINER.add_arguments(parser)
     args = parser.parse_args(argv)
     args.backend = "megatron"

@@ -66,7 +66,9 @@ class ModelShape:
         """From a transformers config object; UnsupportedModel for what the model cannot represent."""
         model_type = config.model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModel(f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+            raise UnsupportedModel(
+                f"model type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         rope = getattr(config, "rope_parameters", None) or {}
         rope_type = rope.get("rope_type", "default")
         if rope_type != "default":
@@ -104,14 +106,18 @@ class ModelShape:
         return math.ceil(self.vocab_size / multiple) * multiple
 
     def check_tensor_parallel(self, tp_size: int) -> None:
-        for what, count in (("attention heads", self.num_heads), ("key/value heads", self.num_kv_heads),
-                            ("MLP width", self.ffn_hidden_size)):
+        for what, count in (
+            ("attention heads", self.num_heads),
+            ("key/value heads", self.num_kv_heads),
+            ("MLP width", self.ffn_hidden_size),
+        ):
             if count % tp_size:
                 raise UnsupportedModel(f"{count} {what} cannot be split over {tp_size} tensor-parallel ranks")
 
 
-def transformer_config(shape: ModelShape, tp_size: int, dtype: torch.dtype, recompute: str = "none",
-                       fused_swiglu: bool = False):
+def transformer_config(
+    shape: ModelShape, tp_size: int, dtype: torch.dtype, recompute: str = "none", fused_swiglu: bool = False
+):
     """Megatron's TransformerConfig for the shape. `recompute`: "none", "selective" (core attention
     recomputed in backward) or "full" (every layer's activations recomputed). `fused_swiglu`:
     Megatron's SwiGLU through torch.compile (one kernel each way, only fc1's output kept for
@@ -254,8 +260,9 @@ def _sdpa_attention_class(fused_rope: bool):
         Inherits the per-partition head counts and the softmax scale from DotProductAttention.
         """
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
+        def forward(
+            self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        ):
             if attention_bias is not None:
                 raise ValueError("attention bias is not supported by SDPAttention")
             if getattr(packed_seq_params, "rotary_cos", None) is None:
@@ -265,8 +272,13 @@ def _sdpa_attention_class(fused_rope: bool):
             rotary = _fused_rotate() if fused_rope else rotate
             cos, sin = packed_seq_params.rotary_cos, packed_seq_params.rotary_sin
             query, key = rotary(query, cos, sin), rotary(key, cos, sin)
-            out = tree_attention(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
-                                 packed_seq_params.tree, self.softmax_scale)  # [np, t, d]
+            out = tree_attention(
+                query.transpose(0, 1),
+                key.transpose(0, 1),
+                value.transpose(0, 1),
+                packed_seq_params.tree,
+                self.softmax_scale,
+            )  # [np, t, d]
             return out.transpose(0, 1).reshape(out.shape[1], -1)
 
     return SDPAttention
@@ -283,8 +295,15 @@ def layer_spec(shape: ModelShape, fused_rope: bool = False):
     return spec
 
 
-def build_model(shape: ModelShape, tp_size: int, dtype: torch.dtype, device: torch.device, recompute: str = "none",
-                fused_swiglu: bool = False, fused_rope: bool = False):
+def build_model(
+    shape: ModelShape,
+    tp_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    recompute: str = "none",
+    fused_swiglu: bool = False,
+    fused_rope: bool = False,
+):
     """An uninitialised GPTModel for this rank's shard (parameters allocated, values arbitrary).
     `fused_rope`: RoPE through torch.compile (needs Triton)."""
     import_megatron()
@@ -310,8 +329,9 @@ def build_model(shape: ModelShape, tp_size: int, dtype: torch.dtype, device: tor
     return model.to(device)
 
 
-def packed_seq_params(model, sequence_lengths: list[list[int]], parents: list[list[int]],
-                      position_ids: torch.Tensor, dtype: torch.dtype):
+def packed_seq_params(
+    model, sequence_lengths: list[list[int]], parents: list[list[int]], position_ids: torch.Tensor, dtype: torch.dtype
+):
     """Packed-sequence parameters for rows laid end to end: each row's pieces, then its padding (a
     stretch of its own); with the rotary tables of `model`'s RoPE at `position_ids` [R, L] and the
     stretches' tree.
@@ -334,14 +354,25 @@ def packed_seq_params(model, sequence_lengths: list[list[int]], parents: list[li
     furthest = int(positions.max()) + 1
     angles = model.rotary_pos_emb(furthest, packed_seq=True)[positions].squeeze(1)  # [T, 1, d] fp32
     return _rotary_params_class()(
-        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest,
-        rotary_cos=angles.cos().to(dtype), rotary_sin=angles.sin().to(dtype),
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        rotary_cos=angles.cos().to(dtype),
+        rotary_sin=angles.sin().to(dtype),
         tree=TreeLayout.from_pieces(lengths, stretch_parents),
     )
 
 
-def selected_logits(model, input_ids: torch.Tensor, position_ids: torch.Tensor, sequence_lengths: list[list[int]],
-                    parents: list[list[int]], keep: torch.Tensor) -> torch.Tensor:
+def selected_logits(
+    model,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    sequence_lengths: list[list[int]],
+    parents: list[list[int]],
+    keep: torch.Tensor,
+) -> torch.Tensor:
     """This rank's vocabulary slice of the logits at flat positions `keep` [K] -> [K, V / tp].
 
     input_ids, position_ids [R, L] on the model's device; `sequence_lengths` and `parents`: each

@@ -1,0 +1,3 @@
+#!/bin/bash
+set -e
+wc -w < poem.txt | tr -d ' ' > count.txt

@@ -1,0 +1,239 @@
+"""`polar train` and `polar eval`: the stack on the embedded defaults (or a TOML file) with a job on top;
+`polar merge`: a LoRA checkpoint as a plain model folder.
+
+    polar train CONFIG [--run-dir DIR]      the stack plus the trainer (`polar serve trainer`) as a job:
+                                            the stack stops, with success, once the trainer is done
+    polar eval CONFIG [--checkpoint DIR]    the stack serving a checkpoint (or the base model; a LoRA
+                                            checkpoint's base plus its adapter), the held-out tasks run
+                                            through it, a table and a JSON file
+    polar eval CONFIG --run-dir DIR         the base model and the run's latest checkpoint, each once:
+                                            reports in DIR/eval/, a before/after table, DIR/eval.png
+    polar merge CHECKPOINT OUT              a LoRA checkpoint's adapter merged into its base model (docs/lora.md)
+
+A run folder holds everything a run needs to carry on after a stop: its rollout store (tasks
+submitted, results released), checkpoints, metrics.jsonl, TensorBoard events and reward.png. Run
+again with the same folder, `polar train` serves the latest checkpoint's weights as that checkpoint's
+policy version and the trainer resumes from its step and results cursor. What can be checked before
+a service starts is checked first: the config, the dataset's every line, the model, the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from polar.app.stack import request_stop, run_stack
+from polar.config import StackConfig, TrainerConfig
+from polar.inference.models import resolve_model
+from polar.service_base import ServiceSpec
+from polar.service_table import TRAINER
+
+# Long enough to finish the micro-batch in progress and write a checkpoint of a small model on a CPU.
+TRAINER_STOP_TIMEOUT_S = 300.0
+ROLLOUT_STORE = "rollout.db"
+ENVOY_ACCESS_LOG = "envoy-access.log"
+
+
+def train_plan(config: StackConfig, run_dir: Path) -> tuple[StackConfig, ServiceSpec]:
+    """The stack a run folder's `polar train` starts, and its trainer job.
+
+    The inference server serves the trainer's model, or the run's latest checkpoint as its policy
+    version; the rollout store and Envoy's access log (when it would go to stdout, between the
+    progress lines) live in the run folder."""
+    from trainer.checkpoints import check_compatible, latest_checkpoint
+
+    trainer = dataclasses.replace(config.trainer, run_dir=str(run_dir))
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        check_compatible(checkpoint, trainer.model, {})
+    inference = dataclasses.replace(
+        config.inference,
+        model=str(checkpoint.model_folder) if checkpoint else trainer.model,
+        policy_version=checkpoint.state.policy_version if checkpoint else 0,
+    )
+    if trainer.lora_rank:
+        # The server holds the base model and an adapter of the trainer's shape (zero until the first
+        # push, or the checkpoint's); the trainer pushes the adapter alone.
+        inference = dataclasses.replace(
+            inference,
+            model=trainer.model,
+            adapter=str(checkpoint.model_folder) if checkpoint else "",
+            lora_rank=trainer.lora_rank,
+            lora_alpha=trainer.lora_alpha,
+            lora_targets=trainer.lora_targets,
+            # A named adapter needs room beside the default one (the run's own server: one is enough).
+            max_adapters=max(inference.max_adapters, 1 if trainer.lora_adapter_name else 0),
+        )
+    envoy = config.envoy
+    if envoy.access_log == "-":
+        envoy = dataclasses.replace(envoy, access_log=str(run_dir / ENVOY_ACCESS_LOG))
+    stack = dataclasses.replace(
+        config,
+        inference=inference,
+        rollout=dataclasses.replace(config.rollout, store=str(run_dir / ROLLOUT_STORE)),
+        envoy=envoy,
+        trainer=trainer,
+    )
+    detail = f"{trainer.backend} backend, {trainer.steps or 'unbounded'} steps of {trainer.groups_per_step} groups; run {run_dir}"
+    spec = TRAINER.spec(trainer, detail=detail, rollout_address="{rollout}", inference=["{inference}"])
+    if trainer.gpus > 1:
+        spec = dataclasses.replace(spec, argv=torchrun_argv(spec.argv, trainer.gpus))
+    return stack, dataclasses.replace(spec, finishes=True, stop_timeout_s=TRAINER_STOP_TIMEOUT_S)
+
+
+def torchrun_argv(serve_argv: tuple[str, ...], processes: int) -> tuple[str, ...]:
+    """`polar serve trainer`'s command line as a one-machine torchrun job of the megatron backend:
+    its flags go to every rank (trainer.backends.megatron.launch); rank 0 serves, the others follow."""
+    python, flags = serve_argv[0], serve_argv[len((sys.executable, "-m", "polar", "serve", TRAINER.name)) :]
+    return (
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={processes}",
+        "-m",
+        "trainer.backends.megatron.launch",
+        *flags,
+    )
+
+
+def check_before_start(trainer: TrainerConfig, *, dataset: str) -> None:
+    """What a run needs that can be checked before any service starts; raises with a clear message."""
+    from trainer.dataset import Dataset
+
+    if trainer.gpus > 1 and trainer.backend != "megatron":
+        raise ValueError(
+            f'[trainer] gpus = {trainer.gpus} needs backend = "megatron" (the {trainer.backend} backend runs in one process)'
+        )
+    if trainer.lora_adapter_name and not trainer.lora_rank:
+        raise ValueError("[trainer] lora_adapter_name names a LoRA adapter: it needs lora_rank > 0")
+    Dataset(dataset, seed=trainer.seed, prefix=trainer.task_prefix)
+    resolve_model(trainer.model)
+
+
+def train(config: StackConfig, run_dir: Path) -> int:
+    """`polar train`: the stack and the trainer until the trainer is done (0) or Ctrl-C (130)."""
+    check_before_start(config.trainer, dataset=config.trainer.dataset)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack, trainer = train_plan(config, run_dir)
+    run_stack(stack, jobs=[trainer])
+    print(f"polar train: run folder {run_dir} (metrics.jsonl, reward.png, checkpoints/, tensorboard/)", flush=True)
+    from trainer.checkpoints import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    steps = config.trainer.steps
+    # The stack also ends without error on Ctrl-C: then the run is not done, and says so like any
+    # interrupted command. Run again, it resumes.
+    return 0 if steps and checkpoint is not None and checkpoint.state.step >= steps else 130
+
+
+def evaluate(config: StackConfig, checkpoint: Path | None, out: Path) -> int:
+    """`polar eval`: the held-out tasks through the stack serving `checkpoint` (a checkpoint folder or
+    a Hugging Face folder; None: the [trainer] model); the table, and the report as JSON at `out`."""
+    from polar.lora import is_adapter_folder, read_adapter
+    from trainer.checkpoints import STATE_FILE, Checkpoint, TrainerState
+    from trainer.evaluation import EvaluationStopped, write_report
+    from trainer.evaluation import evaluate as run_evaluation
+
+    trainer = config.trainer
+    if not trainer.heldout:
+        raise ValueError("no held-out tasks: set [trainer] heldout to a task file (the `polar submit` format)")
+    check_before_start(trainer, dataset=trainer.heldout)
+    model, adapter = trainer.model, ""
+    if checkpoint is not None:
+        if (checkpoint / STATE_FILE).is_file():
+            model = str(Checkpoint(checkpoint, TrainerState()).model_folder)
+        elif not is_adapter_folder(checkpoint):
+            model = str(resolve_model(str(checkpoint)))
+        if is_adapter_folder(model) or is_adapter_folder(checkpoint):
+            # A LoRA checkpoint (or a PEFT folder): the model its config names, plus the adapter.
+            adapter = model if is_adapter_folder(model) else str(checkpoint)
+            model = read_adapter(adapter).base_model or trainer.model
+            resolve_model(model)
+    done = threading.Event()
+    ending = threading.Lock()  # the stop signal is sent only while the stack still supervises
+    outcome: dict[str, object] = {}
+
+    def run(addresses: dict[str, str]) -> None:
+        try:
+            report = run_evaluation(trainer, addresses["rollout"], adapter or model, done, sys.stdout)
+            write_report(report, out)
+            outcome["report"] = report
+        except EvaluationStopped:
+            pass
+        except Exception as exc:
+            outcome["error"] = exc
+        finally:
+            with ending:
+                if not done.is_set():
+                    request_stop()  # ends the supervision: the stack stops
+
+    with tempfile.TemporaryDirectory(prefix="polar-eval-") as scratch:
+        stack = dataclasses.replace(
+            config,
+            inference=dataclasses.replace(config.inference, model=model, adapter=adapter),
+            rollout=dataclasses.replace(config.rollout, store=str(Path(scratch) / ROLLOUT_STORE)),
+            envoy=config.envoy
+            if config.envoy.access_log != "-"
+            else dataclasses.replace(config.envoy, access_log=os.devnull),
+        )
+        try:
+            run_stack(
+                stack, on_ready=lambda addresses: threading.Thread(target=run, args=(addresses,), daemon=True).start()
+            )
+        finally:
+            with ending:
+                done.set()
+    if "error" in outcome:
+        error = outcome["error"]
+        raise error if isinstance(error, (OSError, ValueError, LookupError)) else RuntimeError(str(error))
+    if "report" not in outcome:
+        return 130
+    print(outcome["report"].table())
+    print(f"polar eval: report in {out}")
+    return 0
+
+
+def evaluate_run(config: StackConfig, run_dir: Path) -> int:
+    """`polar eval --run-dir`: the base model (before training) and the run's latest checkpoint (after),
+    each evaluated once into RUN/eval/LABEL.json (a report already there is kept), then the
+    comparison of every report in the folder and RUN/eval.png."""
+    from trainer.checkpoints import latest_checkpoint
+    from trainer.evaluation import BASE_LABEL, EVAL_FOLDER, EVAL_PLOT, comparison_table, read_reports
+    from trainer.metrics import plot_evaluations
+
+    folder = run_dir / EVAL_FOLDER
+    wanted: list[tuple[str, Path | None]] = [(BASE_LABEL, None)]
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        wanted.append((f"step-{checkpoint.state.step}", checkpoint.path))
+    for label, path in wanted:
+        out = folder / f"{label}.json"
+        if out.is_file():
+            print(f"polar eval: {label}: already evaluated ({out})", flush=True)
+            continue
+        print(f"polar eval: {label}: evaluating {path or config.trainer.model}", flush=True)
+        code = evaluate(config, path, out)
+        if code:
+            return code
+    reports = read_reports(folder)
+    plot_evaluations(reports, run_dir / EVAL_PLOT)
+    print(comparison_table(reports))
+    print(f"polar eval: reports in {folder}, plot {run_dir / EVAL_PLOT}")
+    return 0
+
+
+def merge_checkpoint(checkpoint: Path, out: Path, base_model: str = "") -> Path:
+    """`polar merge`: a LoRA checkpoint (a run's step folder, or a PEFT adapter folder) merged into
+    its base model, written to `out` as a Hugging Face folder; the base model's folder."""
+    from polar.lora import LoraError, is_adapter_folder, write_merged_model
+    from trainer.checkpoints import STATE_FILE, Checkpoint, TrainerState
+
+    adapter = Checkpoint(checkpoint, TrainerState()).model_folder if (checkpoint / STATE_FILE).is_file() else checkpoint
+    if not is_adapter_folder(adapter):
+        raise LoraError(f"{checkpoint} is no LoRA checkpoint (no adapter_config.json in {adapter})")
+    return write_merged_model(adapter, out, base_model)

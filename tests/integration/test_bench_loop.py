@@ -1,0 +1,50 @@
+"""scripts/bench_loop.py --device cpu --quick: the whole loop's benchmark stays runnable off the GPU.
+
+Three `polar train` runs of two steps each (per_request, prefix_merging, prefix_merging with
+shared-prefix packing) over Pi-shaped replayed sessions on the tiny model; the JSON holds every mode
+with its wall clock and busy fractions (null without a GPU), and a merged session's trace holds about
+half the tokens of its traces per call, whose second call repeats the first.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_the_quick_loop_benchmark_reports_every_mode(tmp_path: Path) -> None:
+    out = tmp_path / "loop.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_loop.py", "--device", "cpu", "--quick", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    modes = report["modes"]
+    assert list(modes) == ["per_request", "prefix_merging", "prefix_merging+packing"]
+    for mode in modes.values():
+        assert mode["wall_s"] > 0 and [step["step"] for step in mode["steps"]] == [1, 2]
+        assert mode["tokens_generated"] > 0 and mode["tokens_trained"] > 0
+        assert mode["train_s"] > 0 and mode["rollout_wait_s"] >= 0 and mode["weight_sync_s"] > 0
+        for key in ("gpu_busy_fraction", "inference_busy_fraction", "trainer_busy_fraction"):
+            assert key in mode and mode[key] is None  # no GPU here
+
+    # Two calls a Pi session: one trace per call holds the first call's prompt and reply twice, the
+    # merged trace once.
+    def tokens_per_session(mode: dict) -> list[float]:
+        return [step["trace_tokens"] / step["sessions"] for step in mode["steps"]]
+
+    assert min(tokens_per_session(modes["per_request"])) > 1.5 * max(tokens_per_session(modes["prefix_merging"]))
+    assert report["ratios_to_prefix_merging"]["prefix_merging"] == 1.0
+    assert "per_request" in result.stdout and "wall s" in result.stdout
