@@ -64,7 +64,7 @@ class InferenceConfig:
     # torch engine only: MiB of keys and values kept of computed prompts (and outputs), so that a
     # later call starting with the same tokens (a CLI's system prompt, a session's history) computes
     # only the rest; least recently used evicted first; 0 = no prefix cache
-    prefix_cache_mib: Count = 1024
+    prefix_cache_mib: Count = 4096
     script: str = ""  # scripted engine only: path of its JSON script
     # torch engine only, a test fixture: a JSON script of replies the engine emits instead of sampling,
     # each token recorded with the model's own logprob (format: polar/inference/engines/forced.py)

@@ -154,15 +154,16 @@ def _peak_tflops(card: str, override: float) -> float:
     return next((peak for name, peak in PEAK_BF16_TFLOPS.items() if name in card), 0.0)
 
 
-def _make_model_folder(config: dict, folder: Path) -> None:
-    """A random-initialised HF Qwen3 folder (bf16 safetensors, config, no tokenizer needed)."""
+def _make_model_folder(config: dict, folder: Path, device: str = "cpu") -> None:
+    """A random-initialised HF Qwen3 folder (bf16 safetensors, config, no tokenizer needed), its
+    weights drawn on `device` (a 4B model's take minutes on a CPU, a second on a GPU)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     hf_config = Qwen3Config(**config)
     with torch.device("meta"):
         model = Qwen3ForCausalLM(hf_config).to(torch.bfloat16)
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device=device)
     model.tie_weights()
     with torch.no_grad():
         for name, parameter in model.named_parameters():

@@ -16,8 +16,9 @@ Measures, in one run:
 
 With --lora compare, instead: full training against a LoRA adapter of --lora-rank on every
 projection, each in a process of its own, side by side: a step's seconds on the example's traces,
-peak memory (the process's on a CPU, the GPU's allocations on a GPU), and one weight push (bytes; on a
-CPU also seconds, to a server on loopback). The JSON's `lora.full` and `lora.adapter` hold them.
+peak memory (the process's on a CPU, the GPU's allocations on a GPU), and one weight push (bytes and
+seconds, to a server on loopback; on a GPU a server process on the same card, over CUDA IPC). The
+JSON's `lora.full` and `lora.adapter` hold them.
 
 With --shared-prefix compare (scripts/bench_shared_prefix.py), instead: trainer time per step (one
 optimizer update, gradient checkpointing on) with and without shared-prefix packing, on steps of
@@ -187,7 +188,7 @@ def bench_weight_sync(backend, model: str, repeats: int, **engine_options) -> di
 def lora_mode(mode: str, model: str, device: str, rank: int, quick: bool) -> dict:
     """One side of --lora compare, in a process of its own (so that its peak memory is its own): a
     step's best seconds on the example's traces, the process's (or the GPU's) peak memory over the
-    steps, and one weight push (its bytes; on a CPU its seconds too, to a server on loopback)."""
+    steps, and one weight push (its bytes and seconds)."""
     import resource
 
     from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
@@ -212,8 +213,31 @@ def lora_mode(mode: str, model: str, device: str, rank: int, quick: bool) -> dic
     if backend.device.type == "cpu":
         engine = {"lora_rank": rank} if mode == "adapter" else {}
         sync = bench_weight_sync(backend, model, repeats=2 if quick else 3, **engine)
-        result.update(push_bytes=sync["bytes"], push_seconds=sync["seconds"])
+    else:
+        sync = bench_weight_sync_gpu(backend, model, rank if mode == "adapter" else 0, repeats=2 if quick else 3)
+    result.update(push_bytes=sync["bytes"], push_seconds=sync["seconds"])
     return result
+
+
+def bench_weight_sync_gpu(backend, model: str, lora_rank: int, repeats: int) -> dict:
+    """Push the backend's weights to an inference server of the same model on the same GPU, a
+    process of its own as in a run (so the push goes over CUDA IPC); `lora_rank`: an adapter's."""
+    import bench_weight_sync as weight_sync
+
+    from trainer.weight_sync import InferencePool
+
+    server = weight_sync.start_server(Path(model), "cuda", baseline=False, lora_rank=lora_rank)
+    try:
+        pool = InferencePool([weight_sync.address_of(server)])
+        try:
+            results = [pool.push(backend.hf_weights, note="bench") for _ in range(repeats)]
+        finally:
+            pool.close()
+    finally:
+        server.stdin.close()
+        server.wait(timeout=120)
+    best = min(results, key=lambda r: r.seconds)
+    return {"bytes": best.bytes_sent, "seconds": best.seconds}
 
 
 def lora_main(args) -> None:
@@ -401,11 +425,13 @@ def sharing_model(args) -> str:
     from polar.inference.models import resolve_model
 
     if args.shape:
-        from bench_megatron import QWEN3_4B, _copy_tokenizer_stub, _make_model_folder
+        from bench_megatron import QWEN3_4B, _make_model_folder
 
         folder = Path(tempfile.mkdtemp(prefix="bench-trainer-")) / args.shape
-        _make_model_folder(dict(QWEN3_4B), folder)
-        _copy_tokenizer_stub(folder)
+        _make_model_folder(dict(QWEN3_4B), folder, device="cuda" if args.device.startswith("cuda") else "cpu")
+        # SmolLM2's tokenizer (the tiny model's): the chat format the traces are rendered with needs
+        # its special tokens, and its 49k ids lie within Qwen3's vocabulary.
+        AutoTokenizer.from_pretrained(resolve_model("tiny")).save_pretrained(folder)
         return str(folder)
     layers = args.layers or (1 if args.quick else 0)
     if not layers:

@@ -86,11 +86,14 @@ def model_folder(shape: str, dtype: torch.dtype, device: str, tokenizer: Path, o
     return weights
 
 
-def start_server(folder: Path, device: str, baseline: bool, gpu: str = "") -> subprocess.Popen:
-    """A server process; `gpu`: the one GPU it sees (CUDA_VISIBLE_DEVICES), else this process's."""
+def start_server(folder: Path, device: str, baseline: bool, gpu: str = "", lora_rank: int = 0) -> subprocess.Popen:
+    """A server process; `gpu`: the one GPU it sees (CUDA_VISIBLE_DEVICES), else this process's;
+    `lora_rank`: it serves a zero adapter of that rank, which a push replaces."""
     command = [sys.executable, __file__, "--serve-model", str(folder), "--device", device]
     if baseline:
         command.append("--serve-baseline")
+    if lora_rank:
+        command += ["--serve-lora-rank", str(lora_rank)]
     env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": gpu} if gpu else {})}
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
@@ -109,13 +112,14 @@ def address_of(process: subprocess.Popen) -> str:
     return f"127.0.0.1:{line.split()[1]}"
 
 
-def serve(folder: str, device: str, baseline: bool) -> None:
+def serve(folder: str, device: str, baseline: bool, lora_rank: int = 0) -> None:
     """A server subprocess: prints its port, serves until stdin closes."""
     from polar.inference import server as server_module
     from polar.inference.engines import EngineOptions, create_engine
 
     async def main() -> None:
-        engine = create_engine("torch", EngineOptions(model=folder, device=device, max_batch_size=1))
+        options = EngineOptions(model=folder, device=device, max_batch_size=1, lora_rank=lora_rank)
+        engine = create_engine("torch", options)
         if baseline:
             server_module.InferenceServicer = _baseline_servicer(server_module.InferenceServicer)
         server, port = await server_module.start_server(engine)
@@ -185,9 +189,10 @@ def main() -> None:
     )
     parser.add_argument("--serve-model", help=argparse.SUPPRESS)
     parser.add_argument("--serve-baseline", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-lora-rank", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_model:
-        serve(args.serve_model, args.device, args.serve_baseline)
+        serve(args.serve_model, args.device, args.serve_baseline, args.serve_lora_rank)
         return
 
     if args.tokenizer is None:

@@ -269,7 +269,7 @@ class EngineOptions:
     max_batch_size: int = 64  # most sequences decoded in one step
     # torch engine: MiB of keys and values of computed token blocks kept for later calls that start
     # with the same tokens (polar/inference/engines/prefix_cache.py); 0 = no prefix cache
-    prefix_cache_mib: int = 1024
+    prefix_cache_mib: int = 4096
     script: str = ""  # scripted engine: path of its JSON script
     # Version the loaded weights are served as: a trainer checkpoint's, so that versions keep counting
     # across a resumed run instead of starting again at 0.
