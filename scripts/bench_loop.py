@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -163,8 +164,12 @@ def _post(path: str, body: dict) -> dict:
             "anthropic-version": "2023-06-01",
         },
     )
-    with urllib.request.urlopen(request, timeout=600) as response:
-        return json.load(response)
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as error:
+        # The gateway's answer says why: the session's failure in the report carries it.
+        raise SystemExit(f"{path}: HTTP {error.code}: {error.read().decode(errors='replace')[:2000]}") from None
 
 
 def score() -> int:
