@@ -13,9 +13,12 @@ Pi's): each replays its recording's first request as the real CLI sent it (syste
 instruction), then for every later call sends the conversation so far, the model's own reply
 included, plus the tool output the recording had there, with max tokens the recorded reply's length:
 so calls per session, prompt and reply sizes and tool results are the recording's, and later calls
-extend earlier ones as a CLI's do. This script is the harness (`--replay SHAPE`) and the evaluator
-(`--score`: the share of the last reply's characters that are lowercase letters, so rewards vary
-and every group trains).
+extend earlier ones as a CLI's do. The recordings are short (two calls each), so one trace per call
+costs at most twice a merged one there; `--turns coding` keeps each recording's first request and
+then makes twelve calls of a coding session's sizes (replies ~150 tokens, tool results ~300), the
+shape the published comparison of trace modes measured. This script is the harness (`--replay
+SHAPE`) and the evaluator (`--score`: the share of the last reply's characters that are lowercase
+letters, so rewards vary and every group trains).
 
 Reported per mode and per step: wall clock (the trainer's), time waiting for rollouts, training,
 syncing weights, and the rest; tokens generated (the calls' sampled tokens) and trained (computed by
@@ -27,6 +30,7 @@ each side's peak memory. The JSON written to --out holds one entry per mode unde
 
     python scripts/bench_loop.py --device cpu --quick       # tiny model, Pi's sessions: minutes on 2 cores
     python scripts/bench_loop.py --device cuda              # a Qwen3-shaped model with random weights
+    python scripts/bench_loop.py --device cuda --harnesses claude-code --turns coding
 
 On cuda both services share one GPU (the engine's KV cache and the trainer's optimizer side by side);
 the model is Qwen3-0.6B-shaped (--shape qwen3-4b for Qwen3-4B's), with SmolLM2's tokenizer and
@@ -37,7 +41,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import random
 import re
 import shutil
 import subprocess
@@ -84,6 +90,9 @@ SHAPES = {
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 SCRIPT = Path(__file__).resolve()
 RUN_TIMEOUT_S = 1800.0
+# --turns coding: calls a session makes. A coding agent's sessions run to dozens of calls; at twelve,
+# one trace per call trains the first prompt twelve times against once merged.
+CODING_CALLS = 12
 NVML_INTERVAL_S = 0.1
 GIB = 1 << 30
 
@@ -91,10 +100,11 @@ GIB = 1 << 30
 # ------------------------------------------------------------------------------ the harness and the evaluator
 
 
-def session_shape(harness: str) -> dict:
+def session_shape(harness: str, turns: str = "recorded") -> dict:
     """What a replay needs of a recorded session, in plain JSON (the harness runs without Polar): its
     dialect's path, the first request's body, and for each later call the tool output it added and
-    each call's reply length."""
+    each call's reply length. `turns` "coding": the recorded first request, then the turns of a coding
+    session instead of the recording's (coding_turns)."""
     from polar.trajectory.session_file import read_trajectory
     from polar.v1 import common_pb2
 
@@ -107,13 +117,36 @@ def session_shape(harness: str) -> dict:
     for before, after in zip(bodies, bodies[1:]):
         new = [m for m in after["messages"][len(before["messages"]) :] if m.get("role") != "assistant"]
         added.append("\n".join(_text_of(m.get("content")) for m in new))
+    reply_tokens = [max(1, len(call.sampled_token_ids)) for call in calls]
+    if turns == "coding":
+        reply_tokens, added = coding_turns(json.dumps(bodies[0]))
     return {
         "harness": harness,
         "anthropic": anthropic,
         "first": bodies[0],
         "tool_outputs": added,
-        "reply_tokens": [max(1, len(call.sampled_token_ids)) for call in calls],
+        "reply_tokens": reply_tokens,
     }
+
+
+def coding_turns(text: str, seed: int = 0) -> tuple[list[int], list[str]]:
+    """A coding session's calls after its first: CODING_CALLS calls, each reply's max tokens and each
+    tool result's length drawn log-normal around what coding sessions send (replies of ~150 tokens,
+    tool results of ~300: scripts/bench_shared_prefix.py's "coding" shape), the results cut from
+    `text` (about 4 characters a token). Returns each call's max tokens and the tool result each later
+    call adds."""
+    rng = random.Random(seed)
+
+    def drawn(median: float, low: int, high: int) -> int:
+        return int(min(high, max(low, rng.lognormvariate(math.log(median), 0.8))))
+
+    replies = [drawn(150, 10, 1500) for _ in range(CODING_CALLS)]
+    results = []
+    for _ in range(CODING_CALLS - 1):
+        length = 4 * drawn(300, 20, 3000)
+        start = rng.randrange(max(1, len(text) - length))
+        results.append(text[start : start + length])
+    return replies, results
 
 
 def _text_of(content) -> str:
@@ -500,7 +533,7 @@ def main() -> int:
         shapes = []
         for harness in args.harnesses:
             path = work / f"{harness}.shape.json"
-            path.write_text(json.dumps(session_shape(harness)))
+            path.write_text(json.dumps(session_shape(harness, args.turns)))
             shapes.append(path)
         model = str(model_folder(args.shape, work / args.shape)) if cuda else "tiny"
         results = []
@@ -521,6 +554,7 @@ def _write_report(results: list[ModeResult], machine: dict, args: argparse.Names
     keys = ("quick", "device", "steps", "groups_per_step", "group_size", "max_batch_size")
     settings = {key: getattr(args, key) for key in keys} | {
         "harnesses": args.harnesses,
+        "turns": args.turns,
         "model": args.shape if cuda else "tiny",
         "layout": "one GPU, both services" if cuda else "cpu",
     }
@@ -573,6 +607,12 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: both services' device (default: cpu)")
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES), help="on cuda, the model's shape")
     parser.add_argument("--harnesses", nargs="+", choices=("claude-code", "pi"), help="whose recorded sessions")
+    parser.add_argument(
+        "--turns",
+        choices=("recorded", "coding"),
+        default="recorded",
+        help=f"the calls after each session's first: the recording's, or {CODING_CALLS} of a coding session's (default: %(default)s)",
+    )
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="modes run, in order")
     parser.add_argument("--steps", type=int, help="trainer steps per mode (default: 3, --quick 2)")
     parser.add_argument("--groups-per-step", type=int, help="GRPO groups per step (default: 2, --quick 1)")
