@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -166,6 +167,37 @@ def adapter_logprobs(run_dir: Path, version: int, call) -> np.ndarray:
         ]
     sampled = torch.tensor(list(call.sampled_token_ids))[:, None]
     return torch.log_softmax(logits.float(), -1).gather(-1, sampled)[:, 0].numpy()
+
+
+def test_a_joined_run_stopped_with_ctrl_c_takes_its_names_back_when_resumed(
+    tmp_path: Path, lora_stack: dict[str, str]
+) -> None:
+    config, run_dir = lora_config(tmp_path / "config"), tmp_path / "run"
+    process, lines = start_train(config, run_dir, "--join", lora_stack["rollout"])
+    try:
+        name = lines.wait_for(r"^polar train: joining the stack at \S+ as adapter '([^']+)'").group(1)
+        lines.wait_for(r"train: .*step 1/3", timeout=300)
+        process.send_signal(signal.SIGINT)  # Ctrl-C
+        assert process.wait(timeout=300) == 130
+    finally:
+        process.kill()
+    assert any("stopped after step" in line for line in lines.rest())
+    assert adapters(lora_stack["inference"]) == [("", 0)] and processes_of(run_dir) == []
+    stopped = len(read_metrics(run_dir / "metrics.jsonl"))
+
+    process, lines = start_train(config, run_dir, "--join", lora_stack["rollout"])
+    try:
+        lines.wait_for(rf"^polar train: joining the stack at \S+ as adapter '{name}', tasks {name}-NNNNNN")
+        lines.wait_for(rf"train: resuming after step {stopped}", timeout=300)
+        lines.wait_for(rf"train: done: {STEPS} steps", timeout=300)
+        assert process.wait(timeout=120) == 0
+    finally:
+        process.kill()
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    taken = [task for row in rows for task in row["task_ids"] + row["task_ids_dropped"]]
+    assert taken == [f"{name}-{n:06d}" for n in range(len(taken))]
+    assert adapters(lora_stack["inference"]) == [("", 0)]
 
 
 def test_a_run_that_cannot_join_is_refused_in_one_line(tmp_path: Path, lora_stack: dict[str, str]) -> None:
