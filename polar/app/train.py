@@ -143,8 +143,17 @@ def check_before_start(trainer: TrainerConfig, *, dataset: str) -> None:
 def train(config: StackConfig, run_dir: Path, join: str = "") -> int:
     """`polar train`: the stack and the trainer until the trainer is done (0) or Ctrl-C (130); with
     `join` (a running stack's rollout server), the trainer alone on that stack."""
+    from trainer.checkpoints import latest_checkpoint
+
     if join:
         return train_joined(config, run_dir, join)
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None and checkpoint.state.lora_adapter_name and not config.trainer.lora_adapter_name:
+        # Named by `--join` (the config names none): its results cursor is the shared stack's.
+        raise JoinError(
+            f"{run_dir} holds a run that trained as adapter {checkpoint.state.lora_adapter_name!r} on a shared"
+            " stack: resume it with --join"
+        )
     check_before_start(config.trainer, dataset=config.trainer.dataset)
     run_dir.mkdir(parents=True, exist_ok=True)
     stack, trainer = train_plan(config, run_dir)

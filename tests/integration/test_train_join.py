@@ -26,6 +26,8 @@ from polar.v1 import inference_pb2, inference_pb2_grpc
 from tests.helpers.polar_command import assert_one_line_error, run, spawned
 from tests.helpers.stack_config import write_stack_config
 from tests.integration.test_train import processes_of, start_train, write_run
+from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
+from trainer.checkpoints import TrainerState, save_checkpoint
 from trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -184,6 +186,11 @@ def test_a_joined_run_stopped_with_ctrl_c_takes_its_names_back_when_resumed(
     assert any("stopped after step" in line for line in lines.rest())
     assert adapters(lora_stack["inference"]) == [("", 0)] and processes_of(run_dir) == []
     stopped = len(read_metrics(run_dir / "metrics.jsonl"))
+    # Its results cursor is the shared stack's: a stack of its own would not resume it.
+    alone = run("train", str(config), "--run-dir", str(run_dir))
+    assert_one_line_error(
+        alone, f"holds a run that trained as adapter '{name}' on a shared stack: resume it with --join"
+    )
 
     process, lines = start_train(config, run_dir, "--join", lora_stack["rollout"])
     try:
@@ -218,6 +225,17 @@ def test_a_run_that_cannot_join_is_refused_in_one_line(tmp_path: Path, lora_stac
     )
     refused(config, "127.0.0.1:1", "cannot join the stack at 127.0.0.1:1", "UNAVAILABLE")
     refused(lora_config(tmp_path / "wide", lora_rank=16), rollout, "lora_rank 16 is above", "lora_rank 8")
+    refused(
+        lora_config(tmp_path / "other-model", model="smollm2-135m"),
+        rollout,
+        "serves 'tiny', the run's [trainer] model is 'smollm2-135m'",
+    )
+    # A run folder of a run that trained on a stack of its own: its cursor is that stack's.
+    own = tmp_path / "own"
+    backend = TorchBackend(TorchBackendOptions(model="tiny", device="cpu", lora_rank=RANK))
+    save_checkpoint(own / "checkpoints", backend, TrainerState(step=1, base_model="tiny"), "tiny")
+    result = run("train", str(config), "--run-dir", str(own), "--join", rollout)
+    assert_one_line_error(result, f"{own} holds a run that trained on a stack of its own (step 1)")
     # Another run's adapter holds the name: the server would answer ALREADY_EXISTS.
     inference_call(inference, "LoadAdapter", inference_pb2.LoadAdapterRequest(name="held", rank=RANK, alpha=32.0))
     try:
