@@ -45,6 +45,10 @@ class TrainerState:
     trained_tokens: int = 0
     elapsed_s: float = 0.0  # training wall-clock before this process started, for elapsed_s metrics
     base_model: str = ""  # the [trainer] model the run started from
+    # The run's [trainer] task_prefix and lora_adapter_name: a run on a stack others share (`polar
+    # train --join`) named them itself, and takes them back when it resumes
+    task_prefix: str = ""
+    lora_adapter_name: str = ""
     model: dict[str, object] = field(default_factory=dict)  # Backend.model_description
 
     @classmethod

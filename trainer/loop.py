@@ -227,6 +227,7 @@ class TrainingRun:
             self.state = checkpoint.state
         else:
             self.state = TrainerState(base_model=config.model, model=self.backend.model_description)
+        self.state.task_prefix, self.state.lora_adapter_name = config.task_prefix, config.lora_adapter_name
         self.model_name = model_name(config.model)
         self._grammar: TokenGrammar | None = None  # made when the first constrained call is trained on
         self.rollout = RolloutClient(rollout_address, credentials.TRAINER)
@@ -240,6 +241,9 @@ class TrainingRun:
         self.started = time.monotonic()
         self.step_timings = {"wait": 0.0, "train": 0.0, "sync": 0.0}
         self.progress = Progress(config.steps, out)
+        # Whether this run loaded its named adapter: one refused (its name is another run's) must
+        # leave that run's adapter alone when it ends.
+        self.adapter_loaded = False
         self.screener = Screener(self.backend.microbatch_tokens, config.too_long, self._warn)
 
     # -- the run -------------------------------------------------------------------------------------
@@ -280,7 +284,7 @@ class TrainingRun:
                 stream.close()
             metrics.close()
             self.rollout.close()
-            if self.config.lora_adapter_name:
+            if self.adapter_loaded:
                 self.inference.unload_adapter()  # a resumed run loads it again
             self.inference.close()
         return self.state
@@ -317,6 +321,7 @@ class TrainingRun:
         self.inference.load_adapter(
             config.lora_rank, config.lora_alpha, config.lora_targets, self.state.policy_version, replace=resumed
         )
+        self.adapter_loaded = True
         if resumed:
             progress.note(f"pushing the checkpoint's adapter to the servers as {config.lora_adapter_name!r}")
             with self.model_lock:

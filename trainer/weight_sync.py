@@ -202,7 +202,8 @@ class InferencePool:
         self, rank: int, alpha: float, targets: str, policy_version: int = 0, path: str = "", replace: bool = False
     ) -> None:
         """Load this pool's adapter on every server: zero of rank, alpha and targets, or the PEFT
-        folder at `path` (which the servers read), served as `policy_version`."""
+        folder at `path` (which the servers read), served as `policy_version`. All or none: a server
+        that refuses it has it unloaded from those that took it."""
         request = inference_pb2.LoadAdapterRequest(
             name=self.adapter,
             path=path,
@@ -212,19 +213,25 @@ class InferencePool:
             policy_version=policy_version,
             replace=replace,
         )
+        loaded = []
         for address, stub in zip(self.addresses, self._stubs):
             try:
                 stub.LoadAdapter(request, timeout=RPC_TIMEOUT_S)
             except grpc.RpcError as exc:
+                self._unload(loaded)
                 raise WeightSyncError(
                     f"inference server {address}: loading adapter {self.adapter!r} failed: "
                     f"{exc.code().name}: {exc.details()}"
                 ) from None
+            loaded.append(stub)
 
     def unload_adapter(self) -> None:
         """Unload this pool's adapter from every server that holds it (one that does not, or is
         gone, is passed over: a run that ends leaves nothing behind either way)."""
-        for stub in self._stubs:
+        self._unload(self._stubs)
+
+    def _unload(self, stubs: Sequence[inference_pb2_grpc.InferenceServiceStub]) -> None:
+        for stub in stubs:
             try:
                 stub.UnloadAdapter(inference_pb2.UnloadAdapterRequest(name=self.adapter), timeout=60)
             except grpc.RpcError:

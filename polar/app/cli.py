@@ -532,6 +532,13 @@ def _train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpus", type=int, help="trainer processes, one per GPU; > 1 needs megatron (default: [trainer] gpus)"
     )
+    parser.add_argument(
+        "--join",
+        default="",
+        metavar="HOST:PORT",
+        help="train a LoRA adapter on the running stack whose rollout server is at HOST:PORT (`polar up`"
+        " with [inference] lora_rank and max_adapters), beside other runs, instead of starting a stack",
+    )
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -546,7 +553,7 @@ def _train(args: argparse.Namespace) -> int:
     chosen = {name: value for name, value in (("backend", args.backend), ("gpus", args.gpus)) if value is not None}
     if chosen:
         config = dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, **chosen))
-    return train(config, Path(args.run_dir or config.trainer.run_dir))
+    return train(config, Path(args.run_dir or config.trainer.run_dir), join=args.join)
 
 
 def _eval_arguments(parser: argparse.ArgumentParser) -> None:

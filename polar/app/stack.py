@@ -32,7 +32,7 @@ from polar.service_base import ServiceError, ServiceSpec, connectable, join_host
 from polar.service_table import GATEWAY, INFERENCE, NODE, ROLLOUT
 
 HEALTH_POLL_SECONDS = 0.1
-# Whether run_stack supervises (its stop handlers are in place), for request_stop: a SIGTERM sent
+# Whether `supervise` runs (its stop handlers are in place), for request_stop: a SIGTERM sent
 # after the stack restored the handlers it found would end the process instead.
 _stop_lock = threading.Lock()
 _supervising = False
@@ -217,33 +217,55 @@ def run_stack(
     except OSError as exc:
         gateway_http.close()
         raise StackError(f"cannot keep the stack's credentials in {credentials.default_folder()}: {exc}") from None
-    handed = os.environ.get(credentials.ENV_VAR)
-    os.environ[credentials.ENV_VAR] = str(issued.folder)
+    with credentials.handed_to_children(issued), gateway_http:
+        bound = dataclasses.replace(config, gateway=dataclasses.replace(gw, port=gateway_http.getsockname()[1]))
+        specs = plan(bound, role, rollout)
+        supervise(
+            [*specs, *jobs],
+            startup_timeout_s=config.startup_timeout_s,
+            stop_timeout_s=config.stop_timeout_s,
+            out=out,
+            on_ready=on_ready,
+            http_socket=gateway_http,
+        )
+    return 0
+
+
+def supervise(
+    specs: Sequence[ServiceSpec],
+    *,
+    startup_timeout_s: float,
+    stop_timeout_s: float,
+    out: TextIO = sys.stdout,
+    on_ready: Callable[[dict[str, str]], None] | None = None,
+    http_socket: socket.socket | None = None,
+    command: str = "polar up",
+) -> None:
+    """Start `specs` in order (each once the one before serves), print the endpoint table (headed by
+    `command`), supervise until a stop signal or until a job finishes, then stop every child.
+    `http_socket` goes to the service that takes it (the node); the children call with the
+    credentials in $POLAR_CREDENTIALS. Raises StackError when a service fails to start or dies."""
     children: list[Service] = []
     previous = {s: signal.signal(s, _raise_stop) for s in (signal.SIGINT, signal.SIGTERM)}
     global _supervising
     try:
         with _stop_lock:
             _supervising = True
-        with gateway_http:
-            bound = dataclasses.replace(config, gateway=dataclasses.replace(gw, port=gateway_http.getsockname()[1]))
-            specs = plan(bound, role, rollout)
-            for spec in [*specs, *jobs]:
-                child, ready_fd = _spawn(
-                    spec, {c.spec.name: c for c in children}, gateway_http if spec.takes_http_socket else None
-                )
-                children.append(child)
-                if spec.takes_http_socket:
-                    # Only the child serves it now: with the supervisor's copy closed, connections
-                    # are refused once that child is gone rather than queued for nobody.
-                    gateway_http.close()
-                _await_ready(child, ready_fd, config.startup_timeout_s)
-        _print_table(children, out)
+        for spec in specs:
+            handed = http_socket if spec.takes_http_socket else None
+            child, ready_fd = _spawn(spec, {c.spec.name: c for c in children}, handed)
+            children.append(child)
+            if handed is not None:
+                # Only the child serves it now: with the supervisor's copy closed, connections
+                # are refused once that child is gone rather than queued for nobody.
+                handed.close()
+            _await_ready(child, ready_fd, startup_timeout_s)
+        _print_table(children, out, command)
         if any(c.reported.get("isolation") == "none" for c in children):
             print(
-                f"polar up: harnesses of the local runtime run as this user without isolation and can read the"
-                f" stack's credentials in {issued.folder} (the node's harness_isolation is 'none', or this"
-                " machine cannot make user namespaces); the docker runtime keeps them out of reach",
+                f"{command}: harnesses of the local runtime run as this user without isolation and can read the"
+                f" stack's credentials in {os.environ.get(credentials.ENV_VAR)} (the node's harness_isolation is"
+                " 'none', or this machine cannot make user namespaces); the docker runtime keeps them out of reach",
                 file=sys.stderr,
                 flush=True,
             )
@@ -258,14 +280,9 @@ def run_stack(
             signal.signal(signum, signal.SIG_IGN)
         with _stop_lock:
             _supervising = False
-        _stop_all(children, config.stop_timeout_s)
+        _stop_all(children, stop_timeout_s)
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if handed is None:
-            os.environ.pop(credentials.ENV_VAR, None)
-        else:
-            os.environ[credentials.ENV_VAR] = handed
-    return 0
 
 
 def _raise_stop(signum: int, frame: object) -> None:
@@ -273,7 +290,7 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 
 def request_stop() -> None:
-    """Ends `run_stack`'s supervision from another thread (a job started by `on_ready` that is done),
+    """Ends `supervise` (`run_stack`'s too) from another thread (a job started by `on_ready` that is done),
     as SIGTERM from outside would; nothing once the stack is stopping or stopped.
 
     The signal goes to the main thread itself: it alone runs Python's signal handlers, and it is the
@@ -423,13 +440,13 @@ def _signal_group(pgid: int, signum: int) -> None:
         pass  # the group is already empty
 
 
-def _print_table(children: list[Service], out: TextIO) -> None:
+def _print_table(children: list[Service], out: TextIO, command: str) -> None:
     rows = [("service", "endpoint", "pid", "")] + [
         (c.spec.name, c.endpoint, str(c.process.pid), c.detail) for c in children
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     count = f"{len(children)} service{'s' if len(children) != 1 else ''}"
-    print(f"polar up: {count} running; Ctrl-C stops {'them' if len(children) != 1 else 'it'}", file=out)
+    print(f"{command}: {count} running; Ctrl-C stops {'them' if len(children) != 1 else 'it'}", file=out)
     for row in rows:
         print(("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3]).rstrip(), file=out)
     out.flush()

@@ -7,6 +7,7 @@ clear error everywhere."""
 from __future__ import annotations
 
 import asyncio
+import io
 
 import grpc
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from polar import lora
+from polar.config import TrainerConfig
 from polar.inference.engines import EngineOptions, create_engine
 from polar.inference.engines.base import AdapterLoad
 from polar.inference.models import resolve_model
@@ -264,3 +266,44 @@ async def test_unloading_ends_the_adapter_s_running_generations_and_no_other() -
         assert other.finish_reason == FinishReason.LENGTH and other.completion_tokens == 400
     finally:
         await engine.stop()
+
+
+async def test_a_run_refused_its_adapter_s_name_leaves_the_other_run_s_adapter_alone(tmp_path) -> None:
+    """Two servers, the second holding another run's adapter of the name: the run stops (ALREADY_EXISTS)
+    before it trains, takes its adapter off the first server again, and leaves the other run's be."""
+    from trainer.loop import TrainingRun
+    from trainer.service import create_backend
+
+    engines = [
+        create_engine(
+            "torch", EngineOptions(model="tiny", device="cpu", max_batch_size=2, lora_rank=RANK, max_adapters=1)
+        )
+        for _ in range(2)
+    ]
+    started = [await start_server(engine) for engine in engines]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _, port in started]
+    stubs = [inference_pb2_grpc.InferenceServiceStub(channel) for channel in channels]
+    await engines[1].load_adapter(AdapterLoad(name="run-a", rank=RANK, alpha=ALPHA, policy_version=5))
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"instruction": "x", "groupSize": 2, "harness": {"preset": "command", "command": ["true"]}}\n')
+    config = TrainerConfig(
+        model="tiny", device="cpu", dataset=str(tasks), lora_rank=RANK, lora_alpha=ALPHA, lora_adapter_name="run-a"
+    )
+    addresses = [f"127.0.0.1:{port}" for _, port in started]
+    try:
+        run = await asyncio.to_thread(
+            TrainingRun, config, tmp_path / "run", "127.0.0.1:1", addresses, create_backend, io.StringIO()
+        )
+        with pytest.raises(WeightSyncError, match=f"inference server {addresses[1]}: .* ALREADY_EXISTS"):
+            await asyncio.to_thread(run.run)
+        held = [(await stub.GetModelInfo(inference_pb2.GetModelInfoRequest())).model_info.adapters for stub in stubs]
+        assert [[(a.name, a.policy_version) for a in adapters] for adapters in held] == [
+            [("", 0)],
+            [("", 0), ("run-a", 5)],
+        ]
+    finally:
+        for channel in channels:
+            await channel.close()
+        for (server, _), engine in zip(started, engines):
+            await server.stop(None)
+            await engine.stop()
