@@ -657,6 +657,7 @@ def upstream_settings(config: InferenceConfig) -> dict[str, str]:
         "api": config.upstream_api,
         "served_model": config.upstream_model,
         "timeout_s": str(config.upstream_timeout_s),
+        "adapter_dir": config.upstream_adapter_dir,
     }
 
 

@@ -21,19 +21,17 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: run scripts/setu
 
 import grpc
 import torch
-from transformers import AutoModelForCausalLM
 
 from polar import lora
-from polar.inference import models
 from polar.inference.engines.base import EngineOptions, WeightUpdateError
 from polar.inference.engines.vllm_engine import VLLMEngine
 from polar.inference.server import start_server
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.helpers.lora_reference import MODEL, adapter_shapes, base_model, merged_logprobs, random_adapter
 from trainer.weight_sync import InferencePool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
-MODEL = "smollm2-135m"
 LOGPROB_ATOL = 2e-3
 # 36 tokens: two full blocks of vLLM's prefix cache (16 tokens each), computed under one adapter
 # version and asked for again under the next.
@@ -77,45 +75,8 @@ def served(loop):
 
 
 @pytest.fixture(scope="module")
-def base_model():
-    return AutoModelForCausalLM.from_pretrained(models.resolve_model(MODEL), dtype=torch.float32).eval()
-
-
-def adapter_shapes(settings: lora.LoraSettings) -> dict[str, tuple[int, ...]]:
-    """The matrices of an adapter of `settings` on the model: those lora.attach makes."""
-    from transformers import AutoConfig
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(models.resolve_model(MODEL)))
-    lora.attach(model, settings)
-    return {name: tuple(p.shape) for name, p in lora.adapter_parameters(model)}
-
-
-def random_adapter(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    return {name: 0.05 * torch.randn(shape, generator=generator) for name, shape in shapes.items()}
-
-
-@torch.no_grad()
-def merged_logprobs(base, settings: lora.LoraSettings, adapter: dict, tokens: list[int], temperature=1.0):
-    """Logprobs of `tokens` after PROMPT under `temperature`, from the base with `adapter` merged into
-    its weights (W + s·B·A); the base is left as it was."""
-    modules = {name.removesuffix(".lora_A.weight") for name in adapter if name.endswith(".lora_A.weight")}
-    originals = {m: base.get_submodule(m).weight.clone() for m in modules}
-    for m in modules:
-        delta = adapter[f"{m}.lora_B.weight"] @ adapter[f"{m}.lora_A.weight"]
-        base.get_submodule(m).weight.add_(settings.scaling * delta)
-    threads = torch.get_num_threads()
-    # One thread: vLLM's worker keeps its OpenMP threads spinning on the cores, and a forward that
-    # competes with them on two threads took 10 s here instead of 0.5 s on one.
-    torch.set_num_threads(1)
-    try:
-        logits = base(torch.tensor([PROMPT + tokens])).logits[0, len(PROMPT) - 1 : -1].float()
-    finally:
-        torch.set_num_threads(threads)
-        for m, weight in originals.items():
-            base.get_submodule(m).weight.copy_(weight)
-    return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+def base():
+    return base_model()
 
 
 async def sample(stub, adapter="", max_tokens=10, **sampling):
@@ -133,11 +94,11 @@ async def sample(stub, adapter="", max_tokens=10, **sampling):
 
 def assert_served(base, settings, adapter, reply, temperature=1.0):
     tokens, logprobs, _ = reply
-    expected = merged_logprobs(base, settings, adapter, tokens, temperature)
+    expected = merged_logprobs(base, settings, adapter, PROMPT, tokens, temperature)
     torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
 
 
-def test_a_push_carries_the_adapter_alone_and_the_server_then_serves_the_new_one(served, loop, base_model):
+def test_a_push_carries_the_adapter_alone_and_the_server_then_serves_the_new_one(served, loop, base):
     engine, stub, address = served
     settings = lora.LoraSettings.parse(RANK, ALPHA)
     shapes = adapter_shapes(settings)
@@ -146,7 +107,7 @@ def test_a_push_carries_the_adapter_alone_and_the_server_then_serves_the_new_one
     # A fresh server's adapter is zero: it serves the base model.
     fresh = loop.run_until_complete(sample(stub, temperature=0.0))
     assert fresh[2] == [0] * 10
-    assert_served(base_model, settings, zero, fresh)
+    assert_served(base, settings, zero, fresh)
 
     pool = InferencePool([address], transport="stream")
     try:
@@ -156,7 +117,7 @@ def test_a_push_carries_the_adapter_alone_and_the_server_then_serves_the_new_one
             result = loop.run_until_complete(asyncio.to_thread(pool.push, lambda a=adapter: a.items(), f"step {step}"))
             assert result.policy_version == step
             adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
-            model_bytes = sum(p.numel() * p.element_size() for p in base_model.parameters())
+            model_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
             assert result.bytes_sent == adapter_bytes < model_bytes / 50
             # The old version is unloaded and its folder removed; one new version is loaded.
             now = set(loop.run_until_complete(engine._llm.list_loras()))
@@ -166,18 +127,18 @@ def test_a_push_carries_the_adapter_alone_and_the_server_then_serves_the_new_one
             # the new one computes its own.
             greedy = loop.run_until_complete(sample(stub, temperature=0.0))
             assert greedy[2] == [step] * 10 and greedy[0] != fresh[0]
-            assert_served(base_model, settings, adapter, greedy)
+            assert_served(base, settings, adapter, greedy)
         sampled = loop.run_until_complete(sample(stub, temperature=0.8, seed=5))
         assert sampled[2] == [2] * 10
-        assert_served(base_model, settings, adapter, sampled, temperature=0.8)
+        assert_served(base, settings, adapter, sampled, temperature=0.8)
     finally:
         pool.close()
     # The base is never sent again.
     with pytest.raises(WeightUpdateError, match="'model.norm.weight': this server serves a LoRA adapter"):
-        loop.run_until_complete(engine.update_weights({"model.norm.weight": base_model.model.norm.weight}))
+        loop.run_until_complete(engine.update_weights({"model.norm.weight": base.model.norm.weight}))
 
 
-def test_a_named_adapter_samples_beside_the_default_one_and_unloads(served, loop, base_model, tmp_path: Path):
+def test_a_named_adapter_samples_beside_the_default_one_and_unloads(served, loop, base, tmp_path: Path):
     engine, stub, _ = served
     named = random_adapter(adapter_shapes(NAMED_SETTINGS), 21)
     lora.save_adapter_tensors(tmp_path / "adapter", named.items(), NAMED_SETTINGS, MODEL)
@@ -197,7 +158,7 @@ def test_a_named_adapter_samples_beside_the_default_one_and_unloads(served, loop
 
     mine, theirs = loop.run_until_complete(both())
     assert mine[2] == [7] * 10 and theirs[2] == [default_version] * 10
-    assert_served(base_model, NAMED_SETTINGS, named, mine)
+    assert_served(base, NAMED_SETTINGS, named, mine)
     assert mine[0] != theirs[0]
 
     async def unloaded_while_sampling():
