@@ -89,15 +89,19 @@ class InferenceConfig:
     # /v1/chat/completions with the prompt pinned as token ids, answered whole)
     upstream_api: Literal["vllm", "sglang", "nemo_rl"] = "vllm"
     upstream_model: str = ""  # upstream engine, vllm: the served model name to ask for; "" = the first it lists
-    # torch engine: serve the model plus a LoRA adapter of this rank on lora_targets, zero (the model
-    # as it is) until a trainer pushes it; `polar train` sets the three from [trainer]. 0 = no adapter
+    # upstream engine, vllm, with a LoRA adapter: the folder each adapter version is written into, which
+    # the upstream server must read at the same path (the same machine, or a shared mount) (docs/lora.md)
+    upstream_adapter_dir: str = ""
+    # torch, vllm and upstream (vllm api) engines: serve the model plus a LoRA adapter of this rank on
+    # lora_targets, zero (the model as it is) until a trainer pushes it; `polar train` sets the three
+    # from [trainer]. 0 = no adapter
     lora_rank: Count = 0
-    lora_alpha: PositiveFloat = 32.0  # torch engine, with lora_rank: the adapter's scale is lora_alpha / lora_rank
-    lora_targets: str = DEFAULT_LORA_TARGETS  # torch engine, with lora_rank: the adapted projections, comma-separated
-    # torch engine: a LoRA adapter folder in the PEFT layout (adapter_config.json, whose rank, alpha and
-    # targets replace the lora_ settings, and adapter_model.safetensors) served on top of model; "" = none
+    lora_alpha: PositiveFloat = 32.0  # with lora_rank: the adapter's scale is lora_alpha / lora_rank
+    lora_targets: str = DEFAULT_LORA_TARGETS  # with lora_rank: the adapted projections, comma-separated
+    # a LoRA adapter folder in the PEFT layout (adapter_config.json, whose rank, alpha and targets replace
+    # the lora_ settings, and adapter_model.safetensors) served on top of model; "" = none
     adapter: str = ""
-    # torch engine, with lora_rank: room for this many named adapters beside the default one, which
+    # with lora_rank: room for this many named adapters beside the default one, which
     # training runs load and unload (LoadAdapter), each of rank <= lora_rank on lora_targets, so that
     # several runs share this server (docs/lora.md); 0 = the default adapter alone
     max_adapters: Count = 0

@@ -657,6 +657,7 @@ def upstream_settings(config: InferenceConfig) -> dict[str, str]:
         "api": config.upstream_api,
         "served_model": config.upstream_model,
         "timeout_s": str(config.upstream_timeout_s),
+        "adapter_dir": config.upstream_adapter_dir,
     }
 
 
@@ -688,9 +689,10 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
     )
     if config.forced_replies and config.engine != "torch":
         raise ServiceError(f"forced_replies needs the torch engine, not {config.engine!r}")
-    if (config.adapter or config.lora_rank or config.max_adapters) and config.engine != "torch":
+    if (config.adapter or config.lora_rank or config.max_adapters) and config.engine == "scripted":
         raise ServiceError(
-            f"LoRA adapters (adapter, lora_rank, max_adapters) are served by the torch engine only, not {config.engine!r}"
+            "LoRA adapters (adapter, lora_rank, max_adapters) are served by the torch, vllm and upstream engines, "
+            "not the scripted one"
         )
 
     metrics_url = []

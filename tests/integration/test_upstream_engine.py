@@ -238,3 +238,12 @@ async def test_serve_inference_refuses_a_mismatch_in_one_line():
     lines = stderr.decode().strip().splitlines()
     assert process.returncode == 1
     assert len(lines) == 1 and "tokenizer is not the gateway's" in lines[0] and "other-model" in lines[0], lines
+
+
+@pytest.mark.parametrize("api", ["sglang", "nemo_rl"])
+async def test_lora_adapters_need_the_vllm_api_and_a_folder_the_upstream_reads(api, tmp_path):
+    url = {"url": "http://127.0.0.1:9"}  # never reached: the settings are refused first
+    with pytest.raises(ValueError, match=f"the {api} upstream api loads no LoRA adapters"):
+        UpstreamEngine(EngineOptions(model=MODEL, lora_rank=8, extra={**url, "api": api, "adapter_dir": str(tmp_path)}))
+    with pytest.raises(ValueError, match="need \\[inference\\] upstream_adapter_dir"):
+        UpstreamEngine(EngineOptions(model=MODEL, lora_rank=8, extra={**url, "api": "vllm"}))

@@ -9,6 +9,11 @@ logprobs come back (greedy calls, and a seeded sampled one). The session's trace
 verify`. A generation closed early stops vLLM's request (its metrics show it gone long before it
 could have finished).
 
+With LoRA (vLLM's runtime adapter loading on): the upstream engine serves a zero adapter, then each
+pushed one (written into a folder vLLM reads, loaded under a new name, the old one unloaded); its
+tokens and logprobs are a Hugging Face forward of the base with that adapter merged, and a push
+carries the adapter's bytes alone.
+
 NeMo RL's vLLM HTTP server (the policy under NeMo Gym) is played by a stand-in that keeps its
 contract in front of this vLLM (polar/testing/nemo_rl_policy.py): a session through the gateway of a
 stack on it (`upstream_api = "nemo_rl"`) records exactly the prompt ids, sampled ids and logprobs
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import struct
 import subprocess
@@ -34,16 +40,22 @@ pytest.importorskip("vllm", reason="vLLM is not installed here: run scripts/setu
 
 import aiohttp
 import anthropic
+import grpc
 import openai
+import torch
 
+from polar import lora
 from polar.inference import models
 from polar.inference.engines.base import EngineOptions, GenerationRequest, SamplingConfig, TokenChunk
 from polar.inference.engines.upstream import UpstreamEngine
 from polar.inference.engines.upstream_http import UpstreamError
+from polar.inference.server import start_server
 from polar.testing.nemo_rl_policy import nemo_rl_policy
 from polar.trajectory import build, session_trajectory, views_from_protos, write_session
-from polar.v1 import common_pb2
+from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.helpers.lora_reference import adapter_shapes, base_model, merged_logprobs, random_adapter
 from tests.helpers.polar_command import run, spawned
+from trainer.weight_sync import InferencePool
 
 pytestmark = [pytest.mark.vllm, pytest.mark.anyio, pytest.mark.timeout(900)]
 
@@ -55,7 +67,7 @@ LOGPROB_ATOL = 2e-3  # vLLM batches requests differently on the replay; see test
 @pytest.fixture(scope="module")
 def vllm_socket(tmp_path_factory):
     """vLLM's OpenAI server of smollm2-135m on a Unix socket, reporting the logprobs of the distribution
-    sampled from, with its metrics on."""
+    sampled from, with its metrics on, and LoRA adapters loaded at run time."""
     folder = tmp_path_factory.mktemp("vllm")
     socket = folder / "vllm.sock"
     log = (folder / "vllm.log").open("w")
@@ -81,7 +93,13 @@ def vllm_socket(tmp_path_factory):
             "--enforce-eager",
             "--logprobs-mode",
             "processed_logprobs",
+            "--enable-lora",
+            "--max-lora-rank",
+            "8",
+            "--max-loras",
+            "2",
         ],
+        env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
         stdout=log,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -338,3 +356,66 @@ def _running(socket: Path) -> int:
 
 def _generated_tokens(socket: Path) -> float:
     return _metric(socket, "vllm:generation_tokens_total")
+
+
+async def test_a_pushed_lora_adapter_is_served_by_the_upstream_in_place_of_the_old_one(vllm_socket, tmp_path):
+    settings = lora.LoraSettings.parse(8, 16.0)
+    engine = UpstreamEngine(
+        EngineOptions(
+            model=MODEL,
+            lora_rank=settings.rank,
+            lora_alpha=settings.alpha,
+            extra={"url": f"unix:{vllm_socket}", "adapter_dir": str(tmp_path / "adapters")},
+        )
+    )
+    server, port = await start_server(engine)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    stub = inference_pb2_grpc.InferenceServiceStub(channel)
+    pool = InferencePool([f"127.0.0.1:{port}"], transport="stream")
+    base = base_model()
+    prompt = [1, 9690, 1229, 28, 314, 1488, 34, 30, 223, 17, 1340, 282, 253, 1025, 30, 2, 198, 504] * 2
+
+    async def greedy() -> tuple[list[int], list[float], list[int]]:
+        request = inference_pb2.GenerateRequest(
+            prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=8, ignore_eos=True, temperature=0)
+        )
+        messages = [m async for m in stub.Generate(request)]
+        return (
+            [t for m in messages for t in m.token_ids],
+            [x for m in messages for x in m.logprobs],
+            [m.policy_version for m in messages for _ in m.token_ids],
+        )
+
+    def adapters_upstream() -> list[str]:
+        listed = json.loads(_get(vllm_socket, "/v1/models"))["data"]
+        return [m["id"] for m in listed if m["id"] != MODEL]
+
+    try:
+        shapes = adapter_shapes(settings)
+        before = adapters_upstream()
+        fresh = await greedy()  # the zero adapter: the base model (test_vllm_lora.py holds it to Hugging Face's)
+        assert fresh[2] == [0] * 8 and len(before) == 1
+        for step in (1, 2):
+            adapter = random_adapter(shapes, 30 + step)
+            result = await asyncio.to_thread(pool.push, lambda a=adapter: a.items(), f"step {step}")
+            assert result.policy_version == step
+            adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+            assert (
+                result.bytes_sent == adapter_bytes < sum(p.numel() * p.element_size() for p in base.parameters()) / 50
+            )
+            # One version loaded upstream (a new name each push) and one folder for it.
+            assert len(adapters_upstream()) == 1 and adapters_upstream() != before
+            before = adapters_upstream()
+            assert len(list((tmp_path / "adapters").iterdir())) == 1
+            tokens, logprobs, versions = await greedy()
+            assert versions == [step] * 8 and tokens != fresh[0]
+        # The second push's adapter, and not the first's: its blocks of the prompt in vLLM's prefix
+        # cache are its own.
+        expected = merged_logprobs(base, settings, adapter, prompt, tokens)
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
+    finally:
+        pool.close()
+        await channel.close()
+        await server.stop(None)
+        await engine.stop()
+    assert adapters_upstream() == [] and list((tmp_path / "adapters").iterdir()) == []

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from polar import lora
 from polar.config import DEFAULT_LORA_TARGETS
 from polar.inference.constraints import OutputConstraint
 from polar.lora import is_adapter_name
@@ -251,7 +252,8 @@ class Engine(abc.ABC):
 
     async def load_adapter(self, load: AdapterLoad) -> AdapterInfo:
         raise AdaptersUnsupported(
-            f"the {self.description.engine} engine holds no named LoRA adapters (the torch engine with max_adapters)"
+            f"the {self.description.engine} engine holds no named LoRA adapters (a torch, vllm or upstream engine "
+            "started with lora_rank and max_adapters does)"
         )
 
     async def unload_adapter(self, name: str) -> int:
@@ -284,3 +286,16 @@ class EngineOptions:
     # one, each of rank <= lora_rank on lora_targets, so that several runs share the server; 0 = none
     max_adapters: int = 0
     extra: dict[str, str] = field(default_factory=dict)  # engine-specific settings
+
+
+def default_adapter(options: EngineOptions) -> lora.AdapterFolder | None:
+    """The adapter a server starts with: its folder's, or a zero one of the lora_ settings; None
+    without either. max_adapters needs the lora_ settings: they are the shape every adapter fits in."""
+    if options.adapter:
+        return lora.read_adapter(options.adapter)
+    if options.lora_rank:
+        settings = lora.LoraSettings.parse(options.lora_rank, options.lora_alpha, options.lora_targets)
+        return lora.AdapterFolder(settings, "", {})
+    if options.max_adapters:
+        raise lora.LoraError("max_adapters needs lora_rank: the largest rank an adapter on this server may have")
+    return None

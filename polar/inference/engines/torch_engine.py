@@ -40,6 +40,7 @@ from polar.inference.engines.base import (
     TokenChunk,
     UnknownAdapter,
     check_weight_update,
+    default_adapter,
 )
 from polar.inference.engines.forced import ForcedReplies
 from polar.inference.engines.llama import DecoderRunner
@@ -71,19 +72,6 @@ def resolve_dtype(spec: str, device: torch.device) -> torch.dtype:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype {spec!r} is not a torch floating-point dtype")
     return dtype
-
-
-def _default_adapter(options: EngineOptions) -> lora.AdapterFolder | None:
-    """The adapter the server starts with: its folder's, or a zero one of the lora_ settings; None
-    without either. max_adapters needs the lora_ settings: they are the shape every adapter fits in."""
-    if options.adapter:
-        return lora.read_adapter(options.adapter)
-    if options.lora_rank:
-        settings = lora.LoraSettings.parse(options.lora_rank, options.lora_alpha, options.lora_targets)
-        return lora.AdapterFolder(settings, "", {})
-    if options.max_adapters:
-        raise lora.LoraError("max_adapters needs lora_rank: the largest rank an adapter on this server may have")
-    return None
 
 
 @dataclass
@@ -242,7 +230,7 @@ class TorchEngine(Engine):
         # LoRA: the default adapter in row 0 of a bank, and max_adapters rows for named ones.
         self._bank: AdapterBank | None = None
         self._adapters: dict[str, _Adapter] = {}
-        default = _default_adapter(options)
+        default = default_adapter(options)
         if default is not None:
             self._bank = AdapterBank(
                 self.model,

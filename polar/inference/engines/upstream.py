@@ -5,21 +5,28 @@ streams back sampled ids with their logprobs, so records stay token-faithful; Ne
 server takes it pinned to token ids and answers the ids it sampled from and sampled, whole. At start
 the upstream's tokenizer is checked against the gateway's. The protocols, the check and the settings
 (``EngineOptions.extra``): docs/design/engines.md.
+
+With a LoRA adapter (``lora_rank`` or ``adapter``; the vllm api only) the engine writes each version
+of an adapter as a PEFT folder into ``adapter_dir``, which the upstream reads at the same path, loads
+it there under a name of its own (vLLM's ``POST /v1/load_lora_adapter``), and asks for that name as
+the request's model (peft_adapters.py); a push replaces the adapter alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import torch
 
+from polar import lora
 from polar.inference import models
 from polar.inference.engines.base import (
-    Engine,
     EngineOptions,
     FinishReason,
     GenerationEnd,
@@ -27,8 +34,10 @@ from polar.inference.engines.base import (
     ModelDescription,
     ParameterSpec,
     TokenChunk,
+    UnknownAdapter,
     WeightsFixed,
 )
+from polar.inference.engines.peft_adapters import FolderAdapterEngine, HeldAdapters, ServedVersion
 from polar.inference.engines.upstream_http import (
     UpstreamError,
     UpstreamHttp,
@@ -50,13 +59,14 @@ _END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 
 
-class UpstreamEngine(Engine):
-    """Generations forwarded to a vLLM, SGLang or NeMo RL server; see the module docstring."""
+_FIXED_WEIGHTS = (
+    "the upstream engine serves a model another server holds: its weights cannot be updated through "
+    "Polar (restart that server with the new weights, or serve a LoRA adapter: lora_rank)"
+)
 
-    fixed_weights = (
-        "the upstream engine serves a model another server holds: its weights cannot be updated through "
-        "Polar (restart that server with the new weights)"
-    )
+
+class UpstreamEngine(FolderAdapterEngine):
+    """Generations forwarded to a vLLM, SGLang or NeMo RL server; see the module docstring."""
 
     def __init__(self, options: EngineOptions) -> None:
         extra = options.extra
@@ -75,6 +85,23 @@ class UpstreamEngine(Engine):
         self._version = options.policy_version
         self._upstream: UpstreamModel | None = None
         self.description = self._describe(0)
+        self.fixed_weights = _FIXED_WEIGHTS
+        self._held: HeldAdapters | None = None
+        self._adapter_dir = extra.get("adapter_dir", "")
+        if options.adapter or options.lora_rank or options.max_adapters:
+            if api != "vllm":
+                raise ValueError(
+                    f"the {api} upstream api loads no LoRA adapters: the upstream engine serves them through "
+                    'vLLM\'s runtime adapter loading (upstream_api = "vllm")'
+                )
+            if not self._adapter_dir:
+                raise ValueError(
+                    "LoRA adapters on the upstream engine need [inference] upstream_adapter_dir: a folder the "
+                    "upstream server reads at the same path, where each adapter version is written"
+                )
+            self._held = HeldAdapters(self._folder, options, torch.float32, self._load_lora, self._unload_lora)
+            self.max_adapters = options.max_adapters
+            self.fixed_weights = ""
 
     def _describe(self, context_length: int) -> ModelDescription:
         from transformers import AutoConfig
@@ -104,7 +131,7 @@ class UpstreamEngine(Engine):
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._held.version("") if self._held is not None else self._version
 
     @property
     def upstream(self) -> UpstreamModel | None:
@@ -116,11 +143,36 @@ class UpstreamEngine(Engine):
             return
         try:
             upstream = await self._start_checks()
+            if self._held is not None:
+                root = Path(self._adapter_dir).resolve()
+                root.mkdir(parents=True, exist_ok=True)
+                await self._held.start(root)
         except BaseException:
             await self._http.close()
             raise
         self._upstream = upstream
         self.description = self._describe(upstream.context_length)
+
+    async def _load_lora(self, served: ServedVersion) -> None:
+        body = {"lora_name": served.name, "lora_path": str(served.folder)}
+        try:
+            await self._http.post_for_text("/v1/load_lora_adapter", body)
+        except UpstreamRefused as exc:
+            hint = (
+                ": start it with --enable-lora and the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+                if exc.status == 404
+                else ""
+            )
+            raise lora.LoraError(
+                f"the upstream at {self._http.base} did not load LoRA adapter {served.folder} ({exc}){hint}"
+            ) from None
+        except (TimeoutError, OSError, aiohttp.ClientError) as exc:
+            raise UpstreamError(
+                f"the upstream at {self._http.base} is unreachable to load a LoRA adapter: {_describe_error(exc)}"
+            ) from None
+
+    async def _unload_lora(self, served: ServedVersion) -> None:
+        await self._http.post_for_text("/v1/unload_lora_adapter", {"lora_name": served.name})
 
     async def _start_checks(self) -> UpstreamModel:
         try:
@@ -180,13 +232,12 @@ class UpstreamEngine(Engine):
         return True
 
     async def stop(self) -> None:
+        if self._held is not None and self._upstream is not None:
+            await self._held.close()
         await self._http.close()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[TokenChunk | GenerationEnd]:
         await self.start()
-        submitted = time.monotonic()
-        queue_seconds = 0.0
-        completion = 0
         prompt = len(request.prompt_token_ids)
         s = request.sampling
         stops = dict.fromkeys(s.stop_token_ids + (() if s.ignore_eos else self.description.eos_token_ids))
@@ -200,8 +251,43 @@ class UpstreamEngine(Engine):
             ignore_eos=s.ignore_eos,
         )
         prompt_ids = list(request.prompt_token_ids)
+        lease = None
         try:
-            body = self._protocol.body(prompt_ids, params, self._upstream.served_name, stream=True)
+            if self._held is not None:
+                lease = self._held.begin(request.adapter)  # its current version, held to the end
+            else:
+                self.adapter_version(request.adapter)  # a name, on a server that holds none
+        except UnknownAdapter as exc:  # unloaded since the server checked the request
+            yield self._end(FinishReason.ERROR, prompt, 0, 0.0, str(exc))
+            return
+        try:
+            # Closed with this generation, so that its response closes (and the upstream aborts the
+            # request) at once, before the adapter version is let go.
+            async with contextlib.aclosing(self._forward(request, prompt_ids, params, lease)) as items:
+                async for item in items:
+                    yield item
+        finally:
+            if lease is not None:
+                await self._held.end(lease)
+
+    async def _forward(self, request: GenerationRequest, prompt_ids: list[int], params, lease):
+        """The generation's items from the upstream; with an adapter (`lease`), from the version it
+        holds, every token carrying that version's number."""
+        submitted = time.monotonic()
+        queue_seconds = 0.0
+        completion = 0
+        prompt = len(prompt_ids)
+        s = request.sampling
+        # vLLM's OpenAI API names a LoRA adapter as the request's model.
+        model = lease.served.name if lease is not None else self._upstream.served_name
+        version = lease.version if lease is not None else self._version
+
+        def ended_by_unload() -> str:
+            # An unload closes the response (lease.stop): the read fails or the stream stops short.
+            return lease.ended if lease is not None else ""
+
+        try:
+            body = self._protocol.body(prompt_ids, params, model, stream=True)
         except PromptRefused as exc:
             yield self._end(FinishReason.ERROR, prompt, 0, 0.0, f"the upstream cannot be sent this prompt: {exc}")
             return
@@ -211,6 +297,8 @@ class UpstreamEngine(Engine):
             # Leaving this block (the caller closed the generation) closes the response: the
             # upstream sees its client go and aborts the request.
             async with self._http.post(self._protocol.generate_path, body) as response:
+                if lease is not None:
+                    lease.stop = response.close  # an unload ends the generation: the upstream aborts it
                 if response.status >= 400:
                     raise UpstreamRefused(response.status, error_message(await response.text()))
                 async for event in events(response) if self._protocol.streams else whole_body(response):
@@ -219,7 +307,7 @@ class UpstreamEngine(Engine):
                         if completion == 0:
                             queue_seconds = time.monotonic() - submitted
                         completion += len(step.token_ids)
-                        yield TokenChunk(step.token_ids, step.logprobs, self._version)
+                        yield TokenChunk(step.token_ids, step.logprobs, version)
                     if step.finish is not None:
                         finish = step.finish
                         break
@@ -230,20 +318,15 @@ class UpstreamEngine(Engine):
             return
         except (TimeoutError, OSError, aiohttp.ClientError) as exc:
             error = f"the upstream at {self._http.base} failed: {_describe_error(exc)}"
-            yield self._end(FinishReason.ERROR, prompt, completion, queue_seconds, error)
+            yield self._end(FinishReason.ERROR, prompt, completion, queue_seconds, ended_by_unload() or error)
             return
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             error = f"the upstream's response is unreadable: {type(exc).__name__}: {exc}"
             yield self._end(FinishReason.ERROR, prompt, completion, queue_seconds, error)
             return
         if finish is None:
-            yield self._end(
-                FinishReason.ERROR,
-                prompt,
-                completion,
-                queue_seconds,
-                "the upstream ended the stream without a finish reason",
-            )
+            error = "the upstream ended the stream without a finish reason"
+            yield self._end(FinishReason.ERROR, prompt, completion, queue_seconds, ended_by_unload() or error)
             return
         yield self._end(_finish_reason(finish, completion, s.max_tokens), prompt, completion, queue_seconds)
 
@@ -254,10 +337,14 @@ class UpstreamEngine(Engine):
         return GenerationEnd(reason, prompt, completion, queue_seconds, error)
 
     def parameter_specs(self) -> Mapping[str, ParameterSpec]:
-        return {}
+        # With an adapter, its matrices alone: the base weights are the upstream's.
+        return self._held.specs("") if self._held is not None else {}
 
     async def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
-        raise WeightsFixed(self.fixed_weights)
+        if self._held is None:
+            raise WeightsFixed(self.fixed_weights)
+        await self.start()
+        return await self._held.push("", tensors)
 
 
 def _params(**values: Any) -> dict[str, Any]:

@@ -62,6 +62,14 @@ class UpstreamHttp:
         async with self.session.post(self._root + path, json=body) as response:
             return await json_or_refusal(response)
 
+    async def post_for_text(self, path: str, body: Mapping[str, Any]) -> str:
+        """A JSON call whose success is answered in plain text (vLLM's adapter routes)."""
+        async with self.session.post(self._root + path, json=body) as response:
+            text = await response.text()
+            if response.status >= 400:
+                raise UpstreamRefused(response.status, error_message(text))
+            return text
+
     def post(self, path: str, body: Mapping[str, Any]):
         return self.session.post(self._root + path, json=body)
 

