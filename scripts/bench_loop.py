@@ -63,31 +63,7 @@ MODES = {
     "prefix_merging": {"builder": "prefix_merging", "share_prefixes": False},
     "prefix_merging+packing": {"builder": "prefix_merging", "share_prefixes": True},
 }
-SHAPES = {
-    "qwen3-0.6b": dict(
-        model_type="qwen3",
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-    ),
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-    ),
-}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+SHAPES = benchmark_common.QWEN3_SHAPES
 SCRIPT = Path(__file__).resolve()
 RUN_TIMEOUT_S = 1800.0
 # --turns coding: calls a session makes. A coding agent's sessions run to dozens of calls; at twelve,
@@ -507,7 +483,7 @@ def model_folder(shape: str, out: Path) -> Path:
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(out)
-    for name in _TOKENIZER_FILES:
+    for name in benchmark_common.TOKENIZER_FILES:
         if (tokenizer / name).exists():
             shutil.copy(tokenizer / name, out / name)
     del model

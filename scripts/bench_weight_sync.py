@@ -53,20 +53,8 @@ SHAPES = {
         tie_word_embeddings=True,
         max_position_embeddings=8192,
     ),
-    "qwen3-4b": dict(
-        model_type="qwen3",
-        hidden_size=2560,
-        intermediate_size=9728,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        vocab_size=151936,
-        tie_word_embeddings=True,
-        max_position_embeddings=40960,
-    ),
+    "qwen3-4b": {**benchmark_common.QWEN3_SHAPES["qwen3-4b"], "vocab_size": 151936},
 }
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 def model_folder(shape: str, dtype: torch.dtype, device: str, tokenizer: Path, out: Path) -> dict[str, torch.Tensor]:
@@ -78,7 +66,7 @@ def model_folder(shape: str, dtype: torch.dtype, device: str, tokenizer: Path, o
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(out)
-    for name in _TOKENIZER_FILES:
+    for name in benchmark_common.TOKENIZER_FILES:
         if (tokenizer / name).exists():
             shutil.copy(tokenizer / name, out / name)
     weights = {name: torch.randn_like(p) * 0.02 for name, p in model.named_parameters()}

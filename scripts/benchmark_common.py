@@ -23,6 +23,33 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench-results"
 # The harness sessions scripts/record_session.py recorded from the real CLIs, one file per CLI.
 RECORDED_SESSIONS = ROOT / "tests" / "fixtures" / "sessions"
+# Qwen3 decoder shapes the GPU benches build with random weights; each bench sets its vocabulary.
+QWEN3_SHAPES = {
+    "qwen3-0.6b": dict(
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+    "qwen3-4b": dict(
+        model_type="qwen3",
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+        max_position_embeddings=40960,
+    ),
+}
+# What a model folder needs of a tokenizer's files, copied beside random weights.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 
 
 def parser(doc: str, quick: str, out: str) -> argparse.ArgumentParser:
