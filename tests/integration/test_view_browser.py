@@ -27,6 +27,7 @@ from tests.helpers.view_runs import FIXTURES, HARNESSES, break_first_sampled_tok
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the dev extra)")
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402 - only once selenium is known to be there
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -162,6 +163,11 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
+def _wait(driver, timeout: float = WAIT_S) -> WebDriverWait:
+    """A wait that looks again when an element it holds was redrawn (the pages redraw as data arrives)."""
+    return WebDriverWait(driver, timeout, ignored_exceptions=(StaleElementReferenceException,))
+
+
 def _shot(driver, name: str) -> None:
     folder = os.environ.get("POLAR_SCREENSHOT_DIR")
     if folder:
@@ -172,7 +178,7 @@ def _shot(driver, name: str) -> None:
 def _open(driver, url: str, css: str):
     driver.get("about:blank")  # a page load of its own: a new hash alone would keep the last page's nodes a while
     driver.get(url)
-    return WebDriverWait(driver, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, css))
+    return _wait(driver).until(lambda d: d.find_elements(By.CSS_SELECTOR, css))
 
 
 def _render_all_blocks(driver) -> None:
@@ -180,7 +186,7 @@ def _render_all_blocks(driver) -> None:
     blocks = driver.find_elements(By.CSS_SELECTOR, "#tokens .block")
     for block in blocks:
         driver.execute_script("arguments[0].scrollIntoView()", block)
-        WebDriverWait(driver, WAIT_S).until(lambda d: block.get_attribute("data-rendered") == "1")
+        _wait(driver).until(lambda d: block.get_attribute("data-rendered") == "1")
 
 
 @pytest.mark.parametrize("harness", HARNESSES)
@@ -199,7 +205,7 @@ def test_the_calls_of_a_recorded_session_render_in_its_dialect(stack, browser, h
     # The last call's request is the CLI's own: its tool call's result turn is drawn as one.
     last = calls[-1]
     browser.execute_script("arguments[0].scrollIntoView()", last)
-    WebDriverWait(browser, WAIT_S).until(lambda d: last.find_elements(By.CSS_SELECTOR, ".part.kind-tool_result"))
+    _wait(browser).until(lambda d: last.find_elements(By.CSS_SELECTOR, ".part.kind-tool_result"))
     assert last.find_elements(By.CSS_SELECTOR, ".part.kind-tool_call")
     assert REPLY in calls[0].text  # the stack's reply, decoded from the response
     # The sampling it ran with; a truncation the contract's zero value leaves off is not shown.
@@ -236,16 +242,16 @@ def test_from_the_reward_plot_to_a_session_of_the_last_step_and_its_tokens_in_th
     points = _open(browser, f"{url}#/", "svg.plot[data-key=reward_mean] .point")
     _shot(browser, "run")
     points[-1].click()  # 1: the last step
-    links = WebDriverWait(browser, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "a.session-link"))
+    links = _wait(browser).until(lambda d: d.find_elements(By.CSS_SELECTOR, "a.session-link"))
     assert browser.current_url.endswith("#/step/2")
     assert {t.get_attribute("data-task") for t in browser.find_elements(By.CSS_SELECTOR, "table.sessions")} == {
         f"replay-{h}" for h in HARNESSES[2:]
     }
     _shot(browser, "step")
     links[0].click()  # 2: one of its sessions, with its calls
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#calls .call"))
+    _wait(browser).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#calls .call"))
     browser.find_element(By.CSS_SELECTOR, "#forks a.trace-link").click()  # 3: its token view
-    WebDriverWait(browser, WAIT_S).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#tokens .tok"))
+    _wait(browser).until(lambda d: d.find_elements(By.CSS_SELECTOR, "#tokens .tok"))
     assert "/trace/" in browser.current_url
 
 
@@ -254,13 +260,13 @@ def test_filters_and_search_narrow_the_tasks(stack, browser):
     _open(browser, f"{url}#/", "tr.task-row")
     search = browser.find_element(By.ID, "search")
     search.send_keys("replay-pi.1")
-    WebDriverWait(browser, WAIT_S).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.task-row")) == 1)
+    _wait(browser).until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.task-row")) == 1)
     assert browser.find_element(By.CSS_SELECTOR, "tr.task-row").get_attribute("data-task") == "replay-pi"
     assert browser.find_element(By.CSS_SELECTOR, "#task-list a[href='#/session/replay-pi.1']")
     search.clear()
     search.send_keys(" ")
     browser.find_element(By.ID, "filter-min").send_keys("0.75")  # only the hostile task's lone session scored 1... or 0
-    WebDriverWait(browser, WAIT_S).until(
+    _wait(browser).until(
         lambda d: {r.get_attribute("data-task") for r in d.find_elements(By.CSS_SELECTOR, "tr.task-row")} <= {"hostile"}
     )
     _shot(browser, "filtered")
@@ -269,7 +275,7 @@ def test_filters_and_search_narrow_the_tasks(stack, browser):
 def test_text_a_harness_or_model_wrote_runs_no_script(stack, browser):
     url, *_ = stack
     calls = _open(browser, f"{url}#/session/hostile.0", "#calls .call")
-    WebDriverWait(browser, WAIT_S).until(lambda d: calls[0].find_elements(By.CSS_SELECTOR, ".part.kind-tool_result"))
+    _wait(browser).until(lambda d: calls[0].find_elements(By.CSS_SELECTOR, ".part.kind-tool_result"))
     browser.find_element(By.CSS_SELECTOR, "#calls .call details summary").click()  # the system text too
     text = browser.find_element(By.ID, "calls").text
     assert "tool says " + HOSTILE in text  # the tool result, as text
@@ -291,20 +297,18 @@ def test_a_group_released_while_the_page_is_open_appears_without_a_reload(stack,
             rollout_pb2.SubmitTasksRequest(tasks=[task]), timeout=30
         )
 
-    def live_row(driver):
-        return next(
-            (
-                r
-                for r in driver.find_elements(By.CSS_SELECTOR, "tr.task-row")
-                if r.get_attribute("data-task") == "live-pi"
-            ),
-            None,
+    def live_cells(driver):
+        # Read in one script: the page redraws its rows as the task's status changes, so an element found
+        # by one call can be gone by the next.
+        return driver.execute_script(
+            "const cells = document.querySelectorAll('tr.task-row[data-task=\"live-pi\"] td');"
+            "return cells.length ? [...cells].map((td) => td.innerText) : null;"
         )
 
     # The task's harness, from the server's task status, as soon as its row shows (before any session ends).
-    row = WebDriverWait(browser, 120).until(live_row)
-    assert row.find_elements(By.TAG_NAME, "td")[-1].text == "command"
-    WebDriverWait(browser, 120).until(lambda d: (row := live_row(d)) is not None and "released" in row.text)
+    cells = _wait(browser, 120).until(live_cells)
+    assert cells[-1] == "command"
+    _wait(browser, 120).until(lambda d: (cells := live_cells(d)) is not None and "released" in " ".join(cells))
     assert browser.execute_script("return window.__same_page") is True
     assert "live" in browser.find_element(By.ID, "live").text
     _shot(browser, "live")
