@@ -1,7 +1,7 @@
 """scripts/bench_loop.py --device cpu --quick: the whole loop's benchmark stays runnable off the GPU.
 
 Three `polar train` runs of two steps each (per_request, prefix_merging, prefix_merging with
-shared-prefix packing) over Pi-shaped replayed sessions on the tiny model; the JSON holds every mode
+shared-prefix packing) over groups of two Pi-shaped replayed sessions on the tiny model; the JSON holds every mode
 with its wall clock and busy fractions (null without a GPU), and a merged session's trace holds about
 half the tokens of its traces per call, whose second call repeats the first.
 """
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_the_quick_loop_benchmark_reports_every_mode(tmp_path: Path) -> None:
     out = tmp_path / "loop.json"
     result = subprocess.run(
-        [sys.executable, "scripts/bench_loop.py", "--device", "cpu", "--quick", "--out", str(out)],
+        [sys.executable, "scripts/bench_loop.py", "--device", "cpu", "--quick", "--group-size", "2", "--out", str(out)],
         cwd=REPO,
         capture_output=True,
         text=True,
