@@ -237,6 +237,7 @@ class TrainingRun:
             bucket_bytes=config.weight_sync_bucket_mb << 20,
             timeout_s=config.weight_sync_timeout_s,
             adapter=config.lora_adapter_name,
+            device=self.backend.device,
         )
         self.started = time.monotonic()
         self.step_timings = {"wait": 0.0, "train": 0.0, "sync": 0.0}

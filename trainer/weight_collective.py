@@ -151,12 +151,19 @@ class Sent:
 class CollectiveSender:
     """Sends updates over collective groups; keeps its rendezvous store, its buffers and, per
     backend, its last group between them. `groups_built` counts the groups it built. `adapter`: the
-    named LoRA adapter its updates replace ("" = the servers' own parameters)."""
+    named LoRA adapter its updates replace ("" = the servers' own parameters). `gpu`: where NCCL's
+    buffers go (the trainer's GPU); None: the current CUDA device."""
 
     def __init__(
-        self, bucket_bytes: int, timeout_s: float = DEFAULT_TIMEOUT_S, rpc_timeout_s: float = 600.0, adapter: str = ""
+        self,
+        bucket_bytes: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        rpc_timeout_s: float = 600.0,
+        adapter: str = "",
+        gpu: torch.device | None = None,
     ) -> None:
         self.bucket_bytes = bucket_bytes
+        self.gpu = gpu
         self.adapter = adapter
         self.timeout_s = timeout_s
         self.rpc_timeout_s = rpc_timeout_s
@@ -196,9 +203,10 @@ class CollectiveSender:
             self._store = collective.open_store(self.timeout_s)
         tensors = sized(weights)
         addresses = tuple(address for address, _ in servers)
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if backend == collective.NCCL else torch.device("cpu")
-        )
+        if backend == collective.NCCL:
+            device = self.gpu or torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
         kept = self._kept.get(backend)
         if kept is not None and (kept.members, kept.device) == (addresses, device):
             try:

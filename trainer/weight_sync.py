@@ -135,7 +135,9 @@ class InferencePool:
     collective transports pack tensors into. `timeout_s`: how long a collective group's joining and
     each of its broadcasts may take before the sync fails (a server that died). `adapter`: the named
     LoRA adapter (a run's, on servers several runs share) whose matrices the pushes replace; "" = the
-    servers' own parameters."""
+    servers' own parameters. `device`: the trainer's (where its weights are); when it is a GPU, the
+    "cuda_ipc" and "nccl" buffers go there (a server of this machine on another GPU copies them
+    across), else on the current CUDA device."""
 
     def __init__(
         self,
@@ -144,6 +146,7 @@ class InferencePool:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         adapter: str = "",
+        device: torch.device | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("the trainer needs at least one inference server address")
@@ -166,13 +169,16 @@ class InferencePool:
         # "shm": each server's two blocks, kept between syncs: a fresh block costs a page fault on
         # every page at its first write, on both sides (about 6x the copy itself, measured here).
         self._host_buffers: dict[int, sharing.HostBuffers] = {}
-        self._shm_refused: set[int] = set()  # servers that could not open the blocks: sent the stream
+        # Servers that could not open the shared buffers (shm or CUDA IPC): that sync was streamed, and
+        # later ones take the next transport the server offers.
+        self._sharing_refused: set[int] = set()
         # UpdateWeights over messages tensor_messages serialized already (no request serializer).
         self._updates = [
             channel.stream_unary(UPDATE_WEIGHTS, response_deserializer=inference_pb2.UpdateWeightsResponse.FromString)
             for channel in self._channels
         ]
-        self._collective = CollectiveSender(bucket_bytes, timeout_s, RPC_TIMEOUT_S, adapter)
+        self._gpu = device if device is not None and device.type == "cuda" else None
+        self._collective = CollectiveSender(bucket_bytes, timeout_s, RPC_TIMEOUT_S, adapter, self._gpu)
 
     def close(self) -> None:
         self._collective.close()
@@ -240,7 +246,7 @@ class InferencePool:
     def transports(self) -> list[str]:
         """The transport each server will be sent the weights over. "auto": the first the server
         offers (fastest first) that this process can use: "cuda_ipc" needs CUDA here and the server
-        on this machine, "nccl" CUDA here."""
+        on this machine (and able to open the buffers), "nccl" CUDA here."""
         here = sharing.host_id()
         cuda = torch.cuda.is_available()
         chosen = []
@@ -255,11 +261,11 @@ class InferencePool:
                 chosen.append(self.transport)
                 continue
             usable = {sharing.STREAM, collective.GLOO}
-            if here and info.host_id == here and len(chosen) not in self._shm_refused:
-                usable.add(sharing.SHM)
             if cuda:
                 usable.add(collective.NCCL)
-                if here and info.host_id == here:
+            if here and info.host_id == here and len(chosen) not in self._sharing_refused:
+                usable.add(sharing.SHM)
+                if cuda:
                     usable.add(sharing.CUDA_IPC)
             chosen.append(next((t for t in offered if t in usable), sharing.STREAM))
         return chosen
@@ -281,18 +287,18 @@ class InferencePool:
                     began = time.perf_counter()
                     try:
                         response = None
-                        if transport == sharing.SHM:
+                        if transport in (sharing.SHM, sharing.CUDA_IPC):
                             try:
-                                response = self._send_shared(index, weights(), note, update_id, host=True)
+                                host = transport == sharing.SHM
+                                response = self._send_shared(index, weights(), note, update_id, host=host)
                             except (grpc.RpcError, HostBuffersUnavailable) as exc:
                                 if isinstance(exc, grpc.RpcError) and exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
                                     raise
-                                # The same boot id but another /dev/shm (containers of one host), or no
-                                # room in it here: the stream, in this sync and the next ones.
-                                self._shm_refused.add(index)
+                                # The same boot id but another /dev/shm (containers of one host), a
+                                # server that does not see the trainer's GPU (CUDA_VISIBLE_DEVICES apart),
+                                # or no room in shared memory here: the stream.
+                                self._sharing_refused.add(index)
                                 transport = sharing.STREAM
-                        elif transport == sharing.CUDA_IPC:
-                            response = self._send_shared(index, weights(), note, update_id)
                         if response is None:
                             response = self._updates[index](
                                 tensor_messages(weights(), note, update_id, self.adapter), timeout=RPC_TIMEOUT_S
@@ -352,7 +358,7 @@ class InferencePool:
             buffers, device = blocks.tensors, None
             header.host_buffers.extend(blocks.described)
         else:
-            blocks, device = None, torch.device("cuda", torch.cuda.current_device())
+            blocks, device = None, self._gpu or torch.device("cuda", torch.cuda.current_device())
             buffers = [torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
             header.buffers.extend(sharing.share(b) for b in buffers)
         for buffer_index in range(len(buffers)):

@@ -16,6 +16,11 @@ each byte is written once by the trainer and read once by the server.
 
 The torch engine offers the one for its device (`transports`); the trainer uses it only when the
 server's `host_id` is its own machine's.
+
+A server opens a CUDA buffer on the trainer's GPU, by its index in the trainer's process (as torch's
+multiprocessing does: both must number the GPUs alike, as under `polar train`), and copies it to its
+engine's GPU, peer to peer when that is another. One that cannot open it (it does not see that GPU)
+answers FAILED_PRECONDITION, and the trainer streams that update instead.
 """
 
 from __future__ import annotations
@@ -131,7 +136,8 @@ class HostBuffers:
 
 
 def open_buffer(described: inference_pb2.CudaIpcBuffer) -> torch.Tensor:
-    """The trainer's buffer as a flat uint8 tensor of this process."""
+    """The trainer's buffer as a flat uint8 tensor of this process, on the GPU that holds it (the
+    trainer's, whichever GPU this server's engine runs on)."""
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             described.device,
@@ -242,5 +248,7 @@ def copy_bucket(
     buffer = buffers[bucket.buffer]
     unpack_bucket(bucket, receiver, buffer)
     if buffer.is_cuda:
+        # torch runs a copy between two GPUs on the source's stream: this waits for the copies
+        # whichever GPU the staged tensors are on.
         torch.cuda.current_stream(buffer.device).synchronize()
     return bucket.buffer
