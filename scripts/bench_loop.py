@@ -22,19 +22,25 @@ letters, so rewards vary and every group trains).
 
 Reported per mode and per step: wall clock (the trainer's), time waiting for rollouts, training,
 syncing weights, and the rest; tokens generated (the calls' sampled tokens) and trained (computed by
-the trainer), each per second of the mode's wall clock; and, on a GPU, the busy fraction of the card
-(NVML utilisation, sampled every 0.1 s from the first step's start to the last step's end), of each
-side (inference server and trainer, from NVML's per-process samples where the driver keeps them), and
-each side's peak memory. The JSON written to --out holds one entry per mode under `modes`, each with
-`wall_s` and its busy fractions, and `ratios`, each mode's wall clock over prefix_merging's.
+the trainer), each per second of the mode's wall clock; and, on GPUs, the busy fraction of each card
+used (NVML utilisation, sampled every 0.1 s from the first step's start to the last step's end) and
+their mean, that of each side (inference server and trainer, from NVML's per-process samples of its
+processes on its own GPU, where the driver keeps them), and each side's peak memory. The JSON written
+to --out holds one entry per mode under `modes`, each with `wall_s`, its busy fractions and `gpus`
+(each card's busy fraction and each side's memory on it), and `ratios`, each mode's wall clock over
+prefix_merging's; `settings` and `machine` say which device each side ran on.
 
     python scripts/bench_loop.py --device cpu --quick       # tiny model, Pi's sessions: minutes on 2 cores
     python scripts/bench_loop.py --device cuda              # a Qwen3-shaped model with random weights
     python scripts/bench_loop.py --device cuda --harnesses claude-code --turns coding
+    python scripts/bench_loop.py --device cuda:0 --trainer-device cuda:1   # a GPU for each service
 
-On cuda both services share one GPU (the engine's KV cache and the trainer's optimizer side by side);
-the model is Qwen3-0.6B-shaped (--shape qwen3-4b for Qwen3-4B's), with SmolLM2's tokenizer and
-vocabulary, random weights: the cost is measured, not what is learned.
+On cuda both services share one GPU (the engine's KV cache and the trainer's optimizer side by side),
+unless --trainer-device names another: the inference server on --device's GPU, the trainer on its
+own, and each weight push crossing between them (CUDA IPC: the server opens the trainer's buffers on
+the trainer's GPU and copies them to its own, peer to peer). The model is Qwen3-0.6B-shaped (--shape
+qwen3-4b for Qwen3-4B's), with SmolLM2's tokenizer and vocabulary, random weights: the cost is
+measured, not what is learned.
 """
 
 from __future__ import annotations
@@ -196,40 +202,51 @@ def score() -> int:
 
 @dataclass
 class GpuSamples:
-    """NVML readings of one GPU while a mode runs: device utilisation, and per process (pid) the SM
-    utilisation samples and the largest memory seen."""
+    """NVML readings of the GPUs a mode uses (by index), while it runs: each GPU's utilisation, and
+    per process on it the SM utilisation samples and the largest memory seen."""
 
-    device: list[tuple[float, float]] = field(default_factory=list)  # (time, utilisation 0..1)
-    processes: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
-    memory: dict[int, int] = field(default_factory=dict)  # pid -> bytes
+    device: dict[int, list[tuple[float, float]]] = field(default_factory=dict)  # gpu -> (time, utilisation 0..1)
+    processes: dict[tuple[int, int], list[tuple[float, float]]] = field(default_factory=dict)  # (gpu, pid) -> samples
+    memory: dict[tuple[int, int], int] = field(default_factory=dict)  # (gpu, pid) -> bytes
     sides: dict[int, str] = field(default_factory=dict)  # pid -> "inference" or "trainer"
 
-    def pids(self, side: str) -> set[int]:
-        return {pid for pid, named in self.sides.items() if named == side}
-
-    def busy(self, start: float, end: float, pids: set[int] | None = None) -> float:
-        if pids is None:
-            values = [u for t, u in self.device if start <= t <= end]
+    def busy(self, gpu: int | None, start: float, end: float, side: str = "") -> float:
+        """The mean utilisation of `gpu` from start to end: the device's, or with `side` that of its
+        processes on that GPU; NaN without samples (`gpu` None: the CPU)."""
+        if side:
+            samples = [s for (g, pid), s in self.processes.items() if g == gpu and self.sides.get(pid) == side]
         else:
-            values = [u for pid in pids for t, u in self.processes.get(pid, []) if start <= t <= end]
+            samples = [self.device.get(gpu, [])]
+        values = [u for series in samples for t, u in series if start <= t <= end]
         return sum(values) / len(values) if values else float("nan")
+
+    def memory_gib(self, side: str, gpu: int | None = None) -> float:
+        """The peak memory of `side`'s processes on `gpu`, or on every GPU sampled; NaN when nothing was."""
+        if not self.memory:
+            return float("nan")
+        return sum(b for (g, pid), b in self.memory.items() if self.sides.get(pid) == side and gpu in (None, g)) / GIB
 
 
 class NvmlSampler:
-    """Samples one GPU in a thread until stopped; nothing where NVML is missing (a CPU run)."""
+    """Samples the GPUs `gpus` (NVML indices) in a thread until stopped; nothing where there are none
+    or NVML is missing."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, gpus: list[int]) -> None:
         self.samples = GpuSamples()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._nvml = None
+        self._handles: dict[int, object] = {}
+        if not gpus:
+            return
         try:
             import pynvml
 
             pynvml.nvmlInit()
+            self._handles = {gpu: pynvml.nvmlDeviceGetHandleByIndex(gpu) for gpu in gpus}
             self._nvml = pynvml
-            self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         except Exception:
-            self._nvml = None
+            pass
 
     def __enter__(self) -> GpuSamples:
         if self._nvml is not None:
@@ -243,25 +260,31 @@ class NvmlSampler:
             self._thread.join()
 
     def _run(self) -> None:
-        nvml, handle = self._nvml, self._handle
-        last_seen = 0
+        last_seen = dict.fromkeys(self._handles, 0)
         while not self._stop.wait(NVML_INTERVAL_S):
             now = time.monotonic()
-            self.samples.device.append((now, nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100))
-            try:
-                for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                    if process.pid not in self.samples.sides:
-                        self.samples.sides[process.pid] = _side(process.pid)
-                    used = process.usedGpuMemory or 0
-                    self.samples.memory[process.pid] = max(self.samples.memory.get(process.pid, 0), used)
-            except nvml.NVMLError:
-                pass
-            try:
-                for sample in nvml.nvmlDeviceGetProcessUtilization(handle, last_seen):
-                    last_seen = max(last_seen, sample.timeStamp)
-                    self.samples.processes.setdefault(sample.pid, []).append((now, sample.smUtil / 100))
-            except nvml.NVMLError:
-                pass
+            for gpu, handle in self._handles.items():
+                last_seen[gpu] = self._sample(gpu, handle, now, last_seen[gpu])
+
+    def _sample(self, gpu: int, handle, now: float, last_seen: int) -> int:
+        """One reading of `gpu`; returns the timestamp of the newest per-process sample read so far."""
+        nvml, samples = self._nvml, self.samples
+        samples.device.setdefault(gpu, []).append((now, nvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100))
+        try:
+            for process in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if process.pid not in samples.sides:
+                    samples.sides[process.pid] = _side(process.pid)
+                key = (gpu, process.pid)
+                samples.memory[key] = max(samples.memory.get(key, 0), process.usedGpuMemory or 0)
+        except nvml.NVMLError:
+            pass
+        try:
+            for sample in nvml.nvmlDeviceGetProcessUtilization(handle, last_seen):
+                last_seen = max(last_seen, sample.timeStamp)
+                samples.processes.setdefault((gpu, sample.pid), []).append((now, sample.smUtil / 100))
+        except nvml.NVMLError:
+            pass
+        return last_seen
 
 
 def _side(pid: int) -> str:
@@ -292,6 +315,7 @@ class ModeResult:
     trainer_busy_fraction: float
     inference_memory_gib: float
     trainer_memory_gib: float
+    gpus: dict[str, dict]  # each GPU used ("cuda:N"): its busy fraction and each side's memory on it
 
     def report(self) -> dict:
         seconds = {key: sum(step[key] for step in self.steps) for key in ("rollout_wait_s", "train_s", "weight_sync_s")}
@@ -309,6 +333,7 @@ class ModeResult:
             "trainer_busy_fraction": self.trainer_busy_fraction,
             "inference_memory_gib": self.inference_memory_gib,
             "trainer_memory_gib": self.trainer_memory_gib,
+            "gpus": self.gpus,
             "steps": self.steps,
         }
 
@@ -343,7 +368,7 @@ def write_config(path: Path, tasks: Path, model: str, args: argparse.Namespace, 
         "trainer": {
             "port": 0,
             "model": model,
-            "device": args.device,
+            "device": args.trainer_device,
             "dataset": str(tasks),
             "steps": args.steps,
             "groups_per_step": args.groups_per_step,
@@ -372,11 +397,12 @@ def run_mode(mode: str, model: str, shapes: list[Path], work: Path, args: argpar
     write_config(config, tasks, model, args, settings["share_prefixes"])
     run_dir = folder / "run"
     command = [sys.executable, "-m", "polar", "train", str(config), "--run-dir", str(run_dir)]
-    gpu = int(args.device.split(":")[1]) if args.device.startswith("cuda:") else 0
+    home = {"inference": gpu_index(args.device), "trainer": gpu_index(args.trainer_device)}
+    gpus = sorted({gpu for gpu in home.values() if gpu is not None})
     started = time.monotonic()
     serving = first_step = None
     output: list[str] = []
-    with NvmlSampler(gpu) as samples:
+    with NvmlSampler(gpus) as samples:
         process = subprocess.Popen(
             command, cwd=benchmark_common.ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -417,10 +443,10 @@ def run_mode(mode: str, model: str, shapes: list[Path], work: Path, args: argpar
     wall = rows[-1]["elapsed_s"] if rows else float("nan")
     # The steps ran in the last `wall` seconds before the trainer ended.
     first_step = ended - wall if rows else started
-    pids = {side: samples.pids(side) for side in ("inference", "trainer")}
     sampled, failed, error = _sessions(run_dir)
     if failed:
         raise SystemExit(f"bench_loop: {mode}: {failed} sessions failed; the first: {error}")
+    busy = {gpu: samples.busy(gpu, first_step, ended) for gpu in gpus}
     return ModeResult(
         mode=mode,
         wall_s=wall,
@@ -428,17 +454,21 @@ def run_mode(mode: str, model: str, shapes: list[Path], work: Path, args: argpar
         steps=steps,
         tokens_generated=sampled,
         tokens_trained=sum(step["tokens_trained"] for step in steps),
-        gpu_busy_fraction=samples.busy(first_step, ended),
-        inference_busy_fraction=samples.busy(first_step, ended, pids["inference"])
-        if pids["inference"]
-        else float("nan"),
-        trainer_busy_fraction=samples.busy(first_step, ended, pids["trainer"]) if pids["trainer"] else float("nan"),
-        inference_memory_gib=sum(samples.memory.get(p, 0) for p in pids["inference"]) / GIB
-        if samples.memory
-        else float("nan"),
-        trainer_memory_gib=sum(samples.memory.get(p, 0) for p in pids["trainer"]) / GIB
-        if samples.memory
-        else float("nan"),
+        gpu_busy_fraction=sum(busy.values()) / len(busy) if busy else float("nan"),
+        # Each side's from its processes on its own GPU (the server also maps the trainer's weight-push
+        # buffers on the trainer's: its memory there counts, its copies out of them do not).
+        inference_busy_fraction=samples.busy(home["inference"], first_step, ended, "inference"),
+        trainer_busy_fraction=samples.busy(home["trainer"], first_step, ended, "trainer"),
+        inference_memory_gib=samples.memory_gib("inference"),
+        trainer_memory_gib=samples.memory_gib("trainer"),
+        gpus={
+            f"cuda:{gpu}": {
+                "busy_fraction": busy[gpu],
+                "inference_memory_gib": samples.memory_gib("inference", gpu),
+                "trainer_memory_gib": samples.memory_gib("trainer", gpu),
+            }
+            for gpu in gpus
+        },
     )
 
 
@@ -502,6 +532,7 @@ def main() -> int:
         return score()
     cuda = args.device.startswith("cuda")
     machine = benchmark_common.machine("torch", "transformers", device=args.device)
+    machine["devices"] = {"inference": args.device, "trainer": args.trainer_device}
     # Under the repository, not the system's temporary folder: a node's isolated harness has a /tmp of its own.
     benchmark_common.RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="loop-", dir=benchmark_common.RESULTS) as scratch:
@@ -518,8 +549,22 @@ def main() -> int:
             results.append(run_mode(mode, model, shapes, work, args))
             # After every mode, so that a run cut short still leaves the modes it finished.
             _write_report(results, machine, args)
-    _print_table(results, machine)
+    _print_table(results, machine, layout(args))
     return 0
+
+
+def gpu_index(device: str) -> int | None:
+    """The GPU of a device named as _device names it ("cuda:N"); None for the CPU."""
+    return None if device == "cpu" else int(device.split(":")[1])
+
+
+def layout(args: argparse.Namespace) -> str:
+    """Where the two services ran, in words."""
+    if args.device == "cpu":
+        return "cpu"
+    if args.device == args.trainer_device:
+        return "one GPU, both services"
+    return f"two GPUs: inference on {args.device}, trainer on {args.trainer_device}"
 
 
 def _write_report(results: list[ModeResult], machine: dict, args: argparse.Namespace) -> None:
@@ -527,21 +572,24 @@ def _write_report(results: list[ModeResult], machine: dict, args: argparse.Names
     modes = {r.mode: r.report() for r in results}
     base = modes.get("prefix_merging", {}).get("wall_s")
     ratios = {mode: entry["wall_s"] / base if base else float("nan") for mode, entry in modes.items()}
-    keys = ("quick", "device", "steps", "groups_per_step", "group_size", "max_batch_size")
+    keys = ("quick", "device", "trainer_device", "steps", "groups_per_step", "group_size", "max_batch_size")
     settings = {key: getattr(args, key) for key in keys} | {
         "harnesses": args.harnesses,
         "turns": args.turns,
         "model": args.shape if cuda else "tiny",
-        "layout": "one GPU, both services" if cuda else "cpu",
+        "layout": layout(args),
     }
     report = {"machine": machine, "settings": settings, "modes": modes, "ratios_to_prefix_merging": ratios}
     benchmark_common.write_json(report, args.out, "loop.json")
 
 
-def _print_table(results: list[ModeResult], machine: dict) -> None:
+def _print_table(results: list[ModeResult], machine: dict, layout: str) -> None:
     print(
         f"\nmachine: {machine['cpu']} ({machine['cpu_cores']} cores){', ' + machine['gpu'] if machine['gpu'] else ''}"
     )
+    print(f"layout: {layout}")
+    # With two GPUs, "GPU busy" is their mean; each one's follows.
+    gpus = list(results[0].gpus) if results and len(results[0].gpus) > 1 else []
     header = (
         "mode",
         "wall s",
@@ -551,6 +599,7 @@ def _print_table(results: list[ModeResult], machine: dict) -> None:
         "gen tok/s",
         "train tok/s",
         "GPU busy",
+        *(f"{gpu} busy" for gpu in gpus),
         "infer",
         "trainer",
     )
@@ -567,6 +616,7 @@ def _print_table(results: list[ModeResult], machine: dict) -> None:
                 f"{entry['generated_tokens_per_s']:,.0f}",
                 f"{entry['trained_tokens_per_s']:,.0f}",
                 _percent(r.gpu_busy_fraction),
+                *(_percent(r.gpus[gpu]["busy_fraction"]) for gpu in gpus),
                 _percent(r.inference_busy_fraction),
                 _percent(r.trainer_busy_fraction),
             )
@@ -580,7 +630,14 @@ def _percent(value: float) -> str:
 
 def _parse_args() -> argparse.Namespace:
     parser = benchmark_common.parser(__doc__, "tiny steps: 2 steps of 1 group of 4 Pi sessions per mode", "loop.json")
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N: both services' device (default: cpu)")
+    parser.add_argument(
+        "--device", type=_device, default="cpu", help="cpu, cuda or cuda:N: the inference server's (default: cpu)"
+    )
+    parser.add_argument(
+        "--trainer-device",
+        type=_device,
+        help="the trainer's device (default: --device's); another GPU than --device's puts each service on a GPU of its own",
+    )
     parser.add_argument("--shape", default="qwen3-0.6b", choices=sorted(SHAPES), help="on cuda, the model's shape")
     parser.add_argument("--harnesses", nargs="+", choices=("claude-code", "pi"), help="whose recorded sessions")
     parser.add_argument(
@@ -598,11 +655,22 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--replay", metavar="SHAPE", help=argparse.SUPPRESS)
     parser.add_argument("--score", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.trainer_device = args.trainer_device or args.device
+    if (args.device == "cpu") != (args.trainer_device == "cpu"):
+        parser.error("--device and --trainer-device: both cpu, or both CUDA devices")
     args.harnesses = args.harnesses or (["pi"] if args.quick else ["claude-code", "pi"])
     args.steps = args.steps or (2 if args.quick else 3)
     args.groups_per_step = args.groups_per_step or (1 if args.quick else 2)
     args.group_size = args.group_size or (4 if args.quick else 8)
     return args
+
+
+def _device(text: str) -> str:
+    """A device argument, checked: "cpu", or "cuda:N" ("cuda" is cuda:0, the device a process starts on)."""
+    match = re.fullmatch(r"cpu|cuda(?::(\d+))?", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not cpu, cuda or cuda:N")
+    return text if text == "cpu" else f"cuda:{match.group(1) or 0}"
 
 
 if __name__ == "__main__":
