@@ -496,7 +496,8 @@ CHAT_FORMATS: dict[str, ChatFormatFactory] = {
 
 
 def get_chat_format(name: str, tokenizer: Any) -> ChatFormat:
-    """The chat format named `name` in CHAT_FORMATS, bound to a Hugging Face tokenizer."""
+    """The chat format named `name` in CHAT_FORMATS, bound to a Hugging Face tokenizer or what
+    polar.inference.tokenizer_files reads of one."""
     factory = CHAT_FORMATS.get(name)
     if factory is None:
         raise UnknownChatFormatError(f"no chat format {name!r}; known: {', '.join(sorted(CHAT_FORMATS))}")

@@ -26,6 +26,7 @@ from gateway.parsers import get_output_parser
 from gateway.sessions import SessionStore
 from polar.config import GatewayConfig
 from polar.grpc_server import serve_until_stopped
+from polar.inference.tokenizer_files import load_tokenizer
 from polar.metrics import MetricsEndpoint, gateway_metrics, start_metrics
 from polar.service_base import Ready, ServiceError, connectable, join_host_port
 
@@ -186,8 +187,4 @@ def _load_tokenizer(path: str, model: str):
         raise GatewayStartError(
             f"the inference service names no tokenizer for {model!r}; give the gateway one (--tokenizer)"
         )
-    from transformers import AutoTokenizer
-
-    from polar.inference.models import ALIASES, resolve_model
-
-    return AutoTokenizer.from_pretrained(resolve_model(path) if path in ALIASES else path)
+    return load_tokenizer(path)
