@@ -32,6 +32,10 @@ from polar.service_base import ServiceError, ServiceSpec, connectable, join_host
 from polar.service_table import GATEWAY, INFERENCE, NODE, ROLLOUT
 
 HEALTH_POLL_SECONDS = 0.1
+# How often the supervisor looks for an exited child. It does not block in waitid: a stop signal that
+# another thread of this process took (gRPC's, the channels') only marks it for the main thread, which
+# a blocking waitid would keep asleep until some child exited; a short sleep lets it run the handler.
+CHILD_POLL_SECONDS = 0.2
 # Whether `supervise` runs (its stop handlers are in place), for request_stop: a SIGTERM sent
 # after the stack restored the handlers it found would end the process instead.
 _stop_lock = threading.Lock()
@@ -293,11 +297,9 @@ def request_stop() -> None:
     """Ends `supervise` (`run_stack`'s too) from another thread (a job started by `on_ready` that is done),
     as SIGTERM from outside would; nothing once the stack is stopping or stopped.
 
-    The signal goes to the main thread itself: it alone runs Python's signal handlers, and it is the
-    one blocked in waitid. Sent to the process (os.kill(os.getpid())), the signal may be taken by any
-    of its threads, whose C handler then only marks it for the main thread, and that thread sleeps on
-    in waitid until some child exits: `polar generate` was seen not to return after its last attempt
-    that way."""
+    The signal goes to the main thread itself, which alone runs Python's signal handlers: it wakes from
+    its sleep between looks for exited children at once (sent to the process, another thread may take
+    it, and the stop waits for the main thread's next look)."""
     with _stop_lock:
         if _supervising:
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
@@ -403,7 +405,10 @@ def _supervise(children: list[Service]) -> None:
     signal arrives."""
     while True:
         # WNOWAIT leaves the exited child for Popen to reap, so its returncode stays right.
-        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        if info is None:
+            time.sleep(CHILD_POLL_SECONDS)
+            continue
         child = next((c for c in children if c.process.pid == info.si_pid), None)
         if child is None:
             os.waitpid(info.si_pid, 0)  # not a service; reap it so waitid does not return it again
