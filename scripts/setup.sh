@@ -22,17 +22,27 @@ stamp="$venv/.polar-setup"
 want="torch==$TORCH_VERSION pyproject:$(sha256sum "$root/pyproject.toml" | cut -c1-16)"
 check="import polar, torch, grpc_tools, pytest, megatron.core, pyarrow; assert torch.__version__ == '$TORCH_VERSION', torch.__version__"
 
+# npm downloads while pip does: the two wait mostly on the network and the disk.
 clis="$root/tests/e2e/harness_install"
+npm_install=""
 if command -v npm >/dev/null; then
   for program in pi codex claude qwen gemini; do
     if [[ ! -x "$clis/node_modules/.bin/$program" ]]; then
-      (cd "$clis" && npm ci --no-audit --no-fund --loglevel=error)
+      (cd "$clis" && npm ci --no-audit --no-fund --loglevel=error) &
+      npm_install=$!
       break
     fi
   done
 fi
+wait_for_npm() {
+  if [[ -n "$npm_install" ]] && ! wait "$npm_install"; then
+    echo "setup.sh: npm ci in $clis failed" >&2
+    exit 1
+  fi
+}
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "$check" 2>/dev/null; then
+  wait_for_npm
   exit 0
 fi
 
@@ -40,7 +50,9 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$PYTHON" -m venv "$venv"
 fi
 # -qq: build backends' deprecation chatter is hidden too; pip still prints every error.
-pip=("$venv/bin/python" -m pip -qq --disable-pip-version-check)
+# --no-compile: Python compiles a module when it is first imported; compiling all of torch, Megatron
+# and the rest up front costs a minute and a half of CPU for files most runs never import.
+pip=("$venv/bin/python" -m pip -qq --disable-pip-version-check --no-compile)
 
 "${pip[@]}" install --progress-bar off "torch==$TORCH_VERSION"
 "${pip[@]}" install --progress-bar off -e "$root[dev,megatron,swe]"
@@ -50,4 +62,5 @@ pip=("$venv/bin/python" -m pip -qq --disable-pip-version-check)
 
 # Megatron-Core warns at import that TransformerEngine and Apex are absent; Polar uses neither.
 PYTHONWARNINGS=ignore "$venv/bin/python" -c "$check"
+wait_for_npm
 echo "$want" > "$stamp"
