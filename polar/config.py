@@ -65,6 +65,10 @@ class InferenceConfig:
     # later call starting with the same tokens (a CLI's system prompt, a session's history) computes
     # only the rest; least recently used evicted first; 0 = no prefix cache
     prefix_cache_mib: Count = 4096
+    # torch engine on a GPU only: give the keys' and values' memory (and the decode graphs reading it)
+    # back to the driver whenever no sequence runs, for a trainer stepping on the same GPU; false keeps
+    # it for the next calls, as GPU servers do. `polar train` sets it when both share a device.
+    release_idle_memory: bool = False
     script: str = ""  # scripted engine only: path of its JSON script
     # torch engine only, a test fixture: a JSON script of replies the engine emits instead of sampling,
     # each token recorded with the model's own logprob (format: polar/inference/engines/forced.py)

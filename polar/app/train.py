@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from polar import credentials
 from polar.app.stack import request_stop, run_stack, supervise
-from polar.config import StackConfig, TrainerConfig
+from polar.config import InferenceConfig, StackConfig, TrainerConfig
 from polar.inference.models import model_name, resolve_model
 from polar.service_base import ServiceSpec
 from polar.service_table import TRAINER
@@ -73,6 +73,7 @@ def train_plan(config: StackConfig, run_dir: Path) -> tuple[StackConfig, Service
         config.inference,
         model=str(checkpoint.model_folder) if checkpoint else trainer.model,
         policy_version=checkpoint.state.policy_version if checkpoint else 0,
+        release_idle_memory=config.inference.release_idle_memory or shares_a_gpu(trainer, config.inference),
     )
     if trainer.lora_rank:
         # The server holds the base model and an adapter of the trainer's shape (zero until the first
@@ -98,6 +99,19 @@ def train_plan(config: StackConfig, run_dir: Path) -> tuple[StackConfig, Service
         trainer=trainer,
     )
     return stack, trainer_job(trainer, "{rollout}", ["{inference}"])
+
+
+def shares_a_gpu(trainer: TrainerConfig, inference: InferenceConfig) -> bool:
+    """Whether the trainer steps on the inference server's GPU ("auto" and "cuda" mean cuda:0; a
+    job of N GPUs holds cuda:0 to cuda:N-1), so that the server must give its cache back when idle."""
+
+    def gpu(spec: str) -> str:
+        return "cuda:0" if spec in ("auto", "cuda") else spec
+
+    server = gpu(inference.device)
+    if not server.startswith("cuda:"):
+        return False
+    return server in {gpu(trainer.device)} | {f"cuda:{rank}" for rank in range(trainer.gpus if trainer.gpus > 1 else 0)}
 
 
 def trainer_job(trainer: TrainerConfig, rollout: str, inference: list[str]) -> ServiceSpec:

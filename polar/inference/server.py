@@ -672,6 +672,7 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
         dtype=config.dtype,
         max_batch_size=config.max_batch_size,
         prefix_cache_mib=config.prefix_cache_mib,
+        release_idle_memory=config.release_idle_memory,
         script=config.script,
         policy_version=config.policy_version,
         adapter=config.adapter,

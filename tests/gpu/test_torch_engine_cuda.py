@@ -134,3 +134,30 @@ def test_constrained_replies_on_cuda_follow_the_grammar_with_the_masked_logprobs
         expected = processed_logprobs(logits.masked_fill(~masks, float("-inf")), 1.0)
         expected = expected.gather(-1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(-1).cpu()
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["kept", "released"])
+def test_an_idle_engine_keeps_its_cache_unless_told_to_give_it_back(release):
+    """By default the keys, values and decode graphs outlive a call, so the next one captures
+    nothing again; with release_idle_memory the memory goes back to the driver between calls, for a
+    trainer on the same GPU."""
+    from polar.inference.engines.torch_engine import TorchEngine
+
+    engine = TorchEngine(
+        EngineOptions(model="tiny", device="cuda", max_batch_size=MAX_BATCH, release_idle_memory=release)
+    )
+    asyncio.run(engine.start())
+    try:
+        tokens, _ = asyncio.run(_collect(engine, _request(2)))
+        assert len(tokens) == 18
+        runner = engine._runner
+        if release:
+            assert (runner.cache.slots, runner.cache.keys, runner._graphs) == (0, [], {})
+            assert torch.cuda.memory_reserved() < torch.cuda.memory_allocated() + (64 << 20)
+        else:
+            assert runner.cache.slots == MAX_BATCH
+            graphs = dict(runner._graphs)
+            asyncio.run(_collect(engine, _request(3)))
+            assert runner._graphs == graphs
+    finally:
+        asyncio.run(engine.stop())

@@ -247,6 +247,10 @@ class Backend(abc.ABC):
         if not skipped:
             self._step()
         self._zero_grad()
+        if self.device.type == "cuda":
+            # The activations' memory goes back to the driver: an inference engine on the same GPU
+            # samples the next rollouts in it (its keys and values), as colocated trainers share a card.
+            torch.cuda.empty_cache()
         loss_values, stats_list, tokens, trainable = self._combine(losses, all_stats, tokens, trainable)
         return UpdateResult(
             loss=sum(loss_values),

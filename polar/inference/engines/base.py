@@ -285,6 +285,9 @@ class EngineOptions:
     # torch engine, with lora_rank: room for this many named adapters (LoadAdapter) beside the default
     # one, each of rank <= lora_rank on lora_targets, so that several runs share the server; 0 = none
     max_adapters: int = 0
+    # torch engine on a GPU: give the keys' and values' memory back to the driver whenever no sequence
+    # runs, so that a trainer on the same GPU steps in it; otherwise it is kept for the next calls
+    release_idle_memory: bool = False
     extra: dict[str, str] = field(default_factory=dict)  # engine-specific settings
 
 

@@ -168,6 +168,16 @@ class DecoderRunner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def release(self) -> None:
+        """Drop the keys and values and the graphs that read them, and hand their GPU memory back
+        to the driver: a trainer stepping on the same GPU while no sequence runs can take it."""
+        self.cache.release()
+        if self.cuda_graphs and self._graphs:
+            self._graphs.clear()
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     @sdpa_kernel(_ATTENTION_BACKENDS)
     def prefill(self, slots: list[int], chunks: list[torch.Tensor], starts: list[int]) -> torch.Tensor:
         """Write chunks[r] [q_r] (device) at positions [starts[r], starts[r] + q_r) of slot slots[r],

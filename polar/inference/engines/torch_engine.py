@@ -216,6 +216,8 @@ class TorchEngine(Engine):
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
         self.max_batch_size = options.max_batch_size
+        # On a CPU there are no decode graphs to capture again: the cache is always dropped when idle.
+        self._release_idle_memory = options.release_idle_memory or self.device.type != "cuda"
         self.prefill_chunk_tokens = int(options.extra.get("prefill_chunk_tokens", DEFAULT_PREFILL_CHUNK_TOKENS))
         if self.max_batch_size < 1 or self.prefill_chunk_tokens < 1:
             raise ValueError("max_batch_size and prefill_chunk_tokens must be positive")
@@ -538,8 +540,8 @@ class TorchEngine(Engine):
                         self._finish(seq, FinishReason.ERROR, outbox, f"engine step failed: {error!r}")
                 outbox.deliver()
                 with self._wake:
-                    if not self._admitted and not self._waiting:
-                        self._runner.cache.release()
+                    if self._release_idle_memory and not self._admitted and not self._waiting:
+                        self._runner.release()
             self._shut_down()
 
     def _run_adapter_jobs(self, jobs, outbox: _Outbox) -> None:
@@ -878,7 +880,7 @@ class TorchEngine(Engine):
                 _resolve, update.future, None, RuntimeError("the engine stopped before applying the update")
             )
         outbox.deliver()
-        self._runner.cache.release()
+        self._runner.release()
         if self._mask_thread is not None:
             self._mask_thread.shutdown(wait=True)
             self._grammar, self._mask_thread, self._masks_ahead, self._mask_upload = None, None, None, None
