@@ -35,7 +35,8 @@ prefix_merging's; `settings` and `machine` say which device each side ran on.
     python scripts/bench_loop.py --device cuda --harnesses claude-code --turns coding
     python scripts/bench_loop.py --device cuda:0 --trainer-device cuda:1   # a GPU for each service
 
-On cuda both services share one GPU (the engine's KV cache and the trainer's optimizer side by side),
+On cuda both services share one GPU, taking turns (no group is sampled while the trainer steps; the
+engine gives its keys and values back while idle, the trainer its activations after each update),
 unless --trainer-device names another: the inference server on --device's GPU, the trainer on its
 own, and each weight push crossing between them (CUDA IPC: the server opens the trainer's buffers on
 the trainer's GPU and copies them to its own, peer to peer). The model is Qwen3-0.6B-shaped (--shape
@@ -372,7 +373,10 @@ def write_config(path: Path, tasks: Path, model: str, args: argparse.Namespace, 
             "dataset": str(tasks),
             "steps": args.steps,
             "groups_per_step": args.groups_per_step,
-            "groups_ahead": 1,
+            # On one GPU the two services take turns, as colocated trainers do: no group is sampled
+            # while the trainer steps, so the engine's cache and the trainer's activations never
+            # need the card at once.
+            "groups_ahead": 0 if args.device == args.trainer_device != "cpu" else 1,
             "lr": 1e-5,
             "seed": 0,
             "checkpoint_every": args.steps + 1,
@@ -400,7 +404,7 @@ def run_mode(mode: str, model: str, shapes: list[Path], work: Path, args: argpar
     home = {"inference": gpu_index(args.device), "trainer": gpu_index(args.trainer_device)}
     gpus = sorted({gpu for gpu in home.values() if gpu is not None})
     started = time.monotonic()
-    serving = first_step = None
+    serving = first_step = last_step = None
     output: list[str] = []
     with NvmlSampler(gpus) as samples:
         process = subprocess.Popen(
@@ -413,6 +417,8 @@ def run_mode(mode: str, model: str, shapes: list[Path], work: Path, args: argpar
                 output.append(line)
                 if serving is None and re.match(r"^  trainer +\S+:\d+ ", line):
                     serving = time.monotonic()
+                if re.search(r"\] step \d+/", line):
+                    last_step = time.monotonic()
                 if args.verbose:
                     print(f"  [{mode}] {line}", end="", flush=True)
             code = process.wait()
@@ -441,12 +447,14 @@ def run_mode(mode: str, model: str, shapes: list[Path], work: Path, args: argpar
             }
         )
     wall = rows[-1]["elapsed_s"] if rows else float("nan")
-    # The steps ran in the last `wall` seconds before the trainer ended.
-    first_step = ended - wall if rows else started
+    # The steps ran in the `wall` seconds before the last step's progress line (after it the run
+    # stops its services, which on a GPU can take as long as the steps did).
+    steps_ended = last_step or ended
+    first_step = steps_ended - wall if rows else started
     sampled, failed, error = _sessions(run_dir)
     if failed:
         raise SystemExit(f"bench_loop: {mode}: {failed} sessions failed; the first: {error}")
-    busy = {gpu: samples.busy(gpu, first_step, ended) for gpu in gpus}
+    busy = {gpu: samples.busy(gpu, first_step, steps_ended) for gpu in gpus}
     return ModeResult(
         mode=mode,
         wall_s=wall,
@@ -457,8 +465,8 @@ def run_mode(mode: str, model: str, shapes: list[Path], work: Path, args: argpar
         gpu_busy_fraction=sum(busy.values()) / len(busy) if busy else float("nan"),
         # Each side's from its processes on its own GPU (the server also maps the trainer's weight-push
         # buffers on the trainer's: its memory there counts, its copies out of them do not).
-        inference_busy_fraction=samples.busy(home["inference"], first_step, ended, "inference"),
-        trainer_busy_fraction=samples.busy(home["trainer"], first_step, ended, "trainer"),
+        inference_busy_fraction=samples.busy(home["inference"], first_step, steps_ended, "inference"),
+        trainer_busy_fraction=samples.busy(home["trainer"], first_step, steps_ended, "trainer"),
         inference_memory_gib=samples.memory_gib("inference"),
         trainer_memory_gib=samples.memory_gib("trainer"),
         gpus={
