@@ -50,9 +50,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$PYTHON" -m venv "$venv"
 fi
 # -qq: build backends' deprecation chatter is hidden too; pip still prints every error.
-# --no-compile: Python compiles a module when it is first imported; compiling all of torch, Megatron
-# and the rest up front costs a minute and a half of CPU for files most runs never import.
-pip=("$venv/bin/python" -m pip -qq --disable-pip-version-check --no-compile)
+pip=("$venv/bin/python" -m pip -qq --disable-pip-version-check)
 
 "${pip[@]}" install --progress-bar off "torch==$TORCH_VERSION"
 "${pip[@]}" install --progress-bar off -e "$root[dev,megatron,swe]"

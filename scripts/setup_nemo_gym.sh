@@ -15,8 +15,6 @@
 # Set PYTHON to choose the interpreter (default: pyenv's newest 3.12, else python3.12 on PATH).
 set -euo pipefail
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# Python compiles a module when it is first imported: nothing is compiled up front.
-export PIP_NO_COMPILE=1
 
 NEMO_GYM_VERSION=0.4.0
 # What polar/v1's stubs import: their gencode checks protobuf's runtime against 7.35.1.
