@@ -97,7 +97,9 @@ async def gateway(gateway_options: GatewayOptions) -> AsyncIterator:
     from polar.testing.gateway import running_gateway
 
     options = gateway_options
-    async with running_gateway(options.script, engine=options.engine, envoy=options.envoy) as running:
+    async with running_gateway(
+        options.script, engine=options.engine, envoy=options.envoy, stop_engine=options.stop_engine
+    ) as running:
         yield running
         while options.clients:
             await close_client(options.clients.pop())

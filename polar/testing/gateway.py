@@ -98,19 +98,22 @@ async def running_gateway(
     dialects: Mapping[str, Dialect] | None = None,
     envoy: bool = True,
     settings: Mapping[str, Any] | None = None,
+    stop_engine: bool = True,
 ) -> AsyncIterator[GatewayHandle]:
     """Start an inference server (the scripted engine for `script`, or `engine`), Envoy (unless
     `envoy` is false) and a gateway over them; stop them in reverse order.
 
     `dialects` serve their names' routes instead of the registry's modules (a test's own dialect);
     `settings` are GatewayConfig fields over the test's (e.g. {"token_timeout_s": 0.5}).
+    `stop_engine=False` leaves a given `engine` running at the end, for a caller that shares it.
     """
     if engine is None:
         engine = ScriptedEngine.from_script(script if script is not None else {"outputs": []})
     elif script is not None:
         raise ValueError("give a script or an engine, not both")
     async with contextlib.AsyncExitStack() as stack:
-        stack.push_async_callback(engine.stop)
+        if stop_engine:
+            stack.push_async_callback(engine.stop)
         inference_server, port = await start_server(engine, f"{HOST}:0")
         handle: GatewayHandle | None = None
 

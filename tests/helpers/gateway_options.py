@@ -14,7 +14,8 @@ if TYPE_CHECKING:
 @dataclass
 class GatewayOptions:
     """running_gateway's arguments (polar.testing.gateway: a scripted model's `script`, or an
-    `engine`, which the gateway stops; `envoy`), and `clients`, the module's own list of the HTTP
+    `engine`, which the gateway stops unless `stop_engine` is false: an engine the session
+    shares; `envoy`), and `clients`, the module's own list of the HTTP
     and SDK clients its tests open. They are closed after its last test, while the gateway still
     runs: left to the garbage collector, their connections would close at some later moment, inside
     whichever test runs then, and could fail it."""
@@ -22,6 +23,7 @@ class GatewayOptions:
     script: Mapping[str, Any] | None = None
     engine: Engine | None = None
     envoy: bool = True
+    stop_engine: bool = True
     clients: list = field(default_factory=list)
 
 

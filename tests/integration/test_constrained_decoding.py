@@ -85,12 +85,15 @@ ENGINES = [
 @pytest.fixture(scope="module", params=ENGINES)
 def gateway_options(request) -> GatewayOptions:
     kind, model = request.param
-    if kind == "vllm":
-        pytest.importorskip("vllm", reason="vLLM is not installed here: run scripts/setup_vllm.sh and use .venv-vllm")
-    engine = create_engine(kind, EngineOptions(model=model, max_batch_size=AT_ONCE[kind]))
     # Without Envoy: on two busy cores, 25 streams of the engine's worker can delay the inference
     # server's answers to Envoy's health checks past their 1 s timeout, and Envoy then takes it out of
     # rotation (503). What is under test here is the gateway and the engine, not Envoy's checks.
+    if kind == "vllm":
+        # The vLLM tier's engine (tests/integration/conftest.py), which takes 50 sequences at once.
+        return GatewayOptions(
+            engine=request.getfixturevalue("vllm_engine"), envoy=False, stop_engine=False, clients=CLIENTS
+        )
+    engine = create_engine(kind, EngineOptions(model=model, max_batch_size=AT_ONCE[kind]))
     return GatewayOptions(engine=engine, envoy=False, clients=CLIENTS)
 
 

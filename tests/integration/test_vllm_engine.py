@@ -1,8 +1,8 @@
 """The vLLM engine against a Hugging Face forward pass, on smollm2-135m.
 
 Runs only in the environment that scripts/setup_vllm.sh builds (.venv-vllm); elsewhere `import
-vllm` fails and the module is skipped. One engine serves every test (start-up is ~25 s on 2 cores);
-the whole module takes one to two minutes there (48 s alone on this 2-core machine).
+vllm` fails and the module is skipped. One engine serves every test: the tier's (`vllm_engine`,
+tests/integration/conftest.py), which the constrained-decoding tests drive too.
 
 Logprob tolerance: vLLM and the reference both run the model in fp32 on the CPU, but with different
 kernels (vLLM's oneDNN/SGL GEMMs and its paged-attention kernel, against PyTorch's matmul and
@@ -29,7 +29,6 @@ from transformers import AutoModelForCausalLM
 
 from polar.inference import models
 from polar.inference.engines.base import (
-    EngineOptions,
     FinishReason,
     GenerationEnd,
     GenerationRequest,
@@ -37,9 +36,8 @@ from polar.inference.engines.base import (
     TokenChunk,
     WeightUpdateError,
 )
-from polar.inference.engines.vllm_engine import VLLMEngine
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.anyio, pytest.mark.timeout(600)]
 
 MODEL = "smollm2-135m"
 LOGPROB_ATOL = 2e-3
@@ -47,23 +45,13 @@ PROMPT = (1, 9690, 1229, 28, 314, 1488, 34, 30, 223, 17, 1340, 282, 253, 1025, 3
 UPDATED = "model.layers.3.mlp.down_proj.weight"
 # Halves of fused layers (q/k/v, gate/up): vLLM reloads such a layer whole, so an update of one half
 # must leave the other as it was.
-HOOKS = Path(__file__).parents[1] / "vllm_hooks"  # sitecustomize: a failing grammar library, on demand
 FUSED_HALVES = ("model.layers.5.self_attn.q_proj.weight", "model.layers.7.mlp.gate_proj.weight")
 
 
-@pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
-def engine(loop):
-    engine = VLLMEngine(EngineOptions(model=MODEL, max_batch_size=8, extra={"max_model_len": "1024"}))
-    loop.run_until_complete(engine.start())
-    yield engine
-    loop.run_until_complete(engine.stop())
+@pytest.fixture
+def engine(vllm_engine):
+    """The tier's engine (tests/integration/conftest.py)."""
+    return vllm_engine
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +109,7 @@ def processed_logprobs(logits: torch.Tensor, temperature: float, top_k: int, top
     return scaled.log_softmax(-1)
 
 
-def test_description(engine):
+async def test_description(engine):
     d = engine.description
     im_end = 2  # SmolLM2's <|im_end|>
     assert d.engine == "vllm" and d.device == "cpu" and d.dtype == "float32"
@@ -133,9 +121,9 @@ def test_description(engine):
     assert engine.parameter_specs()[UPDATED].shape == (576, 1536)
 
 
-def test_greedy_is_deterministic_and_logprobs_match_a_reference_forward(engine, loop, reference):
-    first = loop.run_until_complete(collect(engine, request(temperature=0.0, ignore_eos=True)))
-    second = loop.run_until_complete(collect(engine, request(temperature=0.0, ignore_eos=True)))
+async def test_greedy_is_deterministic_and_logprobs_match_a_reference_forward(engine, reference):
+    first = await collect(engine, request(temperature=0.0, ignore_eos=True))
+    second = await collect(engine, request(temperature=0.0, ignore_eos=True))
     tokens, logprobs, versions, end = first
     assert (tokens, logprobs) == (second[0], second[1])
     assert len(tokens) == 12 and end.finish_reason is FinishReason.LENGTH
@@ -152,9 +140,9 @@ def test_greedy_is_deterministic_and_logprobs_match_a_reference_forward(engine, 
     ("temperature", "top_k", "top_p"),
     [(0.7, 0, 1.0), (1.3, 20, 1.0), (0.8, 0, 0.9), (0.9, 30, 0.8)],
 )
-def test_sampled_logprobs_are_those_of_the_processed_distribution(engine, loop, reference, temperature, top_k, top_p):
+async def test_sampled_logprobs_are_those_of_the_processed_distribution(engine, reference, temperature, top_k, top_p):
     req = request(max_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, seed=11, ignore_eos=True)
-    tokens, logprobs, _, _ = loop.run_until_complete(collect(engine, req))
+    tokens, logprobs, _, _ = await collect(engine, req)
     assert len(tokens) == 10
 
     expected = processed_logprobs(reference_logits(reference, PROMPT, tokens), temperature, top_k, top_p)
@@ -163,15 +151,15 @@ def test_sampled_logprobs_are_those_of_the_processed_distribution(engine, loop, 
     torch.testing.assert_close(torch.tensor(logprobs), sampled, atol=LOGPROB_ATOL, rtol=0)
 
 
-def test_same_seed_gives_the_same_tokens_even_when_batched_with_others(engine, loop):
+async def test_same_seed_gives_the_same_tokens_even_when_batched_with_others(engine):
     def seeded(seed):
         return request(max_tokens=16, temperature=1.0, seed=seed, ignore_eos=True)
 
     async def run():
         return await asyncio.gather(*(collect(engine, seeded(s)) for s in (5, 5, 6, 7, 8)))
 
-    alone = loop.run_until_complete(collect(engine, seeded(5)))
-    results = loop.run_until_complete(run())
+    alone = await collect(engine, seeded(5))
+    results = await run()
     # Same tokens; the logprobs may move in the last bits, since a batch of five runs through
     # GEMMs blocked differently from a batch of one.
     assert results[0][0] == results[1][0] == alone[0]
@@ -180,33 +168,29 @@ def test_same_seed_gives_the_same_tokens_even_when_batched_with_others(engine, l
     assert any(r[0] != alone[0] for r in results[2:])
 
 
-def test_stop_token_ends_generation_and_is_returned(engine, loop):
-    tokens, _, _, _ = loop.run_until_complete(collect(engine, request(temperature=0.0, ignore_eos=True)))
+async def test_stop_token_ends_generation_and_is_returned(engine):
+    tokens, _, _, _ = await collect(engine, request(temperature=0.0, ignore_eos=True))
     stop = tokens[4]
     first = tokens.index(stop)
-    stopped, _, _, end = loop.run_until_complete(
-        collect(engine, request(temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)))
-    )
+    stopped, _, _, end = await collect(engine, request(temperature=0.0, ignore_eos=True, stop_token_ids=(stop,)))
     assert stopped == tokens[: first + 1]
     assert end.finish_reason is FinishReason.STOP and end.completion_tokens == first + 1
 
 
-def test_eos_ends_a_chat_turn_unless_ignored(engine, loop, chat_prompt):
+async def test_eos_ends_a_chat_turn_unless_ignored(engine, chat_prompt):
     eos = engine.description.eos_token_ids
-    tokens, _, _, end = loop.run_until_complete(
-        collect(engine, request(max_tokens=200, prompt=chat_prompt, temperature=0.0))
-    )
+    tokens, _, _, end = await collect(engine, request(max_tokens=200, prompt=chat_prompt, temperature=0.0))
     assert end.finish_reason is FinishReason.STOP
     assert tokens[-1] in eos and not any(t in eos for t in tokens[:-1])
 
-    longer, _, _, end = loop.run_until_complete(
-        collect(engine, request(max_tokens=len(tokens) + 3, prompt=chat_prompt, temperature=0.0, ignore_eos=True))
+    longer, _, _, end = await collect(
+        engine, request(max_tokens=len(tokens) + 3, prompt=chat_prompt, temperature=0.0, ignore_eos=True)
     )
     assert longer[: len(tokens)] == tokens
     assert len(longer) == len(tokens) + 3 and end.finish_reason is FinishReason.LENGTH
 
 
-def test_closing_the_stream_aborts_the_request(engine, loop):
+async def test_closing_the_stream_aborts_the_request(engine):
     async def run():
         stream = engine.generate(request(max_tokens=500, temperature=1.0, ignore_eos=True))
         first = await anext(stream)
@@ -218,10 +202,8 @@ def test_closing_the_stream_aborts_the_request(engine, loop):
             await asyncio.sleep(0.05)
         return False
 
-    assert loop.run_until_complete(run()), "vLLM still holds the closed request"
-    tokens, _, _, end = loop.run_until_complete(
-        collect(engine, request(max_tokens=3, temperature=0.0, ignore_eos=True))
-    )
+    assert await run(), "vLLM still holds the closed request"
+    tokens, _, _, end = await collect(engine, request(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(tokens) == 3 and end.finish_reason is FinishReason.LENGTH
 
 
@@ -239,29 +221,29 @@ def _bytes_written() -> int:
     return total
 
 
-def test_update_weights_changes_outputs_and_version_without_writing_a_checkpoint(engine, loop, reference):
+async def test_update_weights_changes_outputs_and_version_without_writing_a_checkpoint(engine, reference):
     greedy = request(temperature=0.0, ignore_eos=True)
-    before, _, _, _ = loop.run_until_complete(collect(engine, greedy))
+    before, _, _, _ = await collect(engine, greedy)
     version = engine.policy_version
     names = (UPDATED, *FUSED_HALVES)
     originals = {name: reference.state_dict()[name].clone() for name in names}
 
     with pytest.raises(WeightUpdateError):
-        loop.run_until_complete(engine.update_weights({"model.nope.weight": torch.zeros(3)}))
+        await engine.update_weights({"model.nope.weight": torch.zeros(3)})
     with pytest.raises(WeightUpdateError):
-        loop.run_until_complete(engine.update_weights({UPDATED: torch.zeros(3, 4)}))
+        await engine.update_weights({UPDATED: torch.zeros(3, 4)})
     assert engine.policy_version == version
 
     changed = {name: t * factor for (name, t), factor in zip(originals.items(), (3.0, 1.5, -1.0))}
     written = _bytes_written()
-    assert loop.run_until_complete(engine.update_weights(changed)) == version + 1
+    assert await engine.update_weights(changed) == version + 1
     # The tensors reach vLLM's worker through the engine's block of shared memory: no checkpoint
     # is written anywhere (one would be the whole model, 538 MB; the RPCs write a few KB).
     written = _bytes_written() - written
     model_bytes = sum(torch.Size(s.shape).numel() * 4 for s in engine.parameter_specs().values())
     assert written < model_bytes / 100, f"{written} bytes written during the update"
     assert engine.policy_version == version + 1
-    tokens, logprobs, versions, _ = loop.run_until_complete(collect(engine, greedy))
+    tokens, logprobs, versions, _ = await collect(engine, greedy)
     assert tokens != before
     assert versions == [version + 1] * len(tokens)
 
@@ -282,11 +264,11 @@ def test_update_weights_changes_outputs_and_version_without_writing_a_checkpoint
 
     # Restoring the weights restores the output: nothing computed with the changed weights (KV in
     # the prefix cache) is reused.
-    assert loop.run_until_complete(engine.update_weights(originals)) == version + 2
-    assert loop.run_until_complete(collect(engine, greedy))[0] == before
+    assert await engine.update_weights(originals) == version + 2
+    assert (await collect(engine, greedy))[0] == before
 
 
-def test_update_during_generation_labels_tokens_with_their_version(engine, loop, reference):
+async def test_update_during_generation_labels_tokens_with_their_version(engine, reference):
     same = reference.state_dict()[UPDATED].clone()
 
     async def run():
@@ -302,13 +284,13 @@ def test_update_during_generation_labels_tokens_with_their_version(engine, loop,
         assert await update == version + 1
         return version, versions, end
 
-    version, versions, end = loop.run_until_complete(run())
+    version, versions, end = await run()
     assert end.finish_reason is FinishReason.LENGTH and len(versions) == 300
     assert versions == sorted(versions) and versions[0] == version and versions[-1] == version + 1
 
 
-def test_a_constrained_reply_follows_its_schema_with_the_logprobs_of_the_masked_distribution(
-    engine, loop, chat_prompt, reference
+async def test_a_constrained_reply_follows_its_schema_with_the_logprobs_of_the_masked_distribution(
+    engine, chat_prompt, reference
 ):
     import json
 
@@ -337,7 +319,7 @@ def test_a_constrained_reply_follows_its_schema_with_the_logprobs_of_the_masked_
     grammar = TokenGrammar.for_model(MODEL, engine.description.vocab_size)
     for seed in range(4):
         req = request(max_tokens=60, prompt=chat_prompt, temperature=1.0, seed=seed, constraint=constraint)
-        tokens, logprobs, _, end = loop.run_until_complete(collect(engine, req))
+        tokens, logprobs, _, end = await collect(engine, req)
         assert end.finish_reason is FinishReason.STOP
         text = grammar.tokenizer.decode_str(tokens[:-1])
         assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>")
@@ -349,34 +331,32 @@ def test_a_constrained_reply_follows_its_schema_with_the_logprobs_of_the_masked_
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=LOGPROB_ATOL, rtol=0)
 
 
-def test_a_grammar_dead_end_ends_only_its_own_streams_with_an_error(loop, monkeypatch):
+async def test_a_grammar_dead_end_ends_only_its_own_streams_with_an_error(engine, grammar_dead_end_file):
     """A grammar that allows no next token (the grammar library faked in vLLM's engine core through
-    tests/vllm_hooks: real masks, then none from the fourth on): vLLM samples from a row of -inf and
-    its grammar refuses the token. That token is never passed on; the constrained streams end with the
-    torch engine's dead-end error, and the free stream of the same batch is untouched."""
+    tests/vllm_hooks, switched on for this batch alone: real masks, then none from the fourth on):
+    vLLM samples from a row of -inf and its grammar refuses the token. That token is never passed
+    on; the constrained streams end with the torch engine's dead-end error, and the free stream of
+    the same batch is untouched."""
     import json
 
     from polar.inference.constraints import OutputConstraint
 
     healthy = 3
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(HOOKS), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("POLAR_TEST_MASKS_BEFORE_DEAD_END", str(healthy))
     story = {"type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"]}
     constraint = OutputConstraint("json_schema", json.dumps(story))
-    engine = VLLMEngine(EngineOptions(model=MODEL, max_batch_size=4, extra={"max_model_len": "1024"}))
-    loop.run_until_complete(engine.start())
+
+    async def batch():
+        return await asyncio.gather(
+            collect(engine, request(seed=1, constraint=constraint)),
+            collect(engine, request(seed=2, constraint=constraint)),
+            collect(engine, request(seed=3, ignore_eos=True)),
+        )
+
+    grammar_dead_end_file.write_text(str(healthy))
     try:
-
-        async def batch():
-            return await asyncio.gather(
-                collect(engine, request(seed=1, constraint=constraint)),
-                collect(engine, request(seed=2, constraint=constraint)),
-                collect(engine, request(seed=3, ignore_eos=True)),
-            )
-
-        *constrained, (free_tokens, _, _, free_end) = loop.run_until_complete(asyncio.wait_for(batch(), 120))
+        *constrained, (free_tokens, _, _, free_end) = await asyncio.wait_for(batch(), 120)
     finally:
-        loop.run_until_complete(engine.stop())
+        grammar_dead_end_file.unlink()
     for tokens, logprobs, _, end in constrained:
         assert end.finish_reason is FinishReason.ERROR
         assert end.error == "constraint: its grammar allows no next token"
