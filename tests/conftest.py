@@ -13,6 +13,10 @@ would complete later, inside whichever test polls next, as "RuntimeError: Event 
 Fixtures every tier shares: the `tiny` model's tokenizer and its hermes chat format, and `gateway`,
 the running gateway a module's tests share (what it runs: the module's `gateway_options`).
 
+Order: with `-n 3` each module runs whole on one test process (pyproject's addopts), handed out in
+collection order; a long module handed out last would keep its process busy after the others are
+done. So the modules that take longest (LONGEST_MODULES, slowest first) are collected first.
+
 Ctrl-C: tests send SIGINT to the commands they start, as a user's Ctrl-C. A run started in the
 background by a non-interactive shell (`cmd &` in a script) inherits SIGINT ignored, children keep
 an ignored signal across exec, and a Python child then never raises KeyboardInterrupt; so this
@@ -39,6 +43,20 @@ if importlib.util.find_spec("hypothesis") is not None:
     settings.register_profile("ci", derandomize=True, deadline=None, database=None)
     if os.environ.get("CI") == "true":
         settings.load_profile("ci")
+
+
+# Seconds each took in CI under its load (-n 3, the other tiers' setups running beside it).
+LONGEST_MODULES = (
+    "tests/integration/test_bench_loop.py",  # 300
+    "tests/e2e/test_train_long_prompts.py",  # 300
+    "tests/integration/test_train.py",  # 320
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: index for index, path in enumerate(LONGEST_MODULES)}
+    # A stable sort: each module's tests stay together and in their order, the other modules too.
+    items.sort(key=lambda item: rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank)))
 
 
 @pytest.fixture(scope="session")
