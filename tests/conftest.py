@@ -45,11 +45,27 @@ if importlib.util.find_spec("hypothesis") is not None:
         settings.load_profile("ci")
 
 
-# Seconds each took in CI under its load (-n 3, the other tiers' setups running beside it).
+# Slowest first, by the seconds each took with -n 3 on a loaded 2-core machine (CI's main tier, with
+# the other tiers' setups running beside it), rounded: a module that grows or shrinks a lot moves.
 LONGEST_MODULES = (
-    "tests/integration/test_bench_loop.py",  # 300
-    "tests/e2e/test_train_long_prompts.py",  # 300
-    "tests/integration/test_train.py",  # 320
+    "tests/integration/test_bench_loop.py",  # 300-360: three `polar train` runs
+    "tests/e2e/test_train_long_prompts.py",  # 230-300
+    "tests/integration/test_train.py",  # 200-320: the learning run, once or twice
+    "tests/integration/test_cli.py",  # 310-370
+    "tests/integration/test_rollout_node.py",  # 330
+    "tests/integration/test_megatron_backend.py",  # 290
+    "tests/integration/test_security.py",  # 250
+    "tests/integration/test_swe_cli.py",  # 250
+    "tests/integration/test_megatron_lora.py",  # 220
+    "tests/e2e/test_train_harnesses.py",  # 150-190
+    "tests/integration/test_train_join.py",  # 170
+    "tests/integration/test_constrained_decoding.py",  # 160
+    "tests/e2e/test_rollout_harnesses.py",  # 160
+    "tests/e2e/test_harness_clis.py",  # 150
+    "tests/integration/test_train_resume.py",  # 130
+    "tests/integration/test_train_megatron.py",  # 130
+    "tests/integration/test_cli_rollout.py",  # 130
+    "tests/e2e/test_swe_rollout.py",  # 110-130
 )
 
 
