@@ -13,6 +13,10 @@ would complete later, inside whichever test polls next, as "RuntimeError: Event 
 Fixtures every tier shares: the `tiny` model's tokenizer and its hermes chat format, and `gateway`,
 the running gateway a module's tests share (what it runs: the module's `gateway_options`).
 
+Order: with `-n 3` each module runs whole on one test process (pyproject's addopts), handed out in
+collection order; a long module handed out last would keep its process busy after the others are
+done. So the modules that take longest (LONGEST_MODULES, slowest first) are collected first.
+
 Ctrl-C: tests send SIGINT to the commands they start, as a user's Ctrl-C. A run started in the
 background by a non-interactive shell (`cmd &` in a script) inherits SIGINT ignored, children keep
 an ignored signal across exec, and a Python child then never raises KeyboardInterrupt; so this
@@ -39,6 +43,36 @@ if importlib.util.find_spec("hypothesis") is not None:
     settings.register_profile("ci", derandomize=True, deadline=None, database=None)
     if os.environ.get("CI") == "true":
         settings.load_profile("ci")
+
+
+# Slowest first, by the seconds each took with -n 3 on a loaded 2-core machine (CI's main tier, with
+# the other tiers' setups running beside it), rounded: a module that grows or shrinks a lot moves.
+LONGEST_MODULES = (
+    "tests/integration/test_bench_loop.py",  # 300-360: three `polar train` runs
+    "tests/e2e/test_train_long_prompts.py",  # 230-300
+    "tests/integration/test_train.py",  # 200-320: the learning run, once or twice
+    "tests/integration/test_cli.py",  # 310-370
+    "tests/integration/test_rollout_node.py",  # 330
+    "tests/integration/test_megatron_backend.py",  # 290
+    "tests/integration/test_security.py",  # 250
+    "tests/integration/test_swe_cli.py",  # 250
+    "tests/integration/test_megatron_lora.py",  # 220
+    "tests/e2e/test_train_harnesses.py",  # 150-190
+    "tests/integration/test_train_join.py",  # 170
+    "tests/integration/test_constrained_decoding.py",  # 160
+    "tests/e2e/test_rollout_harnesses.py",  # 160
+    "tests/e2e/test_harness_clis.py",  # 150
+    "tests/integration/test_train_resume.py",  # 130
+    "tests/integration/test_train_megatron.py",  # 130
+    "tests/integration/test_cli_rollout.py",  # 130
+    "tests/e2e/test_swe_rollout.py",  # 110-130
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: index for index, path in enumerate(LONGEST_MODULES)}
+    # A stable sort: each module's tests stay together and in their order, the other modules too.
+    items.sort(key=lambda item: rank.get(item.path.relative_to(config.rootpath).as_posix(), len(rank)))
 
 
 @pytest.fixture(scope="session")

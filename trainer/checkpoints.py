@@ -20,8 +20,11 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trainer.backends.base import Backend
+if TYPE_CHECKING:
+    # Only for annotations: `polar train`'s supervisor reads checkpoints without loading torch.
+    from trainer.backends.base import Backend
 
 LATEST = "latest"
 STATE_FILE = "state.json"

@@ -902,7 +902,11 @@ GROUP_HELP = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every command. Given the arguments it is to parse, only their command gets its
+    own arguments (the others keep their names and help): some commands' arguments import what
+    they offer (dataset flavours, an oracle's default jobs), which every other command, each service
+    of the stack among them, would pay for at start."""
     root = _Parser(prog="polar", description="Reinforcement learning for unmodified language agents.")
     subparsers = {(): root.add_subparsers(dest="command", metavar="COMMAND", required=True)}
     for command in COMMANDS:
@@ -912,13 +916,15 @@ def build_parser() -> argparse.ArgumentParser:
                 group_parser = subparsers[group[:-1]].add_parser(group[-1], help=GROUP_HELP[group[-1]])
                 subparsers[group] = group_parser.add_subparsers(dest="_".join(group), metavar="SERVICE", required=True)
         parser = subparsers[command.words[:-1]].add_parser(command.words[-1], help=command.help)
-        command.add_arguments(parser)
+        if argv is None or tuple(argv[: len(command.words)]) == command.words:
+            command.add_arguments(parser)
         parser.set_defaults(run=command.run)
     return root
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return args.run(args)
     except KeyboardInterrupt:

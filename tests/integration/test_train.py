@@ -1,6 +1,8 @@
 """`polar train` as a user runs it, on the tiny model through the whole real stack: the rollout
 server, the torch inference server, Envoy, a gateway node running the example harness as a separate
-process over HTTP, and the trainer; then the same run folder stopped with Ctrl-C and run again.
+process over HTTP, and the trainer; `polar eval` before and after training. test_train_resume.py,
+test_train_lora.py and test_train_megatron.py run the same tasks stopped and resumed, with LoRA and on
+the megatron backend: modules of their own, so that the test processes run them side by side.
 
 The task: write anything; the reward is the share of ASCII lowercase letters in the reply
 (tests/fixtures/train_tiny/score.py). Half of what the tiny model writes is eight common lowercase
@@ -11,7 +13,6 @@ shift the policy toward the lowercase words, and away from ending at once, withi
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +20,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from polar import credentials
 from polar.inference import sharing
@@ -176,124 +176,6 @@ def test_polar_train_raises_the_reward_of_the_tiny_model(tmp_path: Path) -> None
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "tensorboard").iterdir())
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step-{STEPS:06d}"
     assert processes_of(run_dir) == []
-
-
-def test_a_lora_run_pushes_its_adapter_alone_and_its_checkpoint_is_evaluated(tmp_path: Path) -> None:
-    from polar import lora
-
-    heldout = tmp_path / "heldout.jsonl"
-    config = write_run(tmp_path, steps=2, lora_rank=8, lr=5e-2, heldout=heldout, eval_samples=2)
-    heldout.write_text((tmp_path / "tasks.jsonl").read_text().splitlines(True)[0])
-    run_dir = tmp_path / "run"
-    process, lines = start_train(config, run_dir)
-    try:
-        lines.wait_for(r"train: done: 2 steps", timeout=600)
-        assert process.wait(timeout=120) == 0
-    finally:
-        process.kill()
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [row["policy_version"] for row in rows] == [1, 2]
-    # Rank 8 on every projection of the tiny model's 2 layers (hidden 64, KV 32, MLP 192), in fp32.
-    adapter_bytes = (
-        4 * 8 * 2 * sum(i + o for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 192), (64, 192), (192, 64)])
-    )
-    assert all(row["weight_sync_bytes"] == adapter_bytes for row in rows)
-    step = run_dir / "checkpoints" / "step-000002"
-    saved = lora.read_adapter(step / "tiny")
-    assert saved.settings.rank == 8 and any(float(t.abs().max()) > 0 for t in saved.tensors.values())
-    result = subprocess.run(
-        [*POLAR, "eval", str(config), "--checkpoint", str(step), "--out", str(tmp_path / "eval.json")],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    report = json.loads((tmp_path / "eval.json").read_text())
-    assert report["model"] == str(step / "tiny") and report["tasks"] == 1
-
-
-def test_an_interrupted_run_resumes_without_retraining_or_skipping_a_group(tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    config = write_run(tmp_path, steps=5)
-    process, lines = start_train(config, run_dir)
-    try:
-        lines.wait_for(r"train: .*step 2/5", timeout=300)
-        process.send_signal(signal.SIGINT)  # Ctrl-C
-        assert process.wait(timeout=300) == 130
-    finally:
-        process.kill()
-    assert any("stopped after step" in line for line in lines.rest())
-    assert processes_of(run_dir) == []
-    trained = read_metrics(run_dir / "metrics.jsonl")
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    # The checkpoint holds the last completed step, whichever it was when Ctrl-C arrived.
-    assert latest == f"step-{len(trained):06d}" and len(trained) >= 2
-
-    process, lines = start_train(config, run_dir)
-    try:
-        lines.wait_for(rf"train: resuming after step {len(trained)}", timeout=300)
-        lines.wait_for(r"train: done: 5 steps", timeout=600)
-        assert process.wait(timeout=120) == 0
-    finally:
-        process.kill()
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5]
-    assert rows[: len(trained)] == trained  # the steps before the stop were not trained again
-    taken = [task for row in rows for task in row["task_ids"] + row["task_ids_dropped"]]
-    # Every group the run submitted was taken once, in order: none repeated, none skipped.
-    assert sorted(taken) == taken == [f"train-{n:06d}" for n in range(len(taken))]
-    assert [row["policy_version"] for row in rows] == [1, 2, 3, 4, 5]
-
-
-@pytest.mark.parametrize(
-    "device,lora_rank",
-    [
-        ("cpu", 0),
-        ("cpu", 8),
-        pytest.param(
-            "cuda",
-            0,
-            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")],
-        ),
-    ],
-)
-def test_polar_train_runs_the_megatron_backend_as_a_torchrun_job(tmp_path: Path, device: str, lora_rank: int) -> None:
-    """`--backend megatron --gpus N`: N ranks (tensor parallel over gloo on a CPU, NCCL on GPUs), rank
-    0 serving the trainer; each step's weights (with LoRA: the adapter's alone) reach the inference
-    server as the next policy version, and every rank is gone when the run is done."""
-    run_dir = tmp_path / "run"
-    # The megatron backend's vocabulary is split across ranks: it trains on untruncated sampling only,
-    # which write_run's tasks use.
-    lora_options = {"lora_rank": lora_rank, "lr": 5e-2} if lora_rank else {}
-    config = write_run(tmp_path, steps=2, device=device, **lora_options)
-    ranks = 2 if device == "cpu" else min(2, torch.cuda.device_count())
-    process, lines = start_train(config, run_dir, "--backend", "megatron", "--gpus", str(ranks))
-    try:
-        trainer = lines.wait_for(r"^  trainer +(\S+:\d+) ", timeout=300).group(1)
-        lines.wait_for(r"train: .*step 1/2", timeout=600)
-        with credentials.channel(trainer, credentials.OPERATOR, credentials.for_commands()) as channel:
-            status = trainer_pb2_grpc.TrainerServiceStub(channel).GetStatus(trainer_pb2.GetStatusRequest(), timeout=30)
-        assert status.status.backend == "megatron"
-        lines.wait_for(r"train: done: 2 steps", timeout=600)
-        assert process.wait(timeout=120) == 0
-    finally:
-        process.kill()
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    assert [row["policy_version"] for row in rows] == [1, 2]
-    assert all(row["tokens"] > 0 for row in rows)
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
-    assert processes_of(run_dir) == []
-    if lora_rank:
-        from polar import lora
-
-        # The same adapter bytes as the torch backend's LoRA run (both sync fp32 on a CPU).
-        adapter_bytes = (
-            4 * 8 * 2 * sum(i + o for i, o in [(64, 64), (64, 32), (64, 32), (64, 64), (64, 192), (64, 192), (192, 64)])
-        )
-        assert all(row["weight_sync_bytes"] == adapter_bytes for row in rows)
-        saved = lora.read_adapter(run_dir / "checkpoints" / "step-000002" / "tiny")
-        assert saved.settings.rank == 8 and any(float(t.abs().max()) > 0 for t in saved.tensors.values())
 
 
 def test_a_bad_config_fails_before_anything_starts(tmp_path: Path) -> None:

@@ -1,10 +1,13 @@
 """Every service's flags come from its config dataclass: one flag per field, named by the one rule,
-documented by the field's comment, and `polar up`'s command line parses back to the same config."""
+documented by the field's comment, and `polar up`'s command line parses back to the same config, with
+only its own command's arguments built as `polar` builds them."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 
@@ -24,7 +27,7 @@ def _serve_parser(name: str) -> argparse.ArgumentParser:
 
 def _parse(argv: tuple[str, ...]) -> argparse.Namespace:
     assert argv[1:4] == ("-m", "polar", "serve")
-    return build_parser().parse_args(argv[3:])
+    return build_parser(argv[3:]).parse_args(argv[3:])
 
 
 @pytest.mark.parametrize("service", SERVICES, ids=lambda s: s.name)
@@ -99,3 +102,19 @@ def test_a_config_file_is_held_to_the_same_checks(tmp_path):
         path.write_text(text)
         with pytest.raises(ConfigError, match=problem):
             load_config(path)
+
+
+def test_a_command_line_builds_only_its_own_commands_arguments():
+    """`polar serve NAME` (every service of the stack) does not pay for other commands' arguments, such
+    as `polar tasks import`'s dataset flavours, which import SWE-style instance readers."""
+    program = (
+        "import sys; from polar.app.cli import build_parser; build_parser(sys.argv[1:]);"
+        " print('polar.app.swe.instances' in sys.modules)"
+    )
+    imported = {
+        words: subprocess.run(
+            [sys.executable, "-c", program, *words], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for words in (("serve", "rollout"), ("version",), ("tasks", "import"))
+    }
+    assert imported == {("serve", "rollout"): "False", ("version",): "False", ("tasks", "import"): "True"}

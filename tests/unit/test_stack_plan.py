@@ -16,7 +16,7 @@ def _option(argv: tuple[str, ...], name: str) -> str:
 def _parse(argv: tuple[str, ...]):
     """The child's argv as `polar` itself parses it (after `python -m polar`)."""
     assert argv[1:3] == ("-m", "polar")
-    return build_parser().parse_args(argv[3:])
+    return build_parser(argv[3:]).parse_args(argv[3:])
 
 
 def test_the_rollout_server_starts_first_and_the_node_last():

@@ -1,7 +1,7 @@
 """The tests' own layout: no test edits sys.path (the tests are a package, pytest puts the repository
 root on the path, and a test imports what it shares as tests.helpers.…); what the tests share lies in
-tests/helpers, beside the folders of programs that run in processes of their own; and what the vLLM
-tier loads imports nothing its environment lacks."""
+tests/helpers, beside the folders of programs that run in processes of their own; what the vLLM
+tier loads imports nothing its environment lacks; and the modules collected first are there."""
 
 from __future__ import annotations
 
@@ -115,3 +115,12 @@ def test_what_the_vllm_tier_loads_imports_nothing_its_environment_lacks():
         if name.split(".")[0] in NOT_IN_VLLM_ENVIRONMENT
     ]
     assert not lacking, "\n".join(lacking)
+
+
+def test_the_modules_collected_first_exist():
+    """tests/conftest.py's LONGEST_MODULES name test modules that are there: a module renamed and left
+    in the list under its old name would be collected in its place again, among the last."""
+    from tests.conftest import LONGEST_MODULES
+
+    missing = [path for path in LONGEST_MODULES if not (TESTS.parent / path).is_file()]
+    assert not missing and len(set(LONGEST_MODULES)) == len(LONGEST_MODULES), missing
