@@ -14,11 +14,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 MAX_TURNS = 4
+# A busy proxy or server answers 429, 502, 503 or 504 for a moment: the call is tried again after 1 s
+# and 2 s, as the official SDKs do, before the agent gives up.
+RETRIED_STATUSES = (429, 502, 503, 504)
+RETRY_DELAYS_S = (1.0, 2.0)
 # Each answer is short; a bound also keeps a small model on a CPU from writing until its context is full.
 MAX_TOKENS = 128
 TOOLS = [
@@ -53,6 +58,17 @@ def chat(messages: list[dict]) -> dict:
         data=json.dumps(body).encode(),
         headers={"Authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "Content-Type": "application/json"},
     )
+    for delay in RETRY_DELAYS_S:
+        try:
+            return _reply(request)
+        except urllib.error.HTTPError as error:
+            if error.code not in RETRIED_STATUSES:
+                raise
+        time.sleep(delay)
+    return _reply(request)
+
+
+def _reply(request: urllib.request.Request) -> dict:
     with urllib.request.urlopen(request, timeout=300) as response:
         return json.load(response)["choices"][0]["message"]
 
