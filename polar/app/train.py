@@ -109,9 +109,8 @@ def shares_a_gpu(trainer: TrainerConfig, inference: InferenceConfig) -> bool:
         return "cuda:0" if spec in ("auto", "cuda") else spec
 
     server = gpu(inference.device)
-    if not server.startswith("cuda:"):
-        return False
-    return server in {gpu(trainer.device)} | {f"cuda:{rank}" for rank in range(trainer.gpus if trainer.gpus > 1 else 0)}
+    held = {f"cuda:{rank}" for rank in range(trainer.gpus)} if trainer.gpus > 1 else {gpu(trainer.device)}
+    return server.startswith("cuda:") and server in held
 
 
 def trainer_job(trainer: TrainerConfig, rollout: str, inference: list[str]) -> ServiceSpec:

@@ -173,8 +173,7 @@ class DecoderRunner:
         to the driver: a trainer stepping on the same GPU while no sequence runs can take it."""
         self.cache.release()
         if self.cuda_graphs and self._graphs:
-            self._graphs.clear()
-            self._graph_pool = torch.cuda.graph_pool_handle()
+            self._drop_graphs()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -318,10 +317,7 @@ class DecoderRunner:
         length = _bucket(max(positions) + 1, _MIN_GRAPH_POSITIONS, self.cache.max_positions)
         self.cache.ensure(slots, length)
         if self._graph_cache_generation != self.cache.generation:  # the graphs read freed tensors
-            self._graphs.clear()
-            # Deleting every graph of a private pool frees the pool; capturing into its old handle
-            # afterwards trips the caching allocator's use-count assertion, so take a new one.
-            self._graph_pool = torch.cuda.graph_pool_handle()
+            self._drop_graphs()
             self._graph_cache_generation = self.cache.generation
         # Padding slots are free ones (n is past the last occupied slot): writing position 0 there is
         # overwritten by whoever takes the slot next.
@@ -338,6 +334,12 @@ class DecoderRunner:
             graph.positions.copy_(host_positions.pin_memory(), non_blocking=True)
             graph.graph.replay()
         return graph.logits[to_device(torch.tensor(rows), self.device)]
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        # Deleting every graph of a private pool frees the pool; capturing into its old handle
+        # afterwards trips the caching allocator's use-count assertion, so take a new one.
+        self._graph_pool = torch.cuda.graph_pool_handle()
 
     def _capture(
         self, slots: int, length: int, host_tokens: torch.Tensor, host_positions: torch.Tensor
