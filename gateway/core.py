@@ -7,6 +7,7 @@ pipeline step by step, its error mapping and its timeouts: docs/design/gateway-p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -61,6 +62,8 @@ DEFAULT_TOKEN_TIMEOUT_S = 600.0
 # token per step would send one per token. A tenth of a second still streams text to a harness smoothly.
 DEFAULT_MESSAGE_INTERVAL_S = 0.1
 MAX_RECONNECT_BACKOFF_MS = 2000
+# How soon a model-info call answered UNAVAILABLE (Envoy with no healthy server yet) is made again.
+MODEL_INFO_RETRY_S = 0.2
 GENERATE_METHOD = f"/{inference_pb2.DESCRIPTOR.services_by_name['InferenceService'].full_name}/Generate"
 
 PROMPT_FIELD = inference_pb2.GenerateRequest.PROMPT_TOKEN_IDS_FIELD_NUMBER
@@ -156,14 +159,26 @@ class InferenceClient:
 
     async def model_info(self, timeout_s: float, *, wait_for_ready: bool = True) -> inference_pb2.ModelInfo:
         """The served model, waiting up to timeout_s for the server to come up (or, without
-        wait_for_ready, failing at once with UNAVAILABLE when it cannot be reached)."""
-        response = await self._stub.GetModelInfo(
-            inference_pb2.GetModelInfoRequest(),
-            timeout=timeout_s,
-            wait_for_ready=wait_for_ready,
-            metadata=self._credential,
-        )
-        return response.model_info
+        wait_for_ready, failing at once with UNAVAILABLE when it cannot be reached).
+
+        Waiting covers Envoy in front of the servers too: its channel is ready at once, but it answers
+        UNAVAILABLE ("no healthy upstream") until a server passes its health check, so that answer is
+        asked again until the time is up."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                response = await self._stub.GetModelInfo(
+                    inference_pb2.GetModelInfoRequest(),
+                    timeout=max(deadline - time.monotonic(), 0.001),
+                    wait_for_ready=wait_for_ready,
+                    metadata=self._credential,
+                )
+                return response.model_info
+            except grpc.aio.AioRpcError as exc:
+                retry_in = min(MODEL_INFO_RETRY_S, deadline - time.monotonic())
+                if not wait_for_ready or exc.code() != grpc.StatusCode.UNAVAILABLE or retry_in <= 0:
+                    raise
+                await asyncio.sleep(retry_in)
 
     def generate(self, serialized_request: bytes, session_id: str, timeout_s: float) -> grpc.aio.UnaryStreamCall:
         """Generate for a serialized GenerateRequest."""

@@ -135,6 +135,10 @@ class EnvoyConfig:
     connect_timeout_s: float = 5.0  # to the gateway or an inference server
     max_request_bytes: int = 32 * 1024 * 1024  # larger harness request bodies get 413
     health_check_interval_s: float = 2.0  # gRPC health checks of each inference server
+    # Seconds a health check may take. A loaded server answers late, not never: a check that timed
+    # out twice takes the server out of every call (no panic mode), so a short timeout turns a busy
+    # machine into an outage. A server that died refuses the connection, which fails at once.
+    health_check_timeout_s: float = 5.0
     workers: int = 2  # Envoy worker threads; 0 = one per CPU core
     # The control plane (HOST:PORT of a rollout server) Envoy learns the inference servers and
     # gateways from over ADS, as they join and leave; "" = in `polar up`, its own rollout server; in

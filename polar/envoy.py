@@ -122,6 +122,7 @@ def render_config(
         inference_idle_timeout=_duration(config.inference_idle_timeout_s),
         connect_timeout=_duration(config.connect_timeout_s, allow_zero=False),
         health_check_interval=_duration(config.health_check_interval_s, allow_zero=False),
+        health_check_timeout=_duration(config.health_check_timeout_s, allow_zero=False),
         max_request_bytes=config.max_request_bytes,
         gateway_cluster_type=gateway_type,
         gateway_endpoints=gateway_endpoints,

@@ -203,6 +203,36 @@ async def test_a_dead_server_is_taken_out_by_health_checks():
             assert tokens_of(await generate(through, session=session)) == A_TOKENS
 
 
+async def test_a_server_that_answers_late_stays_healthy():
+    """A busy server answers its health checks late, not never: its event loop held for 3 s (longer
+    than Envoy's 1 s default, shorter than ours) must not take it out of every call."""
+    async with inference_server(A_TOKENS) as (a, _), envoy_in_front([a]) as proxy:
+        await wait_for_health(proxy, {a: "healthy"})
+        time.sleep(3.0)  # noqa: ASYNC251 - blocking this loop, which serves the server, is the test
+        assert await cluster_health(proxy) == {a: "healthy"}
+        assert tokens_of(await generate(f"127.0.0.1:{proxy.inference_port}")) == A_TOKENS
+
+
+async def test_the_gateway_waits_for_envoy_to_find_a_healthy_server():
+    """Envoy answers UNAVAILABLE ("no healthy upstream") until a server passes a health check; a
+    gateway started before that waits for it, as it waits for a server it reaches directly."""
+    with listening_socket("127.0.0.1") as reserved:
+        address = f"127.0.0.1:{reserved.getsockname()[1]}"
+    async with envoy_in_front([address]) as proxy:
+        config = GatewayConfig(port=0, grpc_port=0, inference_address=f"127.0.0.1:{proxy.inference_port}")
+        starting = asyncio.create_task(start_gateway(config, startup_timeout_s=WAIT_SECONDS))
+        await asyncio.sleep(1.0)
+        assert not starting.done(), "the gateway gave up while no server was healthy yet"
+        engine = ScriptedEngine.from_script({"cycle": True, "outputs": [{"text": "Up."}]})
+        server, _ = await start_server(engine, address)
+        try:
+            gateway = await starting
+            await gateway.stop()
+        finally:
+            await server.stop(None)
+            await engine.stop()
+
+
 # --- harness listener -------------------------------------------------------------------------
 
 
