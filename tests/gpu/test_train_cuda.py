@@ -19,7 +19,7 @@ from polar.rollout.store import RolloutStore
 from polar.trajectory import BuiltTrace, verify, views_from_protos
 from polar.v1 import common_pb2
 from tests.helpers.polar_command import POLAR
-from tests.integration.test_train import REPO, write_run
+from tests.helpers.train_runs import REPO, write_run
 from trainer.metrics import read_metrics
 
 pytestmark = [

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,15 +23,12 @@ import pytest
 from polar import credentials
 from polar.inference import sharing
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.helpers.polar_command import POLAR, Lines
-from tests.helpers.stack_config import write_stack_config
+from tests.helpers.polar_command import POLAR
+from tests.helpers.train_runs import REPO, processes_of, start_train, write_run
 from trainer.metrics import STEP_KEYS, read_metrics
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
-AGENT = REPO / "examples" / "train" / "agent.py"
-SCORE = REPO / "tests" / "fixtures" / "train_tiny" / "score.py"
 STEPS = 10
 # Four groups of 8 a step: with two, a step's mean reward is noisy enough that a run sometimes
 # learned nothing by step 10, or one bad step of lr 2e-2 collapsed it onto a single mediocre reply.
@@ -43,66 +39,6 @@ GROUPS_PER_STEP = 4
 # runs gaining under 0.08.
 MARGIN = 0.08
 LEARNING_RATE = 1e-2
-
-
-def write_run(tmp_path: Path, steps: int, device: str = "cpu", groups_per_step: int = 2, **trainer) -> Path:
-    tasks = tmp_path / "tasks.jsonl"
-    lines = [
-        {
-            "taskId": f"words{i}",
-            "instruction": f"Write some words ({i}).",
-            "groupSize": 8,
-            "harness": {"preset": "command", "command": [sys.executable, str(AGENT)]},
-            "runtime": {"kind": "local"},
-            "evaluator": {"kind": "command", "command": f"{sys.executable} {SCORE}"},
-            # Untruncated: the megatron backend trains on nothing else.
-            "sampling": {"temperature": 1.0, "topP": 1.0, "maxTokensPerCall": 12},
-            "timeoutSeconds": 120,
-        }
-        for i in range(4)
-    ]
-    tasks.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return write_stack_config(
-        tmp_path / "train.toml",
-        inference={"max_batch_size": 16},
-        node={"init_workers": 2, "ready_slots": 4, "running_slots": 8, "postrun_workers": 2},
-        trainer={
-            "model": "tiny",
-            "device": device,
-            "dataset": tasks,
-            "steps": steps,
-            "groups_per_step": groups_per_step,
-            "groups_ahead": 2,
-            "lr": 2e-2,
-            "seed": 0,
-            "checkpoint_every": 2,
-            **trainer,
-        },
-    )
-
-
-def start_train(config: Path, run_dir: Path, *options: str) -> tuple[subprocess.Popen, Lines]:
-    process = subprocess.Popen(
-        [*POLAR, "train", str(config), "--run-dir", str(run_dir), *options],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return process, Lines(process.stdout)
-
-
-def processes_of(run_dir: Path) -> list[int]:
-    """Processes whose command line names the run folder (the trainer, the rollout server)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if str(run_dir).encode() in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def check_trainer_service(address: str, folder: Path) -> None:

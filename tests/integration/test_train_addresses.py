@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.test_train import start_train, write_run
+from tests.helpers.train_runs import start_train, write_run
 from trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -25,7 +25,7 @@ from polar.rollout.client import RolloutClient
 from polar.v1 import inference_pb2, inference_pb2_grpc
 from tests.helpers.polar_command import assert_one_line_error, run, spawned
 from tests.helpers.stack_config import write_stack_config
-from tests.integration.test_train import processes_of, start_train, write_run
+from tests.helpers.train_runs import processes_of, start_train, write_run
 from trainer.backends.torch_backend import TorchBackend, TorchBackendOptions
 from trainer.checkpoints import TrainerState, save_checkpoint
 from trainer.metrics import read_metrics

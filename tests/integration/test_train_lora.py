@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.polar_command import POLAR
-from tests.integration.test_train import REPO, start_train, write_run
+from tests.helpers.train_runs import REPO, start_train, write_run
 from trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import torch
 
 from polar import credentials
 from polar.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.integration.test_train import processes_of, start_train, write_run
+from tests.helpers.train_runs import processes_of, start_train, write_run
 from trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.slow

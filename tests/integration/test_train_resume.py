@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_train import processes_of, start_train, write_run
+from tests.helpers.train_runs import processes_of, start_train, write_run
 from trainer.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
