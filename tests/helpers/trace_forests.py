@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
+from tests.helpers.ranks import spawn_ranks
 from tests.helpers.trainer_backends import free_port
 from trainer.batches import MicroBatch, pack
 from trainer.grpo import LossConfig, policy_loss
@@ -171,5 +172,5 @@ def _tree_rank(rank: int, world: int, port: int, folder: str, out: str, seed: in
 def run_tree_job(world: int, folder: Path, out: Path, seed: int = 0) -> list[int]:
     """A `world`-rank tensor-parallel job over a forest of traces (an assertion on any rank fails
     the spawn); the tokens each rank's trees shared."""
-    torch.multiprocessing.spawn(_tree_rank, args=(world, free_port(), str(folder), str(out), seed), nprocs=world)
+    spawn_ranks(_tree_rank, (world, free_port(), str(folder), str(out), seed), world)
     return [int(Path(out, f"rank{rank}.done").read_text()) for rank in range(world)]

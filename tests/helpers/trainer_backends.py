@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.ranks import spawn_ranks
 from trainer.batches import pack
 from trainer.grpo import LossConfig
 from trainer.sequences import TrainSequence
@@ -269,7 +270,7 @@ def run_tensor_parallel(
         recompute_above,
         adapter,
     )
-    torch.multiprocessing.spawn(_tp_rank, args=job, nprocs=world)
+    spawn_ranks(_tp_rank, job, world)
     return torch.load(out / "rank0.pt", weights_only=False)
 
 
@@ -301,5 +302,5 @@ def score_tensor_parallel(world: int, model: str, out: Path, batch_sets: list, u
     micro-batches in `batch_sets`, then its update result and weights after one update on
     `update_batches`."""
     job = (world, free_port(), model, str(out), batch_sets, update_batches)
-    torch.multiprocessing.spawn(_scoring_rank, args=job, nprocs=world)
+    spawn_ranks(_scoring_rank, job, world)
     return torch.load(out / "rank0.pt", weights_only=False)
