@@ -103,13 +103,14 @@ async def test_every_session_sees_its_own_files_at_the_same_paths(tmp_path, stat
             await runtime.close()
 
 
-# Timeouts leave the sandbox (a second or so on a loaded machine) time to start the command first.
+# Timeouts leave the sandbox time to start the command first: under CI's load 1.5 s was not
+# enough once (the command was killed after the grace, -9, instead of by the SIGTERM, -15).
 SCRIPTS = [
     ("exit 3", None),
     ("echo out; echo err >&2; kill -TERM $$", None),
-    ("sleep 30", 1.5),  # killed by the group's SIGTERM at the timeout
-    ("trap 'echo bye; exit 7' TERM; sleep 30 & wait", 1.5),  # handles it
-    ("trap '' TERM; sleep 30", 1.5),  # ignores it: SIGKILL after the grace
+    ("sleep 30", 3),  # killed by the group's SIGTERM at the timeout
+    ("trap 'echo bye; exit 7' TERM; sleep 30 & wait", 3),  # handles it
+    ("trap '' TERM; sleep 30", 3),  # ignores it: SIGKILL after the grace
     ("head -c 100000 /dev/zero | tr '\\0' x; echo", None),  # past the output limit
 ]
 

@@ -1,7 +1,7 @@
-"""The inside of a harness sandbox: a program the node runs with `python -I` by its file path, so it
+"""The inside of a harness sandbox: a program the node runs with `python -I -S` by its file path, so it
 imports nothing but the standard library (the docker runtime runs it with the image's python3).
 
-    unshare --user --map-root-user --mount [--net] -- python -I sandbox.py leader SPEC -- ARGV...
+    unshare --user --map-root-user --mount [--net] -- python -I -S sandbox.py leader SPEC -- ARGV...
     python3 sandbox.py forward HOST PORT SOCKET          (a docker runtime's first process)
 
 What `leader` and `forward` do, step by step: docs/design/sandbox.md.
@@ -171,8 +171,8 @@ def leader(spec: dict, argv: list[str]) -> None:
     init = [
         sys.executable,
         "-I",
-        os.path.abspath(__file__),
-        "init",
+        "-S",
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_init.py"),
         str(status_write),
         str(spec["uid"]),
         str(spec["gid"]),
@@ -193,27 +193,6 @@ def leader(spec: dict, argv: list[str]) -> None:
     with os.fdopen(status_read, "rb") as status:
         reported = status.read().strip()
     end_like(int(reported) if reported else child.returncode)
-
-
-def init(status_fd: int, uid: str, gid: str, unshare: str, argv: list[str]) -> None:
-    """PID 1 of the command's namespace: run argv as uid:gid, reap every orphan, report argv's end."""
-    os.set_inheritable(status_fd, False)
-    signal.signal(signal.SIGINT, _ignore)
-    command = [unshare, "--user", f"--map-user={uid}", f"--map-group={gid}", "--", *argv]
-    try:
-        pid = os.posix_spawn(unshare, command, os.environ)
-    except OSError as exc:
-        print(f"polar sandbox: cannot start {unshare}: {exc.strerror}", file=sys.stderr)
-        os._exit(SETUP_FAILED)
-    while True:
-        try:
-            ended, status = os.waitpid(-1, 0)
-        except ChildProcessError:
-            os._exit(SETUP_FAILED)
-        if ended == pid:
-            break
-    os.write(status_fd, f"{os.waitstatus_to_exitcode(status)}\n".encode())
-    os._exit(0)
 
 
 # Created in the forwarder's working directory (the session folder) once it listens: the node starts
@@ -238,9 +217,6 @@ def main(arguments: list[str]) -> None:
     try:
         if arguments[0] == "leader":
             leader(json.loads(arguments[1]), arguments[3:])
-        elif arguments[0] == "init":
-            status_fd, uid, gid, unshare = arguments[1:5]
-            init(int(status_fd), uid, gid, unshare, arguments[6:])
         elif arguments[0] == "forward":
             forward(arguments[1], int(arguments[2]), arguments[3])
         else:
