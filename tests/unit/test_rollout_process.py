@@ -138,8 +138,16 @@ async def test_a_child_that_left_the_group_cannot_hold_up_the_result(tmp_path):
 async def test_cancel_stops_the_group_and_says_so(tmp_path):
     pids = tmp_path / "pids"
     cancel = asyncio.Event()
-    asyncio.get_running_loop().call_later(0.3, cancel.set)
+
+    async def cancel_once_started() -> None:
+        # Not after a fixed time: under CI's load the shell had not written the pid 0.3 s in.
+        while not (pids.exists() and pids.read_text().strip()):
+            await asyncio.sleep(0.05)
+        cancel.set()
+
+    canceller = asyncio.create_task(cancel_once_started())
     result = await sh(f"sleep 60 & echo $! > {pids}; wait", tmp_path, timeout_s=30, cancel=cancel)
+    canceller.cancel()
     assert result.cancelled and not result.timed_out
     assert result.seconds < 5
     assert not running(read_pid(pids))
