@@ -38,8 +38,15 @@ JOIN_TIMEOUT_S = 30.0  # a starting service waits this long for the rollout serv
 DRAIN_TIMEOUT_S = 3.0
 DRAIN_POLL_S = 0.05
 # A restarted control plane is reached again within a second (gRPC's own back-off grows to 2 minutes):
-# until the upstream joins it again, Envoys wait for it.
-RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000))
+# until the upstream joins it again, Envoys wait for it (Membership's warm-up outlasts REJOIN_BOUND_S).
+RECONNECT_MAX_BACKOFF_S = 1.0
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", int(RECONNECT_MAX_BACKOFF_S * 1000)),
+)
+# Longest from a control plane's start until an upstream's channel tries it again: the largest back-off
+# and gRPC's jitter of up to 20% on it. The upstream's next beat then joins it again.
+REJOIN_BOUND_S = 1.2 * RECONNECT_MAX_BACKOFF_S
 
 
 class UpstreamMember:

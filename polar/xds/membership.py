@@ -6,7 +6,7 @@ leaves in two steps: draining (its endpoint DRAINING, so Envoy sends it no new c
 streams finish), then gone (removed). One silent for the timeout is removed as dead. Membership is
 soft state: a restarted control plane knows none, and each upstream's next heartbeat is told to
 join again. So that Envoys keep their last endpoints meanwhile rather than being told of an empty
-set, a membership tells Envoys nothing for its first two heartbeat intervals (`warm_up_s`).
+set, a membership tells Envoys nothing until its upstreams have reconnected and beaten (`warm_up_s`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
+from polar.xds.member import REJOIN_BOUND_S
 from polar.xds.server import AggregatedDiscovery, accepted_snapshot
 from polar.xds.snapshot import CLUSTERS, ENDPOINT_TYPE, Snapshot, SnapshotCache, Upstream, assignments
 
@@ -68,13 +69,18 @@ class Membership:
         warm_up_s: float | None = None,
     ) -> None:
         """`warm_up_s`: how long after `start` Envoys are first told anything (None: two heartbeat
-        intervals; 0: at once, without `start`)."""
+        intervals, and at least an upstream's reconnection and one interval more; 0: at once,
+        without `start`)."""
         self.heartbeat_interval_s = heartbeat_interval_s
         self.timeout_s = timeout_s
         self._clock = clock
         self._members: dict[str, Member] = {}
         self.discovery = AggregatedDiscovery(cache or SnapshotCache(), self.resources_for)
-        self.warm_up_s = 2 * heartbeat_interval_s if warm_up_s is None else warm_up_s
+        if warm_up_s is None:
+            # Two intervals alone were shorter than a reconnection when the interval is short (0.4 s
+            # at 0.2 s): Envoys were then told of an empty set before the upstreams were back.
+            warm_up_s = max(2 * heartbeat_interval_s, REJOIN_BOUND_S + heartbeat_interval_s)
+        self.warm_up_s = warm_up_s
         self._warm = self.warm_up_s == 0
         self._reaper: asyncio.Task | None = None
 

@@ -56,13 +56,13 @@ def machine(start, tmp_path, name: str, tokens: list[int], rollout: RunningRollo
 
 
 @contextlib.asynccontextmanager
-async def rollout_server(tmp_path, port: int = 0, heartbeat_s: float = HEARTBEAT_S) -> AsyncIterator[RunningRollout]:
+async def rollout_server(tmp_path, port: int = 0) -> AsyncIterator[RunningRollout]:
     config = RolloutConfig(
         host="127.0.0.1",
         port=port,
         store=str(tmp_path / f"rollout-{time.monotonic_ns()}.db"),
-        heartbeat_interval_s=heartbeat_s,
-        node_timeout_s=5 * heartbeat_s,
+        heartbeat_interval_s=HEARTBEAT_S,
+        node_timeout_s=1.0,
     )
     running = await start_rollout_server(config)
     try:
@@ -274,10 +274,9 @@ async def test_envoy_keeps_serving_while_the_control_plane_restarts_then_acknowl
             # The control plane is down: Envoy keeps its last endpoints.
             for i in range(5):
                 assert await generate(target, f"down-{i}") == [11]
-            # A's server joins again on its next beat after reconnecting (within a second); Envoy
-            # reconnects and gets the new epoch once the warm-up of two heartbeat intervals is over.
-            # At 0.2 s the warm-up could end before A was back, and Envoy was told of no endpoint.
-            async with rollout_server(tmp_path, port=port, heartbeat_s=1.5) as restarted:
+            # A's server joins again on its next beat after reconnecting; Envoy reconnects and gets
+            # the new epoch once the restarted server's warm-up is over, with A in it.
+            async with rollout_server(tmp_path, port=port) as restarted:
                 after = await until("Envoy acknowledges the restarted control plane", lambda: caught_up(restarted))
                 assert after.version.split(".")[0] != before.version.split(".")[0]
                 assert list(eds_endpoints(proxy)[INFERENCE_CLUSTER]) == [a]

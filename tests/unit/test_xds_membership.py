@@ -11,6 +11,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 
 from polar.rollout.report import render_envoys
 from polar.v1 import rollout_pb2
+from polar.xds.member import REJOIN_BOUND_S
 from polar.xds.membership import BadUpstream, Membership, UnknownUpstream, WrongUpstreamSecret, takes_new_calls
 from polar.xds.server import EnvoyState
 from polar.xds.snapshot import ENDPOINT_TYPE, GATEWAY_CLUSTER, INFERENCE_CLUSTER, SnapshotCache, Upstream
@@ -132,6 +133,15 @@ async def test_nothing_is_told_during_the_warm_up():
     finally:
         await members.stop()
     assert ("127.0.0.2", 1) in inference_hosts(members, "e1")
+
+
+@pytest.mark.parametrize("heartbeat_s", [0.05, 0.2, 1.0, 5.0])
+def test_the_warm_up_outlasts_an_upstreams_reconnection_and_next_beat(heartbeat_s):
+    """An upstream of a restarted control plane joins again once its channel reconnects (up to
+    REJOIN_BOUND_S) and it beats (every half interval): Envoys told before would get an empty set."""
+    members = Membership(heartbeat_interval_s=heartbeat_s, timeout_s=5 * heartbeat_s)
+    assert members.warm_up_s >= REJOIN_BOUND_S + heartbeat_s / 2
+    assert members.warm_up_s >= 2 * heartbeat_s
 
 
 def test_status_shows_each_envoys_acknowledged_and_refused_versions_and_who_joined_with_which_credential():
