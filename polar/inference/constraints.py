@@ -23,6 +23,7 @@ new generation is a copy of the constraint's compiled one. A schema the compiler
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import threading
@@ -219,10 +220,13 @@ class TokenGrammar:
     allowed); `eos_ids` are the ids that end a reply, allowed where the constraint is complete.
     """
 
-    def __init__(self, hf_tokenizer: Any, eos_ids: Sequence[int], vocab_size: int) -> None:
-        from llguidance.hf import from_tokenizer
-
-        self.tokenizer: LLTokenizer = from_tokenizer(hf_tokenizer, eos_token=list(eos_ids))
+    def __init__(self, tokenizer: Any, eos_ids: Sequence[int], vocab_size: int) -> None:
+        # `tokenizer`: a Hugging Face fast tokenizer or a FileTokenizer; llguidance reads its backend's
+        # JSON (added tokens included), as llguidance.hf.from_tokenizer does without importing transformers.
+        backend = copy.copy(tokenizer.backend_tokenizer)
+        backend.no_padding()
+        backend.no_truncation()
+        self.tokenizer: LLTokenizer = LLTokenizer(backend.to_str(), eos_token=list(eos_ids))
         self.vocab_size = vocab_size
         self.words = (self.tokenizer.vocab_size + 31) // 32  # int32 words of a bitmask row
         self._executor = LLExecutor()
@@ -233,12 +237,11 @@ class TokenGrammar:
     def for_model(cls, spec: str, vocab_size: int | None = None) -> TokenGrammar:
         """The grammar of a model ("tiny", "smollm2-135m" or a folder), ending replies where its torch
         engine does (polar.inference.models.end_token_ids): what the trainer and `polar verify` replay."""
-        from transformers import AutoTokenizer
-
         from polar.inference import models
+        from polar.inference.tokenizer_files import load_tokenizer
 
         folder = models.resolve_model(spec)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = load_tokenizer(str(folder))
         return cls(tokenizer, models.end_token_ids(folder, tokenizer), vocab_size or len(tokenizer))
 
     def matcher(self, constraint: OutputConstraint) -> LLMatcher:

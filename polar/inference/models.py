@@ -282,12 +282,12 @@ def end_token_ids(folder: Path, tokenizer) -> tuple[int, ...]:
     config's, and the end-of-text and end-of-turn tokens its vocabulary has. The torch engine stops on
     them, and a constraint's grammar allows them where the constraint is complete (the trainer's
     replay must allow the same)."""
-    from transformers import GenerationConfig
-
-    try:
-        generation_eos = _token_ids(GenerationConfig.from_pretrained(folder).eos_token_id)
-    except OSError:  # no generation_config.json
-        generation_eos = []
+    generation_config = Path(folder) / "generation_config.json"
+    generation_eos = (
+        _token_ids(json.loads(generation_config.read_text(encoding="utf-8")).get("eos_token_id"))
+        if generation_config.is_file()
+        else []
+    )
     vocab = tokenizer.get_vocab()
     end_of_text = [vocab[t] for t in END_OF_TEXT_TOKENS if t in vocab]
     end_of_turn = end_of_turn_id(tokenizer)

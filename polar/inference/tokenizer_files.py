@@ -1,9 +1,10 @@
 """A model folder's tokenizer read from its files with the `tokenizers` library alone.
 
-Importing transformers (and torch through it) costs seconds of CPU, which every gateway start paid
-for three things of the tokenizer: its `tokenizers` backend, token ids, and the unknown token's id.
-`load_tokenizer` builds those from tokenizer.json and tokenizer_config.json exactly as transformers'
-generic `TokenizersBackend` does (the same backend, added and special tokens merged the same way),
+Importing transformers (and torch through it) costs seconds of CPU, which every gateway and
+inference server start paid for a few things of the tokenizer: its `tokenizers` backend, token ids,
+the special tokens' ids, encoding, decoding and the chat template. `load_tokenizer` builds those from
+tokenizer.json, tokenizer_config.json and the chat template files exactly as transformers' generic
+`TokenizersBackend` does (the same backend, added and special tokens merged the same way),
 and loads any folder it cannot read that way (no tokenizer.json, a tokenizer class of its own, remote
 code) through transformers' AutoTokenizer, as before.
 """
@@ -11,6 +12,7 @@ code) through transformers' AutoTokenizer, as before.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,19 +45,66 @@ NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 
 @dataclass(frozen=True)
 class FileTokenizer:
-    """What the gateway uses of a Hugging Face tokenizer, with the same names and answers."""
+    """What the gateway and the torch engine use of a Hugging Face tokenizer, with the same names and
+    answers."""
 
     backend_tokenizer: Tokenizer
     unk_token: str | None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    # The folder's chat template: a name -> template dict where it has several, as transformers reads it.
+    chat_template: str | dict[str, str] | None = None
+    # tokenizer_config.json's clean_up_tokenization_spaces, which transformers applies to a decoded
+    # text except where the tokenizer's model is BPE.
+    clean_up_tokenization_spaces: bool = False
 
     @property
     def unk_token_id(self) -> int | None:
         return None if self.unk_token is None else self.backend_tokenizer.token_to_id(self.unk_token)
 
+    @property
+    def bos_token_id(self) -> int | None:
+        return None if self.bos_token is None else self.convert_tokens_to_ids(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None if self.eos_token is None else self.convert_tokens_to_ids(self.eos_token)
+
     def convert_tokens_to_ids(self, token: str) -> int | None:
         """The token's id; the unknown token's id (or None) when the vocabulary has no such token."""
         token_id = self.backend_tokenizer.token_to_id(token)
         return self.unk_token_id if token_id is None else token_id
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.backend_tokenizer.get_vocab(with_added_tokens=True)
+
+    def __len__(self) -> int:
+        return self.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        text = self.backend_tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        if self.clean_up_tokenization_spaces and type(self.backend_tokenizer.model).__name__ != "BPE":
+            for spaced, joined in _CLEAN_UP:
+                text = text.replace(spaced, joined)
+        return text
+
+
+# transformers' clean_up_tokenization, in its order.
+_CLEAN_UP = (
+    (" .", "."),
+    (" ?", "?"),
+    (" !", "!"),
+    (" ,", ","),
+    (" ' ", "'"),
+    (" n't", "n't"),
+    (" 'm", "'m"),
+    (" 's", "'s"),
+    (" 've", "'ve"),
+    (" 're", "'re"),
+)
 
 
 def load_tokenizer(spec: str) -> Any:
@@ -95,8 +144,12 @@ def read_tokenizer_files(folder: Path) -> FileTokenizer | None:
     if backend.post_processor is None:
         backend.post_processor = TemplateProcessing(single="$A:0", pair="$A:0 $B:1", special_tokens=[])
     backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    unk = named.get("unk_token")
-    return FileTokenizer(backend, None if unk is None else str(unk))
+    return FileTokenizer(
+        backend,
+        *(None if named.get(name) is None else str(named[name]) for name in ("unk_token", "bos_token", "eos_token")),
+        chat_template=_chat_template(folder, config),
+        clean_up_tokenization_spaces=bool(config.get("clean_up_tokenization_spaces", False)),
+    )
 
 
 def _special_tokens(
@@ -223,6 +276,24 @@ def _added_token_objects(value: Any) -> Any:
     if isinstance(value, dict):
         return {key: _added_token_objects(item) for key, item in value.items()}
     return value
+
+
+def _chat_template(folder: Path, config: dict) -> str | dict[str, str] | None:
+    """The folder's chat template as transformers reads it: chat_template.jinja (named "default")
+    and each additional_chat_templates/NAME.jinja, one template as a string and several as a dict;
+    else tokenizer_config.json's chat_template (a list of named templates becomes a dict)."""
+    templates = {}
+    if (folder / "chat_template.jinja").is_file():
+        templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        templates.update({path.stem: path.read_text(encoding="utf-8") for path in sorted(extra.glob("*.jinja"))})
+    if templates:
+        return templates["default"] if list(templates) == ["default"] else templates
+    template = config.get("chat_template")
+    if isinstance(template, (list, tuple)):
+        return {entry["name"]: entry["template"] for entry in template}
+    return template
 
 
 def _read_json(path: Path) -> Any:

@@ -13,6 +13,7 @@ import torch
 
 from polar.inference.engines.base import EngineOptions, GenerationRequest, SamplingConfig, TokenChunk
 from polar.inference.sampling import processed_logprobs
+from tests.helpers.transformers_twin import transformers_twin
 
 pytestmark = [
     pytest.mark.gpu,
@@ -80,7 +81,7 @@ def test_logprobs_equal_a_full_forward_on_cuda(fp32_engine, sampling):
     tokens, logprobs = asyncio.run(_collect(fp32_engine, request))
     ids = torch.tensor([list(request.prompt_token_ids) + tokens], device="cuda")
     with torch.no_grad():
-        logits = fp32_engine.model(ids).logits[0, len(request.prompt_token_ids) - 1 : -1].float()
+        logits = transformers_twin(fp32_engine)(ids).logits[0, len(request.prompt_token_ids) - 1 : -1].float()
     config = request.sampling
     expected = processed_logprobs(logits, config.temperature, config.top_k, config.top_p)
     expected = expected.gather(-1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(-1).cpu()
@@ -126,11 +127,12 @@ def test_constrained_replies_on_cuda_follow_the_grammar_with_the_masked_logprobs
         return await asyncio.gather(*(_collect(fp32_engine, r) for r in requests))
 
     grammar = TokenGrammar.for_model("tiny", fp32_engine.description.vocab_size)
+    reference = transformers_twin(fp32_engine)
     for request, (tokens, logprobs) in zip(requests, asyncio.run(together()), strict=True):
         masks = torch.from_numpy(grammar.replay(constraint, tokens)).cuda()
         ids = torch.tensor([list(request.prompt_token_ids) + tokens], device="cuda")
         with torch.no_grad():
-            logits = fp32_engine.model(ids).logits[0, len(request.prompt_token_ids) - 1 : -1].float()
+            logits = reference(ids).logits[0, len(request.prompt_token_ids) - 1 : -1].float()
         expected = processed_logprobs(logits.masked_fill(~masks, float("-inf")), 1.0)
         expected = expected.gather(-1, torch.tensor(tokens, device="cuda")[:, None]).squeeze(-1).cpu()
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)

@@ -45,8 +45,9 @@ def assert_matches(reference, logprobs, result, weights, atol: float = ATOL) -> 
 VOCAB = 300  # over 256: at TP=2 both vocabulary slices (256 rows each, padded) hold real tokens
 
 
-def tiny_config(model_type: str, tied: bool):
-    """A 2-layer model of the family: GQA (4 query heads, 2 KV heads), head_dim 16, hidden 32."""
+def tiny_config(model_type: str, tied: bool, **changes):
+    """A 2-layer model of the family: GQA (4 query heads, 2 KV heads), head_dim 16, hidden 32; `changes`
+    replace or add settings."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     config_class = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
@@ -62,10 +63,13 @@ def tiny_config(model_type: str, tied: bool):
         rope_theta=50_000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=tied,
+        **changes,
     )
 
 
-def save_tiny_model(folder: Path, model_type: str = "qwen3", tied: bool = False, seed: int = 0) -> Path:
+def save_tiny_model(
+    folder: Path, model_type: str = "qwen3", tied: bool = False, seed: int = 0, **config_changes
+) -> Path:
     """A random tiny model saved as a Hugging Face folder (safetensors, config, tokenizer).
 
     Every parameter, norms included, is random: a norm weight loaded into the wrong place (or not at
@@ -77,7 +81,7 @@ def save_tiny_model(folder: Path, model_type: str = "qwen3", tied: bool = False,
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tied), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, tied, **config_changes), dtype=torch.float32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):

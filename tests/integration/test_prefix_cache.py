@@ -19,6 +19,7 @@ from polar.inference.sampling import processed_logprobs
 from polar.inference.server import start_server
 from polar.trajectory.session_file import read_trajectory
 from polar.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from tests.helpers.transformers_twin import transformers_twin
 
 SESSIONS = Path(__file__).resolve().parent.parent / "fixtures" / "sessions"
 PREFILL_CHUNK = 512  # below a prompt's length: blocks are taken and stored between chunks
@@ -188,7 +189,7 @@ def test_a_weight_update_invalidates_the_cache():
         tokens, logprobs, end = run(engine, req)
         assert end.cached_prompt_tokens == 0
         assert tokens != before[0]
-        expected = full_forward_logprobs(engine.model, prompt, tokens, req.sampling)
+        expected = full_forward_logprobs(transformers_twin(engine), prompt, tokens, req.sampling)
         assert torch.allclose(torch.tensor(logprobs), expected, atol=1e-4, rtol=0)
 
         # A sequence running when the weights change stores nothing afterwards: its keys and values

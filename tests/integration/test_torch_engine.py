@@ -22,6 +22,7 @@ from polar.inference.engines.base import (
 from polar.inference.engines.torch_engine import TorchEngine
 from polar.inference.models import TINY_CONTEXT_LENGTH, resolve_model
 from polar.inference.sampling import processed_logprobs
+from tests.helpers.transformers_twin import transformers_twin
 
 MAX_BATCH = 16
 PREFILL_CHUNK = 512
@@ -78,7 +79,7 @@ def prompt_of(seed: int, length: int) -> list[int]:
 
 
 def reference_logprobs(model, prompt, tokens, sampling: SamplingConfig) -> torch.Tensor:
-    """Each sampled token's logprob from one full Hugging Face forward pass over prompt + tokens."""
+    """Each sampled token's logprob from one full forward of transformers' `model` over prompt + tokens."""
     ids = torch.tensor([list(prompt) + list(tokens)])
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [len(tokens), V]
@@ -124,7 +125,7 @@ def test_logprobs_equal_a_full_forward(engine, name):
     req = request(prompt_of(2, PREFILL_CHUNK + 37), 24, seed=7, ignore_eos=True, **SAMPLINGS[name])
     result = run(engine, req)
     assert len(result.tokens) == 24
-    expected = reference_logprobs(engine.model, req.prompt_token_ids, result.tokens, req.sampling)
+    expected = reference_logprobs(transformers_twin(engine), req.prompt_token_ids, result.tokens, req.sampling)
     assert torch.isfinite(expected).all()  # every token was allowed by the truncation
     assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=0)
 
@@ -273,7 +274,7 @@ def test_update_weights_changes_output_and_version(engine):
         # The output projection is tied to the embedding and must follow it.
         assert torch.equal(engine.model.lm_head.weight, new_embed)
         after = run(engine, req)
-        expected = reference_logprobs(engine.model, req.prompt_token_ids, after.tokens, req.sampling)
+        expected = reference_logprobs(transformers_twin(engine), req.prompt_token_ids, after.tokens, req.sampling)
         assert torch.allclose(torch.tensor(after.logprobs), expected, atol=1e-4, rtol=0)
     assert after.tokens != before.tokens
     assert set(before.versions) == {version} and set(after.versions) == {version + 1}
@@ -447,7 +448,9 @@ def test_other_architectures_and_the_context_limit(tmp_path, model_type):
     try:
         # 40 + 8 fills the 48-token context before max_tokens.
         assert len(result.tokens) == 8 and result.end.finish_reason == FinishReason.CONTEXT_LENGTH
-        expected = reference_logprobs(engine.model, prompt, result.tokens, SamplingConfig(20, 0.8, top_k=30))
+        expected = reference_logprobs(
+            transformers_twin(engine), prompt, result.tokens, SamplingConfig(20, 0.8, top_k=30)
+        )
         assert torch.allclose(torch.tensor(result.logprobs), expected, atol=1e-4, rtol=0)
     finally:
         asyncio.run(engine.stop())

@@ -30,6 +30,14 @@ CHAT = [
     {"role": "user", "content": "Again?"},
 ]
 ORDINARY_TOKENS = ("hello", "Ġthe", "Ċ", "<|im", "not-a-token-at-all")
+# Texts the engine encodes and decodes (forced replies, prompt windows), spaced before punctuation
+# and contractions as transformers' clean-up would join them.
+TEXTS = (
+    "Done.",
+    '<tool_call>\n{"name": "bash"} </tool_call><|im_end|>',
+    "Is it ? yes , it is n't : they 're here ' s . Héllo wörld 你好 🙂",
+    "<|im_start|>user\nHi<|im_end|>\n",
+)
 # Models whose folders build slowly the first time (smollm2-135m de-quantizes its GGUF weights).
 SLOW_TO_BUILD = ("smollm2-135m",)
 
@@ -42,13 +50,22 @@ def auto_tokenizer():
 
 
 def assert_same_tokenizer(light: FileTokenizer, hf) -> None:
-    """`light` answers as `hf` does to everything the gateway asks of a tokenizer."""
+    """`light` answers as `hf` does to everything the gateway and the torch engine ask of a tokenizer."""
     assert light.backend_tokenizer.to_str() == hf.backend_tokenizer.to_str()
     assert light.backend_tokenizer.encode_special_tokens == hf.backend_tokenizer.encode_special_tokens
     assert light.unk_token_id == hf.unk_token_id
+    assert (light.bos_token_id, light.eos_token_id) == (hf.bos_token_id, hf.eos_token_id)
+    assert light.chat_template == hf.chat_template
+    assert light.get_vocab() == hf.get_vocab() and len(light) == len(hf)
     tokens = [token.content for token in hf.added_tokens_decoder.values()] + hf.all_special_tokens
     for token in [*tokens, *ORDINARY_TOKENS]:
         assert light.convert_tokens_to_ids(token) == hf.convert_tokens_to_ids(token), token
+    for text in [*TEXTS, " ".join(tokens)]:
+        for special in (True, False):
+            ids = light.encode(text, add_special_tokens=special)
+            assert ids == hf.encode(text, add_special_tokens=special), (text, special)
+            for skip in (True, False):
+                assert light.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
 
 
 @pytest.mark.parametrize(
@@ -69,9 +86,17 @@ def test_a_packaged_models_tokenizer_is_the_one_transformers_loads(alias, auto_t
     assert light_format.generation_prompt() == hf_format.generation_prompt()
 
 
-def tokenizer_folder(tmp_path: Path, config_changes: dict, files: dict | None = None, tokenizer_json=None) -> Path:
+def tokenizer_folder(
+    tmp_path: Path,
+    config_changes: dict,
+    files: dict | None = None,
+    tokenizer_json=None,
+    raw_files: dict | None = None,
+    remove: list[str] | None = None,
+) -> Path:
     """A copy of the tiny model's tokenizer folder with its tokenizer_config.json changed
-    (a None value removes the key), other files added, and tokenizer.json rewritten by a function."""
+    (a None value removes the key), other files added (JSON `files`, text `raw_files`), files
+    removed, and tokenizer.json rewritten by a function."""
     source = resolve_model("tiny")
     folder = tmp_path / "model"
     folder.mkdir()
@@ -86,6 +111,11 @@ def tokenizer_folder(tmp_path: Path, config_changes: dict, files: dict | None = 
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     for name, content in (files or {}).items():
         (folder / name).write_text(json.dumps(content))
+    for name, content in (raw_files or {}).items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(content)
+    for name in remove or []:
+        (folder / name).unlink()
     if tokenizer_json is not None:
         serialized = json.loads((folder / "tokenizer.json").read_text())
         tokenizer_json(serialized)
@@ -95,6 +125,14 @@ def tokenizer_folder(tmp_path: Path, config_changes: dict, files: dict | None = 
 
 def added(content: str, **flags) -> dict:
     return {"content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False} | flags
+
+
+def word_level_model(serialized: dict) -> None:
+    """A word-level model over the same vocabulary, split on whitespace (its decoder joins with spaces)."""
+    serialized["model"] = {"type": "WordLevel", "vocab": serialized["model"]["vocab"], "unk_token": "<|endoftext|>"}
+    serialized["pre_tokenizer"] = {"type": "WhitespaceSplit"}
+    serialized["decoder"] = None
+    serialized["normalizer"] = None
 
 
 def no_post_processor_and_a_padding(serialized: dict) -> None:
@@ -167,6 +205,22 @@ FOLDERS = {
     "split_special_tokens": dict(config_changes={"split_special_tokens": True, "add_bos_token": True}),
     "older_generic_class": dict(config_changes={"tokenizer_class": "PreTrainedTokenizerFast"}),
     "no_unknown_token": dict(config_changes={"unk_token": None}),
+    # transformers' clean-up of decoded text: skipped for BPE (this tokenizer's model), applied to others.
+    "clean_up_spaces_bpe": dict(config_changes={"clean_up_tokenization_spaces": True}),
+    "clean_up_spaces_word_level": dict(
+        config_changes={"clean_up_tokenization_spaces": True}, tokenizer_json=word_level_model
+    ),
+    # Chat templates: the config's (a string, or named ones), the file's, several files'.
+    "config_chat_template": dict(config_changes={"chat_template": "{{ messages }}"}, remove=["chat_template.jinja"]),
+    "named_config_chat_templates": dict(
+        config_changes={"chat_template": [{"name": "default", "template": "a"}, {"name": "tool_use", "template": "b"}]},
+        remove=["chat_template.jinja"],
+    ),
+    "file_over_config_chat_template": dict(config_changes={"chat_template": "{{ ignored }}"}),
+    "additional_chat_templates": dict(
+        config_changes={}, raw_files={"additional_chat_templates/tool_use.jinja": "{{ tools }}"}
+    ),
+    "no_chat_template": dict(config_changes={}, remove=["chat_template.jinja"]),
 }
 
 

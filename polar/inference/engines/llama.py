@@ -1,7 +1,8 @@
 """A decoder forward over a slot-based KV cache, for Llama-family Hugging Face models.
 
-The Hugging Face model owns the weights (so state-dict names, tying and weight updates stay
-Hugging Face's); this module only re-orders its submodules around a cache built for continuous
+The model owns the weights (decoder_model.py's tree, or transformers' own model: either way
+state-dict names, tying and weight updates stay Hugging Face's); this module only re-orders its
+submodules around a cache built for continuous
 batching: every sequence owns one slot of a [slots, kv_heads, positions, head_dim] tensor per layer,
 a decode step runs all slots [0, n) at once over a view of the cache (no gather), and each slot masks
 the positions it has not written.

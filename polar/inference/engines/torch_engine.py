@@ -42,11 +42,13 @@ from polar.inference.engines.base import (
     check_weight_update,
     default_adapter,
 )
+from polar.inference.engines.decoder_model import load_decoder_model
 from polar.inference.engines.forced import ForcedReplies
 from polar.inference.engines.llama import DecoderRunner
 from polar.inference.engines.lora_bank import AdapterBank, specs_of
 from polar.inference.engines.prefix_cache import BLOCK_TOKENS, PrefixCache, PrefixLease, adapter_namespace
 from polar.inference.sampling import new_generator, sample_next_tokens, to_device
+from polar.inference.tokenizer_files import load_tokenizer
 
 DEFAULT_PREFILL_CHUNK_TOKENS = 2048
 # On CUDA, the KV cache positions every slot holds from the start, with the decode graphs reading up
@@ -205,13 +207,21 @@ class _Update:
     adapter: str = ""  # the named LoRA adapter whose matrices these are; "" = the engine's parameters
 
 
+def _transformers_model(folder: Path, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """A model decoder_model does not build, loaded through transformers, in inference mode."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as transformers_logging
+
+    # A server's log is no terminal: the per-tensor loading bar would only clutter it.
+    transformers_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    return model.requires_grad_(False)
+
+
 class TorchEngine(Engine):
     """Continuous batching over a slot KV cache, for llama, qwen2 and qwen3 models."""
 
     def __init__(self, options: EngineOptions) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as transformers_logging
-
         folder = models.resolve_model(options.model)
         self.device = resolve_device(options.device)
         self.dtype = resolve_dtype(options.dtype, self.device)
@@ -224,10 +234,9 @@ class TorchEngine(Engine):
         if self.device.type == "cpu":
             torch.set_num_threads(int(options.extra.get("cpu_threads", _default_cpu_threads())))
 
-        # A server's log is no terminal: the per-tensor loading bar would only clutter it.
-        transformers_logging.disable_progress_bar()
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=self.dtype).to(self.device).eval()
-        self.model.requires_grad_(False)
+        self.model = load_decoder_model(folder, self.dtype, self.device) or _transformers_model(
+            folder, self.dtype, self.device
+        )
         base_parameters = sum(p.numel() for p in self.model.parameters())
         # LoRA: the default adapter in row 0 of a bank, and max_adapters rows for named ones.
         self._bank: AdapterBank | None = None
@@ -250,7 +259,7 @@ class TorchEngine(Engine):
         if self._runner.cuda_graphs:
             with torch.inference_mode():
                 self._runner.capture_graphs(int(options.extra.get("graph_positions", DEFAULT_GRAPH_POSITIONS)))
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = load_tokenizer(str(folder))
         # What a weight update may replace: every parameter (tied weights appear once), or with an
         # adapter its matrices alone (the base is never sent again).
         self._parameters = self._adapters[""].views if self._bank else dict(self.model.named_parameters())
