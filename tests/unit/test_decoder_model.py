@@ -160,8 +160,8 @@ def test_the_engine_loads_a_folder_the_tree_does_not_build_through_transformers(
     built = save_tiny_model(tmp_path / "built", "llama")
     scaled = save_tiny_model(tmp_path / "scaled", "llama")
     NOT_BUILT["scaled rope"](scaled)
-    assert isinstance(TorchEngine(EngineOptions(model=str(built))).model, CausalLM)
-    engine = TorchEngine(EngineOptions(model=str(scaled)))
+    assert isinstance(TorchEngine(EngineOptions(model=str(built), device="cpu")).model, CausalLM)
+    engine = TorchEngine(EngineOptions(model=str(scaled), device="cpu"))
     assert isinstance(engine.model, PreTrainedModel)
     torch.testing.assert_close(runner_logits(engine.model), runner_logits(transformers_model(scaled)), atol=0, rtol=0)
 
