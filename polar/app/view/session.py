@@ -45,11 +45,9 @@ class Tokens:
         with self._lock:
             if self._tokenizer is None and self.model and not self.problem:
                 try:
-                    from transformers import AutoTokenizer
+                    from polar.inference.tokenizer_files import load_tokenizer
 
-                    from polar.inference.models import resolve_model
-
-                    self._tokenizer = AutoTokenizer.from_pretrained(resolve_model(self.model))
+                    self._tokenizer = load_tokenizer(self.model)
                 except (OSError, ValueError, LookupError) as exc:
                     self.problem = f"the tokenizer of {self.model} could not be loaded ({exc}); tokens shown as ids"
             return self._tokenizer
