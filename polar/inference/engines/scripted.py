@@ -234,6 +234,6 @@ def _resolve(spec: str) -> Path:
 
 
 def _load_tokenizer(folder: Path):
-    from transformers import AutoTokenizer
+    from polar.inference.tokenizer_files import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(folder)
+    return load_tokenizer(str(folder))
