@@ -110,8 +110,9 @@ def test_sharded_checkpoints_load_from_their_index(tmp_path):
 
 
 def _edit_config(folder: Path, **changes) -> None:
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+    """config.json with `changes` made (a None value removes the key)."""
+    config = {**json.loads((folder / "config.json").read_text()), **changes}
+    (folder / "config.json").write_text(json.dumps({key: value for key, value in config.items() if value is not None}))
 
 
 def _edit_tensors(folder: Path, edit) -> None:
@@ -123,6 +124,7 @@ def _edit_tensors(folder: Path, edit) -> None:
 NOT_BUILT = {
     "another architecture": lambda f: _edit_config(f, model_type="mistral"),
     "another activation": lambda f: _edit_config(f, hidden_act="gelu"),
+    "an unsaid size": lambda f: _edit_config(f, intermediate_size=None),
     "scaled rope": lambda f: _edit_config(
         f,
         rope_parameters={

@@ -27,6 +27,8 @@ _DEFAULTS = {
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": None},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
 }
+# What every config.json save_pretrained writes must say for this module to build the model.
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Checkpoint entries that are no parameter: older checkpoints saved the rotary frequencies.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -69,6 +71,8 @@ class DecoderConfig:
             or "rope_theta" not in rope
         ):
             return None
+        if not all(key in config for key in _REQUIRED):
+            return None  # transformers' defaults for these differ by release: it reads such a folder itself
         heads = config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads", defaults["num_key_value_heads"]) or heads
         head_dim = config.get("head_dim", defaults["head_dim"]) or config["hidden_size"] // heads
