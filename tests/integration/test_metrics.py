@@ -158,6 +158,13 @@ async def test_every_service_serves_its_metrics_while_a_task_runs(tmp_path):
                         return status.released
 
                     await until("the task's group is released", released, WAIT_S)
+
+                    # The node reports a session before it closes the session's runtime and lets it go.
+                    async def node_let_go() -> bool:
+                        scraped = await asyncio.to_thread(scrape, node.gateway.metrics.url)
+                        return scraped.get(("polar_node_sessions", ())) == 0
+
+                    await until("the node has let its sessions go", node_let_go, WAIT_S)
                 await check_metrics(rollout.metrics.url, inference_url, node.gateway.metrics.url, envoy_url)
             finally:
                 await node.stop()
