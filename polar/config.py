@@ -378,6 +378,11 @@ class TrainerConfig:
     eval_samples: Positive = 4  # `polar eval`: samples per held-out task for pass@k (k = this)
 
 
+# A machine's share of a stack (`polar up --role`): the whole stack, an inference server joining
+# another machine's control plane, or a node (Envoy and a gateway) working for its rollout server.
+STACK_ROLES = ("all", "inference", "node")
+
+
 @dataclass
 class StackConfig:
     """Everything `polar up` starts; one field per service section."""

@@ -37,8 +37,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import polar
-from polar.app.stack import ROLES, run_stack
-from polar.config import GatewayConfig, RolloutConfig, load_config
+from polar.config import STACK_ROLES, GatewayConfig, RolloutConfig, load_config
 from polar.service_base import ServiceError, join_host_port
 from polar.service_table import SERVICES
 
@@ -410,7 +409,7 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--role",
-        choices=ROLES,
+        choices=STACK_ROLES,
         default="all",
         help="this machine's share of a stack on several: all (the whole stack), inference (an inference server"
         " joining --rollout's control plane), node (Envoy and a gateway node working for --rollout)",
@@ -419,6 +418,7 @@ def _up_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _up(args: argparse.Namespace) -> int:
+    from polar.app.stack import run_stack
     from polar.rollout.client import read_tasks
     from polar.rollout.watch import submit_and_follow
 

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from polar import credentials
 from polar.child_processes import dying_with_parent
-from polar.config import GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, StackConfig
+from polar.config import STACK_ROLES, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig, StackConfig
 from polar.envoy import envoy_spec
 from polar.service_base import ServiceError, ServiceSpec, connectable, join_host_port, listening_socket
 from polar.service_table import GATEWAY, INFERENCE, NODE, ROLLOUT
@@ -76,9 +76,6 @@ class Service:
         return join_host_port(connectable(self.spec.host), self.port)
 
 
-ROLES = ("all", "inference", "node")
-
-
 def plan(config: StackConfig, role: str = "all", rollout: str = "") -> list[ServiceSpec]:
     """The services `polar up` starts, in start order (each may depend on those before it).
 
@@ -101,8 +98,8 @@ def plan(config: StackConfig, role: str = "all", rollout: str = "") -> list[Serv
     inference = gateway_inference_address(dataclasses.replace(gw, inference_address=""), config.inference)
     gateway_http = join_host_port(connectable(gw.host), gw.port)
     gw = dataclasses.replace(gw, inference_address=gw.inference_address or "{envoy}")
-    if role not in ROLES:
-        raise ValueError(f"role {role!r} is not one of {', '.join(ROLES)}")
+    if role not in STACK_ROLES:
+        raise ValueError(f"role {role!r} is not one of {', '.join(STACK_ROLES)}")
     if role != "all" and not rollout:
         raise ValueError(f"a machine of role {role!r} joins a rollout server elsewhere: give its HOST:PORT (--rollout)")
     rollout = rollout or "{rollout}"

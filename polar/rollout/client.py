@@ -23,7 +23,6 @@ import grpc
 
 from polar import codec, credentials
 from polar.rollout.report import trajectory_lines
-from polar.rollout.server import MAX_MESSAGE_BYTES
 from polar.rollout.tasks import TaskFileError, parse_task_lines
 from polar.v1 import common_pb2, rollout_pb2, rollout_pb2_grpc
 
@@ -65,7 +64,7 @@ class RolloutClient:
         self.address = address
         self.role = role
         self.waits = role == credentials.TRAINER if waits is None else waits
-        options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        options = [("grpc.max_receive_message_length", codec.MAX_RESULTS_MESSAGE_BYTES)]
         self.channel = credentials.channel(address, role, found, options=options)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 

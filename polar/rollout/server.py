@@ -61,10 +61,6 @@ from polar.xds.server import ADS_SERVICE, AggregatedDiscovery
 log = logging.getLogger("polar.rollout.server")
 
 SERVICE_NAME = rollout_pb2.DESCRIPTOR.services_by_name["RolloutService"].full_name
-# Result batches carry several whole trajectories (every call's token ids and bodies): clients of
-# WatchResults need a receive limit this large too. What the server receives (a report carries one
-# trajectory) is limited by RolloutConfig.max_request_bytes.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 NODE_SECRET_BYTES = 32
 # Serialized trajectories per WatchResults message before compression; a group is never split, so
 # one larger group still goes out alone.
@@ -129,7 +125,7 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
         heartbeat_interval_s: float,
         node_timeout_s: float,
         max_attempts: int,
-        max_request_bytes: int = MAX_MESSAGE_BYTES,
+        max_request_bytes: int = codec.MAX_RESULTS_MESSAGE_BYTES,
         membership: Membership | None = None,
         credentials: creds.Credentials | None = None,
     ) -> None:
@@ -529,7 +525,9 @@ def _compressed(trajectory: common_pb2.Trajectory) -> bytes:
 def _results_message(groups: list[ReleasedGroup]) -> rollout_pb2.WatchResultsResponse:
     """One WatchResults message: the groups' stored trajectories framed as one batch, compressed."""
     serialized = [
-        codec.decompress(blob, max_bytes=MAX_MESSAGE_BYTES) for group in groups for blob in group.trajectories
+        codec.decompress(blob, max_bytes=codec.MAX_RESULTS_MESSAGE_BYTES)
+        for group in groups
+        for blob in group.trajectories
     ]
     batch = codec.trajectory_batch(serialized)
     return rollout_pb2.WatchResultsResponse(
@@ -584,7 +582,7 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
         server, health_servicer = new_server(
             SERVICE_NAME,
             RolloutServicer.roles,
-            max_message_bytes=MAX_MESSAGE_BYTES,
+            max_message_bytes=codec.MAX_RESULTS_MESSAGE_BYTES,
             max_receive_bytes=config.max_request_bytes,
             credentials=checked,
             more_services={ADS_SERVICE: AggregatedDiscovery.roles},
