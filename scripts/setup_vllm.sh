@@ -53,7 +53,7 @@ pip() {
 
 # One resolver run for everything, so vLLM's pins and this project's ranges are satisfied together.
 # --no-compile: Python compiles a module when it is first imported, and compiling the 25k files of
-# vLLM, torch and the rest up front costs about two minutes of CPU for files the tests never import
+# vLLM, torch and the rest up front costs about 80 s of CPU, mostly for files the tests never import
 # (the bytecode of those they do is written below). The flag, not PIP_NO_COMPILE: pip reads that
 # variable backwards (PIP_NO_COMPILE=1 compiles).
 pip install --progress-bar off --no-compile \
