@@ -20,8 +20,10 @@ Nothing is ever fetched from a hub. Built folders live in ``$POLAR_CACHE_DIR/mod
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -147,14 +149,19 @@ def _build_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = _smollm2_package_dir()
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    # The conversion draws progress bars on stderr (the GGUF reader's own tqdm, which transformers'
+    # switch does not reach): a one-time build inside any command, whose one-line errors they would
+    # break. A failure still raises.
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     # The de-quantized weights are plain fp32; the GGUF quantization config would make
     # save_pretrained refuse and later loads look for the GGUF file.
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
     model.config._name_or_path = "smollm2-135m"
-    model.save_pretrained(out)
+    with contextlib.redirect_stderr(io.StringIO()):
+        model.save_pretrained(out)
     _load_smollm2_tokenizer().save_pretrained(out)
 
 
