@@ -115,7 +115,11 @@ def _cached(name: str, build) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        build(scratch)
+        # Building draws progress bars on stderr (the GGUF reader's own tqdm, which transformers' switch
+        # does not reach; save_pretrained's): a one-time step inside whichever command first needs the
+        # model, whose one-line errors and logs they would break. A failure still raises.
+        with contextlib.redirect_stderr(io.StringIO()):
+            build(scratch)
         try:
             scratch.rename(target)
         except OSError:
@@ -149,19 +153,14 @@ def _build_smollm2(out: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     folder = _smollm2_package_dir()
-    # The conversion draws progress bars on stderr (the GGUF reader's own tqdm, which transformers'
-    # switch does not reach): a one-time build inside any command, whose one-line errors they would
-    # break. A failure still raises.
-    with contextlib.redirect_stderr(io.StringIO()):
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     # The de-quantized weights are plain fp32; the GGUF quantization config would make
     # save_pretrained refuse and later loads look for the GGUF file.
     model.config.quantization_config = None
     if hasattr(model, "hf_quantizer"):
         model.hf_quantizer = None
     model.config._name_or_path = "smollm2-135m"
-    with contextlib.redirect_stderr(io.StringIO()):
-        model.save_pretrained(out)
+    model.save_pretrained(out)
     _load_smollm2_tokenizer().save_pretrained(out)
 
 
