@@ -26,7 +26,7 @@ from polar.v1 import common_pb2, inference_pb2
 # The RolloutService's message limit: a WatchResults message carries several whole trajectories (every
 # call's token ids and bodies), so its clients need a receive limit this large too. What the server
 # receives (a report carries one trajectory) is limited by RolloutConfig.max_request_bytes.
-MAX_RESULTS_MESSAGE_BYTES = 256 * 1024 * 1024
+MAX_ROLLOUT_MESSAGE_BYTES = 256 * 1024 * 1024
 # Protobuf refuses to parse messages of 2 GiB or more, so no batch can usefully be larger.
 MAX_BATCH_BYTES = 2**31 - 1
 # Tag of TrajectoryBatch.trajectories: field 1, wire type 2 (length-delimited).

@@ -79,7 +79,7 @@ from polar import credentials as creds
 from polar.app.node.isolation import resolve as resolve_isolation
 from polar.app.node.runtimes import DockerProvider, LocalProvider, RuntimeProvider, engine_problem
 from polar.app.stack import inference_spec, node_spec, rollout_spec, running
-from polar.codec import MAX_RESULTS_MESSAGE_BYTES, read_trajectory_batch
+from polar.codec import MAX_ROLLOUT_MESSAGE_BYTES, read_trajectory_batch
 from polar.config import EnvoyConfig, GatewayConfig, InferenceConfig, NodeConfig, RolloutConfig
 from polar.envoy import render_config
 from polar.envoy import running as running_envoy
@@ -477,7 +477,7 @@ def _measure(
         gateway = GatewayConfig(port=gateway_http.getsockname()[1], grpc_port=0, inference_address=inference_address)
         spec = node_spec(node_config, gateway, InferenceConfig(), base_url=base_url)
         with running(spec, STARTUP_TIMEOUT_S, STOP_TIMEOUT_S, http_socket=gateway_http) as node:
-            options = [("grpc.max_receive_message_length", MAX_RESULTS_MESSAGE_BYTES)]
+            options = [("grpc.max_receive_message_length", MAX_ROLLOUT_MESSAGE_BYTES)]
             with creds.channel(rollout.dial_address, creds.OPERATOR, issued, options) as channel:
                 stub = rollout_pb2_grpc.RolloutServiceStub(channel)
                 # The node prewarms the default (empty) workspace until it sees a task's spec; both

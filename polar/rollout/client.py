@@ -64,7 +64,7 @@ class RolloutClient:
         self.address = address
         self.role = role
         self.waits = role == credentials.TRAINER if waits is None else waits
-        options = [("grpc.max_receive_message_length", codec.MAX_RESULTS_MESSAGE_BYTES)]
+        options = [("grpc.max_receive_message_length", codec.MAX_ROLLOUT_MESSAGE_BYTES)]
         self.channel = credentials.channel(address, role, found, options=options)
         self.stub = rollout_pb2_grpc.RolloutServiceStub(self.channel)
 

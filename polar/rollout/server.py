@@ -125,7 +125,7 @@ class RolloutServicer(UpstreamRpcs, rollout_pb2_grpc.RolloutServiceServicer):
         heartbeat_interval_s: float,
         node_timeout_s: float,
         max_attempts: int,
-        max_request_bytes: int = codec.MAX_RESULTS_MESSAGE_BYTES,
+        max_request_bytes: int = codec.MAX_ROLLOUT_MESSAGE_BYTES,
         membership: Membership | None = None,
         credentials: creds.Credentials | None = None,
     ) -> None:
@@ -525,7 +525,7 @@ def _compressed(trajectory: common_pb2.Trajectory) -> bytes:
 def _results_message(groups: list[ReleasedGroup]) -> rollout_pb2.WatchResultsResponse:
     """One WatchResults message: the groups' stored trajectories framed as one batch, compressed."""
     serialized = [
-        codec.decompress(blob, max_bytes=codec.MAX_RESULTS_MESSAGE_BYTES)
+        codec.decompress(blob, max_bytes=codec.MAX_ROLLOUT_MESSAGE_BYTES)
         for group in groups
         for blob in group.trajectories
     ]
@@ -582,7 +582,7 @@ async def start_rollout_server(config: RolloutConfig) -> RunningRollout:
         server, health_servicer = new_server(
             SERVICE_NAME,
             RolloutServicer.roles,
-            max_message_bytes=codec.MAX_RESULTS_MESSAGE_BYTES,
+            max_message_bytes=codec.MAX_ROLLOUT_MESSAGE_BYTES,
             max_receive_bytes=config.max_request_bytes,
             credentials=checked,
             more_services={ADS_SERVICE: AggregatedDiscovery.roles},

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 
 from polar.app.node.node import RunningNode, start_node
-from polar.codec import MAX_RESULTS_MESSAGE_BYTES, read_trajectory_batch
+from polar.codec import MAX_ROLLOUT_MESSAGE_BYTES, read_trajectory_batch
 from polar.config import EnvoyConfig, GatewayConfig, NodeConfig, RolloutConfig
 from polar.envoy import running_async
 from polar.inference.engines.scripted import ScriptedEngine
@@ -143,7 +143,7 @@ async def running_rollout(
     heartbeat_interval_s: float = 0.5,
     node_timeout_s: float = 5.0,
     max_attempts: int = 3,
-    max_request_bytes: int = MAX_RESULTS_MESSAGE_BYTES,
+    max_request_bytes: int = MAX_ROLLOUT_MESSAGE_BYTES,
     gateway: Mapping[str, Any] | None = None,
 ) -> AsyncIterator[RolloutHandle]:
     """Start the rollout server (on `store_path`, else a fresh file), a scripted inference server,
@@ -173,7 +173,7 @@ async def running_rollout(
         )
         stack.push_async_callback(rollout.stop)
         channel = grpc.aio.insecure_channel(
-            rollout.address, options=[("grpc.max_receive_message_length", MAX_RESULTS_MESSAGE_BYTES)]
+            rollout.address, options=[("grpc.max_receive_message_length", MAX_ROLLOUT_MESSAGE_BYTES)]
         )
         stack.push_async_callback(channel.close)
         handle = RolloutHandle(

@@ -357,14 +357,14 @@ async def test_a_server_restarted_with_a_lower_limit_gets_heartbeats_and_a_faile
     """The server goes down while a session records a call larger than the limit it comes back with:
     the node's heartbeat holding the call is refused, sent again without it, and the node learns the
     new limit and stays alive; the session's report, too large, becomes a failed one naming it."""
-    from polar.codec import MAX_RESULTS_MESSAGE_BYTES
+    from polar.codec import MAX_ROLLOUT_MESSAGE_BYTES
     from polar.config import RolloutConfig
     from polar.rollout.server import start_rollout_server
 
     limit = 128 * 1024
     async with running_rollout(SCRIPT, store_path=tmp_path / "rollout.db") as rollout:
         node = rollout.nodes[0].node
-        assert node.max_request_bytes == MAX_RESULTS_MESSAGE_BYTES
+        assert node.max_request_bytes == MAX_ROLLOUT_MESSAGE_BYTES
         task = command_task(
             harness("slow"), instruction="Write hello to out.txt. " + "hello " * 16_000, evaluator=FOUND_HELLO
         )

@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from polar import codec
-from polar.codec import MAX_RESULTS_MESSAGE_BYTES
+from polar.codec import MAX_ROLLOUT_MESSAGE_BYTES
 from polar.config import RolloutConfig
 from polar.rollout.server import RunningRollout, serve_rollout, start_rollout_server
 from polar.rollout.store import StoreError
@@ -63,7 +63,7 @@ async def start(tmp_path) -> Callable[..., Awaitable[tuple[RunningRollout, Stub]
         server = await start_rollout_server(_config(store or tmp_path / "rollout.db", **{**FAST, **options}))
         servers.append(server)
         channel = grpc.aio.insecure_channel(
-            server.address, options=[("grpc.max_receive_message_length", MAX_RESULTS_MESSAGE_BYTES)]
+            server.address, options=[("grpc.max_receive_message_length", MAX_ROLLOUT_MESSAGE_BYTES)]
         )
         channels.append(channel)
         return server, Stub(channel)
@@ -348,7 +348,7 @@ async def test_a_heartbeat_without_work_waits_the_interval(start):
     node = await DriverNode(stub).register()
     started = time.monotonic()
     response = await node.beat()
-    assert response == rollout_pb2.HeartbeatResponse(max_request_bytes=MAX_RESULTS_MESSAGE_BYTES)  # no work
+    assert response == rollout_pb2.HeartbeatResponse(max_request_bytes=MAX_ROLLOUT_MESSAGE_BYTES)  # no work
     assert 0.45 <= time.monotonic() - started < 2.0
 
 
@@ -359,7 +359,7 @@ async def test_a_newer_heartbeat_ends_the_waiting_one_which_assigns_nothing(star
     await asyncio.sleep(0.2)
     newer = asyncio.create_task(node.beat())
     assert await asyncio.wait_for(abandoned, 1.0) == rollout_pb2.HeartbeatResponse(
-        max_request_bytes=MAX_RESULTS_MESSAGE_BYTES
+        max_request_bytes=MAX_ROLLOUT_MESSAGE_BYTES
     )
     await stub.SubmitTasks(rollout_pb2.SubmitTasksRequest(tasks=[task("t")]))
     assert [a.session_id for a in (await asyncio.wait_for(newer, 2.0)).start] == ["t.0"]

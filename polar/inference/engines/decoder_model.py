@@ -68,7 +68,6 @@ class DecoderConfig:
             or rope is None
             or rope.get("rope_type", rope.get("type", "default")) != "default"
             or rope.get("partial_rotary_factor", 1.0) != 1.0
-            or "rope_theta" not in rope
         ):
             return None
         if not all(key in config for key in _REQUIRED):
