@@ -19,9 +19,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-# Three `polar train` runs: about 130 s on 2 idle cores, past the default 300 s on a loaded machine. One
-# step each: every figure the JSON holds is there after one (a second step costs each run about 8 s of
-# CPU on 2 cores and checks nothing more).
+# Three `polar train` runs: about 55 s on 2 idle cores, past the default 300 s on a loaded machine. One
+# step each: every figure the JSON holds is there after one (a second step cost each run about 4 s of
+# CPU and checked nothing more).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_quick_loop_benchmark_reports_every_mode(tmp_path: Path) -> None:
