@@ -118,17 +118,43 @@ def _http() -> httpx2.AsyncClient:
     return client
 
 
+# Each SDK's client of a session key (a test's), made at its first call and shared by the test's
+# calls, as an application shares one: a new client loads the system's CA certificates into an SSL
+# context of its own (about 50 ms of CPU, Gemini's client twice), which 50 calls paid 50 times.
+SDK_CLIENTS: dict[tuple[str, str, str], Any] = {}
+
+
+def _sdk_client(kind: str, gateway, key: str, make) -> Any:
+    made = SDK_CLIENTS.get((kind, gateway.base_url, key))
+    if made is None:
+        made = SDK_CLIENTS[(kind, gateway.base_url, key)] = make()
+    return made
+
+
 def _openai(gateway, key):
-    return openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, http_client=_http())
+    return _sdk_client(
+        "openai",
+        gateway,
+        key,
+        lambda: openai.AsyncOpenAI(base_url=gateway.base_url + "/v1", api_key=key, max_retries=0, http_client=_http()),
+    )
 
 
 def _anthropic(gateway, key):
-    return anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=key, max_retries=0, http_client=_http())
+    return _sdk_client(
+        "anthropic",
+        gateway,
+        key,
+        lambda: anthropic.AsyncAnthropic(base_url=gateway.base_url, api_key=key, max_retries=0, http_client=_http()),
+    )
 
 
 def _gemini(gateway, key):
-    options = types.HttpOptions(base_url=gateway.base_url, httpx_async_client=_http())
-    return genai.Client(api_key=key, http_options=options).aio.models
+    def make():
+        options = types.HttpOptions(base_url=gateway.base_url, httpx_async_client=_http())
+        return genai.Client(api_key=key, http_options=options).aio.models
+
+    return _sdk_client("gemini", gateway, key, make)
 
 
 # -- one forced call per dialect: returns (function name, arguments) as the SDK parsed them ------------
