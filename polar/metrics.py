@@ -60,8 +60,8 @@ async def start_metrics(
     metrics in the same text format, read before the collectors run). OSError naming the address
     when it cannot be bound; ValueError when it is not HOST:PORT."""
     # Imported here, where a section sets metrics_address: importing aiohttp costs a service start
-    # about 0.2 s of CPU (it builds two SSL contexts), and the rollout server, the inference server
-    # and the trainer need it for nothing else.
+    # about 0.3 s of CPU (it builds two SSL contexts), and the rollout server, the inference server,
+    # the Envoy wrapper and the trainer need it for nothing else.
     from aiohttp import web
 
     host, port = _host_port(address)

@@ -717,7 +717,7 @@ async def serve_inference(config: InferenceConfig, ready: Ready) -> None:
 
     refusals: tuple[type[Exception], ...] = (LoraError,)
     if config.engine == "upstream":
-        # Only there: its module imports aiohttp, about 0.2 s of CPU at every other engine's start.
+        # Only there: its module imports aiohttp, about 0.3 s of CPU at every other engine's start.
         from polar.inference.engines.upstream_http import UpstreamError
 
         refusals = (UpstreamError, LoraError)
