@@ -4,10 +4,11 @@ process over HTTP, and the trainer; `polar eval` before and after training. test
 test_train_lora.py and test_train_megatron.py run the same tasks stopped and resumed, with LoRA and on
 the megatron backend: modules of their own, so that the test processes run them side by side.
 
-The task: write anything; the reward is the share of ASCII lowercase letters in the reply
-(tests/fixtures/train_tiny/score.py). Half of what the tiny model writes is eight common lowercase
-words, the rest word pieces of every kind, and about one reply in 32 is empty (reward 0); GRPO can
-shift the policy toward the lowercase words, and away from ending at once, within a few steps.
+The task: write anything; the reward is the share of the reply's words that are ASCII lowercase
+letters alone (tests/fixtures/train_tiny/score.py). Much of what the tiny model writes is common
+lowercase words, the rest word pieces of every kind, and about one reply in 32 is empty (reward 0);
+GRPO can shift the policy toward the lowercase words, and away from ending at once, within a few
+steps.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ STEPS = 10
 # Four groups of 8 a step: with two, a step's mean reward is noisy enough that a run sometimes
 # learned nothing by step 10, or one bad step of lr 2e-2 collapsed it onto a single mediocre reply.
 GROUPS_PER_STEP = 4
-# Mean reward of the last two steps over the first two. The tiny model writes mostly lowercase words
-# from the start (0.75 to 0.82) and the policy settles on one reply within a few steps: at lr 1e-2 runs
-# gained 0.10, 0.10, 0.19, 0.24, and, settling on a reply near 0.89 from 0.82, 0.066 and 0.075. Without
-# learning the difference has a standard deviation of about 0.03 (a reply's reward varies by 0.165, and
-# each side averages 64 replies), so a run that learns nothing passes with odds of about 2%.
-MARGIN = 0.06
+# Mean reward of the last two steps over that of the first, whose replies are all the untrained
+# model's (the second step's may come after the first update: runs reached 0.86 to 0.95 there). The
+# untrained model scores about 0.8 (a reply's reward varies by 0.21), and at lr 1e-2 the policy
+# settles on replies of lowercase words alone within a few steps: three runs went from 0.81, 0.78 and
+# 0.76 to 1.0 by steps 3, 3 and 6. Without learning the difference has a standard deviation of about
+# 0.045 (32 replies on one side, 64 on the other), so a run that learns nothing passes with odds of
+# about 1.5%. Scored by the share of lowercase characters instead, runs settled at 0.845 (about what
+# lowercase words score with the spaces between them), and twice in a row one fell short of 0.06 over
+# its start.
+MARGIN = 0.1
 LEARNING_RATE = 1e-2
 
 
@@ -64,10 +69,9 @@ def check_trainer_service(address: str, folder: Path) -> None:
 
 
 def learned(rows: list[dict]) -> bool:
-    """The mean reward of the last two steps is MARGIN above that of the first two."""
-    first = (rows[0]["reward_mean"] + rows[1]["reward_mean"]) / 2
+    """The mean reward of the last two steps is MARGIN above that of the first."""
     last = (rows[-1]["reward_mean"] + rows[-2]["reward_mean"]) / 2
-    return last >= first + MARGIN
+    return last >= rows[0]["reward_mean"] + MARGIN
 
 
 @pytest.mark.timeout(1200)  # a second run when the first settled without learning
@@ -95,9 +99,8 @@ def test_polar_train_raises_the_reward_of_the_tiny_model(tmp_path: Path) -> None
         assert server["transport"] == row["weight_sync_transport"] == expected
         assert 0 < server["seconds"] <= row["seconds_weight_sync"] and server["gbps"] > 0
     if not learned(rows):
-        # A run now and then settles on one mediocre reply within its first steps (on a loaded
-        # machine one did: 0.76 for the first two steps, 0.77 for the last); a second run with
-        # fresh draws must learn then.
+        # A run may settle on one mediocre reply within its first steps; a second run with fresh
+        # draws must learn then.
         again = tmp_path / "again"
         again.mkdir()
         process, _ = start_train(
