@@ -8,7 +8,7 @@ shorter than that is missed (the sandbox's processes and the test agents partly 
 the children of a parent that was never seen.
 
     python scripts/bench_test_cost.py --quick                  # the multi-rank constrained Megatron tests
-    python scripts/bench_test_cost.py                          # the default test run, -n 3
+    python scripts/bench_test_cost.py                          # the default test run, -n 4
     python scripts/bench_test_cost.py -- tests/integration/test_train.py -x
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import benchmark_common
 
 QUICK_TESTS = ["tests/integration/test_constrained_megatron.py"]
-DEFAULT_RUN = ["-n", "3"]
+DEFAULT_RUN = ["-n", "4"]
 SANDBOX_FILES = ("sandbox.py", "sandbox_init.py")
 CLIS = {"pi", "qwen", "gemini", "codex", "claude"}
 

@@ -13,7 +13,7 @@ would complete later, inside whichever test polls next, as "RuntimeError: Event 
 Fixtures every tier shares: the `tiny` model's tokenizer and its hermes chat format, and `gateway`,
 the running gateway a module's tests share (what it runs: the module's `gateway_options`).
 
-Order: with `-n 3` each module runs whole on one test process (pyproject's addopts), handed out in
+Order: with `-n 4` each module runs whole on one test process (pyproject's addopts), handed out in
 collection order; a long module handed out last would keep its process busy after the others are
 done. So the modules that take longest (LONGEST_MODULES, slowest first) are collected first.
 
