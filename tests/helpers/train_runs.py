@@ -1,6 +1,7 @@
 """`polar train` runs as the training tests start them: the tiny model's task set (write anything;
-the reward is the share of the reply's words that are ASCII lowercase letters) and the stack config around it, the
-command started with its output read line by line, and the processes a run left behind."""
+the reward is the share of the reply's words that are ASCII lowercase letters) and the stack config
+around it, the command started with its output read line by line, and the processes a run left
+behind."""
 
 from __future__ import annotations
 

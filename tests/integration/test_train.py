@@ -92,6 +92,8 @@ def test_polar_train_raises_the_reward_of_the_tiny_model(tmp_path: Path) -> None
     # Every step pushed its weights as the next policy version, and no group lagged more than allowed.
     assert [row["policy_version"] for row in rows] == list(range(1, STEPS + 1))
     assert all(row["staleness_max"] <= 1 for row in rows)
+    # The first step trained on the untrained model's replies alone: `learned` measures from there.
+    assert rows[0]["staleness_max"] == 0
     # Each sync's transport, time and GB/s, per server (one here, on this machine's CPU: shared memory).
     expected = sharing.SHM if sharing.SHM in sharing.transports("cpu") else sharing.STREAM
     for row in rows:
